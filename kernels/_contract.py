@@ -1,0 +1,56 @@
+"""Launcher-side checks of the layout contract in `kernels.ops`.
+
+A kernel reads raw pointers with the strides it is given, so a tensor of the wrong dtype,
+shape or inner stride makes it read garbage instead of failing; the launchers assert first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._jit import is_pow2
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+
+
+def check_paged_kv(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Asserts the paged-attention contract; returns (block_size, kv_heads, head_dim)."""
+    assert q.dim() == 3, f"q must be [tokens, q_heads, head_dim], got {tuple(q.shape)}"
+    assert k_cache.dim() == 4, f"k_cache must be [NB, BS, Hkv, D], got {tuple(k_cache.shape)}"
+    assert v_cache.shape == k_cache.shape, "k_cache and v_cache differ in shape"
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    assert q.shape[2] == head_dim, f"q head_dim {q.shape[2]} != cache head_dim {head_dim}"
+    assert q.shape[1] % kv_heads == 0, f"{q.shape[1]} q heads do not group over {kv_heads}"
+    assert q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}"
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and caches differ in dtype"
+    assert is_pow2(head_dim) and head_dim >= 16, f"head_dim {head_dim}: power of two >= 16"
+    assert is_pow2(block_size) and block_size >= 16, f"block size {block_size}: power of 2 >= 16"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, (
+        "block_tables: [R, MB] int32"
+    )
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    assert context_lens.dtype == torch.int32, "context_lens must be int32"
+    assert context_lens.shape == (block_tables.shape[0],), "context_lens must be [R]"
+    assert context_lens.is_contiguous(), "context_lens must be contiguous"
+    check_same_device(q, k_cache, v_cache, block_tables, context_lens)
+    return block_size, kv_heads, head_dim
+
+
+def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    assert out.shape == like.shape, f"out {tuple(out.shape)} != {tuple(like.shape)}"
+    assert out.dtype == like.dtype, f"out dtype {out.dtype} != {like.dtype}"
+    assert out.stride(-1) == 1, "out must be contiguous in its last dim"
+    check_same_device(out, like)

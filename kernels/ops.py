@@ -1,0 +1,386 @@
+"""The worker's hot-path operations behind one interface, with a torch and a Triton backend.
+
+Shape and layout contract (shared by every backend; the launchers assert it):
+
+    q            [T, Hq, D]        the step's query tokens, rows packed back to back
+    k, v         [T, Hkv, D]       the step's new keys / values
+    k_cache      [NB, BS, Hkv, D]  one layer's paged cache (v_cache alike)
+    block_tables [R, MB] int32     row r's blocks in order; entries past the row's last
+                                   block are padding and never read
+    context_lens [R] int32         tokens in the cache for row r *including* this step's
+    query_start  [R + 1] int32     row r's queries are q[query_start[r]:query_start[r+1]]
+    slot_mapping [T] int64         block_id * BS + offset for each new token; < 0 = skip
+    positions    [T] int64         absolute position of each token
+
+A row's queries are the last q_len positions of its context: query i of row r sits at
+position context_lens[r] - q_len + i and attends causally to keys [0, that position].
+Every row has at least one query (q_len >= 1), so T == R means every row is a decode row.
+The step's new keys and values are stored (`store_kv`) before attention reads the cache.
+
+Triton kernels need D and BS to be powers of two, D >= 16 and BS >= 16; dtypes are float32,
+bfloat16 or float16, and attention accumulates in float32 on both backends.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kernels._jit import interpreting
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.kv_store import store_kv_ref
+from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary import rotary_ref
+
+
+class KernelOps(Protocol):
+    """What the worker calls; `TorchOps` and `TritonOps` both provide it."""
+
+    name: str
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor: ...
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        max_context_len: int | None = None,
+    ) -> torch.Tensor: ...
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> None: ...
+
+
+class TorchOps:
+    """Plain torch implementations: the CPU path and the reference for every kernel."""
+
+    name = "torch"
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Writes k, v [T, Hkv, D] into their cache slots; slots < 0 are skipped."""
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor:
+        """Mixed prefill/extend/decode attention over the paged cache: [T, Hq, D].
+
+        Decode rows go through one batched gather; only longer rows are handled one by one.
+        `max_query_len` is accepted for parity with the Triton backend and not needed here.
+        """
+        if out is None:
+            out = torch.empty_like(q)
+        rows = block_tables.shape[0]
+        q_lens = query_start[1:] - query_start[:-1]
+        decode = (q_lens == 1).nonzero().squeeze(1)  # [Rd] row ids
+        if decode.numel() == rows:
+            return paged_decode_attention_ref(
+                q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+            )
+        if decode.numel() > 0:
+            tokens = query_start[decode].long()  # each decode row's only query
+            out[tokens] = paged_decode_attention_ref(
+                q[tokens], k_cache, v_cache, block_tables[decode], context_lens[decode], scale
+            )
+        prefill = (q_lens > 1).nonzero().squeeze(1).tolist()
+        paged_prefill_attention_ref(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start,
+            scale,
+            out=out,
+            rows=prefill,
+        )
+        return out
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        max_context_len: int | None = None,
+    ) -> torch.Tensor:
+        """All-decode fast path: q [R, Hq, D] holds row r's single query; returns [R, Hq, D]."""
+        return paged_decode_attention_ref(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+        )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return rms_norm_ref(x, weight, eps, out=out)
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- x + residual (in place); returns (rms_norm(residual), residual)."""
+        return fused_add_rms_norm_ref(x, residual, weight, eps, out=out)
+
+    def rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> None:
+        """Llama rotary (rotate-half convention) on q [T,Hq,D] and k [T,Hkv,D], in place.
+
+        cos_cache / sin_cache: [max_pos, D // 2] float32.
+        """
+        rotary_ref(q, k, positions, cos_cache, sin_cache)
+
+
+class TritonOps:
+    """The same operations as Triton kernels: the CUDA path."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here so that the torch backend never needs Triton installed.
+        from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary
+
+        self._decode = decode_attention
+        self._prefill = prefill_attention
+        self._kv_store = kv_store
+        self._rmsnorm = rmsnorm
+        self._rotary = rotary
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Writes k, v [T, Hkv, D] into their cache slots; slots < 0 are skipped."""
+        self._kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        max_query_len: int | None = None,
+    ) -> torch.Tensor:
+        """Mixed prefill/extend/decode attention over the paged cache: [T, Hq, D].
+
+        Decode rows take the decode kernel and longer rows the prefill kernel; each skips
+        the other's rows on the device, so no lengths are read back. `max_query_len`, when
+        the caller knows it, sizes the prefill grid exactly.
+        """
+        if q.shape[0] == block_tables.shape[0]:  # q_len >= 1 everywhere: all decode rows
+            return self._decode.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+            )
+        out = self._decode.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            out=out,
+            query_start=query_start,
+        )
+        return self._prefill.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start,
+            scale,
+            out=out,
+            max_query_len=max_query_len,
+            skip_decode_rows=True,
+        )
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        max_context_len: int | None = None,
+    ) -> torch.Tensor:
+        """All-decode fast path: q [R, Hq, D] holds row r's single query; returns [R, Hq, D]."""
+        return self._decode.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            out=out,
+            max_context_len=max_context_len,
+        )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._rmsnorm.rms_norm(x, weight, eps, out=out)
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- x + residual (in place); returns (rms_norm(residual), residual)."""
+        return self._rmsnorm.fused_add_rms_norm(x, residual, weight, eps, out=out)
+
+    def rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> None:
+        """Llama rotary (rotate-half convention) on q [T,Hq,D] and k [T,Hkv,D], in place.
+
+        cos_cache / sin_cache: [max_pos, D // 2] float32.
+        """
+        self._rotary.rotary(q, k, positions, cos_cache, sin_cache)
+
+
+def select_ops(backend: str = "auto", device: str | torch.device = "cpu") -> KernelOps:
+    """`auto`: Triton on CUDA (when installed), torch elsewhere.
+
+    `triton` on a non-CUDA device runs the kernels in Triton's CPU interpreter, which is
+    only meant for testing and must be asked for with TRITON_INTERPRET=1.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == "torch" or (backend == "auto" and not (on_cuda and _triton_importable())):
+        return TorchOps()
+    if not on_cuda and not interpreting():
+        raise ValueError(
+            f"the triton backend needs a CUDA device, not {device!r}; set TRITON_INTERPRET=1 "
+            "to run its kernels in the (slow) interpreter for testing"
+        )
+    if not _triton_importable():
+        raise ValueError("the triton backend needs the triton package: pip install triton")
+    return TritonOps()
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["KernelOps", "TorchOps", "TritonOps", "select_ops"]

@@ -1,0 +1,153 @@
+"""Rotary position embedding on q and k in place, in the rotate-half layout.
+
+Dimension i of the first half of a head pairs with dimension i + D/2: for a token at
+position p, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with angle p * inv_freq[i].
+The rotation is computed in float32 and rounded to the tensor's dtype once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._contract import FLOAT_DTYPES, check_same_device
+from kernels._jit import is_pow2, jit, next_pow2
+
+try:
+    import triton.language as tl
+except ImportError:  # torch-only install: the reference below still works
+    tl = None
+
+
+@jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs)[None, :]  # [1, HALF]
+    sin = tl.load(sin_ptr + pos * stride_sin + offs)[None, :]
+
+    # q halves: [BLOCK_HQ, HALF]
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    q1_ptrs = q_ptr + token * stride_qt + hq * stride_qh + offs[None, :]
+    q_ok = hq < num_q_heads
+    q1 = tl.load(q1_ptrs, mask=q_ok, other=0.0)
+    q2 = tl.load(q1_ptrs + HALF, mask=q_ok, other=0.0)
+    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+    tl.store(q1_ptrs, (q1f * cos - q2f * sin).to(q1.dtype), mask=q_ok)
+    tl.store(q1_ptrs + HALF, (q2f * cos + q1f * sin).to(q1.dtype), mask=q_ok)
+
+    # k halves: [BLOCK_HK, HALF]
+    hk = tl.arange(0, BLOCK_HK)[:, None]
+    k1_ptrs = k_ptr + token * stride_kt + hk * stride_kh + offs[None, :]
+    k_ok = hk < num_kv_heads
+    k1 = tl.load(k1_ptrs, mask=k_ok, other=0.0)
+    k2 = tl.load(k1_ptrs + HALF, mask=k_ok, other=0.0)
+    k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+    tl.store(k1_ptrs, (k1f * cos - k2f * sin).to(k1.dtype), mask=k_ok)
+    tl.store(k1_ptrs + HALF, (k2f * cos + k1f * sin).to(k1.dtype), mask=k_ok)
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    assert q.dim() == 3 and k.dim() == 3, "q [T, Hq, D] and k [T, Hkv, D]"
+    assert k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], "q and k disagree"
+    assert q.dtype in FLOAT_DTYPES and k.dtype == q.dtype, "q and k differ in dtype"
+    assert positions.dtype == torch.int64 and positions.shape == (q.shape[0],), "positions: [T] i64"
+    half = q.shape[2] // 2
+    for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        assert c.dtype == torch.float32, f"{name} must be float32"
+        assert c.dim() == 2 and c.shape[1] == half, f"{name} must be [max_pos, D // 2]"
+    check_same_device(q, k, positions, cos_cache, sin_cache)
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Triton rotary on q [T, Hq, D] and k [T, Hkv, D] in place."""
+    _check(q, k, positions, cos_cache, sin_cache)
+    tokens, q_heads, head_dim = q.shape
+    assert is_pow2(head_dim) and head_dim >= 2, "head_dim must be a power of two"
+    for name, t in (("q", q), ("k", k), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    assert positions.is_contiguous()
+    if tokens == 0:
+        return
+    _rotary_kernel[(tokens,)](
+        q,
+        k,
+        positions,
+        cos_cache,
+        sin_cache,
+        q_heads,
+        k.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_cache.stride(0),
+        sin_cache.stride(0),
+        HALF=head_dim // 2,
+        BLOCK_HQ=next_pow2(q_heads),
+        BLOCK_HK=next_pow2(k.shape[1]),
+        num_warps=4,
+    )
+
+
+def rotary_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Torch rotary on q [T, Hq, D] and k [T, Hkv, D] in place."""
+    _check(q, k, positions, cos_cache, sin_cache)
+    cos = cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
+    sin = sin_cache[positions].unsqueeze(1)
+    for t in (q, k):
+        x1, x2 = t.float().chunk(2, dim=-1)  # [T, H, D/2] each
+        t.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def rope_cache(
+    head_dim: int,
+    max_pos: int,
+    theta: float = 10000.0,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_pos, head_dim // 2] float32 for the default (unscaled) Llama rope.
+
+    inv_freq = 1 / theta^(2i / D), built exactly as the reference Llama implementation
+    builds it, so the tables agree with it to the last bit.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    pos = torch.arange(max_pos, dtype=torch.int64, device=device).float()
+    angles = torch.outer(pos, inv_freq)  # [max_pos, D/2]
+    return angles.cos(), angles.sin()

@@ -1,0 +1,118 @@
+"""A whole system started through its CLI (`spillway up --port 0`) as a child process.
+
+Used by the end-to-end tests and the benchmarks: they drive the system exactly as a user
+would, through its command and its APIs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SPILLWAY = str(Path(sys.executable).with_name("spillway"))
+SERVICES = ("gateway", "scheduler", "worker", "spillstore")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent has not collected it yet.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class System:
+    def __init__(self, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None):
+        # Kept after the run: a failing test prints its tail.
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="spillway-up-", suffix=".log", delete=False
+        )
+        self.lines: list[str] = []
+        self.url = ""
+        self.proc = subprocess.Popen(
+            [SPILLWAY, "up", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout) or not self.url:
+            self.stop()
+            raise RuntimeError(f"spillway up did not get ready:\n{self.tail()}")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if line.startswith("ready: "):
+                self.url = line.removeprefix("ready: ").strip()
+                self._ready.set()
+        self._ready.set()  # exited before ready
+
+    def tail(self, n: int = 60) -> str:
+        text = Path(self.log.name).read_text(errors="replace")
+        return "\n".join(self.lines[-20:] + text.splitlines()[-n:])
+
+    def service_pids(self) -> dict[str, int]:
+        pids = {}
+        for pid in _children(self.proc.pid):
+            cmd = _cmdline(pid)
+            for s in SERVICES:
+                if f" serve {s} " in f"{cmd} ":
+                    pids[s] = pid
+        return pids
+
+    def all_descendants(self) -> list[int]:
+        out, todo = [], [self.proc.pid]
+        while todo:
+            kids = _children(todo.pop())
+            out += kids
+            todo += kids
+        return out
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for pid in self.all_descendants():
+                    os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,57 @@
+"""The `spillway` command: `up` (the whole system) and `serve <service>` (one service)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pydantic import ValidationError
+
+from services.cli.options import add_options, overrides_from
+from shared.config import Settings, load_settings
+
+SERVICES = ("gateway", "scheduler", "worker", "spillstore")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(
+        prog="spillway",
+        description="LLM serving as actors on NATS: gateway, scheduler, workers, spill store.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start every service as its own process and serve HTTP")
+    add_options(up, defaults)
+    serve = sub.add_parser("serve", help="run one service in the foreground")
+    serve.add_argument("service", choices=SERVICES)
+    add_options(serve, defaults)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(**overrides_from(args))
+    except ValidationError as e:
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            print(f"spillway: --{field.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+        return 2
+    if args.command == "up":
+        from services.cli.up import up
+
+        return up(settings)
+    return serve_one(args.service, settings)
+
+
+def serve_one(service: str, settings: Settings) -> int:
+    from shared.lifecycle import run_service
+
+    # Imported lazily: the gateway never loads torch, the worker never loads FastAPI.
+    module = importlib.import_module(f"services.{service}.service")
+    return run_service(service, lambda stop: module.serve(settings, stop), settings.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

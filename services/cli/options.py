@@ -1,0 +1,77 @@
+"""The command-line options of `spillway up` / `spillway serve`, mapped onto Settings.
+
+Defaults shown in --help are the effective ones (environment included); an option left
+out keeps the Settings value.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shared.config import Settings
+
+# (flag, settings field, kwargs) in the order of the contract.
+OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
+    ("--host", "host", {"help": "address the HTTP API listens on"}),
+    ("--port", "port", {"type": int, "help": "HTTP port (0: any free port)"}),
+    ("--model", "model", {"help": "SmolLM2-135M-Instruct, a .gguf file or a HF folder"}),
+    ("--workers", "workers", {"type": int, "help": "worker processes"}),
+    ("--kv-blocks", "kv_blocks", {"type": int, "help": "KV cache blocks per worker"}),
+    ("--block-size", "block_size", {"type": int, "help": "tokens per KV block"}),
+    ("--max-batch", "max_batch", {"type": int, "help": "most sequences in one step"}),
+    ("--dtype", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"],
+                          "help": "auto: bfloat16 on CUDA, float32 on the CPU"}),
+    ("--preemption-mode", "preemption_mode", {"choices": ["auto", "spill", "recompute"],
+                                              "help": "what happens to a victim on KV "
+                                              "exhaustion"}),
+    ("--no-prefix-cache", "prefix_cache", {"action": "store_const", "const": False,
+                                           "help": "turn prefix caching off"}),
+    ("--namespace", "namespace", {"help": "prefix for every NATS subject and Redis key"}),
+    ("--api-key", "api_key", {"help": "require Authorization: Bearer KEY on /v1/ routes"}),
+    ("--nats-url", "nats_url", {"help": "NATS server (a private one starts when the default "
+                                "is unreachable)"}),
+    ("--redis-url", "redis_url", {"help": "Redis server (a private one starts when the default "
+                                  "is unreachable)"}),
+    ("--otlp-endpoint", "otlp_endpoint", {"help": "OTLP/HTTP base URL for traces"}),
+    ("--attention-backend", "attention_backend", {"choices": ["auto", "torch", "triton"],
+                                                  "help": "worker kernels: auto = Triton on "
+                                                  "CUDA, torch elsewhere"}),
+    ("--log-level", "log_level", {"help": "DEBUG, INFO, WARNING or ERROR"}),
+]  # fmt: skip
+
+SECRET_FIELDS = {"api_key"}
+
+
+def add_options(parser: argparse.ArgumentParser, defaults: Settings) -> None:
+    for flag, field, spec in OPTIONS:
+        kwargs = dict(spec)
+        shown = getattr(defaults, field)
+        if field in SECRET_FIELDS and shown:
+            shown = "(set)"
+        if field == "prefix_cache":
+            shown = "on" if shown else "off"
+        if shown in (None, ""):
+            shown = "sized from memory" if field == "kv_blocks" else "none"
+        help_text = f"{kwargs.pop('help')} (default: {shown})"
+        parser.add_argument(flag, dest=field, default=None, help=help_text, **kwargs)
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    return {field: getattr(args, field) for _, field, _ in OPTIONS if getattr(args, field, None)
+            is not None}  # fmt: skip
+
+
+def as_arguments(settings: Settings) -> list[str]:
+    """The command line that gives a child process the same settings."""
+    out: list[str] = []
+    for flag, field, _ in OPTIONS:
+        value = getattr(settings, field)
+        if value is None:
+            continue
+        if field == "prefix_cache":
+            if not value:
+                out.append(flag)
+            continue
+        out += [flag, str(value)]
+    return out

@@ -1,0 +1,289 @@
+"""The HTTP API (CONTRACT section 2): OpenAI routes, /health, /metrics.
+
+Two thin ASGI layers wrap the Starlette app: tracing outermost (every response, errors
+and 500s included, carries a W3C `traceparent`; an incoming one parents the request's
+root span), then the API key check for `/v1/` routes. A client that goes away, before
+a reply or mid-stream, aborts its request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.api import GatewayApi, Generation
+from services.gateway.errors import ApiError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.validation import Kind, parse_json_body
+from shared.clock import Clock, MonotonicClock
+from shared.telemetry import extract, inject
+
+log = logging.getLogger(__name__)
+
+SPAN_KEY = "spillway.span"
+HEALTH_TIMEOUT_S = 1.0
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def create_app(
+    api: GatewayApi,
+    metrics: GatewayMetrics,
+    tracer: trace.Tracer,
+    api_key: str | None = None,
+    clock: Clock | None = None,
+) -> ASGIApp:
+    """The gateway's ASGI app; `uvicorn` serves it (service.py)."""
+    clock = clock or MonotonicClock()
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(api, clock, request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(api, clock, request, "completion")
+
+    async def list_models(request: Request) -> Response:
+        return JSONResponse(api.models())
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        for entry in api.models()["data"]:
+            if entry["id"] == name:
+                return JSONResponse(entry)
+        return error_response(
+            ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+        )
+
+    async def health(request: Request) -> Response:
+        stats = await api.engine.scheduler_stats(HEALTH_TIMEOUT_S)
+        if stats is None:
+            return JSONResponse(
+                {"status": "unavailable", "workers": 0, "reason": "the scheduler does not answer"},
+                status_code=503,
+            )
+        body = {
+            "status": "ok" if stats.num_workers >= 1 else "unavailable",
+            "workers": stats.num_workers,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_usage,
+            "model": api.model.model_id,
+        }
+        if stats.num_workers < 1:
+            body["reason"] = "no worker is registered"
+        return JSONResponse(body, status_code=200 if stats.num_workers >= 1 else 503)
+
+    async def prometheus(request: Request) -> Response:
+        metrics.scheduler.update(await api.engine.scheduler_stats(HEALTH_TIMEOUT_S))
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(ApiError(exc.status_code, str(exc.detail), error_type=error_type))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(ApiError(500, "internal server error"))
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )
+    return TracingMiddleware(ApiKeyMiddleware(app, api_key), tracer)
+
+
+async def _generate(api: GatewayApi, clock: Clock, request: Request, kind: Kind) -> Response:
+    arrival = clock.now()
+    span: trace.Span = request.scope.get(SPAN_KEY) or trace.INVALID_SPAN
+    try:
+        body = parse_json_body(await request.body())
+        generation = await api.open(kind, body, span, arrival)
+    except ApiError as e:
+        _record_error(span, e)
+        return error_response(e)
+    if generation.prepared.stream:
+        return EventStreamResponse(generation)
+    return await _reply_when_done(generation, request.receive)
+
+
+async def _reply_when_done(generation: Generation, receive: Receive) -> Response:
+    collect = asyncio.ensure_future(generation.collect())
+    gone = asyncio.ensure_future(_client_gone(receive))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            # Nobody will read the answer; close() below aborts the sequences now.
+            return Response(status_code=499)
+        try:
+            return JSONResponse(collect.result())
+        except ApiError as e:
+            _record_error(generation.span, e)
+            return error_response(e)
+    finally:
+        for task in (collect, gone):
+            task.cancel()
+        await asyncio.gather(collect, gone, return_exceptions=True)
+        await generation.close()
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (the request body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _record_error(span: trace.Span, error: ApiError) -> None:
+    span.set_attribute("error.type", error.code or error.error_type)
+    if error.status >= 500:
+        span.set_status(Status(StatusCode.ERROR, error.message))
+
+
+def sse_event(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class EventStreamResponse:
+    """Server-Sent Events for one generation: a `data:` line per chunk, an error event if
+    it fails midway, then `data: [DONE]`. Watches for the client leaving the whole time."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+        pump = asyncio.ensure_future(self._pump(send))
+        gone = asyncio.ensure_future(_client_gone(receive))
+        try:
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, gone):
+                task.cancel()
+            await asyncio.gather(pump, gone, return_exceptions=True)
+            await self.generation.close()
+
+    async def _pump(self, send: Send) -> None:
+        async def body(data: bytes, more: bool = True) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+
+        try:
+            async for chunk in self.generation.chunks():
+                await body(sse_event(chunk))
+        except ApiError as e:
+            _record_error(self.generation.span, e)
+            await body(sse_event(e.body()))
+        except OSError:  # the client went away while we wrote
+            return
+        try:
+            await body(sse_event("[DONE]"))
+            await body(b"", more=False)
+        except OSError:
+            return
+
+
+class ApiKeyMiddleware:
+    """With a key set, every /v1/ route needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = _header(scope, b"authorization") or ""
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
+                error = ApiError(
+                    401,
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key",
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class TracingMiddleware:
+    """A SERVER span per HTTP request, child of an incoming `traceparent`; its context is
+    returned in the `traceparent` response header of every response."""
+
+    def __init__(self, app: ASGIApp, tracer: trace.Tracer) -> None:
+        self.app = app
+        self.tracer = tracer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        parent = extract(headers)
+        name = f"{scope['method']} {scope['path']}"
+        span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
+        span.set_attributes({"http.request.method": scope["method"], "url.path": scope["path"]})
+        scope[SPAN_KEY] = span
+        trace_headers = [
+            (k.encode(), v.encode()) for k, v in inject(trace.set_span_in_context(span)).items()
+        ]
+
+        async def send_with_trace(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *trace_headers]}
+                status = message["status"]
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+            await send(message)
+
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                await self.app(scope, receive, send_with_trace)
+        except Exception as e:
+            span.record_exception(e)
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            raise
+        finally:
+            span.end()
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None

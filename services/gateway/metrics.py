@@ -1,0 +1,147 @@
+"""The gateway's Prometheus metrics (CONTRACT section 5).
+
+Latencies (TTFT, inter-token, end-to-end) and token / finish counters are measured here,
+per choice. The scheduler's gauges and counters (running, waiting, KV usage, preemptions,
+prefix cache) come from its `SchedulerStats`, fetched at scrape time and exposed by a
+custom collector, so they are never stale copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.protocol import SchedulerStats
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+PREEMPTION_MODES = ("spill", "recompute")
+
+
+class TokenTimer:
+    """One choice's token timing: TTFT from arrival, then the gap between deltas spread
+    evenly over the tokens a delta brought (a delta may carry several)."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.last_token_at: float | None = None
+
+    def on_tokens(self, count: int, now: float) -> tuple[float | None, list[float]]:
+        """(time to first token if this is the first, inter-token latencies)."""
+        if count <= 0:
+            return None, []
+        if self.last_token_at is None:
+            self.last_token_at = now
+            return now - self.arrival, []
+        gap = (now - self.last_token_at) / count
+        self.last_token_at = now
+        return None, [gap] * count
+
+
+class SchedulerStatsCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+        self.scheduler_up = False
+
+    def update(self, stats: SchedulerStats | None) -> None:
+        """The latest answer; None keeps the previous values but marks the scheduler down."""
+        self.scheduler_up = stats is not None
+        if stats is not None:
+            self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats or SchedulerStats(num_workers=0, num_running=0, num_waiting=0)
+        yield _gauge("spillway_scheduler_up", "1 when the scheduler answered the last scrape",
+                     1.0 if self.scheduler_up else 0.0)  # fmt: skip
+        yield _gauge("spillway_workers", "Workers registered with the scheduler", s.num_workers)
+        yield _gauge("spillway_requests_running", "Requests in the running batch", s.num_running)
+        yield _gauge("spillway_requests_waiting", "Requests waiting for admission", s.num_waiting)
+        yield _gauge("spillway_requests_swapped", "Requests spilled to the store", s.num_swapped)
+        yield _gauge("spillway_kv_cache_usage_ratio", "Fraction of KV blocks in use", s.kv_usage)
+        preemptions = CounterMetricFamily(
+            "spillway_preemptions", "Preemptions by mode", labels=["mode"]
+        )
+        for mode in sorted(set(PREEMPTION_MODES) | set(s.preemptions)):
+            preemptions.add_metric([mode], s.preemptions.get(mode, 0))
+        yield preemptions
+        yield CounterMetricFamily(
+            "spillway_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            value=s.prefix_cache_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "spillway_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_cache_query_tokens,
+        )
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class GatewayMetrics:
+    """A registry of its own per gateway (several may live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.scheduler = SchedulerStatsCollector()
+        self.registry.register(self.scheduler)
+        self.ttft = Histogram(
+            "spillway_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "spillway_inter_token_latency_seconds",
+            "Time between generated tokens",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "spillway_e2e_request_latency_seconds",
+            "Time from arrival to the last token",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "spillway_prompt_tokens", "Prompt tokens submitted", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "spillway_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.finished = Counter(
+            "spillway_requests_finished",
+            "Sequences finished, by reason",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+
+    def on_tokens(self, timer: TokenTimer, count: int, now: float) -> None:
+        ttft, gaps = timer.on_tokens(count, now)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for gap in gaps:
+            self.itl.observe(gap)
+        self.generation_tokens.inc(count)
+
+    def on_finished(self, timer: TokenTimer, finish_reason: str, now: float) -> None:
+        self.e2e.observe(now - timer.arrival)
+        self.finished.labels(finish_reason=finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

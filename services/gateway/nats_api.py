@@ -1,0 +1,172 @@
+"""The NATS API (CONTRACT section 3), for request/reply clients.
+
+- `llm.generate` (queue group `gateway`): a chat or completions body (`messages` or
+  `prompt`) plus an optional `request_id`. Not streamed: one reply, the HTTP body.
+  Streamed: one message per SSE chunk to the reply subject; the last one has header
+  `Spillway-Done: 1` and carries the finish_reason and the usage.
+- Errors: one reply with the OpenAI error body and header `Spillway-Error: <status>`.
+- `llm.abort` (every gateway: only the one running it knows the id): `{"request_id"}`.
+- `llm.models` (queue group `gateway`): the /v1/models body.
+
+Each generate message runs as its own task (a subscription's callbacks run one at a
+time), tracked so that a shutdown can let them finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.gateway.api import GatewayApi, Generation
+from services.gateway.errors import ApiError, invalid
+from services.gateway.validation import kind_of, parse_json_body
+from shared.bus import ERROR_HEADER, Bus
+from shared.clock import Clock, MonotonicClock
+from shared.subjects import ABORT, GATEWAY_QUEUE, GENERATE, MODELS
+from shared.telemetry import extract, inject
+
+log = logging.getLogger(__name__)
+
+DONE_HEADER = "Spillway-Done"
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+class NatsApi:
+    def __init__(
+        self, bus: Bus, api: GatewayApi, tracer: trace.Tracer, clock: Clock | None = None
+    ) -> None:
+        self.bus = bus
+        self.api = api
+        self.tracer = tracer
+        self.clock = clock or MonotonicClock()
+        self._serving: list[Subscription] = []
+        self._abort_sub: Subscription | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        nc = self.bus.nc
+        self._serving = [
+            await nc.subscribe(
+                self.bus.subject(GENERATE), queue=GATEWAY_QUEUE, cb=self._on_generate
+            ),
+            await nc.subscribe(self.bus.subject(MODELS), queue=GATEWAY_QUEUE, cb=self._on_models),
+        ]
+        self._abort_sub = await nc.subscribe(self.bus.subject(ABORT), cb=self._on_abort)
+        await nc.flush()
+
+    async def stop_accepting(self) -> None:
+        """New requests go to other gateways of the queue group from now on."""
+        for sub in self._serving:
+            await sub.unsubscribe()
+        self._serving = []
+
+    async def drain(self, timeout: float) -> None:
+        """Waits for the running requests, up to `timeout`; then cancels the rest."""
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._abort_sub is not None:
+            await self._abort_sub.unsubscribe()
+            self._abort_sub = None
+
+    # --- handlers ----------------------------------------------------------------------
+
+    async def _on_generate(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("dropped an llm.generate message without a reply subject")
+            return
+        task = asyncio.ensure_future(self._generate(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _generate(self, msg: Msg) -> None:
+        arrival = self.clock.now()
+        parent = extract(msg.headers)
+        with self.tracer.start_as_current_span(
+            GENERATE,
+            context=parent,
+            kind=SpanKind.SERVER,
+            record_exception=True,
+            set_status_on_exception=True,
+        ) as span:
+            span.set_attribute("messaging.destination.name", msg.subject)
+            try:
+                body = parse_json_body(msg.data)
+                request_id = body.pop("request_id", None)
+                if request_id is not None and not isinstance(request_id, str):
+                    raise invalid("request_id must be a string", "request_id")
+                if request_id:
+                    span.set_attribute("spillway.client_request_id", request_id)
+                generation = await self.api.open(
+                    kind_of(body), body, span, arrival, aliases=[request_id or ""]
+                )
+            except ApiError as e:
+                await self._reply_error(msg, e, span)
+                return
+            try:
+                if generation.prepared.stream:
+                    await self._stream(msg, generation, span)
+                else:
+                    reply = await generation.collect()
+                    await self.bus.nc.publish(msg.reply, _json(reply), headers=_trace(span))
+            except ApiError as e:
+                await self._reply_error(msg, e, span)
+            finally:
+                await generation.close()
+
+    async def _stream(self, msg: Msg, generation: Generation, span: trace.Span) -> None:
+        # One chunk is held back so that the last can be marked done when the run ends.
+        held: dict[str, Any] | None = None
+        async for chunk in generation.chunks(usage_in_last=True):
+            if held is not None:
+                await self.bus.nc.publish(msg.reply, _json(held), headers=_trace(span))
+            held = chunk
+        if held is not None:
+            headers = {**_trace(span), DONE_HEADER: "1"}
+            await self.bus.nc.publish(msg.reply, _json(held), headers=headers)
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            body = parse_json_body(msg.data)
+            ids = body.get("request_ids") or [body.get("request_id")]
+            if not all(isinstance(i, str) and i for i in ids):
+                raise invalid('the body must be {"request_id": "..."}', "request_id")
+        except ApiError as e:
+            if msg.reply:
+                await self._publish_error(msg.reply, e, {})
+            return
+        aborted = sum(self.api.engine.cancel_alias(i) for i in ids)
+        if msg.reply:
+            await self.bus.nc.publish(msg.reply, _json({"aborted": aborted}))
+
+    async def _on_models(self, msg: Msg) -> None:
+        if msg.reply:
+            headers = inject(extract(msg.headers))
+            await self.bus.nc.publish(msg.reply, _json(self.api.models()), headers=headers)
+
+    async def _reply_error(self, msg: Msg, error: ApiError, span: trace.Span) -> None:
+        span.set_attribute("error.type", error.code or error.error_type)
+        if error.status >= 500:
+            span.set_status(Status(StatusCode.ERROR, error.message))
+        await self._publish_error(msg.reply, error, _trace(span))
+
+    async def _publish_error(self, reply: str, error: ApiError, headers: dict[str, str]) -> None:
+        await self.bus.nc.publish(
+            reply, _json(error.body()), headers={**headers, ERROR_HEADER: str(error.status)}
+        )
+
+
+def _trace(span: trace.Span) -> dict[str, str]:
+    return inject(trace.set_span_in_context(span))

@@ -1,0 +1,195 @@
+"""OpenAI response bodies: `chat.completion`, `chat.completion.chunk`, `text_completion`,
+the model list, and the stream of chunks one request produces.
+
+Pure functions of the choices' outputs; the HTTP API writes the chunks as SSE `data:`
+lines, the NATS API publishes each as one message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.choice_output import ChoiceOutput, ChoiceStep, TokenLogprobInfo
+from services.gateway.validation import Kind
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def body(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def usage_of(prompts: Sequence[Sequence[int]], outputs: Sequence[ChoiceOutput]) -> Usage:
+    """Each prompt counts once, however many choices it has (as OpenAI counts)."""
+    return Usage(sum(len(p) for p in prompts), sum(o.num_tokens for o in outputs))
+
+
+# --- logprobs -------------------------------------------------------------------------
+
+
+def chat_logprobs(infos: Sequence[TokenLogprobInfo]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": i.token,
+                "logprob": i.logprob,
+                "bytes": i.bytes,
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in i.top
+                ],
+            }
+            for i in infos
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(infos: Sequence[TokenLogprobInfo]) -> dict[str, Any]:
+    top: list[dict[str, float]] = []
+    for i in infos:
+        # The sampled token is listed with the alternatives, as OpenAI's legacy API does.
+        entry = {t.token: t.logprob for t in i.top}
+        entry.setdefault(i.token, i.logprob)
+        top.append(entry)
+    return {
+        "tokens": [i.token for i in infos],
+        "token_logprobs": [i.logprob for i in infos],
+        "top_logprobs": top,
+        "text_offset": [i.text_offset for i in infos],
+    }
+
+
+# --- whole responses -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    id: str
+    created: int
+    model: str
+    kind: Kind
+    want_logprobs: bool
+
+
+def completion_body(
+    meta: ResponseMeta, outputs: Sequence[ChoiceOutput], usage: Usage
+) -> dict[str, Any]:
+    if meta.kind == "chat":
+        choices = [
+            {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": chat_logprobs(o.logprobs) if meta.want_logprobs else None,
+                "finish_reason": o.finish_reason,
+            }
+            for o in outputs
+        ]
+        obj = "chat.completion"
+    else:
+        choices = [
+            {
+                "index": o.index,
+                "text": o.text,
+                "logprobs": completion_logprobs(o.logprobs) if meta.want_logprobs else None,
+                "finish_reason": o.finish_reason,
+            }
+            for o in outputs
+        ]
+        obj = "text_completion"
+    return {
+        "id": meta.id,
+        "object": obj,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+        "usage": usage.body(),
+    }
+
+
+def models_body(model_id: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "spillway"}],
+    }
+
+
+# --- streams -------------------------------------------------------------------------
+
+
+class ChunkBuilder:
+    """The chunks of one streamed response, in order:
+
+    chat:        role chunk per choice, content chunks, a finish chunk per choice
+    completion:  text chunks, a finish chunk per choice
+    then, with include_usage, one chunk with empty choices and the usage.
+    """
+
+    def __init__(self, meta: ResponseMeta, include_usage: bool) -> None:
+        self.meta = meta
+        self.include_usage = include_usage
+        self._object = "chat.completion.chunk" if meta.kind == "chat" else "text_completion"
+
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        if self.meta.kind != "chat":
+            return []
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(num_choices)]
+
+    def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
+        """Content for a step (when it has text or logprobs), then its finish chunk."""
+        out = []
+        if step.text or step.logprobs:
+            out.append(self._chunk(step.index, self._content(step.text), step.logprobs))
+        if step.finish_reason is not None:
+            out.append(self.finish(step.index, step.finish_reason))
+        return out
+
+    def finish(self, index: int, finish_reason: str, usage: Usage | None = None) -> dict[str, Any]:
+        chunk = self._chunk(index, {} if self.meta.kind == "chat" else "", finish=finish_reason)
+        if usage is not None:
+            chunk["usage"] = usage.body()
+        return chunk
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return self._envelope([], usage.body())
+
+    def _content(self, text: str) -> dict[str, Any] | str:
+        return {"content": text} if self.meta.kind == "chat" else text
+
+    def _chunk(
+        self,
+        index: int,
+        content: dict[str, Any] | str,
+        logprobs: Sequence[TokenLogprobInfo] | None = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.meta.kind == "chat":
+            choice["delta"] = content
+            shaped = chat_logprobs(logprobs) if logprobs and self.meta.want_logprobs else None
+        else:
+            choice["text"] = content
+            shaped = completion_logprobs(logprobs) if logprobs and self.meta.want_logprobs else None
+        choice["logprobs"] = shaped
+        choice["finish_reason"] = finish
+        return self._envelope([choice], None)
+
+    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict:
+        body: dict[str, Any] = {
+            "id": self.meta.id,
+            "object": self._object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = usage
+        return body

@@ -1,0 +1,163 @@
+"""The gateway service: tokenizer + model limits, the bus, the HTTP server, the NATS API.
+
+`serve(settings, stop)` is the service's whole life: it loads the tokenizer (converting a
+GGUF's once into the cache), connects, subscribes its delta subject, starts uvicorn on
+settings.host/port (port 0 picks a free one; the bound one is announced), announces
+itself ready, and on `stop` stops taking requests, lets running ones finish (bounded by
+drain_timeout_s), aborts whatever is left and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from services.gateway.api import GatewayApi
+from services.gateway.app import create_app
+from services.gateway.engine import GatewayEngine
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_facts import load_model_facts
+from services.gateway.nats_api import NatsApi
+from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
+from services.gateway.validation import ModelInfo, RequestPreparer
+from shared.bus import Bus
+from shared.config import Settings
+from shared.lifecycle import announce_ready
+from shared.model_files import resolve_model
+from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the service's `stop` event rules."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class Gateway:
+    """A running gateway; `url` is where its HTTP API listens."""
+
+    settings: Settings
+    gateway_id: str
+    url: str
+    bus: Bus
+    engine: GatewayEngine
+    nats_api: NatsApi
+    server: _Server
+    server_task: asyncio.Task[None]
+    telemetry: Telemetry
+
+    async def shutdown(self) -> None:
+        drain_s = self.settings.drain_timeout_s
+        await self.nats_api.stop_accepting()
+        self.engine.draining = True
+        self.server.should_exit = True
+        # uvicorn stops listening, then waits for in-flight HTTP requests (up to its
+        # graceful timeout) and cancels what is left; a cancelled handler aborts its run.
+        await asyncio.gather(
+            self.nats_api.drain(drain_s),
+            self.engine.wait_idle(drain_s),
+            asyncio.wait({self.server_task}, timeout=drain_s + 5),
+        )
+        if self.engine.num_active:
+            log.warning(
+                "aborting %d requests still running after the drain", self.engine.num_active
+            )
+            self.engine.cancel_all()
+            await self.engine.wait_idle(1.0)
+        if not self.server_task.done():
+            self.server_task.cancel()
+        await asyncio.gather(self.server_task, return_exceptions=True)
+        await self.engine.stop()
+        await self.bus.close()
+        self.telemetry.shutdown()
+
+
+def model_info(settings: Settings) -> tuple[ModelTokenizer, ModelInfo]:
+    source = resolve_model(settings.model)
+    tokenizer = load_tokenizer(source, settings.cache_dir)
+    facts = load_model_facts(source, settings.cache_dir)
+    info = ModelInfo(
+        model_id=source.model_id,
+        context_length=facts.context_length,
+        vocab_size=facts.vocab_size,
+        aliases=frozenset({settings.model, str(source.path)}),
+    )
+    return tokenizer, info
+
+
+async def start_gateway(settings: Settings) -> Gateway:
+    # Converting a GGUF tokenizer takes seconds the first time: keep the loop free.
+    tokenizer, info = await asyncio.to_thread(model_info, settings)
+    gateway_id = settings.service_id or f"gw{uuid.uuid4().hex[:10]}"
+    telemetry = Telemetry("gateway", settings.otlp_endpoint)
+    bus = await Bus.connect(settings.nats_url, settings.namespace, f"spillway-gateway-{gateway_id}")
+    metrics = GatewayMetrics()
+    engine = GatewayEngine(bus, gateway_id, tokenizer, metrics)
+    await engine.start()
+    preparer = RequestPreparer(tokenizer, info, random_seed=lambda: secrets.randbits(63))
+    api = GatewayApi(engine, preparer, info)
+    app = create_app(api, metrics, telemetry.tracer, api_key=settings.api_key)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
+        )
+    )
+    server_task = asyncio.ensure_future(_run(server))
+    while not server.started:
+        if server_task.done():
+            await bus.close()
+            raise RuntimeError(
+                f"the gateway could not listen on {settings.host}:{settings.port}"
+            ) from _exception_of(server_task)
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    nats_api = NatsApi(bus, api, telemetry.tracer)
+    await nats_api.start()
+    url = f"http://{_url_host(settings.host)}:{port}"
+    return Gateway(settings, gateway_id, url, bus, engine, nats_api, server, server_task, telemetry)
+
+
+async def _run(server: _Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit as e:  # uvicorn exits the process when it cannot bind; we report
+        raise RuntimeError("uvicorn failed to start") from e
+
+
+def _exception_of(task: asyncio.Task[None]) -> BaseException | None:
+    if task.cancelled():
+        return None
+    return task.exception()
+
+
+def _url_host(configured: str) -> str:
+    # A wildcard address is not one a client can dial: name the loopback instead.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(configured, configured)
+    return f"[{host}]" if ":" in host else host
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    gateway = await start_gateway(settings)
+    announce_ready("gateway", gateway.url)
+    try:
+        await stop.wait()
+    finally:
+        await gateway.shutdown()

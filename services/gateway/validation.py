@@ -1,0 +1,265 @@
+"""From raw request bytes to a `PreparedRequest` the engine can submit, or an ApiError.
+
+Pure: the tokenizer, the model's limits and the seed source are handed in. Each check
+maps to the OpenAI error a client expects: 400 `invalid_request_error` (with `param`)
+for bad input, 404 `model_not_found`, 400 `context_length_exceeded`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from services.gateway.chat_template import ChatTemplateError
+from services.gateway.errors import ApiError, invalid
+from services.gateway.schemas import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from services.gateway.tokenizer import ModelTokenizer
+from shared.protocol import SamplingParams
+
+Kind = Literal["chat", "completion"]
+MAX_PROMPTS = 16  # prompts in one batched completions request
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    context_length: int
+    vocab_size: int
+    aliases: frozenset[str] = frozenset()
+
+    def serves(self, name: str) -> bool:
+        return name == self.model_id or name in self.aliases
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request: its prompts as ids and everything the scheduler needs.
+
+    Choice `i` of the response runs prompt `i // n` with seed `seed + i % n`, so n
+    choices of one prompt differ while the whole request stays reproducible."""
+
+    kind: Kind
+    model: str
+    prompts: list[list[int]]
+    n: int
+    sampling: SamplingParams
+    max_tokens: int | None
+    stop: list[str]
+    ignore_eos: bool
+    priority: int
+    deadline_ms: int | None
+    stream: bool
+    include_usage: bool
+    user: str | None = None
+    tokens_as_ids: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choice_prompt(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        seed = (self.sampling.seed + index % self.n) % 2**64
+        return self.sampling.model_copy(update={"seed": seed})
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8: {e}") from e
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def kind_of(body: dict[str, Any]) -> Kind:
+    """For the NATS API, where one subject serves both: `messages` means chat."""
+    if "messages" in body:
+        return "chat"
+    if "prompt" in body:
+        return "completion"
+    raise invalid("the request needs either `messages` (chat) or `prompt` (completion)")
+
+
+class RequestPreparer:
+    def __init__(
+        self, tokenizer: ModelTokenizer, model: ModelInfo, random_seed: Callable[[], int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.random_seed = random_seed
+
+    def prepare(self, kind: Kind, body: dict[str, Any]) -> PreparedRequest:
+        if kind == "chat":
+            return self.prepare_chat(_validate(ChatCompletionRequest, body))
+        return self.prepare_completion(_validate(CompletionRequest, body))
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
+        try:
+            prompt = self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise invalid(str(e), "messages") from e
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return self._prepared("chat", req, [prompt], logprobs)
+
+    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        return self._prepared("completion", req, prompts, req.logprobs)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and not self.model.serves(name):
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.model.model_id}`.",
+                "model",
+                "model_not_found",
+            )
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif prompt and isinstance(prompt[0], str):
+            prompts = [self.tokenizer.encode(p) for p in prompt]
+        elif prompt and isinstance(prompt[0], list):
+            prompts = [list(p) for p in prompt]
+        else:
+            prompts = [list(prompt)]
+        if len(prompts) > MAX_PROMPTS:
+            raise invalid(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        for ids in prompts:
+            if not ids:
+                raise invalid("the prompt is empty", "prompt")
+            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise invalid(
+                    f"token id {bad[0]} is outside the vocabulary (0..{self.model.vocab_size - 1})",
+                    "prompt",
+                )
+        return prompts
+
+    def _prepared(
+        self,
+        kind: Kind,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        logprobs: int | None,
+    ) -> PreparedRequest:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        for ids in prompts:
+            self._check_context(ids, max_tokens, prompt_param)
+        top_k = req.top_k or 0
+        sampling = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if top_k <= 0 else min(top_k, self.model.vocab_size),
+            min_p=req.min_p or 0.0,
+            seed=self.random_seed() if req.seed is None else req.seed,
+            logprobs=logprobs,
+        )
+        return PreparedRequest(
+            kind=kind,
+            model=self.model.model_id,
+            prompts=prompts,
+            n=req.n or 1,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop=_stop_strings(req.stop),
+            ignore_eos=bool(req.ignore_eos),
+            priority=req.priority or 0,
+            deadline_ms=req.deadline_ms,
+            stream=bool(req.stream),
+            include_usage=bool(
+                req.stream and req.stream_options and req.stream_options.include_usage
+            ),
+            user=req.user,
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+            skip_special_tokens=req.skip_special_tokens is not False,
+        )
+
+    def _check_context(self, prompt: list[int], max_tokens: int | None, param: str) -> None:
+        limit = self.model.context_length
+        wanted = len(prompt) + (max_tokens or 1)
+        if wanted > limit:
+            raise invalid(
+                f"This model's maximum context length is {limit} tokens. However, you requested"
+                f" {wanted} tokens ({len(prompt)} in the prompt, {max_tokens or 1} for the"
+                " completion). Please reduce the prompt or the completion length.",
+                param if max_tokens is None else "max_tokens",
+                "context_length_exceeded",
+            )
+
+
+def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = _param_of(first["loc"])
+        raise invalid(f"{param or 'body'}: {first['msg']}", param) from e
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    """`messages[0].role` from pydantic's location, leaving out its union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _UNION_TAGS:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    param = f"messages[{index}].content"
+    if message.content is None:
+        if not (message.role == "assistant" and message.tool_calls):
+            raise invalid(f"{param} is required", param)
+        content = ""
+    elif isinstance(message.content, str):
+        content = message.content
+    else:
+        texts = []
+        for part in message.content:
+            if part.type != "text" or part.text is None:
+                raise invalid(f"{param}: only text content parts are supported", param)
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(message, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
+    return [s for s in stops if s]

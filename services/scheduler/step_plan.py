@@ -1,0 +1,41 @@
+"""Turning scheduling decisions into the worker's wire form: rows and block-table diffs."""
+
+from __future__ import annotations
+
+from services.scheduler.sequence import Sequence
+from shared.protocol import NewSequence, SequenceUpdate, StepRow
+
+
+def make_row(seq: Sequence, num_tokens: int) -> StepRow:
+    """The next `num_tokens` uncomputed tokens of `seq`. Only a chunk that reaches the end
+    of the sequence samples, and then it produces output token number num_output_tokens.
+
+        token_ids: [ ...computed... | chunk (num_tokens) | rest ]
+                                    ^ start_pos            ^ num_tokens of seq
+    """
+    start = seq.num_computed_tokens
+    end = start + num_tokens
+    sample = end == seq.num_tokens
+    return StepRow(
+        seq_id=seq.request_id,
+        token_ids=seq.token_ids[start:end],
+        start_pos=start,
+        sample=sample,
+        output_index=seq.num_output_tokens if sample else 0,
+    )
+
+
+def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
+    """What the worker must learn about `seq` before this step, and records it as sent:
+    the whole sequence on its first appearance, later only the appended block ids."""
+    if not seq.known_to_worker:
+        seq.known_to_worker = True
+        seq.num_blocks_sent = len(seq.block_ids)
+        return NewSequence(
+            seq_id=seq.request_id, sampling=seq.sampling, block_ids=list(seq.block_ids)
+        )
+    if len(seq.block_ids) > seq.num_blocks_sent:
+        new_block_ids = seq.block_ids[seq.num_blocks_sent :]
+        seq.num_blocks_sent = len(seq.block_ids)
+        return SequenceUpdate(seq_id=seq.request_id, new_block_ids=new_block_ids)
+    return None

@@ -1,0 +1,30 @@
+"""Where a step's time goes, as rolling medians: the scheduler's bookkeeping, the bus, and
+the worker's forward pass."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class RollingMedian:
+    def __init__(self, window: int = 256) -> None:
+        self._values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def median(self) -> float | None:
+        return statistics.median(self._values) if self._values else None
+
+
+class StepTimings:
+    def __init__(self, window: int = 256) -> None:
+        self.bookkeeping_s = RollingMedian(window)
+        self.bus_s = RollingMedian(window)
+        self.forward_s = RollingMedian(window)
+
+    def add(self, bookkeeping_s: float, round_trip_s: float, forward_s: float) -> None:
+        self.bookkeeping_s.add(bookkeeping_s)
+        self.bus_s.add(max(0.0, round_trip_s - forward_s))
+        self.forward_s.add(forward_s)

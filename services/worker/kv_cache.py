@@ -1,0 +1,94 @@
+"""The paged KV cache: per layer one K and one V tensor of fixed-size blocks, and the index
+tensors (block tables, slot mappings) that address it.
+
+    k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token at position p of a sequence with block list B lives at slot
+B[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from shared.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    per_layer = block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return 2 * config.num_layers * per_layer
+
+
+def num_blocks_for_memory(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    cpu_cache_bytes: int,
+    gpu_memory_utilization: float,
+) -> int:
+    """How many blocks fit: a fixed budget on CPU; on CUDA a share of the memory still free
+    (call it after the weights are loaded)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * gpu_memory_utilization)
+    else:
+        budget = cpu_cache_bytes
+    blocks = budget // block_bytes(config, block_size, dtype)
+    if blocks < 1:
+        raise MemoryError(f"no room for a single KV block in {budget} bytes")
+    return blocks
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        log.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB",
+            num_blocks,
+            block_size,
+            num_blocks * block_bytes(config, block_size, dtype) / 2**20,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+def block_table_tensor(block_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[R, MB] int32, rows padded with 0 (padding is never read: context_lens bound it)."""
+    width = max((len(b) for b in block_lists), default=0) or 1
+    padded = [[*blocks, *([0] * (width - len(blocks)))] for blocks in block_lists]
+    return torch.tensor(padded, dtype=torch.int32).to(device)
+
+
+def slot_mapping_tensor(
+    block_tables: torch.Tensor,  # [R, MB] int32
+    token_rows: torch.Tensor,  # [T] int64: the row of each token
+    positions: torch.Tensor,  # [T] int64
+    block_size: int,
+) -> torch.Tensor:
+    """[T] int64: the cache slot of each token."""
+    blocks = block_tables[token_rows, positions // block_size].long()  # [T]
+    return blocks * block_size + positions % block_size

@@ -1,0 +1,255 @@
+"""Model weights from a GGUF file or a Hugging Face safetensors folder, as torch tensors.
+
+Both sources end in the same `ModelWeights`: q/k/v fused into one projection and
+gate/up fused into another, so each layer runs one matmul for each, in the Hugging Face
+layout (rotate-half RoPE, weights `[out_features, in_features]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.model_config import ModelConfig, load_model_config
+from shared.model_files import ModelSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2 style) or None
+    o: torch.Tensor  # [H, Hq * D]
+    ffn_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate rows first, then up
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def num_bytes(self) -> int:
+        tensors = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+        unique = {t.data_ptr(): t for t in tensors if t is not None}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, float32 elsewhere (CPU bfloat16 matmuls are slow)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def load_model(
+    source: ModelSource, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelConfig, ModelWeights]:
+    """The model's config (tie_word_embeddings as found in the weights) and its weights."""
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(source.path), "r")  # parsing its metadata takes seconds: once
+        config = load_model_config(source, gguf_reader=reader)
+        tensors = _gguf_tensors(reader, config)
+        names = GGUF_NAMES
+    else:
+        config = load_model_config(source)
+        tensors = _safetensors_tensors(source.path)
+        names = HF_NAMES
+    weights = _assemble(tensors, names, config, device, dtype)
+    tied = weights.lm_head is weights.embed
+    if tied != config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=tied)
+    return config, weights
+
+
+# --- sources: name -> float tensor in the HF layout ---------------------------------------
+
+
+def _gguf_tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
+        data = dequantize(tensor.data, tensor.tensor_type)
+        if ".attn_q." in tensor.name:
+            data = _unpermute_rope_rows(data, config.num_heads)
+        elif ".attn_k." in tensor.name:
+            data = _unpermute_rope_rows(data, config.num_kv_heads)
+        out[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32))
+    return out
+
+
+def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (interleaved RoPE pairs) back to the HF
+    rotate-half order, as transformers' GGUF loader does.
+
+    Per head, GGUF rows are (pair i, element j) for i < D/2, j < 2; HF rows are (j, i).
+    """
+    half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def _safetensors_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        out.update(load_file(str(file)))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        missing = set(json.loads(index.read_text())["weight_map"]) - set(out)
+        if missing:
+            raise FileNotFoundError(f"safetensors shards missing tensors: {sorted(missing)[:5]}")
+    return out
+
+
+# --- assembling ---------------------------------------------------------------------------
+
+LayerName = Callable[[int, str], str]
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    embed: str
+    norm: str
+    lm_head: str
+    layer: LayerName  # (layer index, role) -> name; roles are the keys of _HF_ROLES
+
+
+_HF_ROLES = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "o": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+_GGUF_ROLES = {
+    "attn_norm": "attn_norm.weight",
+    "q": "attn_q.weight",
+    "k": "attn_k.weight",
+    "v": "attn_v.weight",
+    "q_bias": "attn_q.bias",
+    "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias",
+    "o": "attn_output.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight",
+    "down": "ffn_down.weight",
+}
+
+HF_NAMES = TensorNames(
+    embed="model.embed_tokens.weight",
+    norm="model.norm.weight",
+    lm_head="lm_head.weight",
+    layer=lambda i, role: f"model.layers.{i}.{_HF_ROLES[role]}",
+)
+GGUF_NAMES = TensorNames(
+    embed="token_embd.weight",
+    norm="output_norm.weight",
+    lm_head="output.weight",
+    layer=lambda i, role: f"blk.{i}.{_GGUF_ROLES[role]}",
+)
+
+
+def _assemble(
+    tensors: dict[str, torch.Tensor],
+    names: TensorNames,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ModelWeights:
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"weight {name!r} missing from the model files")
+        return tensors.pop(name).to(device=device, dtype=dtype)
+
+    def fuse(*parts: str) -> torch.Tensor:
+        return torch.cat([take(p) for p in parts], dim=0).contiguous()
+
+    layers = []
+    for i in range(config.num_layers):
+        n = lambda role, i=i: names.layer(i, role)  # noqa: E731
+        has_bias = n("q_bias") in tensors
+        layers.append(
+            LayerWeights(
+                attn_norm=take(n("attn_norm")),
+                qkv=fuse(n("q"), n("k"), n("v")),
+                qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
+                o=take(n("o")),
+                ffn_norm=take(n("ffn_norm")),
+                gate_up=fuse(n("gate"), n("up")),
+                down=take(n("down")),
+            )
+        )
+    embed = take(names.embed)
+    # A tied model may still ship lm_head (HF save_pretrained can); the config decides.
+    tied = names.lm_head not in tensors or (names is HF_NAMES and config.tie_word_embeddings)
+    lm_head = embed if tied else take(names.lm_head)
+    tensors.pop(names.lm_head, None)
+    weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
+    _check_shapes(weights, config)
+    leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        log.warning("ignored %d unused tensors, e.g. %s", len(leftover), leftover[:3])
+    return weights
+
+
+def _check_shapes(w: ModelWeights, c: ModelConfig) -> None:
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    expected = {
+        "embed": (w.embed.shape, (c.vocab_size, c.hidden_size)),
+        "lm_head": (w.lm_head.shape, (c.vocab_size, c.hidden_size)),
+        "qkv": (w.layers[0].qkv.shape, (qkv_rows, c.hidden_size)),
+        "o": (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.head_dim)),
+        "gate_up": (w.layers[0].gate_up.shape, (2 * c.intermediate_size, c.hidden_size)),
+        "down": (w.layers[0].down.shape, (c.hidden_size, c.intermediate_size)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"{name} weight has shape {tuple(got)}, the config says {want}")

@@ -1,0 +1,139 @@
+"""A Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache.
+
+One forward runs a flat batch of T tokens from R rows: prefill chunks and decode rows
+alike, each row's tokens packed back to back (`query_start`). Attention, KV stores, norms
+and rotary go through `kernels.ops`, so the same model runs the torch path on CPU and the
+Triton kernels on CUDA. Only the rows that sample get the final norm and the lm_head.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.ops import KernelOps
+from services.worker.kv_cache import KVCache
+from services.worker.loader import LayerWeights, ModelWeights
+from shared.model_config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """Index tensors for one step, built once and shared by every layer."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: block_id * BS + offset
+    block_tables: torch.Tensor  # [R, MB] int32
+    context_lens: torch.Tensor  # [R] int32: tokens in the cache after this step
+    query_start: torch.Tensor  # [R + 1] int32
+    logits_indices: torch.Tensor  # [S] int64: the last token of each sampling row
+    max_query_len: int  # the longest row, known on the host (sizes kernel grids)
+
+
+def rope_tables(
+    head_dim: int, max_positions: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, D / 2] float32, the HF rotate-half frequencies."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )  # [D / 2]
+    positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
+    freqs = torch.outer(positions, inv_freq)  # [P, D / 2]
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+def configure_threads(device: torch.device) -> None:
+    """On CPU the forward is matmul bound: give torch every core."""
+    if device.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        ops: KernelOps,
+        max_positions: int | None = None,
+    ) -> None:
+        rope_scaling = config.extra.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
+            raise ValueError(f"rope scaling {rope_scaling} is not supported")
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+        self.max_positions = max_positions or config.context_length
+        self.cos, self.sin = rope_tables(
+            config.head_dim, self.max_positions, config.rope_theta, weights.device
+        )
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.dtype
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Logits [S, V] float32 for the sampling rows; writes this step's K/V to the cache."""
+        eps = self.config.rms_norm_eps
+        x = F.embedding(batch.token_ids, self.weights.embed)  # [T, H]
+        residual = None
+        for layer, k_cache, v_cache in zip(
+            self.weights.layers, kv_cache.k, kv_cache.v, strict=True
+        ):
+            if residual is None:
+                residual = x
+                h = self.ops.rms_norm(x, layer.attn_norm, eps)
+            else:
+                h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
+            x = self._attention(h, layer, batch, k_cache, v_cache)
+            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
+            x = _swiglu(h, layer)
+        # Only the last token of each sampling row needs the final norm and the lm_head.
+        idx = batch.logits_indices
+        h, _ = self.ops.fused_add_rms_norm(x[idx], residual[idx], self.weights.norm, eps)
+        return F.linear(h, self.weights.lm_head).float()  # [S, V]
+
+    def _attention(
+        self,
+        h: torch.Tensor,  # [T, H]
+        layer: LayerWeights,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        c = self.config
+        t = h.shape[0]
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)  # [T, Hq, D]
+        k = k.view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
+        self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = self.ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.context_lens,
+            batch.query_start,
+            self.scale,
+            max_query_len=batch.max_query_len,
+        )  # [T, Hq, D]
+        return F.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+
+
+def _swiglu(h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    gate_up = F.linear(h, layer.gate_up)  # [T, 2 I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, layer.down)  # [T, H]

@@ -1,0 +1,241 @@
+"""The worker's core: carries out step plans on the model and the KV cache (no NATS).
+
+A plan is applied in its field order (forget finished sequences, take new ones afresh,
+append blocks to running ones), then all its rows run in one batched forward:
+
+    tokens    | row 0 (prefill chunk)  | row 1 | row 2 | ...   T tokens, packed
+    positions | s0, s0+1, ..., s0+n0-1 |  s1   |  s2   |       start_pos + i
+    sampled   |                     ^  |   ^   |       |       last token of sampling rows
+
+A wrong plan (unknown sequence, block or token out of range, too few blocks) is rejected
+whole with a 400 StepResult and leaves the runner's state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ops import select_ops
+from services.worker.kv_cache import (
+    KVCache,
+    block_table_tensor,
+    blocks_needed,
+    num_blocks_for_memory,
+    slot_mapping_tensor,
+)
+from services.worker.loader import load_model, resolve_device, resolve_dtype
+from services.worker.model import ForwardBatch, LlamaModel, configure_threads
+from services.worker.sampler import RowSampling, sample
+from shared.config import Settings
+from shared.model_files import resolve_model
+from shared.protocol import (
+    ErrorInfo,
+    RowResult,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    StepRow,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    block_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class PlanError(ValueError):
+    """A plan the runner cannot carry out as given (the scheduler's mistake)."""
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        timer: Callable[[], float] = time.perf_counter,
+        wall_clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.timer = timer
+        self.wall_clock_ns = wall_clock_ns
+        self.sequences: dict[str, SequenceState] = {}
+        self.num_steps = 0
+        # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
+        self.last_forward_ns: tuple[int, int] = (0, 0)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return min(self.model.max_positions, self.kv_cache.num_slots)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        try:
+            sequences = self._applied(plan)
+            self._check_rows(plan.rows, sequences)
+        except PlanError as e:
+            error = ErrorInfo(
+                status=400, message=str(e), type="invalid_request_error", code="invalid_plan"
+            )
+            return StepResult(step_id=plan.step_id, error=error)
+        self.sequences = sequences
+        if not plan.rows:
+            return StepResult(step_id=plan.step_id)
+        try:
+            rows, forward_s = self._run(plan.rows)
+        except Exception as e:  # a device failure: report it, keep serving
+            log.exception("step %d failed", plan.step_id)
+            error = ErrorInfo(status=500, message=f"forward failed: {type(e).__name__}: {e}")
+            return StepResult(step_id=plan.step_id, error=error)
+        self.num_steps += 1
+        return StepResult(step_id=plan.step_id, rows=rows, forward_s=forward_s)
+
+    # --- plan application ----------------------------------------------------------------
+
+    def _applied(self, plan: StepPlan) -> dict[str, SequenceState]:
+        """The sequence table after the plan's bookkeeping; self.sequences is untouched."""
+        sequences = dict(self.sequences)
+        for seq_id in plan.finished_seq_ids:
+            sequences.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self._check_blocks(new.seq_id, new.block_ids)
+            sequences[new.seq_id] = SequenceState(tuple(new.block_ids), new.sampling)
+        for update in plan.updated_seqs:
+            state = sequences.get(update.seq_id)
+            if state is None:
+                raise PlanError(f"update for unknown sequence {update.seq_id!r}")
+            self._check_blocks(update.seq_id, update.new_block_ids)
+            sequences[update.seq_id] = SequenceState(
+                state.block_ids + tuple(update.new_block_ids), state.sampling
+            )
+        return sequences
+
+    def _check_blocks(self, seq_id: str, block_ids: Sequence[int]) -> None:
+        num_blocks = self.kv_cache.num_blocks
+        bad = [b for b in block_ids if not 0 <= b < num_blocks]
+        if bad:
+            raise PlanError(f"sequence {seq_id!r}: block ids {bad[:5]} outside 0..{num_blocks - 1}")
+
+    def _check_rows(self, rows: Sequence[StepRow], sequences: dict[str, SequenceState]) -> None:
+        vocab = self.model.config.vocab_size
+        seen: set[str] = set()
+        for row in rows:
+            state = sequences.get(row.seq_id)
+            if state is None:
+                raise PlanError(f"row for unknown sequence {row.seq_id!r}")
+            if row.seq_id in seen:
+                raise PlanError(f"sequence {row.seq_id!r} has two rows in one step")
+            seen.add(row.seq_id)
+            if not row.token_ids:
+                raise PlanError(f"row for {row.seq_id!r} has no tokens")
+            if min(row.token_ids) < 0 or max(row.token_ids) >= vocab:
+                raise PlanError(f"row for {row.seq_id!r} has a token id outside 0..{vocab - 1}")
+            end = row.start_pos + len(row.token_ids)
+            if row.start_pos < 0 or end > self.max_model_len:
+                raise PlanError(
+                    f"row for {row.seq_id!r} spans positions {row.start_pos}..{end - 1},"
+                    f" outside 0..{self.max_model_len - 1}"
+                )
+            if len(state.block_ids) < blocks_needed(end, self.block_size):
+                raise PlanError(
+                    f"sequence {row.seq_id!r} needs {blocks_needed(end, self.block_size)}"
+                    f" blocks for {end} tokens, has {len(state.block_ids)}"
+                )
+
+    # --- the forward -----------------------------------------------------------------------
+
+    def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], float]:
+        batch = self.build_batch(rows)
+        sampling = [
+            RowSampling(self.sequences[row.seq_id].sampling, row.output_index)
+            for row in rows
+            if row.sample
+        ]
+        start_ns, start = self.wall_clock_ns(), self.timer()
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.kv_cache)  # [S, V]
+            token_ids, logprobs = sample(logits, sampling) if sampling else ([], [])
+        forward_s = self.timer() - start
+        self.last_forward_ns = (start_ns, self.wall_clock_ns())
+        sampled_rows = [row for row in rows if row.sample]
+        results = [
+            RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
+            for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
+        ]
+        return results, forward_s
+
+    def build_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
+        """The step's index tensors, built once on the host and moved in one go per tensor."""
+        device, bs = self.model.device, self.block_size
+        token_ids: list[int] = []
+        lengths, starts, block_lists = [], [], []
+        for row in rows:
+            token_ids.extend(row.token_ids)
+            lengths.append(len(row.token_ids))
+            starts.append(row.start_pos)
+            end = row.start_pos + len(row.token_ids)
+            block_lists.append(self.sequences[row.seq_id].block_ids[: blocks_needed(end, bs)])
+        lens = torch.tensor(lengths, dtype=torch.int64)  # [R]
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        query_start[1:] = lens.cumsum(0)  # [R + 1]
+        token_rows = torch.repeat_interleave(torch.arange(len(rows)), lens)  # [T]
+        offsets = torch.arange(len(token_ids)) - query_start[token_rows]  # [T]
+        positions = torch.tensor(starts, dtype=torch.int64)[token_rows] + offsets  # [T]
+        block_tables = block_table_tensor(block_lists, torch.device("cpu"))  # [R, MB]
+        slots = slot_mapping_tensor(block_tables, token_rows, positions, bs)  # [T]
+        sampling = torch.tensor([row.sample for row in rows], dtype=torch.bool)
+        logits_indices = (query_start[1:] - 1)[sampling]  # [S]
+        context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
+        return ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            block_tables=block_tables.to(device),
+            context_lens=context_lens.to(torch.int32).to(device),
+            query_start=query_start.to(torch.int32).to(device),
+            logits_indices=logits_indices.to(device),
+            max_query_len=max(lengths),
+        )
+
+
+def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
+    """Loads the configured model and sizes its KV cache; returns the runner and model id."""
+    source = resolve_model(settings.model)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    configure_threads(device)
+    config, weights = load_model(source, device, dtype)
+    num_blocks = settings.kv_blocks or num_blocks_for_memory(
+        config,
+        settings.block_size,
+        dtype,
+        device,
+        settings.cpu_kv_cache_bytes,
+        settings.gpu_memory_utilization,
+    )
+    kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
+    model = LlamaModel(config, weights, select_ops(settings.attention_backend, device))
+    log.info(
+        "loaded %s (%s, %.0f MiB of weights) on %s as %s",
+        source.model_id,
+        source.kind,
+        weights.num_bytes() / 2**20,
+        device,
+        dtype,
+    )
+    return ModelRunner(model, kv_cache), source.model_id

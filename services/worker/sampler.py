@@ -1,0 +1,159 @@
+"""Sampling on the worker's device: greedy, temperature, top-k, top-p, min-p, logprobs.
+
+A random row draws with the exponential race: argmax(probs / q), q ~ Exp(1) per token,
+picks token i with probability probs[i]. The noise q comes from a generator seeded only by
+(sampling seed, output index), so a row samples the same token whatever else shares the
+batch, in whatever order, and again after a preempted sequence is recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    params: SamplingParams
+    output_index: int  # index of the token being sampled among the generated ones
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_seed(seed: int, output_index: int) -> int:
+    """A well-mixed 63-bit generator seed for one (request seed, output index) pair."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ output_index) >> 1
+
+
+def race_noise(rows: Sequence[RowSampling], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[S, V] Exp(1) noise; row j depends only on (seed, output_index) of rows[j]."""
+    uniform = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+    generator = torch.Generator(device=device)
+    for j, row in enumerate(rows):
+        generator.manual_seed(noise_seed(row.params.seed, row.output_index))
+        uniform[j].uniform_(generator=generator)  # [0, 1): several times cheaper than exponential_
+    # -log(u) > 0 always (u == 0 gives inf): a filtered token's 0 / q stays 0, never NaN.
+    return uniform.log_().neg_()
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[S, V] probabilities after temperature, top-k, top-p and min-p (not renormalised:
+    the exponential race does not need it). logits: [S, V] float32, temperature > 0."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)  # [S, 1]
+    # A vanishing temperature would overflow the scaled logits into inf - inf = NaN.
+    probs = (logits / temps.clamp_min(MIN_TEMPERATURE)).softmax(dim=-1)  # [S, V]
+    if any(p.top_k > 0 for p in params):
+        probs = _keep_top_k(probs, [p.top_k for p in params])
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # top-p measures the kept mass
+    if any(p.top_p < 1.0 for p in params):
+        probs = _keep_top_p(probs, [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        # min_p <= 1 keeps the most likely token whatever was asked.
+        min_ps = torch.tensor([min(p.min_p, 1.0) for p in params], device=device).unsqueeze(1)
+        floor = probs.amax(dim=-1, keepdim=True) * min_ps  # [S, 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _keep_top_k(probs: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Zeroes all but each row's k most likely tokens (k <= 0: the row is untouched)."""
+    vocab = probs.shape[-1]
+    ks = [min(k, vocab) if k > 0 else 0 for k in top_ks]
+    best = probs.topk(max(ks), dim=-1).values  # [S, K] descending
+    kth = best.gather(1, (torch.tensor(ks, device=probs.device).clamp_min(1) - 1).unsqueeze(1))
+    off = torch.tensor([k == 0 for k in ks], device=probs.device).unsqueeze(1)  # [S, 1]
+    return probs.masked_fill((probs < kth) & ~off, 0.0)
+
+
+# Nucleus search looks at this many of the most likely tokens first; a row whose nucleus
+# is wider (a flat distribution) falls back to a full sort.
+TOP_P_CANDIDATES = 256
+
+
+def _keep_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Keeps the smallest most-likely prefix of each row whose mass reaches top_p (the
+    most likely token always stays). A full sort of the vocabulary costs far more than a
+    top-k over a few hundred candidates, so that comes first."""
+    device, vocab = probs.device, probs.shape[-1]
+    p = torch.tensor(top_ps, device=device).unsqueeze(1)  # [S, 1]
+    best = probs.topk(min(TOP_P_CANDIDATES, vocab), dim=-1).values  # [S, C] descending
+    floor = _nucleus_floor(best, p)  # [S, 1]
+    wide = ((best.sum(dim=-1, keepdim=True) < p) & (p < 1.0)).squeeze(1).nonzero().squeeze(1)
+    if wide.numel():
+        full = probs[wide].sort(dim=-1, descending=True).values  # [W, V]
+        floor[wide] = _nucleus_floor(full, p[wide])
+    return probs.masked_fill((probs < floor) & (p < 1.0), 0.0)
+
+
+def _nucleus_floor(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[S, 1]: the smallest probability inside each row's nucleus."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [S, C]
+    inside = (mass_before <= p).sum(dim=-1, keepdim=True)  # >= 1: mass_before[0] == 0
+    return sorted_probs.gather(1, inside - 1)
+
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[RowSampling]
+) -> tuple[list[int], list[SampledLogprobs | None]]:
+    """One token per row (and its logprobs when asked). logits: [S, V] float32, raw."""
+    random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    if len(random_rows) == len(rows):
+        tokens = _race(logits, rows)  # [S]
+    else:
+        tokens = logits.argmax(dim=-1)  # [S]: every greedy row in one go
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            tokens[index] = _race(logits[index], [rows[i] for i in random_rows])
+    token_ids = tokens.tolist()
+    return token_ids, _logprobs(logits, rows, token_ids)
+
+
+def _race(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """[S] tokens drawn from the filtered distributions by the exponential race."""
+    probs = filtered_probs(logits, [r.params for r in rows])  # [S, V]
+    noise = race_noise(rows, logits.shape[-1], logits.device)  # [S, V]
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: Sequence[RowSampling], token_ids: list[int]
+) -> list[SampledLogprobs | None]:
+    out: list[SampledLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return out
+    device = logits.device
+    index = torch.tensor(wanted, device=device)
+    logprobs = torch.log_softmax(logits[index], dim=-1)  # [W, V]
+    chosen = torch.tensor([token_ids[i] for i in wanted], device=device)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()  # [W]
+    k = min(max(rows[i].params.logprobs or 0 for i in wanted), logits.shape[-1])
+    top_vals_l: list[list[float]] = [[] for _ in wanted]
+    top_ids_l: list[list[int]] = [[] for _ in wanted]
+    if k:
+        top = logprobs.topk(k, dim=-1)  # sorted, best first
+        top_vals_l, top_ids_l = top.values.tolist(), top.indices.tolist()
+    for w, i in enumerate(wanted):
+        n = rows[i].params.logprobs or 0
+        out[i] = SampledLogprobs(
+            token_id=token_ids[i],
+            logprob=chosen_lp[w],
+            top=[
+                TokenLogprob(token_id=t, logprob=v)
+                for t, v in zip(top_ids_l[w][:n], top_vals_l[w][:n], strict=True)
+            ],
+        )
+    return out

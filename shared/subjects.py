@@ -1,0 +1,47 @@
+"""Every NATS subject the system uses, in one place, with the namespace applied.
+
+With namespace "NS" every subject, public and internal, becomes "NS.<subject>", so several
+systems share one NATS without cross-talk (CONTRACT section 1, `--namespace`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Public (CONTRACT section 3).
+GENERATE = "llm.generate"
+ABORT = "llm.abort"
+MODELS = "llm.models"
+GATEWAY_QUEUE = "gateway"
+
+# Internal.
+SCHED_SUBMIT = "sched.submit"  # request/reply: SubmitRequest -> SubmitReply
+SCHED_ABORT = "sched.abort"  # publish: AbortRequest
+SCHED_STATS = "sched.stats"  # request/reply: StatsRequest -> SchedulerStats
+WORKER_REGISTER = "worker.register"  # request/reply: WorkerInfo -> RegisterReply
+WORKER_HEARTBEAT = "worker.heartbeat"  # publish: Heartbeat
+WORKER_DISCOVER = "worker.discover"  # publish by a (re)started scheduler: workers re-register
+SPILL_STATS = "spill.stats"  # request/reply: StatsRequest -> SpillStats
+
+
+def worker_step(worker_id: str) -> str:
+    """request/reply: StepPlan -> StepResult."""
+    return f"worker.{worker_id}.step"
+
+
+def gateway_deltas(gateway_id: str) -> str:
+    """publish, scheduler -> gateway: one DeltaBatch per tick per gateway."""
+    return f"gateway.{gateway_id}.deltas"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Applies a namespace prefix to subjects ("." separated) and Redis keys (":" separated)."""
+
+    name: str = ""
+
+    def subject(self, subject: str) -> str:
+        return f"{self.name}.{subject}" if self.name else subject
+
+    def redis_key(self, key: str) -> str:
+        return f"{self.name}:{key}" if self.name else key

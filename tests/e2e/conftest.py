@@ -1,0 +1,110 @@
+"""The systems the end-to-end tests drive: started with `spillway up`, real NATS and Redis.
+
+- `system`: the default model (SmolLM2-135M-Instruct, GGUF) in namespace "e2e", traces
+  exported to a real OTLP receiver in the test process.
+- `tiny_system`: a tiny random Llama saved by the test as a Hugging Face folder, in
+  namespace "other", on the same NATS and Redis (the namespace isolation check).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.cli.launcher import System
+from tests.e2e.otlp_sink import OtlpSink
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def otlp_sink():
+    sink = OtlpSink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture(scope="session")
+def system(nats_url, redis_url, otlp_sink):
+    s = System(
+        "--namespace", "e2e",
+        "--nats-url", nats_url,
+        "--redis-url", redis_url,
+        "--otlp-endpoint", otlp_sink.url,
+        "--kv-blocks", "512",
+        "--max-batch", "32",
+    )  # fmt: skip
+    yield s
+    code = s.stop()
+    assert code == 0, s.tail()
+
+
+@pytest.fixture(scope="session")
+def client(system):
+    with httpx.Client(base_url=system.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer():
+    from transformers import AutoTokenizer
+
+    from shared.model_files import resolve_model
+
+    src = resolve_model("SmolLM2-135M-Instruct")
+    return AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_files import resolve_model
+
+    src = resolve_model("SmolLM2-135M-Instruct")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, reference_tokenizer):
+    """A tiny random Llama with the SmolLM2 tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(1234)
+    config = LlamaConfig(
+        vocab_size=len(reference_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
+    reference_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_system(nats_url, redis_url, tiny_model_dir):
+    s = System(
+        "--model", str(tiny_model_dir),
+        "--namespace", "other",
+        "--nats-url", nats_url,
+        "--redis-url", redis_url,
+        "--kv-blocks", "128",
+    )  # fmt: skip
+    yield s
+    s.stop()

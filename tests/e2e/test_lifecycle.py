@@ -1,0 +1,127 @@
+"""Disconnects, deadlines, health, metrics and traces of the running system."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from services.cli.launcher import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _metric(client, name: str) -> float:
+    text = client.get("/metrics").text
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_client_disconnect_frees_blocks_within_a_second(client, system):
+    body = {"prompt": "Tell a long story:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=system.url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break
+        assert _metric(client, "spillway_requests_running") >= 1
+        assert _metric(client, "spillway_kv_cache_usage_ratio") > 0
+    closed = time.monotonic()
+    freed = wait_until(
+        lambda: (
+            _metric(client, "spillway_kv_cache_usage_ratio") == 0
+            and _metric(client, "spillway_requests_running") == 0
+        ),
+        timeout=1.0,
+    )
+    assert freed, f"blocks still held {time.monotonic() - closed:.2f}s after the disconnect"
+
+
+def test_deadline_ends_request_with_timeout_close_to_budget(client):
+    start = time.monotonic()
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": "Go on:", "max_tokens": 4000, "ignore_eos": True, "deadline_ms": 1500},
+    )
+    elapsed = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "timeout"
+    assert body["usage"]["completion_tokens"] > 0
+    assert 1.4 <= elapsed <= 2.5, elapsed
+
+
+def test_health_is_ok_with_a_worker(client):
+    r = client.get("/health")
+    assert r.status_code == 200
+    assert r.json()["status"] == "ok"
+
+
+def test_metrics_exports_the_contract_names(client):
+    client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+    text = client.get("/metrics").text
+    for name in (
+        "spillway_time_to_first_token_seconds_bucket",
+        "spillway_inter_token_latency_seconds_bucket",
+        "spillway_e2e_request_latency_seconds_bucket",
+        "spillway_requests_running",
+        "spillway_requests_waiting",
+        "spillway_kv_cache_usage_ratio",
+        "spillway_preemptions_total",
+        "spillway_prefix_cache_hits_total",
+        "spillway_prefix_cache_queries_total",
+        "spillway_prompt_tokens_total",
+        "spillway_generation_tokens_total",
+        "spillway_requests_finished_total",
+    ):
+        assert name in text, name
+    assert _metric(client, "spillway_generation_tokens_total") >= 3
+    assert re.search(r'spillway_requests_finished_total\{finish_reason="length"\} [1-9]', text)
+
+
+def test_one_trace_spans_gateway_scheduler_and_worker(client, otlp_sink):
+    trace_id = os.urandom(16).hex()
+    caller_span = os.urandom(8).hex()
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        headers={"traceparent": f"00-{trace_id}-{caller_span}-01"},
+    )
+    assert r.status_code == 200
+    assert r.headers["traceparent"].split("-")[1] == trace_id
+
+    def services():
+        return {s.service for s in otlp_sink.trace(trace_id)}
+
+    want = {"spillway-gateway", "spillway-scheduler", "spillway-worker"}
+    assert wait_until(lambda: want <= services(), timeout=10), services()
+    spans = otlp_sink.trace(trace_id)
+    by_id = {s.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent_span_id == caller_span]
+    assert [s.service for s in roots] == ["spillway-gateway"]
+    for s in spans:
+        if s is roots[0]:
+            continue
+        assert s.parent_span_id in by_id, f"{s.service}/{s.name} has a parent outside the trace"
+    # Parents run downstream: worker spans hang under scheduler spans, scheduler under gateway.
+    for s in spans:
+        parent = by_id.get(s.parent_span_id)
+        if s.service == "spillway-worker":
+            assert parent.service in ("spillway-worker", "spillway-scheduler")
+        if s.service == "spillway-scheduler":
+            assert parent.service in ("spillway-scheduler", "spillway-gateway")
+    root = roots[0]
+    assert root.attributes.get("gen_ai.request.model") == "SmolLM2-135M-Instruct"
+    assert (
+        root.attributes.get("gen_ai.usage.output_tokens") == r.json()["usage"]["completion_tokens"]
+    )

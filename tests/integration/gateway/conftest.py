@@ -1,0 +1,93 @@
+"""A gateway started with `serve()` (port 0) against the scripted scheduler double, both
+on the real NATS server, in a namespace of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from unittest import mock
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from services.gateway import service as gateway_service
+from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
+from shared.bus import Bus
+from shared.config import DEFAULT_MODEL, Settings
+from shared.model_files import resolve_model
+from tests.integration.gateway.scheduler_double import SchedulerDouble
+
+MODEL = DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def served_tokenizer() -> ModelTokenizer:
+    """The tokenizer the gateway serves with (same cache folder, so converted at most once)."""
+    return load_tokenizer(resolve_model(MODEL), Settings().cache_dir)
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    settings: Settings
+    stop: asyncio.Event
+    task: asyncio.Task
+
+    async def shutdown(self) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, 30)
+
+
+async def start_serving(settings: Settings) -> RunningGateway:
+    """Runs `serve()` as the CLI would and returns once it announced its URL."""
+    loop = asyncio.get_running_loop()
+    announced: asyncio.Future[str] = loop.create_future()
+    stop = asyncio.Event()
+
+    def record(service: str, detail: str = "") -> None:
+        announced.set_result(detail)
+
+    with mock.patch.object(gateway_service, "announce_ready", record):
+        task = asyncio.ensure_future(gateway_service.serve(settings, stop))
+        done, _ = await asyncio.wait({task, announced}, timeout=60, return_when="FIRST_COMPLETED")
+        if announced not in done:
+            task.cancel()
+            raise RuntimeError(f"the gateway did not start: {task}")
+    return RunningGateway(announced.result(), settings, stop, task)
+
+
+def gateway_settings(nats_url: str, namespace: str, **overrides) -> Settings:
+    return Settings(
+        nats_url=nats_url,
+        namespace=namespace,
+        port=0,
+        service_id=f"gw-{uuid.uuid4().hex[:6]}",
+        drain_timeout_s=3.0,
+        **overrides,
+    )
+
+
+@dataclass
+class System:
+    gateway: RunningGateway
+    scheduler: SchedulerDouble
+    namespace: str
+    client: httpx.AsyncClient
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def system(nats_url, served_tokenizer):
+    namespace = f"gw{uuid.uuid4().hex[:8]}"
+    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "double"), served_tokenizer)
+    await double.start()
+    gateway = await start_serving(gateway_settings(nats_url, namespace))
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        yield System(gateway, double, namespace, client)
+    await gateway.shutdown()
+    await double.close()

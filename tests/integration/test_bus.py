@@ -1,0 +1,58 @@
+"""The NATS helper against a real nats-server."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+
+from shared.bus import Bus, BusError
+from shared.protocol import AbortRequest, SubmitReply
+from shared.telemetry import Telemetry
+
+
+async def test_request_reply_roundtrip_carries_trace_context(nats_url):
+    tel = Telemetry("test", None)
+    server = await Bus.connect(nats_url, "ns1", "server")
+    client = await Bus.connect(nats_url, "ns1", "client")
+    seen = {}
+
+    async def handle(msg: AbortRequest, ctx, raw):
+        seen["subject"] = raw.subject
+        seen["trace_id"] = trace.get_current_span(ctx).get_span_context().trace_id
+        return SubmitReply(ok=len(msg.request_ids) == 2)
+
+    await server.serve("t.echo", AbortRequest, handle)
+    with tel.tracer.start_as_current_span("caller") as span:
+        reply = await client.request("t.echo", AbortRequest(request_ids=["a", "b"]), SubmitReply, 2)
+    assert reply.ok
+    assert seen["subject"] == "ns1.t.echo"
+    assert seen["trace_id"] == span.get_span_context().trace_id
+    await server.close()
+    await client.close()
+
+
+async def test_malformed_body_gets_error_reply_and_service_goes_on(nats_url):
+    server = await Bus.connect(nats_url, "", "server")
+    client = await Bus.connect(nats_url, "", "client")
+
+    async def handle(msg, ctx, raw):
+        return SubmitReply(ok=True)
+
+    await server.serve("t.strict", AbortRequest, handle)
+    raw = await client.nc.request("t.strict", b"{not json", timeout=2)
+    assert raw.headers["Spillway-Error"] == "400"
+    with pytest.raises(BusError) as err:
+        await client.request("t.strict", SubmitReply(ok=True), SubmitReply, 2)
+    assert err.value.info.status == 400
+    ok = await client.request("t.strict", AbortRequest(request_ids=[]), SubmitReply, 2)
+    assert ok.ok
+    await server.close()
+    await client.close()
+
+
+async def test_request_without_responders_is_503(nats_url):
+    client = await Bus.connect(nats_url, "", "client")
+    with pytest.raises(BusError) as err:
+        await client.request("t.nobody", AbortRequest(request_ids=[]), SubmitReply, 1)
+    assert err.value.info.status == 503
+    await client.close()

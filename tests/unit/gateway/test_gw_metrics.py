@@ -1,0 +1,89 @@
+"""Latency math and the exported metric names (CONTRACT section 5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.metrics import GatewayMetrics, TokenTimer
+from shared.protocol import SchedulerStats
+
+CONTRACT_NAMES = [
+    "spillway_time_to_first_token_seconds_bucket",
+    "spillway_inter_token_latency_seconds_bucket",
+    "spillway_e2e_request_latency_seconds_bucket",
+    "spillway_requests_running",
+    "spillway_requests_waiting",
+    "spillway_kv_cache_usage_ratio",
+    'spillway_preemptions_total{mode="spill"}',
+    'spillway_preemptions_total{mode="recompute"}',
+    "spillway_prefix_cache_hits_total",
+    "spillway_prefix_cache_queries_total",
+    "spillway_prompt_tokens_total",
+    "spillway_generation_tokens_total",
+    "spillway_requests_finished_total",
+]
+
+
+def test_first_token_then_gaps_spread_over_a_delta():
+    timer = TokenTimer(arrival=10.0)
+    assert timer.on_tokens(1, 10.25) == (0.25, [])
+    assert timer.on_tokens(1, 10.35) == (None, [pytest.approx(0.1)])
+    ttft, gaps = timer.on_tokens(2, 10.55)
+    assert ttft is None and gaps == [pytest.approx(0.1), pytest.approx(0.1)]
+    assert timer.on_tokens(0, 11.0) == (None, [])
+
+
+def test_first_delta_with_several_tokens_counts_as_first_token():
+    timer = TokenTimer(arrival=0.0)
+    assert timer.on_tokens(3, 0.5) == (0.5, [])
+
+
+def metric_value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} missing")
+
+
+def test_exported_names_and_scheduler_values():
+    metrics = GatewayMetrics()
+    timer = TokenTimer(0.0)
+    metrics.prompt_tokens.inc(7)
+    metrics.on_tokens(timer, 1, 0.2)
+    metrics.on_tokens(timer, 2, 0.4)
+    metrics.on_finished(timer, "length", 0.5)
+    metrics.scheduler.update(
+        SchedulerStats(
+            num_workers=2,
+            num_running=3,
+            num_waiting=4,
+            kv_usage=0.25,
+            preemptions={"spill": 5},
+            prefix_cache_hit_tokens=16,
+            prefix_cache_query_tokens=64,
+        )
+    )
+    text = metrics.render().decode()
+    for name in CONTRACT_NAMES:
+        assert name in text, name
+    assert metric_value(text, "spillway_requests_running") == 3
+    assert metric_value(text, "spillway_requests_waiting") == 4
+    assert metric_value(text, "spillway_kv_cache_usage_ratio") == 0.25
+    assert metric_value(text, 'spillway_preemptions_total{mode="spill"}') == 5
+    assert metric_value(text, 'spillway_preemptions_total{mode="recompute"}') == 0
+    assert metric_value(text, "spillway_prefix_cache_hits_total") == 16
+    assert metric_value(text, "spillway_prompt_tokens_total") == 7
+    assert metric_value(text, "spillway_generation_tokens_total") == 3
+    assert metric_value(text, 'spillway_requests_finished_total{finish_reason="length"}') == 1
+    assert metric_value(text, "spillway_time_to_first_token_seconds_count") == 1
+    assert metric_value(text, "spillway_inter_token_latency_seconds_count") == 2
+    assert metric_value(text, "spillway_e2e_request_latency_seconds_sum") == 0.5
+
+
+def test_scheduler_down_keeps_last_values_and_says_so():
+    metrics = GatewayMetrics()
+    metrics.scheduler.update(SchedulerStats(num_workers=1, num_running=2, num_waiting=0))
+    metrics.scheduler.update(None)
+    text = metrics.render().decode()
+    assert metric_value(text, "spillway_scheduler_up") == 0
+    assert metric_value(text, "spillway_requests_running") == 2

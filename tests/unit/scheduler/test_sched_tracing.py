@@ -1,0 +1,71 @@
+"""The span observer: a request's spans hang under the submit's context, rows carry
+traceparents while exporting, GenAI attributes are set."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.scheduler.tracing import SpanObserver
+from shared.clock import FakeClock
+from shared.telemetry import Telemetry
+from tests.unit.scheduler.harness import FakeWorker, make_core, submit_request, tick
+
+
+def _traced_run(exporting: bool):
+    tel = Telemetry("scheduler", None)
+    tel.exporting = exporting
+    exporter = InMemorySpanExporter()
+    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = SpanObserver(tel, FakeClock(100.0), lambda: "test-model")
+    core, _ = make_core(observer=observer, max_num_batched_tokens=4)
+    worker = FakeWorker(block_size=4)
+    with tel.tracer.start_as_current_span("gateway.request") as parent:
+        observer.bind("r", trace.set_span_in_context(parent))
+    assert core.add_request(submit_request("r", prompt_len=6, max_tokens=3)) is None
+    while core.has_work():
+        observer.start_tick()
+        tick(core, worker)
+        observer.end_tick({})
+    return exporter.get_finished_spans(), parent, worker
+
+
+def test_request_spans_hang_under_the_submit_context_with_genai_attributes():
+    spans, parent, worker = _traced_run(exporting=False)
+    by_name: dict[str, list] = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    request = by_name["scheduler.request"][0]
+    assert request.parent.span_id == parent.get_span_context().span_id
+    assert request.context.trace_id == parent.get_span_context().trace_id
+    assert request.attributes["gen_ai.request.model"] == "test-model"
+    assert request.attributes["gen_ai.usage.input_tokens"] == 6
+    assert request.attributes["gen_ai.usage.output_tokens"] == 3
+    assert request.attributes["gen_ai.request.max_tokens"] == 3
+    assert tuple(request.attributes["gen_ai.response.finish_reasons"]) == ("length",)
+    children = {"scheduler.queue", "scheduler.prefill", "scheduler.retire"}
+    for name in children:
+        assert all(s.parent.span_id == request.context.span_id for s in by_name[name])
+    assert len(by_name["scheduler.prefill"]) == 2  # 6 prompt tokens, 4 per step
+    assert "scheduler.decode" not in by_name  # only while exporting
+    assert "scheduler.tick" not in by_name
+    assert all(r.traceparent is None for p in worker.plans for r in p.rows)
+
+
+def test_while_exporting_rows_carry_their_step_span_as_traceparent():
+    spans, _, worker = _traced_run(exporting=True)
+    step_spans = {
+        format(s.context.span_id, "016x"): s
+        for s in spans
+        if s.name in ("scheduler.prefill", "scheduler.decode")
+    }
+    rows = [r for p in worker.plans for r in p.rows]
+    assert len(step_spans) == len(rows) == 4  # two prefill chunks, two decode steps
+    for row in rows:
+        assert row.traceparent is not None
+        assert row.traceparent.split("-")[2] in step_spans
+    ticks = [s for s in spans if s.name == "scheduler.tick"]
+    phases = [s for s in spans if s.name == "scheduler.deadline_sweep"]
+    assert ticks and len(phases) == len(ticks)
+    assert all(p.parent.span_id in {t.context.span_id for t in ticks} for p in phases)

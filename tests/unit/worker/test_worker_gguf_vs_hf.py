@@ -1,0 +1,109 @@
+"""Our forward on the default GGUF model against Hugging Face transformers (float32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.worker.runner import ModelRunner, load_runner
+from shared.config import load_settings
+from shared.model_files import resolve_model
+from shared.protocol import NewSequence, StepPlan, StepRow
+from tests.unit.worker.plans import GREEDY, generate
+
+pytestmark = pytest.mark.slow
+
+# "The history of the Roman Empire begins with the founding of the city of Rome, which
+# according to legend happened in 753 BC when the twins Romulus and Remus"
+LONG_PROMPT = [
+    504, 1463, 282, 260, 4469, 7057, 5634, 351, 260, 14465, 282, 260, 2240, 282, 7268, 28,
+    527, 2289, 288, 9675, 5024, 281, 216, 39, 37, 35, 7636, 645, 260, 22734, 7810, 16884,
+    284, 3579, 376,
+]  # fmt: skip
+PROMPTS = [
+    [1604, 3987, 46477, 24, 94, 727, 472, 585, 304, 2067, 216, 34, 42],  # def fibonacci(n):...
+    [12615, 36411, 418],  # Water boils at
+    [5965, 20334, 11594, 327, 253, 2365, 11494, 314],  # My favourite recipe for a quick...
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model("SmolLM2-135M-Instruct")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    settings = load_settings(kv_blocks=64, device="cpu", dtype="float32")
+    return load_runner(settings)[0]
+
+
+@pytest.fixture(scope="module")
+def reference_logits(hf_model) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([LONG_PROMPT])).logits[0]  # [L, V]
+
+
+def _logits_of_chunks(
+    runner: ModelRunner, seq_id: str, block_ids: list[int], chunks: list[list[int]]
+) -> torch.Tensor:
+    """Runs the chunks one step each through the paged cache; logits of every token."""
+    result = runner.execute(
+        StepPlan(
+            step_id=0, new_seqs=[NewSequence(seq_id=seq_id, sampling=GREEDY, block_ids=block_ids)]
+        )
+    )
+    assert result.error is None
+    out, pos = [], 0
+    for chunk in chunks:
+        row = StepRow(seq_id=seq_id, token_ids=chunk, start_pos=pos, sample=True)
+        batch = runner.build_batch([row])
+        batch.logits_indices = torch.arange(len(chunk))
+        with torch.inference_mode():
+            out.append(runner.model.forward(batch, runner.kv_cache))
+        pos += len(chunk)
+    return torch.cat(out)  # [L, V]
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    max_diff = (ours - ref).abs().max().item()
+    assert max_diff < 1e-3 * ref.abs().max().item(), max_diff
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_full_prefill_logits_match_transformers(runner, reference_logits):
+    logits = _logits_of_chunks(runner, "full", [0, 1, 2], [LONG_PROMPT])
+    _assert_close(logits, reference_logits)
+
+
+def test_chunked_prefill_then_decode_over_scattered_blocks_matches_transformers(
+    runner, reference_logits
+):
+    blocks = list(range(runner.num_kv_blocks))
+    random.Random(7).shuffle(blocks)
+    prefill, decode = LONG_PROMPT[:28], LONG_PROMPT[28:]
+    chunks = [prefill[i : i + 7] for i in range(0, len(prefill), 7)] + [[t] for t in decode]
+    logits = _logits_of_chunks(runner, "chunked", blocks[:3], chunks)
+    _assert_close(logits, reference_logits)
+
+
+def test_batched_greedy_generation_equals_transformers_generate(runner, hf_model):
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf_model.generate(ids, max_new_tokens=16, do_sample=False)
+        expected.append(out[0, len(prompt) :].tolist())
+    assert all(len(e) == 16 for e in expected)  # none stopped early at EOS
+
+    got = generate(runner, PROMPTS, max_new_tokens=16, chunk=5, start_steps=[0, 1, 3])
+    assert got == expected

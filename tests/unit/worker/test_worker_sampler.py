@@ -1,0 +1,157 @@
+"""The sampler: seeded per (seed, output index), filters, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.sampler import RowSampling, filtered_probs, sample
+from shared.protocol import SamplingParams
+
+VOCAB = 1000
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3  # [S, V]
+
+
+def _row(seed: int, output_index: int = 0, **params) -> RowSampling:
+    return RowSampling(SamplingParams(seed=seed, **params), output_index)
+
+
+def test_a_row_samples_the_same_token_whatever_else_is_in_the_batch():
+    logits = _logits(6)
+    rows = [_row(seed=100 + i, output_index=i, temperature=1.0) for i in range(6)]
+    alone = [sample(logits[i : i + 1], [rows[i]])[0][0] for i in range(6)]
+    together = sample(logits, rows)[0]
+    order = [4, 1, 5, 0, 3, 2]
+    shuffled = sample(logits[order], [rows[i] for i in order])[0]
+    assert together == alone
+    assert shuffled == [alone[i] for i in order]
+
+
+def test_a_greedy_neighbour_does_not_change_a_random_row():
+    logits = _logits(2)
+    random_row = _row(seed=5, temperature=0.9, top_p=0.95)
+    alone = sample(logits[1:], [random_row])[0]
+    mixed = sample(logits, [_row(seed=0, temperature=0.0), random_row])[0]
+    assert mixed[1:] == alone
+
+
+def test_different_seeds_and_output_indices_give_different_draws():
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw is pure noise
+    by_seed = {sample(logits, [_row(seed=s, temperature=1.0)])[0][0] for s in range(50)}
+    by_index = {
+        sample(logits, [_row(seed=1, output_index=i, temperature=1.0)])[0][0] for i in range(50)
+    }
+    assert len(by_seed) > 40
+    assert len(by_index) > 40
+
+
+def test_temperature_zero_is_argmax():
+    logits = _logits(5)
+    tokens, _ = sample(logits, [_row(seed=i, temperature=0.0) for i in range(5)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(8)
+    greedy = logits.argmax(-1).tolist()
+    top_k, _ = sample(logits, [_row(seed=i, temperature=1.5, top_k=1) for i in range(8)])
+    top_p, _ = sample(logits, [_row(seed=i, temperature=1.5, top_p=1e-6) for i in range(8)])
+    assert top_k == greedy
+    assert top_p == greedy
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = _logits(1)
+    probs = filtered_probs(logits, [SamplingParams(top_k=10)])
+    kept = probs[0].nonzero().squeeze(1)
+    assert set(kept.tolist()) == set(logits[0].topk(10).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = filtered_probs(logits, [SamplingParams(top_p=0.7)])
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = filtered_probs(logits, [SamplingParams(min_p=0.25)])  # floor 0.125
+    assert (probs[0] > 0).tolist() == [True, True, True, False]
+    drawn = {sample(logits, [_row(seed=s, temperature=1.0, min_p=0.25)])[0][0] for s in range(200)}
+    assert drawn == {0, 1, 2}
+
+
+def test_frequencies_follow_softmax_at_temperature_one():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    expected = logits.softmax(-1)[0]
+    draws = 4000
+    counts = torch.zeros(4)
+    for i in range(draws):
+        counts[sample(logits, [_row(seed=12345, output_index=i, temperature=1.0)])[0][0]] += 1
+    # 4000 draws: the standard error of each frequency is below 0.008.
+    assert (counts / draws - expected).abs().max().item() < 0.03
+
+
+def test_logprobs_are_log_softmax_of_raw_logits_with_sorted_top():
+    logits = _logits(3)
+    rows = [
+        _row(seed=1, temperature=0.0, logprobs=5),
+        _row(seed=2, temperature=0.7, top_k=3, logprobs=0),
+        _row(seed=3, temperature=1.0),
+    ]
+    tokens, logprobs = sample(logits, rows)
+    expected = torch.log_softmax(logits, dim=-1)
+    first, second, third = logprobs
+    assert third is None
+    assert first is not None and second is not None
+    assert first.token_id == tokens[0]
+    assert abs(first.logprob - expected[0, tokens[0]].item()) < 1e-5
+    assert [t.token_id for t in first.top] == expected[0].topk(5).indices.tolist()
+    top_values = [t.logprob for t in first.top]
+    assert top_values == sorted(top_values, reverse=True)
+    assert abs(top_values[0] - expected[0].max().item()) < 1e-5
+    # A filtered, tempered row still reports the model's unprocessed logprob.
+    assert abs(second.logprob - expected[1, tokens[1]].item()) < 1e-5
+    assert second.top == []
+
+
+def _reference_nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    sorted_probs, order = probs.sort(descending=True)
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    return set(order[mass_before <= top_p].tolist())
+
+
+def test_top_p_matches_a_full_sort_for_peaked_and_flat_rows():
+    peaked = _logits(3, seed=1) * 2  # nucleus within the first candidates
+    flat = _logits(3, seed=2) * 0.05  # nucleus of hundreds of tokens: the full-sort path
+    logits = torch.cat([peaked, flat])
+    top_ps = [0.5, 0.9, 0.99, 0.3, 0.6, 0.95]
+    params = [SamplingParams(top_p=p) for p in top_ps]
+    probs = filtered_probs(logits, params)
+    softmax = logits.softmax(-1)
+    for row, top_p in enumerate(top_ps):
+        kept = set(probs[row].nonzero().squeeze(1).tolist())
+        assert kept == _reference_nucleus(softmax[row], top_p)
+    assert len(set(probs[4].nonzero().squeeze(1).tolist())) > 300
+
+
+def test_top_k_then_top_p_apply_to_the_renormalised_top_k():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    # top-2 leaves (4/7, 3/7): top-p 0.5 keeps only the first; the second row has no top-k.
+    params = [SamplingParams(top_k=2, top_p=0.5), SamplingParams(top_p=0.65)]
+    probs = filtered_probs(logits, params)
+    assert (probs[0] > 0).tolist() == [True, False, False, False]
+    assert (probs[1] > 0).tolist() == [True, True, False, False]
+
+
+def test_extreme_parameters_still_sample_a_likely_token():
+    logits = _logits(3)
+    rows = [
+        _row(seed=1, temperature=1e-30),
+        _row(seed=2, temperature=1.0, min_p=5.0),
+        _row(seed=3, temperature=1.0, top_p=0.0),
+    ]
+    tokens, _ = sample(logits, rows)
+    assert tokens == logits.argmax(-1).tolist()

@@ -1,0 +1,46 @@
+"""A tiny random Llama saved as a Hugging Face folder: fast to load, exercises the
+safetensors path with untied embeddings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.worker.runner import ModelRunner, load_runner
+from shared.config import load_settings
+
+TINY_VOCAB = 256
+
+
+def save_tiny_llama(folder: Path, tie_word_embeddings: bool = False) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    # Random init is near-uniform; a wider spread makes greedy choices clear-cut.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def tiny_runner(folder: Path, kv_blocks: int = 64) -> ModelRunner:
+    settings = load_settings(model=str(folder), kv_blocks=kv_blocks, device="cpu", dtype="float32")
+    runner, _model_id = load_runner(settings)
+    return runner

@@ -1,8 +1,19 @@
-"""Fixtures shared by every test folder: private NATS and Redis servers on free ports."""
+"""Fixtures shared by every test folder: private NATS and Redis servers on free ports.
+
+Without CUDA, Triton kernels run in Triton's CPU interpreter. Triton fixes the mode of a
+`@triton.jit` function when it is defined, and any test may be the first to import a
+kernel module, so the switch is set here, before every test module.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.cli.servers import start_nats, start_redis
 

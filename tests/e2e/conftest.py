@@ -66,6 +66,8 @@ def reference_model():
     model = AutoModelForCausalLM.from_pretrained(
         str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32
     )
+    # The tests compare runs with ignore_eos: generate must not stop at EOS either.
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 

@@ -26,6 +26,7 @@ def test_hf_folder_generates_the_same_tokens_as_transformers(tiny_system, tiny_m
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # the request ignores EOS too
     prompt = [1, 504, 3781, 282, 4649, 314]
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():

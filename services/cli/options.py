@@ -37,10 +37,15 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--attention-backend", "attention_backend", {"choices": ["auto", "torch", "triton"],
                                                   "help": "worker kernels: auto = Triton on "
                                                   "CUDA, torch elsewhere"}),
+    ("--no-cuda-graphs", "cuda_graphs", {"action": "store_const", "const": False,
+                                         "help": "run decode steps eagerly, without CUDA "
+                                         "graphs"}),
     ("--log-level", "log_level", {"help": "DEBUG, INFO, WARNING or ERROR"}),
 ]  # fmt: skip
 
 SECRET_FIELDS = {"api_key"}
+# Switches that are on unless their --no-... flag is given.
+OFF_SWITCHES = {"prefix_cache", "cuda_graphs"}
 
 
 def add_options(parser: argparse.ArgumentParser, defaults: Settings) -> None:
@@ -49,7 +54,7 @@ def add_options(parser: argparse.ArgumentParser, defaults: Settings) -> None:
         shown = getattr(defaults, field)
         if field in SECRET_FIELDS and shown:
             shown = "(set)"
-        if field == "prefix_cache":
+        if field in OFF_SWITCHES:
             shown = "on" if shown else "off"
         if shown in (None, ""):
             shown = "sized from memory" if field == "kv_blocks" else "none"
@@ -69,7 +74,7 @@ def as_arguments(settings: Settings) -> list[str]:
         value = getattr(settings, field)
         if value is None:
             continue
-        if field == "prefix_cache":
+        if field in OFF_SWITCHES:
             if not value:
                 out.append(flag)
             continue

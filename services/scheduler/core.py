@@ -243,6 +243,13 @@ class SchedulerCore:
 
     # --- queries --------------------------------------------------------------------
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline still pending (clock time), so an idle shell knows when
+        the next sweep is due even if nothing else happens."""
+        while self._deadlines and self._deadlines[0][2] not in self._requests:
+            heapq.heappop(self._deadlines)  # that request ended some other way
+        return self._deadlines[0][0] if self._deadlines else None
+
     def has_work(self) -> bool:
         return self.blocks is not None and bool(
             self._running or len(self._waiting) or len(self._preempted)

@@ -71,6 +71,7 @@ class SchedulerService:
         self.settings = settings
         self.bus = bus
         clock = clock or MonotonicClock()
+        self.clock = clock
         self.tracer = SpanObserver(tel, clock, self._model_id)
         self.core = SchedulerCore(clock, SchedulerConfig.from_settings(settings), self.tracer)
         self.registry = WorkerRegistry(clock, settings.worker_timeout_s)
@@ -217,7 +218,17 @@ class SchedulerService:
                 log.exception("scheduler tick failed")
                 ran_step = False
             if not ran_step:
-                await self._wake.wait()
+                await self._idle()
+
+    async def _idle(self) -> None:
+        """Waits for news; wakes by itself when a waiting request's deadline falls due, so
+        it times out on time even when no other event comes."""
+        deadline = self.core.next_deadline()
+        if deadline is None:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - self.clock.now()))
 
     async def _tick(self) -> bool:
         """One tick; True when a step ran (then there may be more to do at once)."""

@@ -5,6 +5,10 @@ tensors (block tables, slot mappings) that address it.
 
 A token at position p of a sequence with block list B lives at slot
 B[p // block_size] * block_size + p % block_size.
+
+One block beyond `num_blocks` (`pad_block`) is never handed out: the padding rows of a
+decode CUDA graph attend to it. Nothing ever writes it, so it holds zeros for good and a
+padding row computes finite numbers without touching any sequence's blocks.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.num_blocks = num_blocks
+        shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        self.num_blocks = num_blocks  # blocks the scheduler may hand out: 0..num_blocks - 1
+        self.pad_block = num_blocks
         self.block_size = block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -1,6 +1,7 @@
-"""Model weights from a GGUF file or a Hugging Face safetensors folder, as torch tensors.
+"""Model weights from a GGUF file or a Hugging Face safetensors folder, as torch tensors
+(or random ones for a synthetic model).
 
-Both sources end in the same `ModelWeights`: q/k/v fused into one projection and
+Every source ends in the same `ModelWeights`: q/k/v fused into one projection and
 gate/up fused into another, so each layer runs one matmul for each, in the Hugging Face
 layout (rotate-half RoPE, weights `[out_features, in_features]`).
 """
@@ -77,6 +78,11 @@ def load_model(
     source: ModelSource, device: torch.device, dtype: torch.dtype
 ) -> tuple[ModelConfig, ModelWeights]:
     """The model's config (tie_word_embeddings as found in the weights) and its weights."""
+    if source.kind == "synthetic":
+        from services.worker.synthetic import synthetic_weights
+
+        config = load_model_config(source)
+        return config, synthetic_weights(config, device, dtype)
     if source.kind == "gguf":
         from gguf import GGUFReader
 

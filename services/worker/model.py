@@ -4,12 +4,16 @@ One forward runs a flat batch of T tokens from R rows: prefill chunks and decode
 alike, each row's tokens packed back to back (`query_start`). Attention, KV stores, norms
 and rotary go through `kernels.ops`, so the same model runs the torch path on CPU and the
 Triton kernels on CUDA. Only the rows that sample get the final norm and the lm_head.
+
+A step whose rows all hold one token (every row decoding) takes the decode attention fast
+path; such a step is also what a decode CUDA graph captures (`cuda_graphs`), with every row's
+logits computed and no value read back to the host along the way.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +34,28 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [R, MB] int32
     context_lens: torch.Tensor  # [R] int32: tokens in the cache after this step
     query_start: torch.Tensor  # [R + 1] int32
-    logits_indices: torch.Tensor  # [S] int64: the last token of each sampling row
+    # [S] int64: the last token of each sampling row; None: every token's logits
+    logits_indices: torch.Tensor | None
     max_query_len: int  # the longest row, known on the host (sizes kernel grids)
+    # The longest context, known on the host (trims decode attention's split-K); None when
+    # it must not be baked in (a CUDA graph replays for any context).
+    max_context_len: int | None = None
+    # One token per row (T == R): attention takes the `paged_decode_attention` fast path.
+    decode_only: bool = False
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch with its tensors on `device` (one copy per tensor)."""
+        idx = self.logits_indices
+        return replace(
+            self,
+            token_ids=self.token_ids.to(device),
+            positions=self.positions.to(device),
+            slot_mapping=self.slot_mapping.to(device),
+            block_tables=self.block_tables.to(device),
+            context_lens=self.context_lens.to(device),
+            query_start=self.query_start.to(device),
+            logits_indices=None if idx is None else idx.to(device),
+        )
 
 
 def rope_tables(
@@ -83,7 +107,8 @@ class LlamaModel:
         return self.weights.dtype
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Logits [S, V] float32 for the sampling rows; writes this step's K/V to the cache."""
+        """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
+        None); writes this step's K/V to the cache. Reads nothing back to the host."""
         eps = self.config.rms_norm_eps
         x = F.embedding(batch.token_ids, self.weights.embed)  # [T, H]
         residual = None
@@ -100,7 +125,9 @@ class LlamaModel:
             x = self._swiglu(h, layer)
         # Only the last token of each sampling row needs the final norm and the lm_head.
         idx = batch.logits_indices
-        h, _ = self.ops.fused_add_rms_norm(x[idx], residual[idx], self.weights.norm, eps)
+        if idx is not None:
+            x, residual = x[idx], residual[idx]
+        h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, eps)
         return self.ops.linear(h, self.weights.lm_head).float()  # [S, V]
 
     def _attention(
@@ -120,6 +147,17 @@ class LlamaModel:
         v = v.view(t, c.num_kv_heads, c.head_dim)
         self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.decode_only:  # T == R: row r's single query is q[r]
+            out = self.ops.paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.context_lens,
+                self.scale,
+                max_context_len=batch.max_context_len,
+            )  # [R, Hq, D]
+            return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
         out = self.ops.paged_attention(
             q,
             k_cache,

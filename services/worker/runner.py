@@ -7,6 +7,9 @@ append blocks to running ones), then all its rows run in one batched forward:
     positions | s0, s0+1, ..., s0+n0-1 |  s1   |  s2   |       start_pos + i
     sampled   |                     ^  |   ^   |       |       last token of sampling rows
 
+A step whose rows all decode (one token each) replays a captured CUDA graph when the runner
+has one for its size (`capture_decode_graphs`); other steps run eagerly.
+
 A wrong plan (unknown sequence, block or token out of range, too few blocks) is rejected
 whole with a 400 StepResult and leaves the runner's state as it was.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.ops import select_ops
+from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
 from services.worker.kv_cache import (
     KVCache,
     block_table_tensor,
@@ -68,6 +72,7 @@ class ModelRunner:
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.sequences: dict[str, SequenceState] = {}
+        self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
         self.num_steps = 0
         # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
         self.last_forward_ns: tuple[int, int] = (0, 0)
@@ -160,7 +165,7 @@ class ModelRunner:
     # --- the forward -----------------------------------------------------------------------
 
     def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], float]:
-        batch = self.build_batch(rows)
+        batch = self.host_batch(rows)
         sampling = [
             RowSampling(self.sequences[row.seq_id].sampling, row.output_index)
             for row in rows
@@ -168,7 +173,7 @@ class ModelRunner:
         ]
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.kv_cache)  # [S, V]
+            logits = self.logits(batch)  # [S, V]
             token_ids, logprobs = sample(logits, sampling) if sampling else ([], [])
         forward_s = self.timer() - start
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
@@ -179,9 +184,33 @@ class ModelRunner:
         ]
         return results, forward_s
 
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,
+        on the device. An all-decode batch replays a CUDA graph when one holds it."""
+        if self.graphs is None or not self.graphs.covers(batch):
+            with torch.inference_mode():
+                return self.model.forward(batch.to(self.model.device), self.kv_cache)
+        logits = self.graphs.run(batch)  # [R, V], every row
+        idx = batch.logits_indices
+        assert idx is not None
+        if idx.numel() == logits.shape[0]:  # every row samples: row r is logits row r
+            return logits
+        # Pageable memory is staged at once; not blocking spares waiting for the replay.
+        return logits[idx.to(logits.device, non_blocking=True)]
+
+    def capture_decode_graphs(self, sizes: Sequence[int], capture: Capture | None = None) -> None:
+        """Captures a decode graph per batch size (CUDA graphs unless `capture` says
+        otherwise); all-decode steps of up to max(sizes) rows replay them from then on."""
+        self.graphs = None  # the old graphs' memory goes back before the new ones take theirs
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, self.max_model_len, capture)
+
     def build_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
-        """The step's index tensors, built once on the host and moved in one go per tensor."""
-        device, bs = self.model.device, self.block_size
+        """The step's index tensors on the model's device."""
+        return self.host_batch(rows).to(self.model.device)
+
+    def host_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
+        """The step's index tensors, built on the host (then moved in one copy per tensor)."""
+        bs = self.block_size
         token_ids: list[int] = []
         lengths, starts, block_lists = [], [], []
         for row in rows:
@@ -201,23 +230,29 @@ class ModelRunner:
         sampling = torch.tensor([row.sample for row in rows], dtype=torch.bool)
         logits_indices = (query_start[1:] - 1)[sampling]  # [S]
         context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
+        max_query_len = max(lengths)
         return ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
-            block_tables=block_tables.to(device),
-            context_lens=context_lens.to(torch.int32).to(device),
-            query_start=query_start.to(torch.int32).to(device),
-            logits_indices=logits_indices.to(device),
-            max_query_len=max(lengths),
+            token_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=block_tables,
+            context_lens=context_lens.to(torch.int32),
+            query_start=query_start.to(torch.int32),
+            logits_indices=logits_indices,
+            max_query_len=max_query_len,
+            max_context_len=int(context_lens.max()),
+            decode_only=max_query_len == 1,
         )
 
 
 def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
-    """Loads the configured model and sizes its KV cache; returns the runner and model id."""
+    """Loads the configured model, sizes its KV cache and, on CUDA, captures the decode
+    graphs; returns the runner and the model id."""
     source = resolve_model(settings.model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    # Before the weights load: a backend that cannot run here fails at once.
+    ops = select_ops(settings.attention_backend, device)
     configure_threads(device)
     config, weights = load_model(source, device, dtype)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
@@ -229,13 +264,33 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.gpu_memory_utilization,
     )
     kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
-    model = LlamaModel(config, weights, select_ops(settings.attention_backend, device))
+    model = LlamaModel(config, weights, ops)
     log.info(
-        "loaded %s (%s, %.0f MiB of weights) on %s as %s",
+        "loaded %s (%s, %.0f MiB of weights) on %s as %s with %s kernels",
         source.model_id,
         source.kind,
         weights.num_bytes() / 2**20,
         device,
         dtype,
+        ops.name,
     )
-    return ModelRunner(model, kv_cache), source.model_id
+    runner = ModelRunner(model, kv_cache)
+    if graphs_wanted(settings, device, ops.name):
+        sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)
+        try:
+            runner.capture_decode_graphs(sizes)
+        except Exception:  # serving slower beats not serving
+            log.exception("decode CUDA graph capture failed: decode steps run eagerly")
+            runner.graphs = None
+    return runner, source.model_id
+
+
+def graphs_wanted(settings: Settings, device: torch.device, backend: str) -> bool:
+    """Decode graphs need CUDA and kernels that never read lengths back to the host (the
+    torch backend sizes its gathers from them)."""
+    if not settings.cuda_graphs or device.type != "cuda":
+        return False
+    if backend != "triton":
+        log.info("decode CUDA graphs off: the %s backend reads lengths back to the host", backend)
+        return False
+    return True

@@ -26,7 +26,12 @@ from shared.protocol import (
     WorkerInfo,
 )
 from shared.telemetry import Telemetry, span_context_header
-from tests.unit.worker.tiny_llama import TINY_VOCAB, save_tiny_llama, tiny_runner
+from tests.unit.worker.tiny_llama import (
+    TINY_VOCAB,
+    save_tiny_llama,
+    tiny_runner,
+    write_synthetic_config,
+)
 
 LOAD_TIMEOUT_S = 60.0
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, seed=7, logprobs=2)
@@ -192,3 +197,25 @@ async def test_traced_rows_get_worker_forward_spans(nats_url, tiny_llama_dir):
     assert span.attributes["spillway.batch.tokens"] == 18
     assert span.end_time > span.start_time
     assert span.kind == trace.SpanKind.INTERNAL
+
+
+async def test_worker_serves_a_synthetic_model(nats_url, tmp_path):
+    config = write_synthetic_config(tmp_path)
+    settings = _settings(nats_url, f"synthetic:{config}", "w-synthetic")
+    bus = await Bus.connect(nats_url, settings.namespace, "test-scheduler")
+    scheduler = SchedulerDouble(bus)
+    await scheduler.answer_registrations()
+    stop = asyncio.Event()
+    worker = asyncio.create_task(serve(settings, stop))
+    try:
+        info = await asyncio.wait_for(scheduler.registrations.get(), LOAD_TIMEOUT_S)
+        assert info.model_id == f"synthetic-{tmp_path.name}"
+        assert (info.vocab_size, info.eos_token_ids) == (TINY_VOCAB, [2])
+        plan = _prefill_plan(1, "synthetic-seq")
+        result = await bus.request(subjects.worker_step("w-synthetic"), plan, StepResult, 30)
+        assert result.error is None and len(result.rows) == 1
+        assert 0 <= result.rows[0].token_id < TINY_VOCAB
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await bus.close()

@@ -187,3 +187,15 @@ def test_losing_the_only_worker_ends_everything_with_no_worker_available():
     assert not core.has_work()
     assert core.schedule() is None
     assert core.add_request(submit_request("late")).status == 503  # type: ignore[union-attr]
+
+
+def test_next_deadline_is_the_earliest_pending_one():
+    core, clock = make_core(num_kv_blocks=16)
+    assert core.next_deadline() is None
+    submit(core, "slow", max_tokens=5, deadline_ms=500)
+    submit(core, "soon", max_tokens=5, deadline_ms=100)
+    submit(core, "none", max_tokens=5)
+    assert core.next_deadline() == clock.now() + 0.1
+    core.abort(["soon"])
+    core.end_tick()
+    assert core.next_deadline() == clock.now() + 0.5

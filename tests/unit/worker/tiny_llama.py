@@ -3,6 +3,7 @@ safetensors path with untied embeddings."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -44,3 +45,25 @@ def tiny_runner(folder: Path, kv_blocks: int = 64) -> ModelRunner:
     settings = load_settings(model=str(folder), kv_blocks=kv_blocks, device="cpu", dtype="float32")
     runner, _model_id = load_runner(settings)
     return runner
+
+
+TINY_SYNTHETIC_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def write_synthetic_config(folder: Path, **changes: object) -> Path:
+    """A config.json for `--model synthetic:<path>`: the tiny shapes, weights made at load."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({**TINY_SYNTHETIC_CONFIG, **changes}))
+    return path

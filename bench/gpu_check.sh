@@ -8,8 +8,7 @@
 # stack, it installs the wheels found in .whl/ (fetch them beforehand, where a registry is
 # reachable, with bench/gpu_wheels.sh, and carry .whl along) into /tmp/site, nowhere else.
 # Budget: each stage has its own time limit (tests 3 min, benchmark 4.5 min), so that the
-# benchmark always gets its turn and the whole run ends inside a 10-minute call. With the
-# device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600).
+# benchmark always gets its turn and the whole run ends inside ten minutes.
 set -uo pipefail
 
 PY=${PYTHON:-python3}

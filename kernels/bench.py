@@ -331,10 +331,21 @@ def bench_kernels(device: torch.device, ops: KernelOps, copy_gbps: float | None)
     return [measure(case, ops, device, copy_gbps) for case in cases(device)]
 
 
-# Further sections (an end-to-end decode step of the worker) plug in beside the kernels:
-# each takes (device, ops, copy_gbps) and returns rows for the table and the JSON file.
+def bench_decode_step(
+    device: torch.device, ops: KernelOps, copy_gbps: float | None
+) -> list[Result]:
+    """The worker's whole decode step on a synthetic model, against its floor and against
+    transformers (services/worker/decode_bench.py)."""
+    from services.worker.decode_bench import bench_decode_step as run
+
+    return run(device, ops, copy_gbps)
+
+
+# Further sections plug in beside the kernels: each takes (device, ops, copy_gbps) and
+# returns rows for the table and the JSON file.
 SECTIONS: dict[str, Callable[[torch.device, KernelOps, float | None], list[Result]]] = {
     "kernels": bench_kernels,
+    "decode_step": bench_decode_step,
 }
 
 
@@ -353,6 +364,8 @@ def format_table(results: list[Result]) -> str:
         check = "ok" if r.ok else "FAIL"
         if r.target is not None and r.meets_target is not None:
             check += f", {'meets' if r.meets_target else 'MISSES'} {100 * r.target:.0f}% target"
+        if r.extra.get("note"):
+            check += f"; {r.extra['note']}"
         lines.append(
             f"{r.name:<20} {r.shape:<52} {r.time_us:10.1f} {r.gbps:8.1f} {pct:>6} "
             f"{tflops:>8} {r.rel_error:9.2e}  {check}"

@@ -10,6 +10,7 @@ max, the softmax denominator and the unnormalised value sum; stage 2 merges the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -299,6 +300,73 @@ def paged_decode_attention(
     return out
 
 
+@dataclass(frozen=True)
+class DecodeGather:
+    """Where each row's context lands in the torch path's padded gather: [R, L] slots per
+    cache, L a whole number of blocks. It depends only on the step's block tables and
+    context lengths, so one serves every layer of a step."""
+
+    blocks: torch.Tensor  # [R * W] int64: cache block of each gathered block (padding: 0)
+    length: int  # L = W * BS slots per row
+    # [R, 1, 1, L] float32: 0 where the slot holds one of the row's tokens, -inf past its end
+    # (an additive mask, which SDPA would otherwise build from a boolean one every call)
+    bias: torch.Tensor
+    stale: torch.Tensor  # [n] int64: flat [R * L] indices of the slots past a row's end
+
+
+def decode_gather(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int | None = None,
+) -> DecodeGather:
+    """The gather for rows with these tables and lengths; `max_context_len`, when given,
+    must be at least the longest length (it only spares reading that back)."""
+    rows = block_tables.shape[0]
+    ctx = context_lens.long()
+    longest = int(ctx.max()) if max_context_len is None else max_context_len
+    width = max(cdiv(longest, block_size), 1)  # blocks in the longest row
+    cols = torch.arange(width, device=ctx.device)
+    used = cols[None, :] < (ctx[:, None] + block_size - 1) // block_size  # [R, W]
+    # Table entries past a row's last block are padding and may hold anything.
+    blocks = torch.where(used, block_tables[:, :width].long(), 0).flatten()  # [R * W]
+    length = width * block_size
+    past_end = torch.arange(length, device=ctx.device)[None, :] >= ctx[:, None]  # [R, L]
+    return DecodeGather(
+        blocks=blocks,
+        length=length,
+        bias=torch.zeros(past_end.shape, device=ctx.device)
+        .masked_fill_(past_end, float("-inf"))
+        .view(rows, 1, 1, length),
+        stale=past_end.flatten().nonzero().squeeze(1),
+    )
+
+
+class GatherBuffers:
+    """Reused destinations for the decode gather, so that the 2 x layers gathers of a step
+    do not each allocate (and fault in) megabytes: measured on the development machine, a
+    fresh [32 x 112 slots] gather cost 1.1 to 3.8 ms against 0.5 to 0.9 ms into a reused
+    buffer. Buffers past `max_bytes` are allocated per call instead of kept."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def get(self, num_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two [num_blocks, BS, Hkv, D] buffers shaped after cache `like`; None: too big."""
+        shape = (num_blocks, *like.shape[1:])
+        count = math.prod(shape)
+        if 2 * count * like.element_size() > self.max_bytes:
+            return None
+        k = self._k
+        if k is None or k.numel() < count or k.dtype != like.dtype or k.device != like.device:
+            self._k = k = torch.empty(count, dtype=like.dtype, device=like.device)
+            self._v = torch.empty_like(k)
+        assert self._v is not None
+        return k[:count].view(shape), self._v[:count].view(shape)
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -308,40 +376,47 @@ def paged_decode_attention_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    gather: DecodeGather | None = None,
+    buffers: GatherBuffers | None = None,
 ) -> torch.Tensor:
     """Torch decode attention, all rows at once: one padded gather and one masked attention.
 
-    q: [R, Hq, D]; returns [R, Hq, D]. Computes in float32.
+    q: [R, Hq, D]; returns [R, Hq, D]. Computes in float32. `gather` (from `decode_gather`)
+    and `buffers` let a caller share that work across the layers of a step.
     """
     rows, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if out is None:
-        out = torch.empty_like(q)
     if rows == 0:
-        return out
-    ctx = context_lens.long()
-    width = cdiv(int(ctx.max()), block_size)  # blocks in the longest row
-    cols = torch.arange(width, device=q.device)
-    used = cols[None, :] < (ctx[:, None] + block_size - 1) // block_size
-    # Table entries past a row's last block are padding and may hold anything.
-    blocks = torch.where(used, block_tables[:, :width].long(), 0).flatten()  # [R * W]
-    length = width * block_size
+        return torch.empty_like(q) if out is None else out
+    if gather is None:
+        gather = decode_gather(block_tables, context_lens, block_size)
+    length = gather.length
     shape = (rows, length, kv_heads, head_dim)
-    keys = k_cache.index_select(0, blocks).view(shape).float()  # [R, L, Hkv, D]
-    vals = v_cache.index_select(0, blocks).view(shape).float()
-    past_end = torch.arange(length, device=q.device)[None, :] >= ctx[:, None]  # [R, L]
+    reused = None if buffers is None else buffers.get(gather.blocks.numel(), k_cache)
+    if reused is None:
+        keys = k_cache.index_select(0, gather.blocks)  # [R * W, BS, Hkv, D]
+        vals = v_cache.index_select(0, gather.blocks)
+    else:
+        keys = torch.index_select(k_cache, 0, gather.blocks, out=reused[0])
+        vals = torch.index_select(v_cache, 0, gather.blocks, out=reused[1])
+    keys = keys.view(shape).float()  # [R, L, Hkv, D]
+    vals = vals.view(shape).float()
     # Slots past a row's end hold stale data, possibly inf or NaN, which masking does not
     # cancel (NaN - inf, 0 * NaN); clear just those slots.
-    stale = past_end.flatten().nonzero().squeeze(1)
-    keys.view(rows * length, -1).index_fill_(0, stale, 0.0)
-    vals.view(rows * length, -1).index_fill_(0, stale, 0.0)
+    keys.view(rows * length, -1).index_fill_(0, gather.stale, 0.0)
+    vals.view(rows * length, -1).index_fill_(0, gather.stale, 0.0)
+    # SDPA's CPU kernel measured as fast as a hand-written GQA bmm + masked softmax here,
+    # and it keeps the results bit-identical to the earlier reference.
     o = F.scaled_dot_product_attention(
         q.float().view(rows, q_heads, 1, head_dim),
         keys.transpose(1, 2),  # [R, Hkv, L, D]
         vals.transpose(1, 2),
-        attn_mask=~past_end[:, None, None, :],
+        attn_mask=gather.bias,
         scale=scale,
         enable_gqa=q_heads != kv_heads,
     )
-    out.copy_(o.view(rows, q_heads, head_dim))
+    o = o.view(rows, q_heads, head_dim)
+    if out is None:
+        return o.to(q.dtype)
+    out.copy_(o)
     return out

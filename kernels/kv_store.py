@@ -134,10 +134,13 @@ def store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Torch store: one masked scatter per cache."""
+    """Torch store: one (masked) scatter per cache."""
     _check(k, v, k_cache, v_cache, slot_mapping)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
     flat = (-1, *k_cache.shape[2:])  # [NB * BS, Hkv, D]
-    k_cache.view(flat).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(flat).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    if bool((slot_mapping >= 0).all()):  # the usual case: no mask to apply (4 ops fewer)
+        slots = slot_mapping
+    else:
+        keep = slot_mapping >= 0
+        slots, k, v = slot_mapping[keep], k[keep], v[keep]
+    k_cache.view(flat).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(flat).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -23,17 +23,20 @@ bfloat16 or float16, and attention accumulates in float32 on both backends.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from kernels._jit import interpreting
-from kernels.decode_attention import paged_decode_attention_ref
+from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
-from kernels.linear import linear
-from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.linear import PackedLinear, linear
+from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rotary_ref
+from kernels.rotary import rotary_factors, rotary_ref
+
+Derived = TypeVar("Derived")
 
 
 class KernelOps(Protocol):
@@ -110,15 +113,74 @@ class KernelOps(Protocol):
     ) -> None: ...
 
 
+class LastDerived(Generic[Derived]):
+    """What the last index tensors seen were turned into, kept while they stay the same.
+
+    Every layer of a step passes the same block tables, context lengths and positions, so
+    what the torch path derives from them (gather indices, masks, rotary factors) is built
+    once per step rather than once per layer. Index tensors (`values`) are compared by value
+    with a kept copy, so callers may reuse or rewrite theirs freely; `others` by identity
+    (tensors: caches, tables) or equality (plain values such as the block size).
+    """
+
+    def __init__(self) -> None:
+        self._values: tuple[torch.Tensor, ...] | None = None
+        self._others: tuple[object, ...] = ()
+        self._derived: Derived | None = None
+
+    def get(
+        self,
+        values: tuple[torch.Tensor, ...],
+        others: tuple[object, ...],
+        derive: Callable[[], Derived],
+    ) -> Derived:
+        if self._derived is not None and self._matches(values, others):
+            return self._derived
+        derived = derive()
+        self._values = tuple(v.clone() for v in values)
+        self._others = others
+        self._derived = derived
+        return derived
+
+    def _matches(self, values: tuple[torch.Tensor, ...], others: tuple[object, ...]) -> bool:
+        kept = self._values
+        assert kept is not None
+        return (
+            len(others) == len(self._others)
+            and all(_same(a, b) for a, b in zip(others, self._others, strict=True))
+            and len(values) == len(kept)
+            and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                for a, b in zip(values, kept, strict=True)
+            )
+            and all(torch.equal(a, b) for a, b in zip(values, kept, strict=True))
+        )
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b)
+
+
 class TorchOps:
-    """Plain torch implementations: the CPU path and the reference for every kernel."""
+    """Plain torch implementations: the CPU path and the reference for every kernel.
+
+    One instance serves one model: it keeps the packed projection weights, the gather
+    buffers and what it derived from the current step's index tensors (`LastDerived`).
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._linear = PackedLinear()
+        self._gather_buffers = GatherBuffers()
+        self._decode_gather: LastDerived = LastDerived()
+        self._rotary_factors: LastDerived = LastDerived()
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return linear(x, weight, bias)
+        """x W^T + b; on the CPU against weights packed on first use (kernels.linear)."""
+        return self._linear(x, weight, bias)
 
     def store_kv(
         self,
@@ -146,24 +208,38 @@ class TorchOps:
     ) -> torch.Tensor:
         """Mixed prefill/extend/decode attention over the paged cache: [T, Hq, D].
 
-        Decode rows go through one batched gather; only longer rows are handled one by one.
+        Decode rows go through one batched gather, longer rows through another (padded to
+        the longest) unless their lengths differ too much; then they go one by one.
         `max_query_len` is accepted for parity with the Triton backend and not needed here.
         """
-        if out is None:
-            out = torch.empty_like(q)
         rows = block_tables.shape[0]
-        q_lens = query_start[1:] - query_start[:-1]
-        decode = (q_lens == 1).nonzero().squeeze(1)  # [Rd] row ids
-        if decode.numel() == rows:
-            return paged_decode_attention_ref(
+        if q.shape[0] == rows:  # every row has a query, so T == R: all decode rows
+            return self.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, context_lens, scale, out=out
             )
+        if out is None:
+            out = torch.empty_like(q)
+        q_lens = query_start[1:] - query_start[:-1]
+        decode = (q_lens == 1).nonzero().squeeze(1)  # [Rd] row ids
         if decode.numel() > 0:
             tokens = query_start[decode].long()  # each decode row's only query
-            out[tokens] = paged_decode_attention_ref(
+            out[tokens] = self.paged_decode_attention(
                 q[tokens], k_cache, v_cache, block_tables[decode], context_lens[decode], scale
             )
         prefill = (q_lens > 1).nonzero().squeeze(1).tolist()
+        if padded_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start,
+            scale,
+            out=out,
+            rows=prefill,
+            gather_buffers=self._gather_buffers,
+        ):
+            return out
         paged_prefill_attention_ref(
             q,
             k_cache,
@@ -189,9 +265,26 @@ class TorchOps:
         out: torch.Tensor | None = None,
         max_context_len: int | None = None,
     ) -> torch.Tensor:
-        """All-decode fast path: q [R, Hq, D] holds row r's single query; returns [R, Hq, D]."""
+        """All-decode fast path: q [R, Hq, D] holds row r's single query; returns [R, Hq, D].
+
+        `max_context_len` is not needed: the lengths are on the host already.
+        """
+        block_size = k_cache.shape[1]
+        gather = self._decode_gather.get(
+            (block_tables, context_lens),
+            (block_size,),
+            lambda: decode_gather(block_tables, context_lens, block_size),
+        )
         return paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            out=out,
+            gather=gather,
+            buffers=self._gather_buffers,
         )
 
     def rms_norm(
@@ -228,7 +321,12 @@ class TorchOps:
 
         cos_cache / sin_cache: [max_pos, D // 2] float32.
         """
-        rotary_ref(q, k, positions, cos_cache, sin_cache)
+        factors = self._rotary_factors.get(
+            (positions,),
+            (cos_cache, sin_cache),
+            lambda: rotary_factors(positions, cos_cache, sin_cache),
+        )
+        rotary_ref(q, k, positions, cos_cache, sin_cache, factors=factors)
 
 
 class TritonOps:

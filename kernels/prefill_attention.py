@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kernels._contract import check_out, check_paged_kv
 from kernels._jit import cdiv, jit
+from kernels.decode_attention import GatherBuffers, decode_gather
 
 try:
     import triton.language as tl
@@ -244,14 +245,96 @@ def paged_prefill_attention_ref(
         if q_len != ctx:  # queries sit at the end of the context, not its start
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        # With a batch dimension SDPA takes its CPU flash kernel (without one, the math
+        # path): 2x faster for 13 queries, 3.2x for 400.
         o = F.scaled_dot_product_attention(
-            qr.float(),
-            keys.float(),
-            vals.float(),
-            attn_mask=mask,
+            qr.float()[None],
+            keys.float()[None],
+            vals.float()[None],
+            attn_mask=None if mask is None else mask[None, None],
             is_causal=mask is None and q_len > 1,
             scale=scale,
             enable_gqa=group > 1,
-        )
+        )[0]  # [Hq, q_len, D]
         out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+# Rows are padded to the longest one only while that at most doubles the attention work.
+MAX_PADDED_WORK = 2.0
+
+
+def padded_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor,
+    rows: list[int],
+    gather_buffers: GatherBuffers | None = None,
+) -> bool:
+    """`paged_prefill_attention_ref` for `rows` in one masked attention over a padded batch
+    (queries padded to the longest row, contexts to the longest context) instead of one per
+    row; the torch path's prefill of many short prompts spends most of its attention time
+    in per-row overhead. Returns False, computing nothing, where padding would cost more
+    than MAX_PADDED_WORK times the rows' own work (then take the per-row path)."""
+    if len(rows) < 2:
+        return False
+    starts = query_start.tolist()
+    lens = context_lens.tolist()
+    q_lens = [starts[r + 1] - starts[r] for r in rows]
+    ctxs = [lens[r] for r in rows]
+    longest_q, block_size = max(q_lens), k_cache.shape[1]
+    width = cdiv(max(ctxs), block_size) * block_size
+    own = sum(n * c for n, c in zip(q_lens, ctxs, strict=True))
+    if len(rows) * longest_q * width > MAX_PADDED_WORK * own:
+        return False
+    device, num_rows = q.device, len(rows)
+    _, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    gather = decode_gather(block_tables[index], context_lens[index], block_size, max(ctxs))
+    length = gather.length
+    shape = (num_rows, length, kv_heads, head_dim)
+    reused = None if gather_buffers is None else gather_buffers.get(gather.blocks.numel(), k_cache)
+    if reused is None:
+        keys = k_cache.index_select(0, gather.blocks)
+        vals = v_cache.index_select(0, gather.blocks)
+    else:
+        keys = torch.index_select(k_cache, 0, gather.blocks, out=reused[0])
+        vals = torch.index_select(v_cache, 0, gather.blocks, out=reused[1])
+    keys, vals = keys.view(shape).float(), vals.view(shape).float()  # [Rp, L, Hkv, D]
+    # Stale slots may hold inf or NaN, which masking does not cancel: clear them.
+    keys.view(num_rows * length, -1).index_fill_(0, gather.stale, 0.0)
+    vals.view(num_rows * length, -1).index_fill_(0, gather.stale, 0.0)
+    # Token t of row i goes to padded query slot i * longest_q + (t - start of row i).
+    tokens = [t for r in rows for t in range(starts[r], starts[r + 1])]
+    slots = [i * longest_q + j for i, n in enumerate(q_lens) for j in range(n)]
+    tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
+    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+    padded_q = q.new_zeros((num_rows * longest_q, q_heads, head_dim), dtype=torch.float32)
+    padded_q.index_copy_(0, slots_t, q.index_select(0, tokens_t).float())
+    # Query j of row i sits at ctx_i - q_len_i + j and sees keys up to there; padding
+    # queries repeat the row's last one so that no query row is masked whole.
+    first_pos = torch.tensor(
+        [c - n for c, n in zip(ctxs, q_lens, strict=True)], dtype=torch.long, device=device
+    )  # [Rp]: position of each row's first query
+    j = torch.arange(longest_q, device=device)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.long, device=device)
+    pos = first_pos[:, None] + torch.minimum(j[None, :], q_lens_t[:, None] - 1)  # [Rp, Qm]
+    mask = torch.arange(length, device=device)[None, None, :] <= pos[:, :, None]  # [Rp, Qm, L]
+    o = F.scaled_dot_product_attention(
+        padded_q.view(num_rows, longest_q, q_heads, head_dim).transpose(1, 2),
+        keys.transpose(1, 2),  # [Rp, Hkv, L, D]
+        vals.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=q_heads != kv_heads,
+    )  # [Rp, Hq, Qm, D]
+    o = o.transpose(1, 2).reshape(num_rows * longest_q, q_heads, head_dim)
+    out.index_copy_(0, tokens_t, o.index_select(0, slots_t).to(out.dtype))
+    return True

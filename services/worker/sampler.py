@@ -1,9 +1,9 @@
 """Sampling on the worker's device: greedy, temperature, top-k, top-p, min-p, logprobs.
 
 A random row draws with the exponential race: argmax(probs / q), q ~ Exp(1) per token,
-picks token i with probability probs[i]. The noise q comes from a generator seeded only by
-(sampling seed, output index), so a row samples the same token whatever else shares the
-batch, in whatever order, and again after a preempted sequence is recomputed.
+picks token i with probability probs[i]. The noise q is a counter-based hash of (sampling
+seed, output index) (`services.worker.noise`), so a row samples the same token whatever else
+shares the batch, in whatever order, and again after a preempted sequence is recomputed.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.noise import exponential_noise, noise_keys
 from shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
 
-_MASK64 = (1 << 64) - 1
 MIN_TEMPERATURE = 1e-5
 
 
@@ -25,27 +25,11 @@ class RowSampling:
     output_index: int  # index of the token being sampled among the generated ones
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def noise_seed(seed: int, output_index: int) -> int:
-    """A well-mixed 63-bit generator seed for one (request seed, output index) pair."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ output_index) >> 1
-
-
 def race_noise(rows: Sequence[RowSampling], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[S, V] Exp(1) noise; row j depends only on (seed, output_index) of rows[j]."""
-    uniform = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
-    generator = torch.Generator(device=device)
-    for j, row in enumerate(rows):
-        generator.manual_seed(noise_seed(row.params.seed, row.output_index))
-        uniform[j].uniform_(generator=generator)  # [0, 1): several times cheaper than exponential_
-    # -log(u) > 0 always (u == 0 gives inf): a filtered token's 0 / q stays 0, never NaN.
-    return uniform.log_().neg_()
+    """[S, V] Exp(1) noise; row j depends only on (seed, output_index) of rows[j]. Made on
+    the device in a few batched ops (no per-row generator), identical on CPU and CUDA."""
+    keys = noise_keys([r.params.seed for r in rows], [r.output_index for r in rows], device)
+    return exponential_noise(keys, vocab_size)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -78,31 +62,47 @@ def _keep_top_k(probs: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     return probs.masked_fill((probs < kth) & ~off, 0.0)
 
 
-# Nucleus search looks at this many of the most likely tokens first; a row whose nucleus
-# is wider (a flat distribution) falls back to a full sort.
+# Nucleus search looks at this many of the most likely tokens first, then at the wider
+# count for rows whose nucleus is wider (a flat distribution), and only then sorts the whole
+# vocabulary: for 32 rows of 49152 tokens, top-256 takes 4 ms, top-4096 13 ms, a sort 75 ms.
 TOP_P_CANDIDATES = 256
+TOP_P_WIDE_CANDIDATES = 4096
 
 
 def _keep_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     """Keeps the smallest most-likely prefix of each row whose mass reaches top_p (the
-    most likely token always stays). A full sort of the vocabulary costs far more than a
-    top-k over a few hundred candidates, so that comes first."""
+    most likely token always stays). Looks at a few hundred candidates, then a few
+    thousand, before sorting the vocabulary, only for the rows that need more."""
     device, vocab = probs.device, probs.shape[-1]
     p = torch.tensor(top_ps, device=device).unsqueeze(1)  # [S, 1]
-    best = probs.topk(min(TOP_P_CANDIDATES, vocab), dim=-1).values  # [S, C] descending
-    floor = _nucleus_floor(best, p)  # [S, 1]
-    wide = ((best.sum(dim=-1, keepdim=True) < p) & (p < 1.0)).squeeze(1).nonzero().squeeze(1)
-    if wide.numel():
-        full = probs[wide].sort(dim=-1, descending=True).values  # [W, V]
-        floor[wide] = _nucleus_floor(full, p[wide])
+    floor = torch.zeros_like(p)  # [S, 1]
+    rows = (p < 1.0).squeeze(1).nonzero().squeeze(1)  # the rows still to settle
+    counts = [c for c in (TOP_P_CANDIDATES, TOP_P_WIDE_CANDIDATES) if c < vocab] + [vocab]
+    for count in counts:
+        if rows.numel() == 0:
+            break
+        sub = probs if rows.numel() == probs.shape[0] else probs[rows]
+        if count < vocab:
+            best = sub.topk(count, dim=-1).values  # [W, C] descending
+        else:
+            best = sub.sort(dim=-1, descending=True).values  # [W, V]
+        row_floor, open_ended = _nucleus_floor(best, p[rows])
+        floor[rows] = row_floor
+        rows = rows[open_ended]
     return probs.masked_fill((probs < floor) & (p < 1.0), 0.0)
 
 
-def _nucleus_floor(sorted_probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """[S, 1]: the smallest probability inside each row's nucleus."""
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [S, C]
+def _nucleus_floor(
+    sorted_probs: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, 1]: the smallest probability inside each row's nucleus among these candidates,
+    and [W] bool: whether the nucleus may reach past them (their whole mass is <= p, so the
+    next token would be inside too); the candidates of such a row are all inside."""
+    cumulative = sorted_probs.cumsum(dim=-1)  # [W, C]
+    mass_before = cumulative - sorted_probs
     inside = (mass_before <= p).sum(dim=-1, keepdim=True)  # >= 1: mass_before[0] == 0
-    return sorted_probs.gather(1, inside - 1)
+    open_ended = (cumulative[:, -1:] <= p).squeeze(1)
+    return sorted_probs.gather(1, inside - 1), open_ended
 
 
 def sample(

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels.decode_attention import paged_decode_attention_ref
-from kernels.ops import TorchOps
-from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.ops import LastDerived, TorchOps
+from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.paged_cases import dense_attention, make_paged_batch
 
 SCALE = 0.125
@@ -93,3 +93,77 @@ def test_torch_ops_matches_dense_in_bfloat16() -> None:
     assert out.dtype == torch.bfloat16
     ref = dense_attention(batch, SCALE)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_padded_prefill_matches_dense(group: int) -> None:
+    # four prefill rows of similar length (an extend over a cached prefix among them) and a
+    # decode row: the prefill rows go through one padded attention
+    batch = make_paged_batch(
+        [5, 7, 6, 1, 4],
+        [12, 14, 16, 30, 13],
+        q_heads=2 * group,
+        kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        seed=11 + group,
+    )
+    ref = dense_attention(batch, SCALE)
+    out = torch.full_like(batch.q, float("nan"))
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens)
+    assert padded_prefill_attention(
+        batch.q, *args, batch.query_start, SCALE, out=out, rows=[0, 1, 2, 4]
+    )
+    prefill = torch.tensor([t for t in range(23) if t != 18])  # every token but the decode row's
+    torch.testing.assert_close(out[prefill].double(), ref[prefill], rtol=0, atol=2e-6)
+    assert out[18].isnan().all()  # rows not asked for are left alone
+    whole = TorchOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
+    torch.testing.assert_close(whole.double(), ref, rtol=0, atol=2e-6)
+
+
+def test_padded_prefill_declines_rows_of_very_different_lengths() -> None:
+    batch = make_paged_batch(
+        [40, 2], [40, 2], q_heads=2, kv_heads=2, head_dim=32, block_size=16, seed=5
+    )
+    out = torch.full_like(batch.q, float("nan"))
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens)
+    assert not padded_prefill_attention(
+        batch.q, *args, batch.query_start, SCALE, out=out, rows=[0, 1]
+    )
+    assert out.isnan().all()
+    whole = TorchOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
+    torch.testing.assert_close(whole.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+
+
+def test_torch_ops_decode_follows_tables_rewritten_in_place() -> None:
+    # One TorchOps serves layer after layer and step after step: what it derives from the
+    # block tables must follow their contents, even when a caller rewrites the same tensors.
+    shape = dict(q_heads=6, kv_heads=2, head_dim=32, block_size=16)
+    first = make_paged_batch([1, 1, 1], [20, 7, 33], seed=1, **shape)
+    second = make_paged_batch([1, 1, 1], [21, 8, 34], seed=2, **shape)
+    ops = TorchOps()
+    tables, lens = first.block_tables.clone(), first.context_lens.clone()
+    for batch in (first, first, second):  # two layers of one step, then the next step
+        tables.copy_(batch.block_tables)
+        lens.copy_(batch.context_lens)
+        out = ops.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, tables, lens, SCALE)
+        torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+
+
+def test_last_derived_rebuilds_only_when_its_inputs_change() -> None:
+    memo: LastDerived[int] = LastDerived()
+    calls = []
+    table = torch.tensor([[1, 2], [3, 4]])
+    cache = torch.zeros(2)
+
+    def derive() -> int:
+        calls.append(1)
+        return len(calls)
+
+    assert memo.get((table,), (cache, 16), derive) == 1
+    assert memo.get((table.clone(),), (cache, 16), derive) == 1  # equal values: reused
+    table[0, 0] = 9  # changed in place
+    assert memo.get((table,), (cache, 16), derive) == 2
+    assert memo.get((table,), (cache.clone(), 16), derive) == 3  # another cache object
+    assert memo.get((table,), (cache, 32), derive) == 4  # another block size
+    assert memo.get((table[:1],), (cache, 32), derive) == 5  # another shape

@@ -45,6 +45,21 @@ def test_store_writes_exactly_the_mapped_slots(
     assert not flat_k[~untouched].isnan().any()
 
 
+def test_torch_store_without_padding_slots_writes_every_token() -> None:
+    from kernels.kv_store import store_kv_ref
+
+    gen = torch.Generator().manual_seed(9)
+    slots = torch.randperm(4 * 16, generator=gen)[:10]
+    qkv = torch.randn((10, 3 * 2 * 16), generator=gen)  # k and v as strided views
+    k, v = qkv[:, 32:64].view(10, 2, 16), qkv[:, 64:].view(10, 2, 16)
+    k_cache = torch.full((4, 16, 2, 16), NAN)
+    v_cache = torch.full_like(k_cache, NAN)
+    store_kv_ref(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots], k)
+    assert torch.equal(v_cache.view(-1, 2, 16)[slots], v)
+    assert int(k_cache.isnan().any(-1).any(-1).sum()) == 4 * 16 - 10
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_store_casts_to_the_cache_dtype(device: torch.device, impl: str) -> None:
     store = _store_fns()[impl]

@@ -1,11 +1,18 @@
-"""The projection helper computes x W^T + b in either form it picks."""
+"""The projection helpers compute x W^T + b in whichever form they pick."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
-from kernels.linear import CPU_TRANSPOSED_BELOW, linear
+from kernels.linear import (
+    CPU_TRANSPOSED_BELOW,
+    PackedLinear,
+    linear,
+    onednn_packing_available,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 3, CPU_TRANSPOSED_BELOW - 1, CPU_TRANSPOSED_BELOW + 5])
@@ -19,3 +26,65 @@ def test_linear_matches_float64_reference(rows, with_bias):
     want = x.double() @ w.double().T + (b.double() if b is not None else 0)
     assert got.shape == (rows, 200) and got.is_contiguous()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def _weights(seed: int, out_features: int = 200, in_features: int = 72):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=g), torch.randn(
+        out_features, generator=g
+    )
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("rows", [0, 1, 7, 32, 97, 600])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_float64_reference(rows, with_bias):
+    w, b = _weights(rows)
+    bias = b if with_bias else None
+    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(1000 + rows))
+    packed = PackedLinear()
+    got = packed(x, w, bias)
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert got.shape == (rows, 200) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert len(packed) == 1  # packed once, whatever the number of rows
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+def test_packed_linear_reuses_packing_and_repacks_a_changed_weight():
+    w, _ = _weights(1)
+    x = torch.randn(3, 72, generator=torch.Generator().manual_seed(2))
+    packed = PackedLinear()
+    with torch.inference_mode():
+        first = packed(x, w)
+        again = packed(x, w)
+    assert torch.equal(first, again) and len(packed) == 1
+    w.mul_(2)  # in place: the version counter moves, the packing must follow
+    torch.testing.assert_close(packed(x, w), 2 * first, rtol=1e-5, atol=1e-5)
+    assert len(packed) == 1
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+def test_packed_linear_forgets_a_freed_weight():
+    packed = PackedLinear()
+    w, _ = _weights(3)
+    packed(torch.ones(2, 72), w)
+    assert len(packed) == 1
+    del w
+    gc.collect()
+    assert len(packed) == 0
+
+
+def test_packed_linear_falls_back_where_it_cannot_pack():
+    w, b = _weights(4)
+    x = torch.randn(5, 72, generator=torch.Generator().manual_seed(5))
+    packed = PackedLinear()
+    half = packed(x.bfloat16(), w.bfloat16(), b.bfloat16())  # not float32: the plain path
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), linear(x, w, b), rtol=2e-2, atol=0.5)
+    grad_w = w.clone().requires_grad_()
+    y = packed(x, grad_w)  # autograd needs the plain path
+    y.sum().backward()
+    assert grad_w.grad is not None and len(packed) == 0
+    off = PackedLinear(enabled=False)
+    assert torch.equal(off(x, w, b), linear(x, w, b)) and len(off) == 0

@@ -50,6 +50,15 @@ def test_reference_rounds_like_llama_in_bfloat16() -> None:
     assert torch.equal(rms_norm_ref(x, weight, EPS), weight * normed)
 
 
+def test_reference_in_float32_is_bit_identical_to_llama_with_and_without_out() -> None:
+    x, _, weight = _inputs((7, 96), seed=4)
+    llama = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+    assert torch.equal(rms_norm_ref(x, weight, EPS), llama)
+    out = torch.full_like(x, float("nan"))
+    assert rms_norm_ref(x, weight, EPS, out=out) is out
+    assert torch.equal(out, llama)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [96, 64])
 def test_rms_norm_kernel_matches_reference(

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.rotary import rope_cache, rotary_ref
+from kernels.rotary import _heads_together, rope_cache, rotary_factors, rotary_ref
 
 
 def _rotate_f64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -68,3 +68,44 @@ def test_kernel_matches_reference(
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(q_dev.cpu(), q_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(k_dev.cpu(), k_ref, rtol=tol, atol=tol)
+
+
+def _rotate_as_llama(x: torch.Tensor, positions: torch.Tensor, cos, sin) -> torch.Tensor:
+    """The float32 rotate-half formula, term for term as the Llama reference writes it."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_reference_on_neighbouring_q_and_k_is_bit_identical_to_separate(tokens: int) -> None:
+    # q and k as views of one fused projection output (q heads, then k heads, then v heads)
+    # are rotated as one tensor; the result must not differ in a single bit.
+    q_heads, kv_heads, head_dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn((tokens, (q_heads + 2 * kv_heads) * head_dim), generator=gen)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    cos, sin = rope_cache(head_dim, 300, 100000.0)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    assert len(_heads_together(q, k)) == 1
+    want_q, want_k = (
+        _rotate_as_llama(q, positions, cos, sin),
+        _rotate_as_llama(k, positions, cos, sin),
+    )
+    v_before = v.clone()
+    rotary_ref(q, k, positions, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(v, v_before)  # the values next to them are not touched
+
+
+def test_reference_on_separate_q_and_k_and_with_given_factors() -> None:
+    q, k, positions = _inputs(5, 4, 2, 32, seed=3)
+    cos, sin = rope_cache(32, 300, 10000.0)
+    assert len(_heads_together(q, k)) == 2  # separate tensors
+    want_q, want_k = (
+        _rotate_as_llama(q, positions, cos, sin),
+        _rotate_as_llama(k, positions, cos, sin),
+    )
+    rotary_ref(q, k, positions, cos, sin, factors=rotary_factors(positions, cos, sin))
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from services.worker import sampler
 from services.worker.sampler import RowSampling, filtered_probs, sample
 from shared.protocol import SamplingParams
 
@@ -155,3 +156,22 @@ def test_extreme_parameters_still_sample_a_likely_token():
     ]
     tokens, _ = sample(logits, rows)
     assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_p_widens_its_candidates_step_by_step_as_a_full_sort_would(monkeypatch):
+    # Few candidates, so that rows settle at each stage: within the first 4, within 16,
+    # and only after sorting the whole vocabulary.
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", 4)
+    monkeypatch.setattr(sampler, "TOP_P_WIDE_CANDIDATES", 16)
+    logits = torch.cat(
+        [_logits(2, seed=3) * 3, _logits(2, seed=4) * 0.6, _logits(2, seed=5) * 0.05]
+    )
+    top_ps = [0.5, 0.9, 0.6, 0.3, 0.9, 0.5]
+    probs = filtered_probs(logits, [SamplingParams(top_p=p) for p in top_ps])
+    softmax = logits.softmax(-1)
+    widths = []
+    for row, top_p in enumerate(top_ps):
+        kept = set(probs[row].nonzero().squeeze(1).tolist())
+        assert kept == _reference_nucleus(softmax[row], top_p)
+        widths.append(len(kept))
+    assert min(widths[:2]) <= 4 and any(4 < w <= 16 for w in widths[2:4]) and min(widths[4:]) > 16

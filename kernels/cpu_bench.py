@@ -1,0 +1,171 @@
+"""CPU micro-benchmark of the torch path's choices: `python -m kernels.cpu_bench`.
+
+Times, at a small Llama's sizes (SmolLM2-135M by default), the forms `kernels.linear` chose
+between for the projections and the decode attention with and without what `TorchOps`
+shares across a step's layers. Every layer gets its own weights (and cache), as in a
+forward, so weights stream from memory instead of sitting in cache. Forms are timed in
+turn, round after round, and the median is reported: these machines are shared and noisy.
+Each form's result is checked against the first one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.linear import PackedLinear, onednn_packing_available
+from kernels.ops import TorchOps
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 30
+    hidden: int = 576
+    intermediate: int = 1536
+    q_heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    vocab: int = 49152
+    block_size: int = 16
+
+
+@dataclass
+class Row:
+    name: str
+    form: str
+    size: str
+    ms: float  # median over rounds, for all layers (and the lm_head) together
+    max_abs_diff: float  # against the section's first form
+
+
+def _median_ms(forms: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for fn in forms.values():
+        fn()  # warm-up: packing, first-call allocations
+    for _ in range(rounds):
+        for name, fn in forms.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def bench_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
+    """All projections of one forward (qkv, o, gate_up, down per layer, then the lm_head)."""
+    gen = torch.Generator().manual_seed(0)
+    h, i = shape.hidden, shape.intermediate
+    qkv_out = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
+    sizes = [(qkv_out, h), (h, shape.q_heads * shape.head_dim), (2 * i, h), (h, i)]
+    weights = [
+        torch.randn(n, k, generator=gen) / k**0.5 for _ in range(shape.layers) for n, k in sizes
+    ] + [torch.randn(shape.vocab, h, generator=gen) / h**0.5]
+    packed = PackedLinear()
+
+    def run(
+        project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        inputs: dict[int, torch.Tensor],  # by in_features: [m, K]
+    ) -> Callable[[], list[torch.Tensor]]:
+        def step() -> list[torch.Tensor]:
+            return [project(inputs[w.shape[1]], w) for w in weights]
+
+        return step
+
+    def transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.mm(w, x.t()).t().contiguous()
+
+    forms_of: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "F.linear": F.linear,
+        "mm(W, x^T)^T": transposed,
+    }
+    if onednn_packing_available():
+        forms_of["oneDNN packed"] = packed
+    out: list[Row] = []
+    with torch.inference_mode():
+        for m in rows:
+            inputs = {w.shape[1]: torch.randn(m, w.shape[1], generator=gen) for w in weights}
+            forms = {name: run(fn, inputs) for name, fn in forms_of.items()}
+            results = {name: fn() for name, fn in forms.items()}
+            first = next(iter(results.values()))
+            timed = _median_ms(forms, rounds)
+            for name, ms in timed.items():
+                diff = _max_diff(results[name], first)
+                out.append(Row("linear", name, f"M={m} x {len(weights)} weights", ms, diff))
+    return out
+
+
+def bench_decode_attention(shape: Shape, batch: int, context: int, rounds: int) -> list[Row]:
+    """One decode step's attention over every layer's cache, rows of about `context`."""
+    gen = torch.Generator().manual_seed(1)
+    bs, d = shape.block_size, shape.head_dim
+    blocks_per_row = -(-(context + batch) // bs)
+    num_blocks = batch * blocks_per_row + 8
+    cache_shape = (num_blocks, bs, shape.kv_heads, d)
+    caches = [
+        (torch.randn(cache_shape, generator=gen), torch.randn(cache_shape, generator=gen))
+        for _ in range(shape.layers)
+    ]
+    order = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_row]
+    tables = order.view(batch, blocks_per_row).to(torch.int32)
+    lens = torch.tensor([context + r % 7 for r in range(batch)], dtype=torch.int32)
+    q = torch.randn(batch, shape.q_heads, d, generator=gen)
+    scale = d**-0.5
+    ops = TorchOps()
+
+    def stateless() -> list[torch.Tensor]:
+        return [paged_decode_attention_ref(q, k, v, tables, lens, scale) for k, v in caches]
+
+    def shared() -> list[torch.Tensor]:
+        return [ops.paged_decode_attention(q, k, v, tables, lens, scale) for k, v in caches]
+
+    forms = {"per-layer gather": stateless, "TorchOps (shared per step)": shared}
+    with torch.inference_mode():
+        results = {name: fn() for name, fn in forms.items()}
+        timed = _median_ms(forms, rounds)
+    first = next(iter(results.values()))
+    size = f"R={batch} ctx~{context} x {shape.layers} layers"
+    return [
+        Row("decode_attention", name, size, ms, _max_diff(results[name], first))
+        for name, ms in timed.items()
+    ]
+
+
+def _max_diff(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(outs, refs, strict=True))
+
+
+def format_rows(rows: list[Row]) -> str:
+    header = f"{'operation':<18} {'form':<28} {'size':<34} {'ms':>9} {'max |diff|':>11}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.name:<18} {r.form:<28} {r.size:<34} {r.ms:9.2f} {r.max_abs_diff:11.2e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.cpu_bench", description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 400])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=Shape.layers)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = Shape(layers=args.layers)
+    print(f"threads: {torch.get_num_threads()}   oneDNN packing: {onednn_packing_available()}")
+    rows = bench_linear(shape, args.rows, args.rounds)
+    rows += bench_decode_attention(shape, args.batch, args.context, args.rounds)
+    print(format_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

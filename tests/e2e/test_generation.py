@@ -17,7 +17,7 @@ TIE_MARGIN = 1e-3
 # Prompts of very different lengths; the long ones are repeated text so that their token
 # counts reach the hundreds.
 BASE_PROMPTS = [
-    "Hi",
+    "Hi! How are you today?",
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a land far away,",
@@ -25,7 +25,7 @@ BASE_PROMPTS = [
     "Translate to French: I like apples.",
     "The history of the printing press",
     "Q: What is 12 times 12?\nA:",
-    "Water boils at",
+    "At sea level, water boils at",
     "In machine learning, overfitting means",
 ]
 
@@ -104,7 +104,7 @@ def test_concurrent_greedy_generations_equal_transformers(
 ):
     prompts = _prompts(reference_tokenizer)
     assert len(prompts) >= 12
-    assert min(map(len, prompts)) >= 1 and max(map(len, prompts)) == 400
+    assert min(map(len, prompts)) >= 5 and max(map(len, prompts)) == 400
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         bodies = list(pool.map(lambda p: _complete(client, p), prompts))
 

@@ -103,8 +103,15 @@ def test_one_trace_spans_gateway_scheduler_and_worker(client, otlp_sink):
     def services():
         return {s.service for s in otlp_sink.trace(trace_id)}
 
+    def complete() -> bool:
+        # Spans are exported in batches as they end: wait until every parent has arrived.
+        spans = otlp_sink.trace(trace_id)
+        ids = {s.span_id for s in spans} | {caller_span}
+        return want <= services() and all(s.parent_span_id in ids for s in spans)
+
     want = {"spillway-gateway", "spillway-scheduler", "spillway-worker"}
-    assert wait_until(lambda: want <= services(), timeout=10), services()
+    wait_until(complete, timeout=10)
+    assert want <= services(), services()
     spans = otlp_sink.trace(trace_id)
     by_id = {s.span_id: s for s in spans}
     roots = [s for s in spans if s.parent_span_id == caller_span]

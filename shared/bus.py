@@ -69,6 +69,19 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
+async def settle(nc: NatsClient) -> None:
+    """Returns once the server has applied every subscription made on `nc` so far.
+
+    nats-py writes a flush's PING straight to the socket while SUB commands wait in its
+    pending buffer for the flusher task, so one PONG can come back before the server
+    has seen the SUB (a request sent then gets "no responders"). By the time the first
+    PONG arrives the flusher has written the buffer, so a second round trip orders after
+    every SUB.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
 def error_headers(status: int, context: Context | None = None) -> dict[str, str]:
     return {ERROR_HEADER: str(status), **inject(context)}
 
@@ -86,6 +99,10 @@ class Bus:
 
     def subject(self, subject: str) -> str:
         return self.ns.subject(subject)
+
+    async def settle(self) -> None:
+        """Returns once every subscription made so far is known to the server."""
+        await settle(self.nc)
 
     async def publish(
         self,
@@ -152,9 +169,8 @@ class Bus:
                 await self.nc.publish(raw.reply, encode(answer), headers=inject(ctx))
 
         sub = await self.nc.subscribe(self.subject(subject), queue=queue, cb=on_message)
-        # The server knows the subscription once flushed; requests sent after serve()
-        # returns must find it.
-        await self.nc.flush()
+        # Requests sent after serve() returns must find the subscription.
+        await settle(self.nc)
         return sub
 
     async def _reply_error(self, raw: Msg, info: ErrorInfo, ctx: Context) -> None:

@@ -184,7 +184,7 @@ class GatewayEngine:
     async def start(self) -> None:
         subject = self.bus.subject(gateway_deltas(self.gateway_id))
         self._sub = await self.bus.nc.subscribe(subject, cb=self._on_deltas)
-        await self.bus.nc.flush()
+        await self.bus.settle()
 
     async def stop(self) -> None:
         if self._sub is not None:

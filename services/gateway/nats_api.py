@@ -62,7 +62,7 @@ class NatsApi:
             await nc.subscribe(self.bus.subject(MODELS), queue=GATEWAY_QUEUE, cb=self._on_models),
         ]
         self._abort_sub = await nc.subscribe(self.bus.subject(ABORT), cb=self._on_abort)
-        await nc.flush()
+        await self.bus.settle()
 
     async def stop_accepting(self) -> None:
         """New requests go to other gateways of the queue group from now on."""

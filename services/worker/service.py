@@ -104,7 +104,7 @@ class WorkerService:
         discover_sub = await self.bus.nc.subscribe(
             self.bus.subject(subjects.WORKER_DISCOVER), cb=self._on_discover
         )
-        await self.bus.nc.flush()
+        await self.bus.settle()
         self._register()
         heartbeats = asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeats")
         announce_ready(

@@ -56,3 +56,18 @@ async def test_request_without_responders_is_503(nats_url):
         await client.request("t.nobody", AbortRequest(request_ids=[]), SubmitReply, 1)
     assert err.value.info.status == 503
     await client.close()
+
+
+async def test_a_request_right_after_serve_always_finds_the_service(nats_url):
+    # nats-py can answer a flush before its SUB leaves the client; serve() must not.
+    async def handle(msg, ctx, raw):
+        return SubmitReply(ok=True)
+
+    for _ in range(100):
+        server = await Bus.connect(nats_url, "ns-settle", "server")
+        client = await Bus.connect(nats_url, "ns-settle", "client")
+        await server.serve("t.fresh", AbortRequest, handle)
+        reply = await client.request("t.fresh", AbortRequest(request_ids=[]), SubmitReply, 2)
+        assert reply.ok
+        await server.close()
+        await client.close()

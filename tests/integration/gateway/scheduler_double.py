@@ -71,7 +71,7 @@ class SchedulerDouble:
         self._subs.append(
             await self.bus.nc.subscribe(self.bus.subject(SCHED_ABORT), cb=self._on_abort)
         )
-        await self.bus.nc.flush()
+        await self.bus.settle()
         self._ticker = asyncio.ensure_future(self._tick_forever())
 
     async def stop_stats(self) -> None:

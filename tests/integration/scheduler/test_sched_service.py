@@ -45,7 +45,7 @@ class Gateway:
             self.changed.set()
 
         await self.bus.nc.subscribe(self.bus.subject(subjects.gateway_deltas(GATEWAY)), cb=on_batch)
-        await self.bus.nc.flush()
+        await self.bus.settle()
 
     async def submit(self, request_id: str, prompt_len: int = 5, **fields) -> SubmitReply:
         req = SubmitRequest(

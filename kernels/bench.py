@@ -303,13 +303,17 @@ def _time_cpu(fn: Callable[[], object], budget_s: float = 0.5, max_reps: int = 5
     return statistics.median(times) * 1e3
 
 
+def timer_for(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of a call: Triton's do_bench on CUDA, a wall-clock loop elsewhere."""
+    return _time_cuda if device.type == "cuda" else _time_cpu
+
+
 def measure(case: Case, ops: KernelOps, device: torch.device, copy_gbps: float | None) -> Result:
     out = case.run(ops)
     ref = case.reference()
     rel = float((out.double() - ref.double()).norm() / ref.double().norm())
     tolerance = 1e-2 if out.dtype in (torch.bfloat16, torch.float16) else 1e-4
-    timer = _time_cuda if device.type == "cuda" else _time_cpu
-    ms = timer(lambda: case.run(ops))
+    ms = timer_for(device)(lambda: case.run(ops))
     gbps = case.bytes_moved / (ms * 1e-3) / 1e9
     fraction = gbps / copy_gbps if copy_gbps else None
     return Result(

@@ -367,6 +367,31 @@ class GatherBuffers:
         return k[:count].view(shape), self._v[:count].view(shape)
 
 
+def gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    gather: DecodeGather,
+    rows: int,
+    buffers: GatherBuffers | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of `rows` rows laid out by `gather`: float32 [R, L, Hkv, D] each,
+    zero in the slots past a row's end. Gathers into `buffers` when they have room."""
+    shape = (rows, gather.length, *k_cache.shape[2:])
+    reused = None if buffers is None else buffers.get(gather.blocks.numel(), k_cache)
+    if reused is None:
+        keys = k_cache.index_select(0, gather.blocks)  # [R * W, BS, Hkv, D]
+        vals = v_cache.index_select(0, gather.blocks)
+    else:
+        keys = torch.index_select(k_cache, 0, gather.blocks, out=reused[0])
+        vals = torch.index_select(v_cache, 0, gather.blocks, out=reused[1])
+    keys, vals = keys.view(shape).float(), vals.view(shape).float()
+    # Slots past a row's end hold stale data, possibly inf or NaN, which masking does not
+    # cancel (NaN - inf, 0 * NaN); clear just those slots.
+    keys.view(rows * gather.length, -1).index_fill_(0, gather.stale, 0.0)
+    vals.view(rows * gather.length, -1).index_fill_(0, gather.stale, 0.0)
+    return keys, vals
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -390,21 +415,7 @@ def paged_decode_attention_ref(
         return torch.empty_like(q) if out is None else out
     if gather is None:
         gather = decode_gather(block_tables, context_lens, block_size)
-    length = gather.length
-    shape = (rows, length, kv_heads, head_dim)
-    reused = None if buffers is None else buffers.get(gather.blocks.numel(), k_cache)
-    if reused is None:
-        keys = k_cache.index_select(0, gather.blocks)  # [R * W, BS, Hkv, D]
-        vals = v_cache.index_select(0, gather.blocks)
-    else:
-        keys = torch.index_select(k_cache, 0, gather.blocks, out=reused[0])
-        vals = torch.index_select(v_cache, 0, gather.blocks, out=reused[1])
-    keys = keys.view(shape).float()  # [R, L, Hkv, D]
-    vals = vals.view(shape).float()
-    # Slots past a row's end hold stale data, possibly inf or NaN, which masking does not
-    # cancel (NaN - inf, 0 * NaN); clear just those slots.
-    keys.view(rows * length, -1).index_fill_(0, gather.stale, 0.0)
-    vals.view(rows * length, -1).index_fill_(0, gather.stale, 0.0)
+    keys, vals = gather_kv(k_cache, v_cache, gather, rows, buffers)  # [R, L, Hkv, D]
     # SDPA's CPU kernel measured as fast as a hand-written GQA bmm + masked softmax here,
     # and it keeps the results bit-identical to the earlier reference.
     o = F.scaled_dot_product_attention(

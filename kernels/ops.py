@@ -227,30 +227,12 @@ class TorchOps:
                 q[tokens], k_cache, v_cache, block_tables[decode], context_lens[decode], scale
             )
         prefill = (q_lens > 1).nonzero().squeeze(1).tolist()
-        if padded_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            query_start,
-            scale,
-            out=out,
-            rows=prefill,
-            gather_buffers=self._gather_buffers,
-        ):
-            return out
-        paged_prefill_attention_ref(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            query_start,
-            scale,
-            out=out,
-            rows=prefill,
+        args = (q, k_cache, v_cache, block_tables, context_lens, query_start, scale)
+        padded = padded_prefill_attention(
+            *args, out=out, rows=prefill, gather_buffers=self._gather_buffers
         )
+        if not padded:  # rows too unequal to pad: one by one
+            paged_prefill_attention_ref(*args, out=out, rows=prefill)
         return out
 
     def paged_decode_attention(

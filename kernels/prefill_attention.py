@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels._contract import check_out, check_paged_kv
 from kernels._jit import cdiv, jit
-from kernels.decode_attention import GatherBuffers, decode_gather
+from kernels.decode_attention import GatherBuffers, decode_gather, gather_kv
 
 try:
     import triton.language as tl
@@ -299,18 +299,7 @@ def padded_prefill_attention(
     index = torch.tensor(rows, dtype=torch.long, device=device)
     gather = decode_gather(block_tables[index], context_lens[index], block_size, max(ctxs))
     length = gather.length
-    shape = (num_rows, length, kv_heads, head_dim)
-    reused = None if gather_buffers is None else gather_buffers.get(gather.blocks.numel(), k_cache)
-    if reused is None:
-        keys = k_cache.index_select(0, gather.blocks)
-        vals = v_cache.index_select(0, gather.blocks)
-    else:
-        keys = torch.index_select(k_cache, 0, gather.blocks, out=reused[0])
-        vals = torch.index_select(v_cache, 0, gather.blocks, out=reused[1])
-    keys, vals = keys.view(shape).float(), vals.view(shape).float()  # [Rp, L, Hkv, D]
-    # Stale slots may hold inf or NaN, which masking does not cancel: clear them.
-    keys.view(num_rows * length, -1).index_fill_(0, gather.stale, 0.0)
-    vals.view(num_rows * length, -1).index_fill_(0, gather.stale, 0.0)
+    keys, vals = gather_kv(k_cache, v_cache, gather, num_rows, gather_buffers)  # [Rp, L, Hkv, D]
     # Token t of row i goes to padded query slot i * longest_q + (t - start of row i).
     tokens = [t for r in rows for t in range(starts[r], starts[r + 1])]
     slots = [i * longest_q + j for i, n in enumerate(q_lens) for j in range(n)]

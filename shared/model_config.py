@@ -1,5 +1,5 @@
 """A model's architecture and special tokens, read from GGUF metadata or config.json
-(for a synthetic model: its config.json or a preset below).
+(for a synthetic model: its config.json or a preset of shared.model_files).
 
 Read by the gateway (context length, special tokens) and the worker (shapes); needs
 neither torch nor the weights.
@@ -12,27 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.model_files import ModelSource
-
-# Synthetic models by name, in config.json form: the shapes of real checkpoints.
-SYNTHETIC_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 8192,
-        "rope_theta": 500000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128009],
-    },
-}
+from shared.model_files import SYNTHETIC_CONFIGS, ModelSource
 
 
 @dataclass(frozen=True)

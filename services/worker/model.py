@@ -168,17 +168,17 @@ class LlamaModel:
                 self.scale,
                 max_context_len=batch.max_context_len,
             )  # [R, Hq, D]
-            return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
-        out = self.ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.context_lens,
-            batch.query_start,
-            self.scale,
-            max_query_len=batch.max_query_len,
-        )  # [T, Hq, D]
+        else:
+            out = self.ops.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.context_lens,
+                batch.query_start,
+                self.scale,
+                max_query_len=batch.max_query_len,
+            )  # [T, Hq, D]
         return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
 
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

@@ -74,6 +74,21 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     # What the spill store may hold in Redis.
     spill_capacity_bytes: int = Field(default=4 << 30, ge=0)
+    # A spill store serves this system (`spillway up` always starts one): victims may be
+    # spilled, swapped in, and finished prefixes shared through it.
+    spill_store: bool = True
+    # Blocks per Redis value when a victim's KV is spilled (one pipelined write).
+    spill_group_blocks: int = Field(default=16, ge=1)
+    # Spilled data of a worker silent this long is deleted by the spill store.
+    spill_orphan_timeout_s: float = Field(default=30.0, gt=0)
+    # Redis expiry on every spilled key: a backstop when nothing else deletes it.
+    spill_ttl_s: int = Field(default=3600, ge=1)
+    # The worker's Redis socket timeout: a step never waits on a dead store longer.
+    kv_store_timeout_s: float = Field(default=2.0, gt=0)
+    # The shared prefix tier's capacity in blocks (oldest evicted first); 0: off.
+    prefix_tier_blocks: int = Field(default=1024, ge=0)
+    # Plan step N+1 before step N's result is back (hides bus and bookkeeping time).
+    run_ahead: bool = True
     debug_invariants: bool = False
     log_level: str = "INFO"
     service_id: str | None = None  # the worker / gateway id; random when not set

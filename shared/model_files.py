@@ -93,3 +93,27 @@ def _synthetic(spec: str) -> ModelSource:
         f"synthetic model {spec!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor a"
         " config.json file or a folder holding one"
     )
+
+
+FINGERPRINT_BYTES = 1 << 20
+
+
+def weights_fingerprint(source: ModelSource) -> str:
+    """A short digest of the weight files (their sizes and first MiB): KV made by one set
+    of weights is only reused under the same weights (the spill store and the shared
+    prefix tier outlive workers, and may serve several)."""
+    import hashlib
+
+    digest = hashlib.blake2b(source.kind.encode(), digest_size=8)
+    if source.kind == "gguf":
+        files = [source.path]
+    elif source.kind == "hf":
+        files = sorted(source.path.glob("*.safetensors"))
+    else:
+        files = []
+        digest.update(str(source.path).encode())
+    for path in files:
+        digest.update(str(path.stat().st_size).encode())
+        with path.open("rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()

@@ -126,6 +126,15 @@ class StatsRequest(Message):
     pass
 
 
+class PhaseHistogram(Message):
+    """One tick phase's durations: counts per bucket (upper bounds in seconds, the last
+    is +Inf), their sum and count, as Prometheus histograms hold them."""
+
+    bounds: list[float]
+    counts: list[int]  # not cumulative; len(bounds) + 1 (the last counts > bounds[-1])
+    sum: float = 0.0
+
+
 class SchedulerStats(Message):
     """sched.stats reply: health and the gauges / counters the gateway exports."""
 
@@ -147,6 +156,15 @@ class SchedulerStats(Message):
     step_bookkeeping_s: float | None = None
     step_bus_s: float | None = None
     step_forward_s: float | None = None
+    # Median time between back-to-back step results that the worker spent not computing.
+    step_overhead_s: float | None = None
+    num_cached_blocks: int = 0  # blocks kept by the prefix cache, evictable
+    preemption_mode: str = "auto"
+    run_ahead: bool = False
+    # The end-of-tick phases (and schedule / update), timed in the scheduler process.
+    phases: dict[str, PhaseHistogram] = Field(default_factory=dict)
+    # The spill store's last answer (None: none yet, or it does not answer).
+    spill_store: SpillStats | None = None
 
 
 # --- scheduler <-> worker --------------------------------------------------------------
@@ -164,6 +182,12 @@ class WorkerInfo(Message):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    # What one block's bytes mean (model, dtype, geometry): spilled or shared blocks are
+    # only ever read back by a worker with the same layout.
+    kv_layout: str = ""
+    block_bytes: int = 0  # one block across all layers, K and V
+    # Whether the worker reached the spill store's Redis at start (it retries later).
+    kv_store: bool = False
 
 
 class RegisterReply(Message):
@@ -181,6 +205,9 @@ class NewSequence(Message):
     seq_id: str
     sampling: SamplingParams
     block_ids: list[int]
+    # Tokens the sequence generated so far (non-empty when it comes back after a
+    # preemption or spill): per-sequence sampling state is rebuilt from them.
+    output_token_ids: list[int] = Field(default_factory=list)
 
 
 class SequenceUpdate(Message):
@@ -203,18 +230,58 @@ class StepRow(Message):
     start_pos: int
     sample: bool
     output_index: int = 0
+    # Run-ahead: the row's one token is the one the worker sampled last for this sequence
+    # (in the step before, whose result the scheduler has not seen); token_ids is empty.
+    feed_last: bool = False
     # W3C traceparent of the scheduler's span for this row, when traces are exported:
     # the worker's span for the row becomes its child.
     traceparent: str | None = None
 
 
+class KVSpill(Message):
+    """Copy a victim's blocks to the spill store (keys `spill:seq:<seq_id>:<spill_id>:*`)
+    before anything else in the step may overwrite them."""
+
+    seq_id: str
+    spill_id: int
+    block_ids: list[int]
+
+
+class KVRestore(Message):
+    """Read a spilled sequence's blocks back, in order, into `block_ids`."""
+
+    seq_id: str
+    spill_id: int
+    block_ids: list[int]
+
+
+class PrefixBlock(Message):
+    """A full block and its chained hash (hex): the shared prefix tier's key."""
+
+    block_id: int
+    block_hash: str
+
+
+class PrefixLoad(Message):
+    """Fill a new sequence's leading blocks from the shared prefix tier."""
+
+    seq_id: str
+    blocks: list[PrefixBlock]
+
+
 class StepPlan(Message):
-    """worker.<id>.step (request/reply -> StepResult). Applied in field order."""
+    """worker.<id>.step (request/reply -> StepResult). Applied in field order: KV leaves
+    first (spills, prefix stores: their blocks may be reused by this very step), then the
+    sequence table, then KV comes in (restores, prefix loads), then the rows run."""
 
     step_id: int
+    spills: list[KVSpill] = Field(default_factory=list)
+    prefix_stores: list[PrefixBlock] = Field(default_factory=list)
     finished_seq_ids: list[str] = Field(default_factory=list)
     new_seqs: list[NewSequence] = Field(default_factory=list)
     updated_seqs: list[SequenceUpdate] = Field(default_factory=list)
+    restores: list[KVRestore] = Field(default_factory=list)
+    prefix_loads: list[PrefixLoad] = Field(default_factory=list)
     rows: list[StepRow] = Field(default_factory=list)
 
 
@@ -224,20 +291,81 @@ class RowResult(Message):
     logprobs: SampledLogprobs | None = None
 
 
+class SpillOutcome(Message):
+    seq_id: str
+    spill_id: int
+    ok: bool
+    num_bytes: int = 0
+    num_keys: int = 0
+    error: str | None = None
+
+
 class StepResult(Message):
     step_id: int
     rows: list[RowResult] = Field(default_factory=list)  # one per sampling row, plan order
     forward_s: float = 0.0  # time in the model's forward and sampling
     error: ErrorInfo | None = None
+    spills: list[SpillOutcome] = Field(default_factory=list)
+    # Sequences whose restore or prefix load failed (data gone, store down): their rows
+    # did not run, and their blocks hold nothing usable.
+    lost_seq_ids: list[str] = Field(default_factory=list)
+    # Time and bytes of the step's KV traffic with the spill store (both directions).
+    kv_io_s: float = 0.0
+    kv_io_bytes: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
 
 
 # --- spill store ----------------------------------------------------------------------
 
 
 class SpillStats(Message):
-    """spill.stats reply."""
+    """spill.stats reply: the spill store's accounting."""
 
     redis_ok: bool
+    num_sequences: int = 0  # spilled sequences held
     num_keys: int = 0
-    used_bytes: int = 0
+    used_bytes: int = 0  # spilled KV held
     capacity_bytes: int = 0
+    # Per spilled sequence: "<seq_id>:<spill_id>" -> bytes.
+    sequences: dict[str, int] = Field(default_factory=dict)
+    spilled_total: int = 0  # sequences recorded since start
+    dropped_total: int = 0  # deleted on resume, finish or abort
+    expired_total: int = 0  # deleted because the worker that wrote them died
+    prefix_blocks: int = 0  # blocks in the shared prefix tier
+    prefix_bytes: int = 0
+    prefix_capacity_blocks: int = 0
+    prefix_evicted_total: int = 0
+
+
+class SpillRecord(Message):
+    """spill.recorded (publish, worker -> spill store): a spill's keys are written."""
+
+    seq_id: str
+    spill_id: int
+    worker_id: str
+    num_bytes: int
+    num_keys: int
+
+
+class SpillRef(Message):
+    seq_id: str
+    spill_id: int
+
+
+class SpillDrop(Message):
+    """spill.drop (publish, scheduler -> spill store): these spills are not needed any
+    more (resumed, finished, aborted, or their sequence is recomputed)."""
+
+    spills: list[SpillRef]
+
+
+class PrefixLookup(Message):
+    """spill.prefix_lookup (request/reply -> PrefixLookupReply): how many of these
+    chained block hashes (hex, in order) the shared prefix tier holds, from the first."""
+
+    block_hashes: list[str]
+
+
+class PrefixLookupReply(Message):
+    num_hits: int

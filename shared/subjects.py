@@ -22,6 +22,9 @@ WORKER_REGISTER = "worker.register"  # request/reply: WorkerInfo -> RegisterRepl
 WORKER_HEARTBEAT = "worker.heartbeat"  # publish: Heartbeat
 WORKER_DISCOVER = "worker.discover"  # publish by a (re)started scheduler: workers re-register
 SPILL_STATS = "spill.stats"  # request/reply: StatsRequest -> SpillStats
+SPILL_RECORDED = "spill.recorded"  # publish, worker -> spill store: SpillRecord
+SPILL_DROP = "spill.drop"  # publish, scheduler -> spill store: SpillDrop
+SPILL_PREFIX_LOOKUP = "spill.prefix_lookup"  # request/reply: PrefixLookup -> PrefixLookupReply
 
 
 def worker_step(worker_id: str) -> str:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import IO
 
 from shared.lifecycle import READY_MARK
 
@@ -40,6 +41,7 @@ class Child:
         args: list[str],
         env: dict[str, str],
         emit: Callable[[str], None],
+        stderr: IO[str] | None = None,
     ) -> None:
         self.service = service
         self.ready = threading.Event()
@@ -48,6 +50,7 @@ class Child:
             [sys.executable, "-m", "services.cli.main", "serve", service, *args],
             env=env,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
             bufsize=1,
         )

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from services.cli.children import Child
+
 SPILLWAY = str(Path(sys.executable).with_name("spillway"))
 SERVICES = ("gateway", "scheduler", "worker", "spillstore")
 
@@ -116,3 +118,57 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
             return value
         time.sleep(interval)
     return predicate()
+
+
+class ServiceGroup:
+    """Services started one by one with `spillway serve` (the docker compose way), so a
+    test can stop, restart or kill any one of them while the others keep running."""
+
+    def __init__(self, *common: str, env: dict[str, str] | None = None) -> None:
+        self.common = list(common)
+        self.env = {**os.environ, **(env or {})}
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="spillway-services-", suffix=".log", delete=False, mode="w"
+        )
+        self.children: dict[str, Child] = {}
+        self.lines: list[str] = []
+
+    def start(
+        self, service: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> Child:
+        child = Child(
+            service,
+            [*self.common, *args],
+            {**self.env, **(env or {})},
+            self.lines.append,
+            stderr=self.log,
+        )
+        deadline = time.monotonic() + timeout
+        while not child.ready.wait(0.1):
+            if not child.alive or time.monotonic() > deadline:
+                child.kill()
+                raise RuntimeError(f"{service} did not get ready:\n{self.tail()}")
+        self.children[service] = child
+        return child
+
+    @property
+    def url(self) -> str:
+        """The gateway's base URL (from its readiness line)."""
+        return self.children["gateway"].ready_detail.split()[0]
+
+    def stop(self, service: str, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        child = self.children.pop(service)
+        if child.alive:
+            child.proc.send_signal(sig)
+            if not child.wait(timeout):
+                child.kill()
+        return child.proc.returncode
+
+    def stop_all(self) -> None:
+        for service in list(self.children):
+            self.stop(service)
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace")
+        return "\n".join(self.lines[-20:] + text.splitlines()[-n:])

@@ -37,6 +37,9 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--attention-backend", "attention_backend", {"choices": ["auto", "torch", "triton"],
                                                   "help": "worker kernels: auto = Triton on "
                                                   "CUDA, torch elsewhere"}),
+    ("--no-run-ahead", "run_ahead", {"action": "store_const", "const": False,
+                                     "help": "wait for each step's result before planning "
+                                     "the next"}),
     ("--no-cuda-graphs", "cuda_graphs", {"action": "store_const", "const": False,
                                          "help": "run decode steps eagerly, without CUDA "
                                          "graphs"}),
@@ -45,7 +48,7 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
 
 SECRET_FIELDS = {"api_key"}
 # Switches that are on unless their --no-... flag is given.
-OFF_SWITCHES = {"prefix_cache", "cuda_graphs"}
+OFF_SWITCHES = {"prefix_cache", "cuda_graphs", "run_ahead"}
 
 
 def add_options(parser: argparse.ArgumentParser, defaults: Settings) -> None:

@@ -84,8 +84,9 @@ def start_nats(jetstream: bool = True, timeout: float = 10.0) -> ServerProcess:
     return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc, workdir)
 
 
-def start_redis(timeout: float = 10.0) -> ServerProcess:
-    port = free_port()
+def start_redis(timeout: float = 10.0, port: int | None = None) -> ServerProcess:
+    """On `port` when given (a restart where clients expect it), else on a free one."""
+    port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="spillway-redis-")
     args = [
         find_binary("redis-server"),

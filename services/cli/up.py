@@ -51,8 +51,6 @@ def ensure_servers(settings: Settings) -> tuple[Settings, list[ServerProcess]]:
 def check_supported(settings: Settings) -> None:
     if settings.workers > 1:
         raise StartupError("--workers above 1 is not available yet: run one worker per system")
-    if settings.preemption_mode == "spill":
-        raise StartupError("--preemption-mode spill is not available yet: use auto or recompute")
 
 
 def wait_healthy(url: str, children: list[Child], stop: threading.Event, timeout: float) -> None:

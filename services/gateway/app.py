@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.api import GatewayApi, Generation
 from services.gateway.errors import ApiError
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, spill_health
 from services.gateway.validation import Kind, parse_json_body
 from shared.clock import Clock, MonotonicClock
 from shared.telemetry import extract, inject
@@ -83,6 +83,7 @@ def create_app(
             "waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_usage,
             "model": api.model.model_id,
+            "spill": spill_health(stats),
         }
         if stats.num_workers < 1:
             body["reason"] = "no worker is registered"

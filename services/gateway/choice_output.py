@@ -71,6 +71,7 @@ class ChoiceOutput:
         self._want_logprobs = options.logprobs is not None
         self._tokens_as_ids = options.tokens_as_ids
         self.num_tokens = 0
+        self.num_cached_tokens = 0
         self.text = ""
         self.logprobs: list[TokenLogprobInfo] = []
         self.finish_reason: str | None = None
@@ -84,6 +85,8 @@ class ChoiceOutput:
         step = ChoiceStep(self.index)
         if self.finished:
             return step
+        if delta.num_prompt_tokens:  # the first delta: what the prefix cache served
+            self.num_cached_tokens = delta.num_cached_tokens
         sampled = delta.logprobs or []
         for i, token_id in enumerate(delta.token_ids):
             self.num_tokens += 1

@@ -89,7 +89,7 @@ class RequestRun:
 
     @property
     def usage(self) -> Usage:
-        return usage_of(self.prepared.prompts, self.outputs)
+        return usage_of(self.prepared.prompts, self.outputs, self.prepared.n)
 
     @property
     def finish_reasons(self) -> list[str]:

@@ -11,10 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from shared.protocol import SchedulerStats
+from shared.protocol import SchedulerStats, SpillStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -87,6 +92,77 @@ class SchedulerStatsCollector(Collector):
             "Prompt tokens looked up in the prefix cache",
             value=s.prefix_cache_query_tokens,
         )
+        yield _gauge(
+            "spillway_prefix_cache_blocks",
+            "KV blocks kept by the prefix cache",
+            s.num_cached_blocks,
+        )
+        yield from _phase_histograms(s)
+        yield from _spill_store_metrics(s)
+
+
+def spill_health(stats: SchedulerStats) -> dict[str, object]:
+    """What /health says of spilling: a Redis outage degrades spill to recompute; the
+    system still serves."""
+    store = stats.spill_store
+    if store is None:
+        state = "off" if stats.preemption_mode == "recompute" else "unavailable"
+        return {"status": state, "preemption_mode": stats.preemption_mode}
+    body: dict[str, object] = {
+        "status": "ok" if store.redis_ok else "degraded",
+        "preemption_mode": stats.preemption_mode,
+        "spilled_sequences": store.num_sequences,
+        "used_bytes": store.used_bytes,
+        "capacity_bytes": store.capacity_bytes,
+    }
+    if not store.redis_ok:
+        body["reason"] = "redis is unavailable: victims are recomputed, not spilled"
+    return body
+
+
+def _phase_histograms(stats: SchedulerStats) -> Iterator[Metric]:
+    family = HistogramMetricFamily(
+        "spillway_scheduler_phase_seconds",
+        "Time in each scheduler tick phase (schedule, update and the end-of-tick phases)",
+        labels=["phase"],
+    )
+    for phase, h in sorted(stats.phases.items()):
+        cumulative, buckets = 0, []
+        for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+            cumulative += count
+            buckets.append((_le(bound), cumulative))
+        family.add_metric([phase], buckets, h.sum)
+    yield family
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def _spill_store_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    store = stats.spill_store or SpillStats(redis_ok=False)
+    yield _gauge("spillway_spill_store_up", "1 when the spill store reaches Redis",
+                 1.0 if store.redis_ok else 0.0)  # fmt: skip
+    yield _gauge("spillway_spill_store_sequences", "Spilled sequences held", store.num_sequences)
+    yield _gauge("spillway_spill_store_used_bytes", "Spilled KV bytes held", store.used_bytes)
+    yield _gauge(
+        "spillway_spill_store_capacity_bytes", "Spill store capacity", store.capacity_bytes
+    )
+    seqs = GaugeMetricFamily(
+        "spillway_spill_store_sequence_bytes", "Spilled KV bytes per sequence", labels=["seq"]
+    )
+    for name, num_bytes in sorted(store.sequences.items()):
+        seqs.add_metric([name], num_bytes)
+    yield seqs
+    for name, doc, value in (
+        ("spillway_spill_store_spilled", "Spills recorded", store.spilled_total),
+        ("spillway_spill_store_dropped", "Spills deleted after use", store.dropped_total),
+        ("spillway_spill_store_expired", "Spills of dead workers deleted", store.expired_total),
+        ("spillway_prefix_tier_evicted", "Shared-tier blocks evicted", store.prefix_evicted_total),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+    yield _gauge("spillway_prefix_tier_blocks", "Blocks in the shared prefix tier",
+                 store.prefix_blocks)  # fmt: skip
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

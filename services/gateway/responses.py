@@ -19,18 +19,28 @@ from services.gateway.validation import Kind
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache or shared tier
 
-    def body(self) -> dict[str, int]:
+    def body(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
-def usage_of(prompts: Sequence[Sequence[int]], outputs: Sequence[ChoiceOutput]) -> Usage:
-    """Each prompt counts once, however many choices it has (as OpenAI counts)."""
-    return Usage(sum(len(p) for p in prompts), sum(o.num_tokens for o in outputs))
+def usage_of(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[ChoiceOutput], n: int = 1
+) -> Usage:
+    """Each prompt counts once, however many choices it has (as OpenAI counts); its
+    cached tokens are those its first choice (choice i runs prompt i // n) found."""
+    cached = sum(
+        outputs[i * n].num_cached_tokens for i in range(len(prompts)) if i * n < len(outputs)
+    )
+    return Usage(
+        sum(len(p) for p in prompts), sum(o.num_tokens for o in outputs), cached_tokens=cached
+    )
 
 
 # --- logprobs -------------------------------------------------------------------------
@@ -182,7 +192,7 @@ class ChunkBuilder:
         choice["finish_reason"] = finish
         return self._envelope([choice], None)
 
-    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict:
+    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict:
         body: dict[str, Any] = {
             "id": self.meta.id,
             "object": self._object,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import Settings
+from shared.config import PreemptionMode, Settings
 
 
 @dataclass(frozen=True)
@@ -12,6 +12,14 @@ class SchedulerConfig:
     max_batch: int = 64  # sequences holding blocks at once
     max_num_batched_tokens: int = 512  # tokens one step may compute, all rows together
     max_waiting: int = 1024  # beyond this, submissions get 429
+    preemption_mode: PreemptionMode = "recompute"
+    prefix_cache: bool = True
+    # A spill store serves this system: spilling, swap-in and the shared prefix tier
+    # are possible (whether it is healthy right now is the policy's business).
+    spill_store: bool = False
+    prefix_tier: bool = False  # finished sequences' full blocks go to the shared tier
+    prefix_tier_blocks: int = 4096  # hashes remembered as already stored there
+    run_ahead: bool = False  # plan step N+1 before step N's result is applied
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerConfig:
@@ -19,4 +27,10 @@ class SchedulerConfig:
             max_batch=settings.max_batch,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_waiting=settings.max_waiting,
+            preemption_mode=settings.preemption_mode,
+            prefix_cache=settings.prefix_cache,
+            spill_store=settings.spill_store,
+            prefix_tier=settings.spill_store and settings.prefix_tier_blocks > 0,
+            prefix_tier_blocks=settings.prefix_tier_blocks,
+            run_ahead=settings.run_ahead,
         )

@@ -1,53 +1,78 @@
 """The scheduler core: a pure, synchronous state machine driven once per tick.
 
-    add_request / abort      any time (also while a step is in flight)
-    schedule()          -> StepPlan | None      retire, resume, decode rows, admit + prefill
-    update_from_output(plan, result) -> deltas  append tokens, stop conditions
-      (or fail_step / abandon_step when the step got no usable result)
-    end_tick()          -> deltas               deadline sweep, retire, resume
+    add_request / abort      any time (also while steps are in flight)
+    schedule()          -> StepPlan | None      decode rows, prefill chunks, admissions,
+                                                 victims on KV exhaustion (spill/recompute)
+    update_from_output(plan, result) -> deltas  append tokens, stop conditions, KV outcomes
+      (or void_step when the step's result will never be used)
+    end of tick, in the seeds' order:
+      sweep_deadlines()  -> deltas
+      must_drain()       -> bool     a finished sequence still has a row in flight: the
+                                     shell applies (drains) the steps in flight first
+      finish_tick()      -> deltas   store_finished, retire, swap-in, resume
 
 Where a sequence lives:
 
     waiting --admit--> running --finish--> finishing --retire--> (forgotten)
-                        |    ^
-                 preempt|    |resume (re-prefill prompt + generated tokens)
-                        v    |
+                        |  ^  ^
+            preempt:    |  |  | swap-in (restore its spilled blocks)
+            recompute   |  |  +---------- swapped <--- preempt: spill
+                        v  | resume (re-prefill, prefix hits skip cached blocks)
                       preempted
 
 Only running and finishing sequences hold blocks. A finished sequence keeps its blocks
-until retirement (the end of the tick, or the start of the next schedule) because a step
-in flight may still be writing them. The worker learns of retired and preempted sequences
-through the next plan's finished_seq_ids.
+until retirement because a step in flight may still be writing them. The worker learns of
+retired and preempted sequences through the next plan's finished_seq_ids.
+
+Steps may run ahead (`config.run_ahead`): the shell asks for step N+1 before step N's
+result is applied. Rows of N+1 that continue a sequence sampling in N feed the worker's
+last sampled token (`StepRow.feed_last`); a sequence that finishes in N has an over-run row
+in N+1 whose token is discarded. A result that fails voids every step after it.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from services.scheduler.admission import admission_error, invalid_request
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow, PlannedSpill
 from services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
+from services.scheduler.preemption import PreemptionPolicy
+from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
 from services.scheduler.request_queue import RequestQueue
-from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
+from services.scheduler.slots import SlotAllocator
 from services.scheduler.step_plan import make_row, worker_diff
 from services.scheduler.stopping import finish_reason_after_token
 from shared.clock import Clock
 from shared.protocol import (
     ErrorInfo,
     FinishReason,
+    KVRestore,
+    KVSpill,
     NewSequence,
+    PrefixBlock,
+    PrefixLoad,
     RequestDelta,
     RowResult,
+    SpillRef,
     StepPlan,
     StepResult,
     SubmitRequest,
     WorkerInfo,
 )
 
+log = logging.getLogger(__name__)
+
 NO_WORKER = ErrorInfo(status=503, message="no worker available", code="no_worker")
+OUT_OF_MEMORY = "out_of_memory"
+OOM_RECOVERY_STEPS = 32
 
 
 def kv_exhausted(seq: Sequence, num_blocks: int) -> ErrorInfo:
@@ -66,27 +91,52 @@ class SchedulerCore:
         self.clock = clock
         self.config = config
         self.observer: SchedulerObserver = observer or NullObserver()
+        self.policy = PreemptionPolicy(config.preemption_mode, config.spill_store)
         self.worker: WorkerInfo | None = None
         self.blocks: BlockManager | None = None
+        self._hash_root = 0
         self._eos_token_ids: frozenset[int] = frozenset()
         self._requests: dict[str, Sequence] = {}  # every sequence not yet retired
         self._waiting = RequestQueue()
         self._running: dict[str, Sequence] = {}
         self._preempted = RequestQueue()
+        self._swapped: list[Sequence] = []  # in spill order
         self._finishing: list[Sequence] = []
         self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, arrival, id)
+        self._slots = SlotAllocator()
+        self._inflight: dict[int, InflightStep] = {}
+        # What the next plan carries besides rows (see StepPlan's field order).
         self._worker_must_forget: list[str] = []
+        self._next_spills: list[tuple[Sequence, KVSpill]] = []
+        self._next_prefix_stores: list[PrefixBlock] = []
+        self._next_loads: list[tuple[Sequence, KVRestore | PrefixLoad, int]] = []
+        self._spill_drops: list[SpillRef] = []
+        # Hashes recently written to the shared tier (not written again while here).
+        self._tier_stored: OrderedDict[int, None] = OrderedDict()
         self._news: dict[str, RequestDelta] = {}
         self._arrivals = itertools.count()
         self._step_ids = itertools.count(1)
         self.num_steps = 0
         self.preemptions = {"recompute": 0, "spill": 0}
+        self.spill_failures = 0
+        self.swap_ins = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        # After the worker ran out of memory with R rows, at most R - 1 run together; the
+        # cap rises by one every OOM_RECOVERY_STEPS good steps until max_batch.
+        self._row_cap: int | None = None
+        self._good_steps = 0
 
     # --- worker ---------------------------------------------------------------------
 
     def attach_worker(self, info: WorkerInfo) -> list[RequestDelta]:
-        """Drives `info`'s KV cache from now on. Every sequence an earlier worker held is
-        requeued for recompute; those too long for this worker end with an error."""
+        """Drives `info`'s KV cache from now on (no step of the old worker may be in
+        flight). Running sequences are requeued for recompute; swapped ones stay swapped
+        when the new worker reads the same KV layout; those too long for this worker end
+        with an error."""
+        assert not self._inflight, "attach_worker with steps in flight"
+        old_layout = self.worker.kv_layout if self.worker is not None else None
+        self._drop_pending_orders()
         for seq in self._finishing:
             self._forget_worker_state(seq)
         for seq in list(self._running.values()):
@@ -94,9 +144,17 @@ class SchedulerCore:
             self._forget_worker_state(seq)
             seq.status = SequenceStatus.PREEMPTED
             self._preempted.push(seq)
+        if old_layout is not None and old_layout != info.kv_layout:
+            for seq in list(self._swapped):
+                self._unswap_to_recompute(seq)
         self._worker_must_forget.clear()
         self.worker = info
-        self.blocks = BlockManager(info.num_kv_blocks, info.block_size)
+        self.blocks = BlockManager(info.num_kv_blocks, info.block_size, self.config.prefix_cache)
+        self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
+        for seq in self._requests.values():
+            seq.block_hashes.clear()  # chained from another root now
+            seq.tier_hashes.clear()
+        self._tier_stored.clear()
         self._eos_token_ids = frozenset(info.eos_token_ids)
         for seq in list(self._requests.values()):
             if not seq.is_finished and not self._fits_worker(seq.num_tokens):
@@ -114,6 +172,8 @@ class SchedulerCore:
 
     def detach_worker(self, error: ErrorInfo = NO_WORKER) -> list[RequestDelta]:
         """The worker is gone and none replaces it: every request ends with `error`."""
+        assert not self._inflight, "detach_worker with steps in flight"
+        self._drop_pending_orders()
         for seq in list(self._requests.values()):
             self._finish(seq, "error", error)
         for seq in self._finishing:
@@ -126,8 +186,12 @@ class SchedulerCore:
 
     # --- ingest ---------------------------------------------------------------------
 
-    def add_request(self, req: SubmitRequest) -> ErrorInfo | None:
-        """Queues the request, or says why not (the sequence is then not kept)."""
+    def add_request(
+        self, req: SubmitRequest, tier_hashes: list[int] | None = None
+    ) -> ErrorInfo | None:
+        """Queues the request, or says why not (the sequence is then not kept).
+        `tier_hashes`: block hashes of its prompt the shared prefix tier holds (from
+        `prefix_lookup_hashes`, looked up by the shell)."""
         error = admission_error(
             req,
             self.worker,
@@ -138,6 +202,7 @@ class SchedulerCore:
         if error is not None:
             return error
         seq = Sequence.from_submit(req, self.clock.now(), next(self._arrivals))
+        seq.tier_hashes = list(tier_hashes or [])
         self._requests[seq.request_id] = seq
         self._waiting.push(seq)
         if seq.deadline_s is not None:
@@ -145,101 +210,296 @@ class SchedulerCore:
         self.observer.request_queued(seq)
         return None
 
+    def prefix_lookup_hashes(self, prompt_token_ids: list[int]) -> list[int]:
+        """The block hashes of a prompt that the local prefix cache misses: what the
+        shell asks the shared tier about (in order; the tier answers how many it holds
+        from the first)."""
+        if self.blocks is None or not self.config.prefix_cache:
+            return []
+        hashes = self._hashes_for_lookup(prompt_token_ids, [])
+        return hashes[len(self.blocks.lookup(hashes)) :]
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """Ends those requests wherever they are (unknown ids are ignored: they may have
-        finished already). Blocks return at the next retirement, within this tick."""
+        finished already). Blocks return at the next retirement."""
         for request_id in request_ids:
             seq = self._requests.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort")
 
-    # --- the tick -------------------------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        """Sequences that may hold blocks at once (max_batch, or less after an OOM)."""
+        cap = self._row_cap
+        return self.config.max_batch if cap is None else min(cap, self.config.max_batch)
+
+    # --- the tick: planning ---------------------------------------------------------
+
+    def can_schedule(self) -> bool:
+        """Whether another step may be planned now: always with nothing in flight; with a
+        step in flight only when running ahead and that step brings no KV in (rows after a
+        swap-in or prefix load wait until it is known to have worked)."""
+        if not self._inflight:
+            return True
+        if not self.config.run_ahead or len(self._inflight) >= 2:
+            return False
+        return not any(step.loads for step in self._inflight.values())
 
     def schedule(self) -> StepPlan | None:
-        """The next step: a decode row for every running sequence first (one token each),
-        then prefill chunks of running sequences, then newly admitted ones, all within
-        max_num_batched_tokens. None when there is nothing to run."""
+        """The next step: a row for every running sequence first (decode rows, then
+        prefill chunks, by rank), then newly admitted ones, all within
+        max_num_batched_tokens. None when there is nothing to send."""
         if self.blocks is None:
             return None
         start = self.clock.now()
         self._retire_finished()
-        self._resume_preempted()
+        if not self._inflight:
+            self._swap_in()
+            self._resume_preempted()
         scheduled: dict[str, int] = {}  # request id -> tokens this step
-        preemptions_before = self.preemptions["recompute"]
-        for seq in sorted(self._running.values(), key=lambda s: (not s.is_decoding, s.rank)):
+        preemptions_before = sum(self.preemptions.values())
+        order = sorted(self._running.values(), key=lambda s: (not s.is_decoding, s.rank))
+        for seq in order:
             budget = self.config.max_num_batched_tokens - sum(scheduled.values())
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self._next_row_tokens(seq, budget)
             if num_tokens > 0 and self._make_room(seq, num_tokens, scheduled):
                 scheduled[seq.request_id] = num_tokens
         # After a preemption the cache is short: new requests would only be victims next.
-        if self.preemptions["recompute"] == preemptions_before:
+        if sum(self.preemptions.values()) == preemptions_before:
             self._admit_waiting(scheduled)
         plan = self._build_plan(scheduled)
         self.observer.phase_timed("schedule", start, self.clock.now())
         return plan
 
+    def _next_row_tokens(self, seq: Sequence, budget: int) -> int:
+        if seq.num_inflight_samples == 0:
+            return min(seq.num_unscheduled_tokens, budget)
+        # Its next token is being sampled by the step in flight: a run-ahead row feeds it,
+        # unless that token is its last by length (the over-run would be wasted).
+        assert seq.num_unscheduled_tokens == 1, "a sampling row in flight ends the sequence"
+        assert self.worker is not None
+        coming = seq.num_output_tokens + seq.num_inflight_samples
+        if seq.max_tokens is not None and coming >= seq.max_tokens:
+            return 0
+        if seq.num_planned_tokens >= self.worker.max_model_len:
+            return 0
+        return 1
+
+    # --- the tick: results ----------------------------------------------------------
+
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
-        """Applies a step's results: computed tokens advance, sampled tokens are appended
-        and checked against the stop conditions. Returns this tick's news so far."""
+        """Applies a step's results: KV outcomes (spills written, restores and prefix
+        loads done or lost), then computed tokens advance, sampled tokens are appended and
+        checked against the stop conditions. Returns this tick's news so far."""
+        step = self._inflight.get(plan.step_id)
+        if step is None:
+            return self._take_news()  # voided already
         if result.error is not None:
             return self.fail_step(plan, result.error)
         if result.step_id != plan.step_id:
             return self.fail_step(
                 plan, ErrorInfo(message=f"step {plan.step_id} got the result of {result.step_id}")
             )
+        del self._inflight[plan.step_id]
         start = self.clock.now()
+        self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
+        self._apply_loads(step, set(result.lost_seq_ids))
         sampled = {r.seq_id: r for r in result.rows}
-        for row in plan.rows:
-            seq = self._running.get(row.seq_id)
-            if seq is None or seq.num_computed_tokens != row.start_pos:
-                continue  # it finished while the step ran; its row is void
-            seq.num_computed_tokens += len(row.token_ids)
+        for row in step.rows:
+            seq = row.seq
+            if not self._settle_row(row):
+                continue
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # it finished while the step ran: the row is an over-run
+            seq.num_computed_tokens += row.num_tokens
+            self._commit_blocks(seq)
             if not row.sample:
                 continue
-            out = sampled.get(row.seq_id)
+            out = sampled.get(seq.request_id)
             if out is None:
-                missing = ErrorInfo(message=f"the worker returned no token for {row.seq_id}")
+                missing = ErrorInfo(message=f"the worker returned no token for {seq.request_id}")
                 self._finish(seq, "error", missing)
             else:
                 self._append_token(seq, out)
+        self._observe_step(step, result)
+        self._recover_row_cap()
         self.num_steps += 1
         self.observer.step_finished(plan)
         self.observer.phase_timed("update", start, self.clock.now())
         return self._take_news()
 
     def fail_step(self, plan: StepPlan, error: ErrorInfo) -> list[RequestDelta]:
-        """The step got no usable result: every request with a row in it ends with
-        `error`; the others go on."""
-        for row in plan.rows:
-            seq = self._running.get(row.seq_id)
-            if seq is not None:
+        """The step got no usable result. Out of memory: one victim (lowest priority, then
+        latest arrival) among its rows is preempted and the rest are planned again. Any
+        other error: every request with a row in it ends with `error`. Either way the
+        worker's view of those sequences is rebuilt from scratch. (Steps in flight after
+        this one must be voided by the caller.)"""
+        step = self._inflight.pop(plan.step_id, None)
+        if step is None:
+            return self._take_news()
+        live = self._void(step)
+        if error.code == OUT_OF_MEMORY and len(live) > 1:
+            victim = max(live, key=lambda s: s.rank)
+            self._row_cap = len(live) - 1
+            self._good_steps = 0
+            log.warning(
+                "step %d ran out of memory: preempting %s and retrying the rest "
+                "(at most %d rows for now)",
+                plan.step_id,
+                victim.request_id,
+                self._row_cap,
+            )
+            self._preempt(victim)
+        else:
+            for seq in live:
                 self._finish(seq, "error", error)
         self.observer.step_finished(plan)
         return self._take_news()
 
-    def abandon_step(self, plan: StepPlan) -> None:
-        """The step's worker went away; attach_worker or detach_worker decides the fate
-        of its sequences."""
+    def void_step(self, plan: StepPlan) -> None:
+        """The step's result will not be used (its worker went away, or a step before it
+        failed): nothing in it counts, and the worker's view of its sequences is rebuilt."""
+        step = self._inflight.pop(plan.step_id, None)
+        if step is not None:
+            self._void(step)
         self.observer.step_finished(plan)
 
-    def end_tick(self) -> list[RequestDelta]:
-        """The end-of-tick phases in order: deadline sweep (so a timed-out sequence
-        retires this same tick), retirement, resumption of preempted sequences."""
+    abandon_step = void_step
+
+    def _void(self, step: InflightStep) -> list[Sequence]:
+        """Undoes a step's bookkeeping; returns the running sequences it had rows for."""
+        self._worker_must_forget.extend(step.forgets)
+        self._apply_spill_outcomes(step, {})
+        self._apply_loads(step, {load.seq.request_id for load in step.loads})
+        live: list[Sequence] = []
+        for row in step.rows:
+            if self._settle_row(row) and row.seq.status is SequenceStatus.RUNNING:
+                self._resync(row.seq)
+                live.append(row.seq)
+        return live
+
+    def _settle_row(self, row: PlannedRow) -> bool:
+        """Takes the row out of its sequence's in-flight counts; False when it was void."""
+        seq = row.seq
+        if seq.epoch != row.epoch:
+            return False
+        seq.num_inflight_tokens -= row.num_tokens
+        seq.num_inflight_samples -= int(row.sample)
+        seq.num_inflight_rows -= 1
+        return True
+
+    def _apply_spill_outcomes(self, step: InflightStep, ok: dict[tuple[str, int], bool]) -> None:
+        for spill in step.spills:
+            seq = spill.seq
+            current = seq.spilled is not None and seq.spilled.spill_id == spill.spill_id
+            written = ok.get((seq.request_id, spill.spill_id), False)
+            if written and current and seq.status is SequenceStatus.SWAPPED:
+                assert seq.spilled is not None
+                seq.spilled.confirmed = True
+                continue
+            # Nothing (complete) to read back: whatever was written goes.
+            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=spill.spill_id))
+            if not current:
+                continue
+            if not written:
+                self.spill_failures += 1
+                self.policy.spill_failed(self.clock.now())
+                log.warning("spilling %s failed: it will be recomputed", seq.request_id)
+            seq.spilled = None
+            if seq.status is SequenceStatus.SWAPPED:
+                self._swapped.remove(seq)
+                self._requeue_for_recompute(seq)
+                self.observer.request_kv_lost(seq, "spill failed")
+
+    def _apply_loads(self, step: InflightStep, lost: set[str]) -> None:
+        for load in step.loads:
+            seq = load.seq
+            if seq.epoch != load.epoch or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.kv_pending = False
+            if seq.request_id in lost:
+                log.warning("%s: its KV could not be read back: recomputing", seq.request_id)
+                if not seq.sent_first_delta:
+                    seq.num_cached_tokens -= load.num_tier_tokens
+                self._kv_lost(seq)
+                continue
+            if seq.spilled is not None:  # a swap-in: the spill is not needed any more
+                self._spill_drops.append(
+                    SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id)
+                )
+                seq.spilled = None
+            self.prefix_hit_tokens += load.num_tier_tokens
+
+    def _recover_row_cap(self) -> None:
+        if self._row_cap is None:
+            return
+        self._good_steps += 1
+        if self._good_steps >= OOM_RECOVERY_STEPS:
+            self._good_steps = 0
+            self._row_cap += 1
+            if self._row_cap >= self.config.max_batch:
+                self._row_cap = None
+
+    def _observe_step(self, step: InflightStep, result: StepResult) -> None:
+        if result.kv_io_bytes:
+            self.policy.observe_kv_io(result.kv_io_bytes, result.kv_io_s)
+        self.policy.observe_prefill(step.num_tokens, result.forward_s)
+
+    # --- the tick: end-of-tick phases -----------------------------------------------
+
+    def sweep_deadlines(self) -> list[RequestDelta]:
+        """Phase 1: requests past their deadline end with "timeout" (they retire in this
+        same tick)."""
         t0 = self.clock.now()
-        self._sweep_deadlines(t0)
+        while self._deadlines and self._deadlines[0][0] <= t0:
+            _, _, request_id = heapq.heappop(self._deadlines)
+            seq = self._requests.get(request_id)
+            if seq is not None:
+                self._finish(seq, "timeout")
+        self.observer.phase_timed("deadline_sweep", t0, self.clock.now())
+        return self._take_news()
+
+    def must_drain(self) -> bool:
+        """Phase 2: a finished sequence still has a row in a step in flight, which may be
+        writing its blocks: those steps must be applied before retirement."""
+        return any(seq.num_inflight_rows > 0 for seq in self._finishing)
+
+    def finish_tick(self) -> list[RequestDelta]:
+        """Phases 3-6: store finished sequences' full blocks in the shared prefix tier,
+        retire finished sequences, swap in spilled ones, resume preempted ones."""
+        t0 = self.clock.now()
+        self._store_finished()
         t1 = self.clock.now()
-        self.observer.phase_timed("deadline_sweep", t0, t1)
+        self.observer.phase_timed("store_finished", t0, t1)
         self._retire_finished()
         t2 = self.clock.now()
         self.observer.phase_timed("retire", t1, t2)
         if self.blocks is not None:
+            self._swap_in()
+        t3 = self.clock.now()
+        self.observer.phase_timed("swap_in", t2, t3)
+        if self.blocks is not None:
             self._resume_preempted()
-        self.observer.phase_timed("resume", t2, self.clock.now())
+        self.observer.phase_timed("resume", t3, self.clock.now())
         return self._take_news()
+
+    def end_tick(self) -> list[RequestDelta]:
+        """Every end-of-tick phase, for a caller with no step in flight."""
+        news = self.sweep_deadlines()
+        assert not self.must_drain(), "end_tick with a finished sequence in flight"
+        return news + self.finish_tick()
+
+    def take_spill_drops(self) -> list[SpillRef]:
+        """Spills the store may delete (resumed, finished, aborted, failed, recomputed)."""
+        drops, self._spill_drops = self._spill_drops, []
+        return drops
+
+    def spill_store_reported(self, ok: bool, free_bytes: int) -> None:
+        self.policy.store_reported(ok, free_bytes, self.clock.now())
 
     # --- queries --------------------------------------------------------------------
 
@@ -252,8 +512,17 @@ class SchedulerCore:
 
     def has_work(self) -> bool:
         return self.blocks is not None and bool(
-            self._running or len(self._waiting) or len(self._preempted)
+            self._running
+            or len(self._waiting)
+            or len(self._preempted)
+            or self._swapped
+            or self._finishing
+            or self._has_pending_orders()
         )
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
 
     @property
     def num_running(self) -> int:
@@ -268,24 +537,45 @@ class SchedulerCore:
         return len(self._preempted)
 
     @property
+    def num_swapped(self) -> int:
+        return len(self._swapped)
+
+    @property
     def kv_usage(self) -> float:
         return self.blocks.usage if self.blocks is not None else 0.0
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
+    def batch_diagnostics(self) -> str:
+        """The seed's per-step line: one entry per running sequence in slot order."""
+        rows = sorted(self._running.values(), key=lambda s: s.sort_slot)
+        parts = [
+            f"[{i}: slot={s.state_slot} seq_len={s.num_tokens} "
+            f"bt={s.block_ids[0] if s.block_ids else -1}/{len(s.block_ids)} "
+            f"last={s.token_ids[-1] if s.token_ids else -1} out_n={s.num_output_tokens}]"
+            for i, s in enumerate(rows)
+        ]
+        return f"n={len(rows)}: {' '.join(parts)}"
+
     def check_integrity(self) -> None:
-        """Raises AssertionError when the bookkeeping is inconsistent: block invariants,
-        every running sequence's blocks cover its computed tokens, every live sequence in
-        exactly one place, only running and finishing sequences hold blocks."""
+        """Raises AssertionError when the bookkeeping is inconsistent: block invariants
+        (every block free, cached or owned, exactly once; reference counts right), every
+        running sequence's blocks cover its scheduled tokens, every live sequence in
+        exactly one place, only running and finishing sequences hold blocks, slots
+        unique, swapped sequences know where their KV is."""
         places = [
             *(s.request_id for s in self._waiting),
             *self._running,
             *(s.request_id for s in self._preempted),
+            *(s.request_id for s in self._swapped),
             *(s.request_id for s in self._finishing),
         ]
         if len(places) != len(set(places)) or set(places) != set(self._requests):
             raise AssertionError("a sequence is in no place or in two")
+        slots = [s.state_slot for s in self._requests.values() if s.state_slot is not None]
+        if len(slots) != len(set(slots)) or set(slots) != self._slots.in_use:
+            raise AssertionError("state slots are shared or leaked")
         if self.blocks is None:
             if self._requests:
                 raise AssertionError("sequences live without a worker")
@@ -295,18 +585,30 @@ class SchedulerCore:
         for seq in self._running.values():
             if seq.status is not SequenceStatus.RUNNING:
                 raise AssertionError(f"{seq.request_id} is running with status {seq.status}")
-            if len(seq.block_ids) < self.blocks.blocks_for(seq.num_computed_tokens):
-                raise AssertionError(f"{seq.request_id}: blocks do not cover computed tokens")
-            if not 0 <= seq.num_computed_tokens < seq.num_tokens:
+            if len(seq.block_ids) < self.blocks.blocks_for(seq.num_scheduled_tokens):
+                raise AssertionError(f"{seq.request_id}: blocks do not cover scheduled tokens")
+            if not 0 <= seq.num_computed_tokens <= seq.num_scheduled_tokens:
                 raise AssertionError(f"{seq.request_id}: computed {seq.num_computed_tokens}")
+            if seq.num_scheduled_tokens > seq.num_planned_tokens:
+                raise AssertionError(f"{seq.request_id}: scheduled past its tokens")
             if seq.num_blocks_sent > len(seq.block_ids):
                 raise AssertionError(f"{seq.request_id}: worker knows more blocks than held")
-        for queue, status in ((self._waiting, "waiting"), (self._preempted, "preempted")):
+        for queue, status in (
+            (list(self._waiting), "waiting"),
+            (list(self._preempted), "preempted"),
+            (self._swapped, "swapped"),
+        ):
             for seq in queue:
                 if seq.block_ids or seq.status.value != status or seq.known_to_worker:
                     raise AssertionError(f"{seq.request_id} is {status} but holds state")
+                if (seq.spilled is not None) != (status == "swapped"):
+                    raise AssertionError(f"{seq.request_id} is {status}: spill record wrong")
+        if not self._inflight:
+            for seq in self._requests.values():
+                if seq.num_inflight_rows or seq.num_inflight_tokens or seq.num_inflight_samples:
+                    raise AssertionError(f"{seq.request_id} counts rows in no step")
 
-    # --- internals ------------------------------------------------------------------
+    # --- internals: room and preemption ---------------------------------------------
 
     def _fits_worker(self, num_tokens: int) -> bool:
         assert self.worker is not None and self.blocks is not None
@@ -320,7 +622,7 @@ class SchedulerCore:
         victim per retry (lowest priority, then latest arrival) until it fits. False when
         `seq` itself was the victim, or alone needs more than the whole cache."""
         assert self.blocks is not None
-        target = seq.num_computed_tokens + num_tokens
+        target = seq.num_scheduled_tokens + num_tokens
         while (new_block_ids := self.blocks.append_slots(seq.block_ids, target)) is None:
             victim = max(self._running.values(), key=lambda s: s.rank)
             if victim is seq and len(self._running) == 1:
@@ -334,87 +636,345 @@ class SchedulerCore:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute: the blocks go back now; the sequence re-prefills everything later."""
-        assert self.blocks is not None
+        """Frees a running sequence's blocks, spilling or requeueing it (the policy's
+        choice). Its rows in flight become void."""
+        assert self.blocks is not None and self.worker is not None
         del self._running[seq.request_id]
+        self._bump_epoch(seq)
+        if seq.kv_pending and self._cancel_load(seq):
+            return
+        self._commit_blocks(seq)  # a recompute may find its own full blocks again
+        num_blocks = self.blocks.blocks_for(seq.num_computed_tokens)
+        mode = self.policy.choose(
+            seq.num_computed_tokens, num_blocks * self.worker.block_bytes, self.clock.now()
+        )
+        if mode == "spill":
+            seq.num_spills += 1
+            seq.spilled = SpilledKV(seq.num_spills, num_blocks, seq.num_computed_tokens)
+            spill = KVSpill(
+                seq_id=seq.request_id,
+                spill_id=seq.num_spills,
+                block_ids=seq.block_ids[:num_blocks],
+            )
+            self._next_spills.append((seq, spill))
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        if mode == "spill":
+            seq.status = SequenceStatus.SWAPPED
+            self._swapped.append(seq)
+        else:
+            seq.status = SequenceStatus.PREEMPTED
+            self._preempted.push(seq)
+        seq.count_preemption(mode)
+        self.preemptions[mode] += 1
+        self.observer.request_preempted(seq, mode)
+
+    def _cancel_load(self, seq: Sequence) -> bool:
+        """A victim whose KV was still to come (its load is not sent yet: no step is
+        planned past a load in flight). A swap-in is undone (the spill is still in the
+        store: True); a prefix load is dropped and the sequence recomputes from scratch."""
+        assert self.blocks is not None
+        self._next_loads = [entry for entry in self._next_loads if entry[0] is not seq]
+        seq.kv_pending = False
+        if seq.spilled is None:
+            seq.num_computed_tokens = 0
+            return False
+        self.blocks.free(seq.block_ids)
+        self._forget_worker_state(seq)
+        seq.status = SequenceStatus.SWAPPED
+        self._swapped.insert(0, seq)
+        return True
+
+    def _kv_lost(self, seq: Sequence) -> None:
+        """A running sequence whose blocks hold nothing usable (a failed restore or
+        prefix load): it starts over by recompute."""
+        assert self.blocks is not None
+        del self._running[seq.request_id]
+        self._bump_epoch(seq)
+        seq.kv_pending = False
+        if seq.spilled is not None:
+            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
+            seq.spilled = None
+        self.blocks.free(seq.block_ids)
+        self._forget_worker_state(seq)
+        self._requeue_for_recompute(seq)
+        self.observer.request_kv_lost(seq, "read back failed")
+
+    def _requeue_for_recompute(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
+        seq.num_computed_tokens = 0
         self._preempted.push(seq)
-        self.preemptions["recompute"] += 1
-        self.observer.request_preempted(seq, "recompute")
+
+    def _unswap_to_recompute(self, seq: Sequence) -> None:
+        assert seq.spilled is not None
+        self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
+        seq.spilled = None
+        self._swapped.remove(seq)
+        self._requeue_for_recompute(seq)
+
+    def _resync(self, seq: Sequence) -> None:
+        """The worker's view of a running sequence is unknown (a step failed or was
+        voided): it forgets it and takes it afresh; its computed KV stays valid."""
+        self._bump_epoch(seq)
+        if seq.known_to_worker:
+            self._worker_must_forget.append(seq.request_id)
+        seq.known_to_worker = False
+        seq.num_blocks_sent = 0
+
+    def _bump_epoch(self, seq: Sequence) -> None:
+        seq.epoch += 1
+        seq.num_inflight_tokens = 0
+        seq.num_inflight_samples = 0
+        seq.num_inflight_rows = 0
 
     def _forget_worker_state(self, seq: Sequence) -> None:
-        """The sequence's KV is gone: the worker must drop it and compute it afresh."""
+        """The sequence's KV is gone (or moved): the worker must drop it."""
         if seq.known_to_worker:
             self._worker_must_forget.append(seq.request_id)
         seq.known_to_worker = False
         seq.num_blocks_sent = 0
         seq.block_ids = []
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    # --- internals: admission, swap-in, resume --------------------------------------
+
+    def _better_ranked_held(self, rank: tuple[int, float, int]) -> bool:
+        """A preempted or swapped sequence ranks before `rank` (it resumes first)."""
+        resuming = self._preempted.peek()
+        if resuming is not None and resuming.rank < rank:
+            return True
+        return any(s.rank < rank for s in self._swapped)
 
     def _admit_waiting(self, scheduled: dict[str, int]) -> None:
         assert self.blocks is not None
-        while len(self._running) < self.config.max_batch:
+        while len(self._running) < self.max_batch:
             budget = self.config.max_num_batched_tokens - sum(scheduled.values())
             seq = self._waiting.peek()
             if budget <= 0 or seq is None:
                 return
-            resuming = self._preempted.peek()
-            if resuming is not None and resuming.rank < seq.rank:
+            if self._better_ranked_held(seq.rank):
                 return  # an earlier request waits for blocks to resume: it goes first
-            # The whole prompt must fit now, though only its first chunk gets blocks: a
-            # prompt admitted into a full cache would only preempt or be preempted.
-            if not self.blocks.can_allocate(seq.num_tokens):
-                return
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            block_ids = self.blocks.allocate(seq.num_computed_tokens + num_tokens)
-            if block_ids is None:
+            num_tokens = self._start_running(seq, budget, use_tier=True)
+            if num_tokens is None:
                 return
             self._waiting.pop()
-            seq.block_ids = block_ids
-            seq.status = SequenceStatus.RUNNING
-            self._running[seq.request_id] = seq
             scheduled[seq.request_id] = num_tokens
             self.observer.request_admitted(seq)
 
-    def _resume_preempted(self) -> None:
-        """Preempted sequences, best rank first, get blocks for their whole recompute."""
+    def _start_running(self, seq: Sequence, budget: int, use_tier: bool) -> int | None:
+        """Gives a waiting or preempted sequence its blocks: cached prefix blocks first
+        (prefill skips them), then shared-tier blocks (loaded by the worker), then new
+        ones for its first chunk. The whole sequence must fit now: one admitted into a
+        full cache would only preempt or be preempted. Returns the first chunk's size, or
+        None when it does not fit (nothing changes)."""
         assert self.blocks is not None
-        while len(self._running) < self.config.max_batch:
+        hashes = self._hashes_for_lookup(seq.token_ids, seq.block_hashes)
+        hits = self.blocks.lookup(hashes)
+        tier = self._tier_blocks(seq, hashes, len(hits)) if use_tier else []
+        if not self.blocks.can_allocate(seq.num_tokens, hits):
+            return None
+        bs = self.blocks.block_size
+        cached = (len(hits) + len(tier)) * bs
+        num_tokens = min(seq.num_tokens - cached, budget)
+        block_ids = self.blocks.allocate(cached + num_tokens, hits)
+        assert block_ids is not None
+        seq.block_ids = block_ids
+        seq.num_computed_tokens = cached
+        if seq.state_slot is None:  # first admission
+            seq.state_slot = self._slots.take()
+            self.prefix_query_tokens += seq.num_prompt_tokens
+            self.prefix_hit_tokens += len(hits) * bs
+            seq.num_cached_tokens = cached
+        if tier:
+            blocks = [
+                PrefixBlock(block_id=block_ids[len(hits) + i], block_hash=hash_hex(h))
+                for i, h in enumerate(tier)
+            ]
+            load = PrefixLoad(seq_id=seq.request_id, blocks=blocks)
+            self._next_loads.append((seq, load, len(tier) * bs))
+            seq.kv_pending = True
+        seq.status = SequenceStatus.RUNNING
+        self._running[seq.request_id] = seq
+        return num_tokens
+
+    def _hashes_for_lookup(self, token_ids: list[int], chain: list[int]) -> list[int]:
+        """Hashes of the full blocks a lookup may hit: at least one token must be left to
+        compute (its logits give the next token)."""
+        assert self.blocks is not None
+        if not self.config.prefix_cache:
+            return []
+        extend_hashes(chain, token_ids, self.blocks.block_size, self._hash_root)
+        return chain[: (len(token_ids) - 1) // self.blocks.block_size]
+
+    def _tier_blocks(self, seq: Sequence, hashes: list[int], num_local: int) -> list[int]:
+        """The hashes past the local hits that the shared tier held when the request
+        arrived (the chain must continue where the local hits end)."""
+        if not seq.tier_hashes or not self.config.prefix_tier:
+            return []
+        tier = set(seq.tier_hashes)
+        out: list[int] = []
+        for h in hashes[num_local:]:
+            if h not in tier:
+                break
+            out.append(h)
+        return out
+
+    def _swap_in(self) -> None:
+        """While the batch has room, resume the first swapped sequence (spill order) whose
+        blocks fit in the free blocks. When even the smallest does not fit, reclaim
+        cached prefix blocks, pass after pass, until it fits or a pass frees nothing."""
+        assert self.blocks is not None
+        if not self.config.spill_store:
+            return
+        while len(self._running) < self.max_batch:
+            ready = [s for s in self._swapped if s.spilled is not None and s.spilled.confirmed]
+            if not ready:
+                return
+            smallest = min(self.blocks.blocks_for(s.num_tokens) for s in ready)
+            free = self.blocks.num_free_blocks
+            if smallest > free:
+                was, reclaimed = free, 0
+                while free < smallest:
+                    got = self.blocks.reclaim(smallest - free)
+                    if got == 0:
+                        break
+                    reclaimed += got
+                    free = self.blocks.num_free_blocks
+                if reclaimed:
+                    log.info(
+                        "swap-in: reclaimed %d block(s) from the prefix cache for a "
+                        "%d-block sequence (free %d -> %d)",
+                        reclaimed,
+                        smallest,
+                        was,
+                        free,
+                    )
+            seq = next((s for s in ready if self.blocks.blocks_for(s.num_tokens) <= free), None)
+            if seq is None:
+                return
+            self._restore(seq)
+
+    def _restore(self, seq: Sequence) -> None:
+        assert self.blocks is not None and seq.spilled is not None
+        block_ids = self.blocks.allocate(seq.num_tokens)
+        assert block_ids is not None
+        self._swapped.remove(seq)
+        seq.block_ids = block_ids
+        seq.num_computed_tokens = seq.spilled.num_tokens
+        restore = KVRestore(
+            seq_id=seq.request_id,
+            spill_id=seq.spilled.spill_id,
+            block_ids=block_ids[: seq.spilled.num_blocks],
+        )
+        self._next_loads.append((seq, restore, 0))
+        seq.kv_pending = True
+        seq.status = SequenceStatus.RUNNING
+        self._running[seq.request_id] = seq
+        self.swap_ins += 1
+        log.info(
+            "swap-in: restored %s (seq_len=%d, blocks=%d)",
+            seq.request_id,
+            seq.num_tokens,
+            seq.spilled.num_blocks,
+        )
+        self.observer.request_resumed(seq)
+
+    def _resume_preempted(self) -> None:
+        """Preempted sequences, best rank first, get blocks for their whole recompute
+        (their own full blocks may still be cached: those are not recomputed)."""
+        assert self.blocks is not None
+        while len(self._running) < self.max_batch:
             seq = self._preempted.peek()
             if seq is None:
                 return
             if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
                 self._finish(seq, "error", kv_exhausted(seq, self.blocks.num_blocks))
                 continue
-            block_ids = self.blocks.allocate(seq.num_tokens)
-            if block_ids is None:
+            if self._start_running(seq, seq.num_tokens, use_tier=False) is None:
                 return
             self._preempted.pop()
-            seq.block_ids = block_ids
-            seq.status = SequenceStatus.RUNNING
-            self._running[seq.request_id] = seq
             self.observer.request_resumed(seq)
 
+    # --- internals: plans -----------------------------------------------------------
+
+    def _has_pending_orders(self) -> bool:
+        return bool(
+            self._next_spills
+            or self._next_prefix_stores
+            or self._next_loads
+            or self._worker_must_forget
+        )
+
+    def _drop_pending_orders(self) -> None:
+        """Orders for a worker that is gone: spills never made, loads never done."""
+        for seq, spill in self._next_spills:
+            if seq.spilled is not None and seq.spilled.spill_id == spill.spill_id:
+                if seq.status is SequenceStatus.SWAPPED:
+                    self._unswap_to_recompute(seq)
+                else:
+                    seq.spilled = None
+        self._next_spills = []
+        self._next_prefix_stores = []
+        for seq, _, _ in self._next_loads:
+            if seq.status is SequenceStatus.RUNNING and seq.spilled is not None:
+                # A swap-in never done: the spilled data is still where it was.
+                assert self.blocks is not None
+                del self._running[seq.request_id]
+                self.blocks.free(seq.block_ids)
+                seq.block_ids = []
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.SWAPPED
+                self._swapped.append(seq)
+        self._next_loads = []
+
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan | None:
-        if not scheduled:
+        if not scheduled and not self._has_pending_orders():
             return None
-        plan = StepPlan(step_id=next(self._step_ids), finished_seq_ids=self._worker_must_forget)
+        forgets = list(dict.fromkeys(self._worker_must_forget))
+        plan = StepPlan(
+            step_id=next(self._step_ids),
+            spills=[spill for _, spill in self._next_spills],
+            prefix_stores=self._next_prefix_stores,
+            finished_seq_ids=forgets,
+        )
+        step = InflightStep(plan.step_id, forgets=list(forgets))
+        step.spills = [PlannedSpill(seq, spill.spill_id) for seq, spill in self._next_spills]
         self._worker_must_forget = []
-        # Sorted by slot so that rows whose state sits in contiguous slots run together.
-        for seq in sorted((self._running[i] for i in scheduled), key=lambda s: s.slot):
+        self._next_spills = []
+        self._next_prefix_stores = []
+        for seq in sorted((self._running[i] for i in scheduled), key=lambda s: s.sort_slot):
+            num_tokens = scheduled[seq.request_id]
             kind: RowKind = "decode" if seq.is_decoding else "prefill"
-            row = make_row(seq, scheduled[seq.request_id])
+            row = make_row(seq, num_tokens)
             row.traceparent = self.observer.row_planned(seq, row, kind)
             plan.rows.append(row)
+            step.rows.append(PlannedRow(seq, seq.epoch, num_tokens, row.sample))
+            seq.num_inflight_tokens += num_tokens
+            seq.num_inflight_samples += int(row.sample)
+            seq.num_inflight_rows += 1
             diff = worker_diff(seq)
             if isinstance(diff, NewSequence):
                 plan.new_seqs.append(diff)
             elif diff is not None:
                 plan.updated_seqs.append(diff)
+        for seq, order, tier_tokens in self._next_loads:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if isinstance(order, KVRestore):
+                plan.restores.append(order)
+            else:
+                plan.prefix_loads.append(order)
+            step.loads.append(PlannedLoad(seq, seq.epoch, tier_tokens))
+            if not seq.known_to_worker:  # no row for it this step: the worker needs it
+                plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
+        self._next_loads = []
+        self._inflight[plan.step_id] = step
+        if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
+            log.debug("CONC_DIAG %s", self.batch_diagnostics())
         return plan
+
+    # --- internals: tokens, finishing, retirement -----------------------------------
 
     def _append_token(self, seq: Sequence, out: RowResult) -> None:
         assert self.worker is not None
@@ -431,6 +991,20 @@ class SchedulerCore:
         if reason is not None:
             self._finish(seq, reason)
 
+    def _commit_blocks(self, seq: Sequence) -> None:
+        """Registers the sequence's full, computed blocks in the prefix cache."""
+        if self.blocks is None or not self.config.prefix_cache:
+            return
+        full = seq.num_computed_tokens // self.blocks.block_size
+        if full <= seq.num_committed_blocks:
+            return
+        hashes = extend_hashes(
+            seq.block_hashes, seq.token_ids, self.blocks.block_size, self._hash_root
+        )
+        done = seq.num_committed_blocks
+        self.blocks.commit(seq.block_ids[done:full], hashes[done:full])
+        seq.num_committed_blocks = full
+
     def _finish(self, seq: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> None:
         """Sets the final delta; the sequence keeps its blocks until retirement."""
         if seq.is_finished:
@@ -439,8 +1013,13 @@ class SchedulerCore:
             del self._running[seq.request_id]
         elif seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq.request_id)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self._swapped.remove(seq)
         else:
             self._preempted.remove(seq.request_id)
+        if seq.spilled is not None:
+            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
+            seq.spilled = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -450,22 +1029,47 @@ class SchedulerCore:
         self._finishing.append(seq)
         self.observer.request_finished(seq)
 
-    def _retire_finished(self) -> None:
+    def _store_finished(self) -> None:
+        """The full blocks of finished sequences go to the shared prefix tier (written by
+        the worker before the next step's rows, as the blocks may be reused then)."""
+        if not (self.config.prefix_tier and self.config.prefix_cache) or self.blocks is None:
+            return
         for seq in self._finishing:
+            if not seq.block_ids or seq.num_inflight_rows:
+                continue
+            full = seq.num_computed_tokens // self.blocks.block_size
+            hashes = extend_hashes(
+                seq.block_hashes, seq.token_ids, self.blocks.block_size, self._hash_root
+            )[:full]
+            for block_id, h in zip(seq.block_ids[:full], hashes, strict=True):
+                if h in self._tier_stored:
+                    self._tier_stored.move_to_end(h)
+                    continue
+                self._tier_stored[h] = None
+                self._next_prefix_stores.append(
+                    PrefixBlock(block_id=block_id, block_hash=hash_hex(h))
+                )
+        while len(self._tier_stored) > self.config.prefix_tier_blocks:
+            self._tier_stored.popitem(last=False)
+
+    def _retire_finished(self) -> None:
+        """Frees finished sequences' blocks (full ones stay cached), except those of a
+        sequence a step in flight may still write."""
+        keep: list[Sequence] = []
+        for seq in self._finishing:
+            if seq.num_inflight_rows > 0:
+                keep.append(seq)
+                continue
             if seq.block_ids:
                 assert self.blocks is not None
                 self.blocks.free(seq.block_ids)
             self._forget_worker_state(seq)
+            if seq.state_slot is not None:
+                self._slots.release(seq.state_slot)
+                seq.state_slot = None
             del self._requests[seq.request_id]
             self.observer.request_retired(seq)
-        self._finishing.clear()
-
-    def _sweep_deadlines(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request_id = heapq.heappop(self._deadlines)
-            seq = self._requests.get(request_id)
-            if seq is not None:
-                self._finish(seq, "timeout")
+        self._finishing = keep
 
     def _delta(self, seq: Sequence) -> RequestDelta:
         delta = self._news.get(seq.request_id)

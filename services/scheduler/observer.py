@@ -14,7 +14,26 @@ from shared.protocol import StepPlan, StepRow
 
 RowKind = Literal["prefill", "decode"]
 PreemptionMode = Literal["recompute", "spill"]
-Phase = Literal["schedule", "update", "deadline_sweep", "retire", "resume"]
+Phase = Literal[
+    "schedule",
+    "update",
+    "deadline_sweep",
+    "drain",
+    "store_finished",
+    "retire",
+    "swap_in",
+    "resume",
+]
+PHASES: tuple[Phase, ...] = (
+    "schedule",
+    "update",
+    "deadline_sweep",
+    "drain",
+    "store_finished",
+    "retire",
+    "swap_in",
+    "resume",
+)
 
 
 class SchedulerObserver(Protocol):
@@ -35,7 +54,11 @@ class SchedulerObserver(Protocol):
         """Lost its blocks to make room; it will resume later."""
 
     def request_resumed(self, seq: Sequence) -> None:
-        """A preempted sequence got blocks again."""
+        """A preempted or swapped sequence got blocks again."""
+
+    def request_kv_lost(self, seq: Sequence, reason: str) -> None:
+        """Its KV could not be brought back (a failed swap-in or prefix load, a spill that
+        did not complete): it is recomputed instead."""
 
     def request_finished(self, seq: Sequence) -> None:
         """Its finish reason is set; its final delta is out. Blocks still held."""
@@ -64,6 +87,9 @@ class NullObserver:
         pass
 
     def request_resumed(self, seq: Sequence) -> None:
+        pass
+
+    def request_kv_lost(self, seq: Sequence, reason: str) -> None:
         pass
 
     def request_finished(self, seq: Sequence) -> None:

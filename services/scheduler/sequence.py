@@ -10,8 +10,20 @@ the rest. When a step's chunk reaches the end, the worker samples one more token
     next row:                          [o1]          start_pos 6, samples output index 2
 
 A chunked prefill is several rows that stop short of the end (they do not sample); a
-recomputed (preempted) sequence starts again at num_computed_tokens = 0 and re-prefills
-prompt + generated tokens in one or more rows, the last of which samples the next token.
+recomputed (preempted) sequence starts again at num_computed_tokens = 0 (or at its first
+uncached block) and re-prefills prompt + generated tokens; a swapped-in one continues at
+the tokens its spilled blocks held. A prefix-cache hit starts a new sequence past the
+cached blocks.
+
+Steps that run ahead: while a step is in flight, the sequence's tokens in it are
+`num_inflight_tokens` (computed once its result is applied), and a sampling row in it
+means one more token is coming (`num_inflight_samples`). The next row then starts at
+`num_scheduled_tokens` and, when it is that coming token, the worker feeds the sequence's
+own last sampled token (`StepRow.feed_last`):
+
+    token_ids:  [ p0 p1 p2 | o0 ]  ?                 o1 is being sampled by step N
+    computed:   [ xx xx xx ]                         step N computes o0 (in flight)
+    step N+1:                     [o1]               start_pos 4, feed_last
 """
 
 from __future__ import annotations
@@ -26,7 +38,20 @@ class SequenceStatus(Enum):
     WAITING = "waiting"  # never admitted yet
     RUNNING = "running"  # holds blocks; gets rows
     PREEMPTED = "preempted"  # blocks freed; re-prefills when blocks free
+    SWAPPED = "swapped"  # blocks copied to the spill store and freed; swapped in later
     FINISHED = "finished"  # has its finish reason; blocks go back at retirement
+
+
+@dataclass
+class SpilledKV:
+    """Where a swapped sequence's KV lies: `num_blocks` blocks holding its first
+    `num_tokens` tokens under spill id `spill_id`; `confirmed` once the worker reported
+    the write (only then may it be swapped in)."""
+
+    spill_id: int
+    num_blocks: int
+    num_tokens: int
+    confirmed: bool = False
 
 
 @dataclass(eq=False)
@@ -52,9 +77,29 @@ class Sequence:
     # told to forget the sequence (preemption); block ids [:num_blocks_sent] it has.
     known_to_worker: bool = False
     num_blocks_sent: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (none yet)
+    # Prompt tokens served from the prefix cache or the shared tier at first admission.
+    num_cached_tokens: int = 0
     sent_first_delta: bool = False
     num_preemptions: int = 0
+    preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    # Chained hashes of its full blocks (`prefix_hash.extend_hashes`), grown lazily.
+    block_hashes: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # its leading blocks registered in the prefix cache
+    # Hashes the shared prefix tier held, past the local cache, when the request arrived.
+    tier_hashes: list[int] = field(default_factory=list)
+    # The state slot: a small integer fixed from first admission to retirement (kept
+    # through preemption, spill and resume). Rows are sorted by it.
+    state_slot: int | None = None
+    # Bumped whenever rows already sent stop counting (preempted, spilled, finished,
+    # resynced): a row planned under another epoch is void when its result comes.
+    epoch: int = 0
+    num_inflight_tokens: int = 0
+    num_inflight_samples: int = 0
+    num_inflight_rows: int = 0
+    spilled: SpilledKV | None = None
+    # A restore or prefix load is ordered for its blocks and not yet known to have worked.
+    kv_pending: bool = False
+    num_spills: int = 0  # spill ids are (request id, this counter)
 
     @classmethod
     def from_submit(cls, req: SubmitRequest, arrival_s: float, arrival_index: int) -> Sequence:
@@ -91,13 +136,27 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or on their way to be (in a step in flight)."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens known, or coming from a sampling row in flight."""
+        return len(self.token_ids) + self.num_inflight_samples
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        return self.num_planned_tokens - self.num_scheduled_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     @property
     def is_decoding(self) -> bool:
         """Its next row is one generated token (not a prompt chunk or a recompute)."""
-        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+        return self.num_output_tokens > 0 and self.num_unscheduled_tokens == 1
 
     @property
     def rank(self) -> tuple[int, float, int]:
@@ -105,7 +164,11 @@ class Sequence:
         return (self.priority, self.arrival_s, self.arrival_index)
 
     @property
-    def slot(self) -> int:
-        """Where its state sits on the worker: rows are sorted by it. The first KV block
-        stands in until sequences get SSM state slots."""
-        return self.block_ids[0] if self.block_ids else -1
+    def sort_slot(self) -> int:
+        """Rows are sorted by it (the seed's key), so state in contiguous slots runs
+        together."""
+        return self.state_slot if self.state_slot is not None else -1
+
+    def count_preemption(self, mode: str) -> None:
+        self.num_preemptions += 1
+        self.preemptions_by_mode[mode] = self.preemptions_by_mode.get(mode, 0) + 1

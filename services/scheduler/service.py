@@ -1,12 +1,19 @@
 """The scheduler service: the NATS shell around SchedulerCore (the only file on the bus).
 
-Handlers apply submits and aborts to the core at once (the core accepts them while a step
-is in flight); worker registrations change the core only between steps. The tick loop:
+Handlers apply submits and aborts to the core at once (the core accepts them while steps
+are in flight); worker registrations change the core only when no step is in flight. The
+tick loop keeps up to two steps in flight when running ahead (one otherwise):
 
-    schedule -> worker.<id>.step (request/reply) -> update_from_output -> end_tick
-      -> one DeltaBatch per gateway on gateway.<id>.deltas
+    fill: schedule -> worker.<id>.step (request/reply, not awaited)   [while room]
+    take the oldest step's result -> update_from_output
+    end of tick: sweep_deadlines -> drain (if a finished sequence is in flight)
+                 -> finish_tick (store finished, retire, swap-in, resume)
+    -> one DeltaBatch per gateway on gateway.<id>.deltas; spill.drop for spills no
+       longer needed
 
-and, with nothing to do, it waits on an event that submit, abort and register set.
+With nothing to do, it waits on an event that submit, abort and register set. A side task
+asks the spill store for its health every half second (auto mode spills only to a healthy
+store with room).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -23,6 +32,8 @@ from opentelemetry.context import Context
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.deltas import merge_deltas
+from services.scheduler.phase_stats import PhaseStats
+from services.scheduler.prefix_hash import hash_hex
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.step_timing import StepTimings
 from services.scheduler.tracing import SpanObserver
@@ -36,9 +47,13 @@ from shared.protocol import (
     DeltaBatch,
     ErrorInfo,
     Heartbeat,
+    PrefixLookup,
+    PrefixLookupReply,
     RegisterReply,
     RequestDelta,
     SchedulerStats,
+    SpillDrop,
+    SpillStats,
     StatsRequest,
     StepPlan,
     StepResult,
@@ -52,6 +67,17 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
 STOPPING = ErrorInfo(status=503, message="the scheduler is stopping", code="shutting_down")
+SPILL_POLL_S = 0.5
+SPILL_STATS_TIMEOUT_S = 1.0
+# A prefix-tier lookup delays the submit reply: it is skipped when the store is slow.
+TIER_LOOKUP_TIMEOUT_S = 0.25
+
+
+@dataclass
+class _Step:
+    plan: StepPlan
+    sent_at: float
+    reply: asyncio.Future[StepResult]
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
@@ -72,24 +98,36 @@ class SchedulerService:
         self.bus = bus
         clock = clock or MonotonicClock()
         self.clock = clock
-        self.tracer = SpanObserver(tel, clock, self._model_id)
-        self.core = SchedulerCore(clock, SchedulerConfig.from_settings(settings), self.tracer)
+        self.phases = PhaseStats()
+        self.tracer = SpanObserver(tel, clock, self._model_id, on_phase=self.phases.observe)
+        self.config = SchedulerConfig.from_settings(settings)
+        self.core = SchedulerCore(clock, self.config, self.tracer)
         self.registry = WorkerRegistry(clock, settings.worker_timeout_s)
         self.timings = StepTimings()
         self._wake = asyncio.Event()
         self._attached: tuple[str, int] | None = None  # (worker id, registration generation)
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id, until its finish
         self._pending: list[RequestDelta] = []  # news made outside a tick
-        self._step: asyncio.Future[StepResult] | None = None  # the step in flight
+        self._inflight: deque[_Step] = deque()  # oldest first
+        self._last_result_at: float | None = None
+        self._spill_stats: SpillStats | None = None
         self._stopping = False
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = await self._subscribe()
         # Workers that registered with an earlier scheduler register again.
         await self.bus.publish(subjects.WORKER_DISCOVER, b"")
-        announce_ready("scheduler", f"namespace={self.settings.namespace or '-'}")
-        ticks = asyncio.create_task(self._tick_loop(), name="scheduler-ticks")
-        expiry = asyncio.create_task(self._expire_workers(), name="scheduler-expiry")
+        announce_ready(
+            "scheduler",
+            f"namespace={self.settings.namespace or '-'} "
+            f"preemption={self.config.preemption_mode} run_ahead={self.config.run_ahead}",
+        )
+        tasks = [
+            asyncio.create_task(self._tick_loop(), name="scheduler-ticks"),
+            asyncio.create_task(self._expire_workers(), name="scheduler-expiry"),
+        ]
+        if self.config.spill_store:
+            tasks.append(asyncio.create_task(self._watch_spill_store(), name="scheduler-spill"))
         try:
             await stop.wait()
         finally:
@@ -98,16 +136,18 @@ class SchedulerService:
             self._stopping = True
             self._wake.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(ticks), STOP_GRACE_S)
-            for task in (ticks, expiry):
+                await asyncio.wait_for(asyncio.shield(tasks[0]), STOP_GRACE_S)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(ticks, expiry, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             # Every request still here gets its end, so no gateway waits for it forever.
             with contextlib.suppress(Exception):
+                self._void_inflight()
                 await self._publish([*self._take_pending(), *self.core.detach_worker(STOPPING)])
+                await self._publish_spill_drops()
 
     async def _subscribe(self) -> list[Subscription]:
         return [
@@ -122,13 +162,31 @@ class SchedulerService:
 
     async def _on_submit(self, req: SubmitRequest, ctx: Context, raw: Msg) -> SubmitReply:
         self.tracer.bind(req.request_id, ctx)
-        error = self.core.add_request(req)
+        tier_hashes = await self._tier_lookup(req)
+        error = self.core.add_request(req, tier_hashes)
         if error is not None:
             self.tracer.rejected(req, ctx, error)
             return SubmitReply(ok=False, error=error)
         self._gateway_of[req.request_id] = req.gateway_id
         self._wake.set()
         return SubmitReply()
+
+    async def _tier_lookup(self, req: SubmitRequest) -> list[int] | None:
+        """The prompt's block hashes the shared prefix tier holds beyond the local cache
+        (asked of the spill store; nothing when it is off, slow or down)."""
+        if not self.config.prefix_tier:
+            return None
+        hashes = self.core.prefix_lookup_hashes(req.prompt_token_ids)
+        if not hashes:
+            return None
+        lookup = PrefixLookup(block_hashes=[hash_hex(h) for h in hashes])
+        try:
+            reply = await self.bus.request(
+                subjects.SPILL_PREFIX_LOOKUP, lookup, PrefixLookupReply, TIER_LOOKUP_TIMEOUT_S
+            )
+        except BusError:
+            return None
+        return hashes[: reply.num_hits]
 
     async def _on_abort(self, req: AbortRequest, ctx: Context, raw: Msg) -> None:
         self.core.abort(req.request_ids)
@@ -140,15 +198,24 @@ class SchedulerService:
             num_workers=len(self.registry),
             num_running=core.num_running,
             num_waiting=core.num_waiting,
+            num_swapped=core.num_swapped,
             num_preempted=core.num_preempted,
             kv_usage=core.kv_usage,
             num_kv_blocks=core.blocks.num_blocks if core.blocks is not None else 0,
+            num_cached_blocks=core.blocks.num_cached_blocks if core.blocks is not None else 0,
             max_model_len=core.worker.max_model_len if core.worker is not None else 0,
             preemptions=dict(core.preemptions),
+            prefix_cache_hit_tokens=core.prefix_hit_tokens,
+            prefix_cache_query_tokens=core.prefix_query_tokens,
             num_steps=core.num_steps,
             step_bookkeeping_s=self.timings.bookkeeping_s.median(),
             step_bus_s=self.timings.bus_s.median(),
             step_forward_s=self.timings.forward_s.median(),
+            step_overhead_s=self.timings.overhead_s.median(),
+            preemption_mode=self.config.preemption_mode,
+            run_ahead=self.config.run_ahead,
+            phases=self.phases.snapshot(),
+            spill_store=self._spill_stats,
         )
 
     async def _on_register(self, info: WorkerInfo, ctx: Context, raw: Msg) -> RegisterReply:
@@ -165,9 +232,9 @@ class SchedulerService:
     # --- workers --------------------------------------------------------------------
 
     def _workers_changed(self) -> None:
-        # Between steps the core can follow at once (a submit right after a worker
-        # registered must find it); during a step the tick loop follows after it.
-        if self._step is None:
+        # With no step in flight the core can follow at once (a submit right after a
+        # worker registered must find it); otherwise the tick loop follows after them.
+        if not self._inflight:
             self._reconcile_workers()
         self._wake.set()
 
@@ -195,11 +262,32 @@ class SchedulerService:
             for info in dropped:
                 log.warning("worker %s missed its heartbeats: dropped", info.worker_id)
             if self._attached is not None and self._attached[0] in {w.worker_id for w in dropped}:
-                if self._step is not None:
-                    self._step.cancel()  # the tick loop re-plans without that worker
+                if self._inflight:
+                    for step in self._inflight:
+                        step.reply.cancel()  # the tick loop re-plans without that worker
                 else:
                     self._reconcile_workers()
             self._wake.set()
+
+    async def _watch_spill_store(self) -> None:
+        """Keeps the core's view of the spill store fresh (health and room)."""
+        while True:
+            stats: SpillStats | None = None
+            try:
+                stats = await self.bus.request(
+                    subjects.SPILL_STATS, StatsRequest(), SpillStats, SPILL_STATS_TIMEOUT_S
+                )
+            except BusError:
+                pass
+            except Exception:  # never let the watcher die: auto mode would stop spilling
+                log.exception("spill store poll failed")
+            self._spill_stats = stats
+            if stats is None:
+                self.core.spill_store_reported(False, 0)
+            else:
+                room = max(0, stats.capacity_bytes - stats.used_bytes)
+                self.core.spill_store_reported(stats.redis_ok, room)
+            await asyncio.sleep(SPILL_POLL_S)
 
     def _model_id(self) -> str:
         return self.core.worker.model_id if self.core.worker is not None else ""
@@ -209,20 +297,23 @@ class SchedulerService:
     async def _tick_loop(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            self._reconcile_workers()
+            if not self._inflight:
+                self._reconcile_workers()
             try:
-                ran_step = await self._tick()
+                progressed = await self._tick()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in one tick must not stop the service
                 log.exception("scheduler tick failed")
-                ran_step = False
-            if not ran_step:
+                self._void_inflight()
+                progressed = False
+            if not progressed:
                 await self._idle()
 
     async def _idle(self) -> None:
         """Waits for news; wakes by itself when a waiting request's deadline falls due, so
         it times out on time even when no other event comes."""
+        self._last_result_at = None
         deadline = self.core.next_deadline()
         if deadline is None:
             await self._wake.wait()
@@ -231,59 +322,115 @@ class SchedulerService:
             await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - self.clock.now()))
 
     async def _tick(self) -> bool:
-        """One tick; True when a step ran (then there may be more to do at once)."""
+        """One tick: fill the pipeline, apply the oldest step's result, run the end-of-tick
+        phases. True when a step's result was applied (there may be more to do at once)."""
         self.tracer.start_tick()
         started = time.perf_counter()
-        plan = self.core.schedule()
+        self._fill_pipeline()
         bookkeeping = time.perf_counter() - started
         deltas = self._take_pending()
-        result: StepResult | None = None
-        round_trip = 0.0
-        if plan is not None:
-            sent = time.perf_counter()
-            result = await self._run_step(plan)
-            round_trip = time.perf_counter() - sent
-        started = time.perf_counter()
-        if plan is not None and result is None:
-            self.core.abandon_step(plan)
-            self._reconcile_workers()
-            deltas += self._take_pending()
-        elif plan is not None and result is not None:
-            if result.error is not None:
-                log.warning("step %d failed: %s", plan.step_id, result.error.message)
-            deltas += self.core.update_from_output(plan, result)
-        deltas += self.core.end_tick()
+        if not self._inflight:
+            deltas += self.core.end_tick()
+            self.tracer.end_tick({"spillway.step.rows": 0})
+            await self._publish(deltas)
+            await self._publish_spill_drops()
+            return False
+        step = self._inflight[0]
+        result = await self._result_of(step)
+        received = time.perf_counter()
+        started = received
+        rows = len(step.plan.rows)
+        deltas += self._apply(result)
+        deltas += self.core.sweep_deadlines()
+        if self.core.must_drain():
+            deltas += await self._drain()
+        deltas += self.core.finish_tick()
         bookkeeping += time.perf_counter() - started
         if result is not None and result.error is None:
-            self.timings.add(bookkeeping, round_trip, result.forward_s)
+            self._record_timings(step, result, received, bookkeeping)
         if self.settings.debug_invariants:
             self.core.check_integrity()
-        self.tracer.end_tick({"spillway.step.rows": len(plan.rows) if plan else 0})
+        self.tracer.end_tick({"spillway.step.rows": rows})
         await self._publish(deltas)
-        return plan is not None
+        await self._publish_spill_drops()
+        return True
 
-    async def _run_step(self, plan: StepPlan) -> StepResult | None:
-        """The worker's result; an error result when the step failed; None when the
-        worker was dropped while it ran."""
-        assert self._attached is not None
-        subject = subjects.worker_step(self._attached[0])
-        step = asyncio.ensure_future(
-            self.bus.request(subject, plan, StepResult, timeout=self.settings.step_timeout_s)
-        )
-        self._step = step
-        try:
-            await asyncio.wait({step})
-        except asyncio.CancelledError:
-            step.cancel()
-            raise
-        finally:
-            self._step = None
-        if step.cancelled():
+    def _fill_pipeline(self) -> None:
+        """Plans and sends steps while the pipeline has room (two with run-ahead)."""
+        depth = 2 if self.config.run_ahead else 1
+        while (
+            self._attached is not None
+            and len(self._inflight) < depth
+            and self.core.can_schedule()
+            and not self._stopping
+        ):
+            plan = self.core.schedule()
+            if plan is None:
+                return
+            subject = subjects.worker_step(self._attached[0])
+            reply = asyncio.ensure_future(
+                self.bus.request(subject, plan, StepResult, timeout=self.settings.step_timeout_s)
+            )
+            reply.add_done_callback(_retrieve)
+            self._inflight.append(_Step(plan, time.perf_counter(), reply))
+
+    async def _result_of(self, step: _Step) -> StepResult | None:
+        """The step's result; an error result when it failed; None when its worker was
+        dropped while it ran."""
+        await asyncio.wait({step.reply})
+        if step.reply.cancelled():
             return None
         try:
-            return step.result()
+            return step.reply.result()
         except BusError as e:
-            return StepResult(step_id=plan.step_id, error=e.info)
+            return StepResult(step_id=step.plan.step_id, error=e.info)
+
+    def _apply(self, result: StepResult | None) -> list[RequestDelta]:
+        """Applies the oldest step's result (it leaves the pipeline). A failed step voids
+        the steps after it (they ran on sequences it did not advance); a worker gone
+        voids everything and the core follows the registry."""
+        step = self._inflight.popleft()
+        if result is None:
+            self.core.void_step(step.plan)
+            self._void_inflight()
+            self._reconcile_workers()
+            return self._take_pending()
+        if result.error is not None:
+            log.warning("step %d failed: %s", step.plan.step_id, result.error.message)
+        deltas = self.core.update_from_output(step.plan, result)
+        if result.error is not None:
+            self._void_inflight()
+        return deltas
+
+    async def _drain(self) -> list[RequestDelta]:
+        """Phase 2: applies every step in flight (a finished sequence's blocks may still
+        be written by one); their rows for finished sequences are over-runs, discarded."""
+        start = self.clock.now()
+        deltas: list[RequestDelta] = []
+        while self._inflight:
+            deltas += self._apply(await self._result_of(self._inflight[0]))
+        self.tracer.phase_timed("drain", start, self.clock.now())
+        return deltas
+
+    def _void_inflight(self) -> None:
+        """Every step in flight stops counting (the worker still runs them, in order,
+        before anything sent later)."""
+        while self._inflight:
+            step = self._inflight.popleft()
+            self.core.void_step(step.plan)
+
+    def _record_timings(
+        self, step: _Step, result: StepResult, received: float, bookkeeping: float
+    ) -> None:
+        # With a step queued behind another, the round trip includes the wait for it:
+        # the bus share is only meaningful from when the worker could start this one.
+        began = max(step.sent_at, self._last_result_at or step.sent_at)
+        self.timings.add(bookkeeping, received - began, result.forward_s)
+        if self._last_result_at is not None:
+            self.timings.overhead_s.add(
+                max(0.0, received - self._last_result_at - result.forward_s)
+            )
+        self._last_result_at = received
 
     def _take_pending(self) -> list[RequestDelta]:
         pending, self._pending = self._pending, []
@@ -301,3 +448,14 @@ class SchedulerService:
                 del self._gateway_of[delta.request_id]
         for gateway_id, batch in by_gateway.items():
             await self.bus.publish(subjects.gateway_deltas(gateway_id), DeltaBatch(deltas=batch))
+
+    async def _publish_spill_drops(self) -> None:
+        drops = self.core.take_spill_drops()
+        if drops:
+            await self.bus.publish(subjects.SPILL_DROP, SpillDrop(spills=drops))
+
+
+def _retrieve(future: asyncio.Future[StepResult]) -> None:
+    """A voided step's reply is never awaited: take its exception so none is logged."""
+    if not future.cancelled():
+        future.exception()

@@ -7,21 +7,27 @@ from shared.protocol import NewSequence, SequenceUpdate, StepRow
 
 
 def make_row(seq: Sequence, num_tokens: int) -> StepRow:
-    """The next `num_tokens` uncomputed tokens of `seq`. Only a chunk that reaches the end
-    of the sequence samples, and then it produces output token number num_output_tokens.
+    """The next `num_tokens` unscheduled tokens of `seq`. Only a chunk that reaches the end
+    of the sequence samples, and then it produces the next output token.
 
-        token_ids: [ ...computed... | chunk (num_tokens) | rest ]
-                                    ^ start_pos            ^ num_tokens of seq
+        token_ids: [ ...scheduled... | chunk (num_tokens) | rest ]
+                                     ^ start_pos            ^ num_planned_tokens
+
+    When the chunk is the token a step in flight is sampling, the worker feeds it itself
+    (`feed_last`): the scheduler does not know it yet.
     """
-    start = seq.num_computed_tokens
+    start = seq.num_scheduled_tokens
     end = start + num_tokens
-    sample = end == seq.num_tokens
+    sample = end == seq.num_planned_tokens
+    feed_last = start >= seq.num_tokens
+    assert not feed_last or num_tokens == 1, "only one unknown token can be fed"
     return StepRow(
         seq_id=seq.request_id,
-        token_ids=seq.token_ids[start:end],
+        token_ids=[] if feed_last else seq.token_ids[start:end],
         start_pos=start,
         sample=sample,
-        output_index=seq.num_output_tokens if sample else 0,
+        output_index=end - seq.num_prompt_tokens if sample else 0,
+        feed_last=feed_last,
     )
 
 
@@ -32,7 +38,10 @@ def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
         seq.known_to_worker = True
         seq.num_blocks_sent = len(seq.block_ids)
         return NewSequence(
-            seq_id=seq.request_id, sampling=seq.sampling, block_ids=list(seq.block_ids)
+            seq_id=seq.request_id,
+            sampling=seq.sampling,
+            block_ids=list(seq.block_ids),
+            output_token_ids=seq.output_token_ids,
         )
     if len(seq.block_ids) > seq.num_blocks_sent:
         new_block_ids = seq.block_ids[seq.num_blocks_sent :]

@@ -23,6 +23,9 @@ class StepTimings:
         self.bookkeeping_s = RollingMedian(window)
         self.bus_s = RollingMedian(window)
         self.forward_s = RollingMedian(window)
+        # Between two results of back-to-back steps, the time the worker was not
+        # computing (bus, codec, scheduler bookkeeping): what run-ahead hides.
+        self.overhead_s = RollingMedian(window)
 
     def add(self, bookkeeping_s: float, round_trip_s: float, forward_s: float) -> None:
         self.bookkeeping_s.add(bookkeeping_s)

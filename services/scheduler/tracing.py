@@ -35,10 +35,17 @@ class _RequestSpans:
 
 
 class SpanObserver:
-    def __init__(self, tel: Telemetry, clock: Clock, model_id: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        tel: Telemetry,
+        clock: Clock,
+        model_id: Callable[[], str],
+        on_phase: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.tel = tel
         self.tracer = tel.tracer
         self.model_id = model_id
+        self.on_phase = on_phase  # every phase's duration, exported or not
         # The core's clock is monotonic; spans want epoch nanoseconds.
         self._epoch_ns_at_zero = time.time_ns() - int(clock.now() * 1e9)
         self._parents: dict[str, Context] = {}
@@ -135,8 +142,23 @@ class SpanObserver:
 
     def request_resumed(self, seq: Sequence) -> None:
         spans = self._spans.get(seq.request_id)
+        if spans is None:
+            return
+        swapped_in = seq.spilled is not None
+        span = self.tracer.start_span(
+            "scheduler.swap_in" if swapped_in else "scheduler.resume",
+            context=spans.context,
+            attributes={
+                "spillway.request.num_tokens": seq.num_tokens,
+                "spillway.request.computed_tokens": seq.num_computed_tokens,
+            },
+        )
+        span.end()
+
+    def request_kv_lost(self, seq: Sequence, reason: str) -> None:
+        spans = self._spans.get(seq.request_id)
         if spans is not None:
-            spans.request.add_event("resumed", {"spillway.request.num_tokens": seq.num_tokens})
+            spans.request.add_event("kv_lost", {"spillway.reason": reason})
 
     def request_finished(self, seq: Sequence) -> None:
         spans = self._spans.get(seq.request_id)
@@ -166,6 +188,8 @@ class SpanObserver:
         spans.request.end()
 
     def phase_timed(self, phase: Phase, start_s: float, end_s: float) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, end_s - start_s)
         if self._tick is None:
             return
         span = self.tracer.start_span(

@@ -1,47 +1,201 @@
-"""The spill-store service: owns the Redis key space for spilled KV, answers spill.stats.
+"""The spill-store service: owns the Redis key space for spilled KV and the shared prefix
+tier; never sits in a step's data path (workers read and write the values directly).
 
-Spilling itself (workers writing block groups straight to Redis) arrives with the
-preemption work; this service already connects, accounts and reports health.
+    spill.recorded       worker -> store: a spill's values are written (accounting)
+    spill.drop           scheduler -> store: spills not needed any more (delete them)
+    spill.stats          request/reply: health, bytes per sequence and in total, capacity,
+                         the prefix tier's size
+    spill.prefix_lookup  request/reply: how many leading blocks of a prompt the tier holds
+    worker.heartbeat     (listened to) which workers live: the spills of one silent for
+                         the orphan timeout are deleted
+
+A sweep every second expires orphans and trims the prefix tier to its capacity (oldest
+blocks first). The ledger is mirrored in a Redis hash, so a restarted store knows what it
+holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from nats.aio.msg import Msg
 from opentelemetry.context import Context
 
-from services.spillstore.keys import SpillKeys
+from services.spillstore.ledger import SpillEntry, SpillLedger
+from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.lifecycle import announce_ready
-from shared.protocol import SpillStats, StatsRequest
-from shared.subjects import SPILL_STATS
+from shared.protocol import (
+    Heartbeat,
+    PrefixLookup,
+    PrefixLookupReply,
+    SpillDrop,
+    SpillRecord,
+    SpillStats,
+    StatsRequest,
+)
+from shared.spill_keys import SpillKeys
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError)
+SWEEP_INTERVAL_S = 1.0
+
 
 class SpillStore:
-    def __init__(self, redis: aioredis.Redis, keys: SpillKeys, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: SpillKeys,
+        capacity_bytes: int,
+        orphan_timeout_s: float = 30.0,
+        prefix_capacity_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.redis = redis
         self.keys = keys
-        self.capacity_bytes = capacity_bytes
+        self.clock = clock
+        self.ledger = SpillLedger(capacity_bytes, orphan_timeout_s)
+        self.prefix_capacity_blocks = prefix_capacity_blocks
+        self.prefix_blocks = 0
+        self.prefix_evicted_total = 0
+        self.block_bytes = 0  # learnt from the tier's values
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.ledger.capacity_bytes
+
+    async def load(self) -> None:
+        """Reads the ledger a previous run left in Redis."""
+        records = await self.redis.hgetall(self.keys.index())
+        now = self.clock()
+        for raw in records.values():
+            try:
+                fields = json.loads(raw)
+                self.ledger.restore(SpillEntry(**fields, recorded_at=now), now)
+            except (ValueError, TypeError):
+                log.warning("skipped a malformed spill index entry: %r", raw[:200])
+        if records:
+            log.info("found %d spilled sequences from an earlier run", len(records))
+
+    # --- spills ---------------------------------------------------------------------
+
+    async def record(self, rec: SpillRecord) -> None:
+        entry = self.ledger.record(rec, self.clock())
+        if entry is None:  # dropped before its record came: delete what was written
+            await self._delete_values(rec.seq_id, rec.spill_id, rec.num_keys)
+            return
+        fields = {
+            "seq_id": entry.seq_id,
+            "spill_id": entry.spill_id,
+            "worker_id": entry.worker_id,
+            "num_bytes": entry.num_bytes,
+            "num_keys": entry.num_keys,
+        }
+        await self.redis.hset(self.keys.index(), entry.name, json.dumps(fields))
+        if self.ledger.used_bytes > self.capacity_bytes:
+            log.warning(
+                "spill store over capacity: %d of %d bytes",
+                self.ledger.used_bytes,
+                self.capacity_bytes,
+            )
+
+    async def drop(self, seq_id: str, spill_id: int) -> None:
+        entry = self.ledger.drop(seq_id, spill_id)
+        await self._delete_values(seq_id, spill_id, entry.num_keys if entry else None)
+        if entry is not None:
+            await self.redis.hdel(self.keys.index(), entry.name)
+
+    async def expire_orphans(self) -> int:
+        expired = self.ledger.orphans(self.clock())
+        for entry in expired:
+            await self._delete_values(entry.seq_id, entry.spill_id, entry.num_keys)
+            await self.redis.hdel(self.keys.index(), entry.name)
+        if expired:
+            workers = sorted({e.worker_id for e in expired})
+            log.warning(
+                "expired %d spilled sequences of silent worker(s) %s",
+                len(expired),
+                ", ".join(workers),
+            )
+        return len(expired)
+
+    async def _delete_values(self, seq_id: str, spill_id: int, num_keys: int | None) -> None:
+        if num_keys is not None:
+            keys = [self.keys.block_group(seq_id, spill_id, g) for g in range(num_keys)]
+        else:
+            pattern = self.keys.spill_pattern(seq_id, spill_id)
+            keys = [k async for k in self.redis.scan_iter(match=pattern, count=100)]
+        if keys:
+            await self.redis.delete(*keys)
+
+    # --- the shared prefix tier -----------------------------------------------------
+
+    async def lookup(self, block_hashes: list[str]) -> int:
+        """How many of the hashes, from the first, the tier holds."""
+        if not block_hashes:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.exists(self.keys.prefix_block(h))
+        found = await pipe.execute()
+        hits = 0
+        for present in found:
+            if not present:
+                break
+            hits += 1
+        return hits
+
+    async def trim_prefix_tier(self) -> None:
+        """Evicts the oldest blocks beyond the capacity."""
+        index = self.keys.prefix_index()
+        self.prefix_blocks = await self.redis.zcard(index)
+        excess = self.prefix_blocks - self.prefix_capacity_blocks
+        if excess <= 0:
+            return
+        oldest = await self.redis.zpopmin(index, excess)
+        names = [m.decode() if isinstance(m, bytes) else m for m, _ in oldest]
+        if names:
+            await self.redis.delete(*(self.keys.prefix_block(h) for h in names))
+        self.prefix_blocks -= len(names)
+        self.prefix_evicted_total += len(names)
+
+    # --- stats ----------------------------------------------------------------------
 
     async def stats(self) -> SpillStats:
+        ledger = self.ledger
         try:
-            num_keys = 0
-            used = 0
-            async for key in self.redis.scan_iter(match=self.keys.pattern(), count=500):
-                num_keys += 1
-                used += await self.redis.memory_usage(key) or 0
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as e:
+            await self.redis.ping()
+            ok = True
+        except REDIS_ERRORS as e:
             log.warning("redis unavailable: %s", e)
-            return SpillStats(redis_ok=False, capacity_bytes=self.capacity_bytes)
+            ok = False
         return SpillStats(
-            redis_ok=True, num_keys=num_keys, used_bytes=used, capacity_bytes=self.capacity_bytes
+            redis_ok=ok,
+            num_sequences=len(ledger.entries),
+            num_keys=ledger.num_keys,
+            used_bytes=ledger.used_bytes,
+            capacity_bytes=self.capacity_bytes,
+            sequences=ledger.sequences(),
+            spilled_total=ledger.spilled_total,
+            dropped_total=ledger.dropped_total,
+            expired_total=ledger.expired_total,
+            prefix_blocks=self.prefix_blocks,
+            prefix_capacity_blocks=self.prefix_capacity_blocks,
+            prefix_evicted_total=self.prefix_evicted_total,
         )
+
+    async def sweep(self) -> None:
+        await self.expire_orphans()
+        await self.trim_prefix_tier()
 
 
 async def connect_redis(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
@@ -52,7 +206,7 @@ async def connect_redis(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
         try:
             await client.ping()
             return client
-        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as e:
+        except REDIS_ERRORS as e:
             if asyncio.get_running_loop().time() > deadline:
                 await client.aclose()
                 host = url.split("@")[-1]
@@ -60,19 +214,74 @@ async def connect_redis(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
             await asyncio.sleep(0.2)
 
 
+async def _sweep_forever(store: SpillStore) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        try:
+            await store.sweep()
+        except REDIS_ERRORS as e:
+            log.warning("sweep skipped, redis unavailable: %s", e)
+        except Exception:  # the sweep must outlive any single failure
+            log.exception("sweep failed")
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     tel = Telemetry("spillstore", settings.otlp_endpoint)
     redis = await connect_redis(settings.redis_url)
     bus = await Bus.connect(settings.nats_url, settings.namespace, "spillway-spillstore")
-    store = SpillStore(redis, SpillKeys(settings.namespace), settings.spill_capacity_bytes)
+    store = SpillStore(
+        redis,
+        SpillKeys(settings.namespace),
+        settings.spill_capacity_bytes,
+        settings.spill_orphan_timeout_s,
+        settings.prefix_tier_blocks,
+    )
+    await store.load()
 
-    async def on_stats(_: StatsRequest, ctx: Context, raw) -> SpillStats:
+    async def on_stats(_: StatsRequest, ctx: Context, raw: Msg) -> SpillStats:
         with tel.tracer.start_as_current_span("spillstore.stats", context=ctx):
             return await store.stats()
 
-    await bus.serve(SPILL_STATS, StatsRequest, on_stats)
+    async def on_record(rec: SpillRecord, ctx: Context, raw: Msg) -> None:
+        with tel.tracer.start_as_current_span(
+            "spillstore.record",
+            context=ctx,
+            attributes={"spillway.seq_id": rec.seq_id, "spillway.kv.bytes": rec.num_bytes},
+        ):
+            await store.record(rec)
+
+    async def on_drop(drop: SpillDrop, ctx: Context, raw: Msg) -> None:
+        with tel.tracer.start_as_current_span(
+            "spillstore.drop", context=ctx, attributes={"spillway.kv.spills": len(drop.spills)}
+        ):
+            for ref in drop.spills:
+                await store.drop(ref.seq_id, ref.spill_id)
+
+    async def on_lookup(req: PrefixLookup, ctx: Context, raw: Msg) -> PrefixLookupReply:
+        with tel.tracer.start_as_current_span("spillstore.prefix_lookup", context=ctx):
+            return PrefixLookupReply(num_hits=await store.lookup(req.block_hashes))
+
+    async def on_heartbeat(beat: Heartbeat, ctx: Context, raw: Msg) -> None:
+        store.ledger.worker_alive(beat.info.worker_id, store.clock())
+
+    subs = [
+        await bus.serve(subjects.SPILL_STATS, StatsRequest, on_stats),
+        await bus.serve(subjects.SPILL_RECORDED, SpillRecord, on_record),
+        await bus.serve(subjects.SPILL_DROP, SpillDrop, on_drop),
+        await bus.serve(subjects.SPILL_PREFIX_LOOKUP, PrefixLookup, on_lookup),
+        await bus.serve(subjects.WORKER_HEARTBEAT, Heartbeat, on_heartbeat),
+    ]
+    sweeper = asyncio.create_task(_sweep_forever(store), name="spillstore-sweep")
     announce_ready("spillstore", f"redis={settings.redis_url.split('@')[-1]}")
-    await stop.wait()
-    await bus.close()
-    await redis.aclose()
-    tel.shutdown()
+    try:
+        await stop.wait()
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await bus.close()
+        await redis.aclose()
+        tel.shutdown()

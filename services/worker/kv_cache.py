@@ -76,6 +76,32 @@ class KVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer's K (or V): [BS, Hkv, D]."""
+        return tuple(self.k[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' K and V across every layer, on the host and contiguous:
+        [2, L, n, BS, Hkv, D] (what a spilled or shared block holds)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.k[0].device)
+        k = torch.stack([layer.index_select(0, idx) for layer in self.k])  # [L, n, BS, H, D]
+        v = torch.stack([layer.index_select(0, idx) for layer in self.v])
+        return torch.stack([k, v]).cpu().contiguous()
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """The inverse of read_blocks: data [2, L, n, BS, Hkv, D] into these blocks."""
+        device = self.k[0].device
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        data = data.to(device=device, dtype=self.dtype)
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.index_copy_(0, idx, data[0, layer])
+            v.index_copy_(0, idx, data[1, layer])
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size

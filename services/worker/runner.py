@@ -10,8 +10,16 @@ append blocks to running ones), then all its rows run in one batched forward:
 A step whose rows all decode (one token each) replays a captured CUDA graph when the runner
 has one for its size (`capture_decode_graphs`); other steps run eagerly.
 
+Before the sequence table changes, KV leaves (spills of preemption victims, finished
+blocks for the shared prefix tier: their blocks may be reused by this very step); after
+it, KV comes in (swap-in restores, prefix-tier loads). A sequence whose KV could not be
+brought in is reported lost and its row skipped; the scheduler recomputes it.
+
+Run-ahead rows (`feed_last`) take the token this runner sampled last for their sequence.
+
 A wrong plan (unknown sequence, block or token out of range, too few blocks) is rejected
-whole with a 400 StepResult and leaves the runner's state as it was.
+whole with a 400 StepResult and leaves the runner's state as it was. A forward that runs
+out of memory is reported as `out_of_memory` (the scheduler sheds one victim and retries).
 """
 
 from __future__ import annotations
@@ -32,19 +40,24 @@ from services.worker.kv_cache import (
     num_blocks_for_memory,
     slot_mapping_tensor,
 )
+from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampler import RowSampling, sample
 from shared.config import Settings
-from shared.model_files import resolve_model
+from shared.model_config import ModelConfig
+from shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from shared.protocol import (
     ErrorInfo,
+    KVSpill,
     RowResult,
     SamplingParams,
+    SpillOutcome,
     StepPlan,
     StepResult,
     StepRow,
 )
+from shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,16 @@ class PlanError(ValueError):
     """A plan the runner cannot carry out as given (the scheduler's mistake)."""
 
 
+OUT_OF_MEMORY = "out_of_memory"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(e).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -66,12 +89,17 @@ class ModelRunner:
         kv_cache: KVCache,
         timer: Callable[[], float] = time.perf_counter,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        kv_transfer: KVTransfer | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
+        self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)
+        self.kv_layout = ""  # see kv_layout(); set by load_runner
         self.sequences: dict[str, SequenceState] = {}
+        # Each sequence's last sampled token, which a run-ahead row feeds.
+        self.last_token: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
         self.num_steps = 0
         # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
@@ -92,23 +120,84 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             sequences = self._applied(plan)
-            self._check_rows(plan.rows, sequences)
+            self._check_kv_orders(plan)
+            self._check_rows(plan.rows, sequences, {n.seq_id for n in plan.new_seqs})
         except PlanError as e:
             error = ErrorInfo(
                 status=400, message=str(e), type="invalid_request_error", code="invalid_plan"
             )
             return StepResult(step_id=plan.step_id, error=error)
+        result = StepResult(step_id=plan.step_id)
+        if self.kv_transfer is not None:
+            self.kv_transfer.counters = TransferCounters()
+        result.spills = [self._spill(order) for order in plan.spills]
+        if self.kv_transfer is not None:
+            self.kv_transfer.store_prefix(plan.prefix_stores)
+        for seq_id in [*plan.finished_seq_ids, *(n.seq_id for n in plan.new_seqs)]:
+            self.last_token.pop(seq_id, None)
         self.sequences = sequences
-        if not plan.rows:
-            return StepResult(step_id=plan.step_id)
+        result.lost_seq_ids = self._bring_kv_in(plan)
+        self._count_transfers(result)
+        lost = set(result.lost_seq_ids)
+        rows = [row for row in plan.rows if row.seq_id not in lost]
+        if not rows:
+            return result
         try:
-            rows, forward_s = self._run(plan.rows)
+            result.rows, result.forward_s = self._run(rows)
         except Exception as e:  # a device failure: report it, keep serving
-            log.exception("step %d failed", plan.step_id)
-            error = ErrorInfo(status=500, message=f"forward failed: {type(e).__name__}: {e}")
-            return StepResult(step_id=plan.step_id, error=error)
+            for row in rows:  # their run-ahead rows must not feed a stale token
+                self.last_token.pop(row.seq_id, None)
+            if is_out_of_memory(e):
+                log.warning("step %d ran out of memory (%d rows)", plan.step_id, len(rows))
+                result.error = ErrorInfo(
+                    status=503, message=f"out of memory: {e}"[:500], code=OUT_OF_MEMORY
+                )
+            else:
+                log.exception("step %d failed", plan.step_id)
+                result.error = ErrorInfo(
+                    status=500, message=f"forward failed: {type(e).__name__}: {e}"
+                )
+            return result
+        for out in result.rows:
+            self.last_token[out.seq_id] = out.token_id
         self.num_steps += 1
-        return StepResult(step_id=plan.step_id, rows=rows, forward_s=forward_s)
+        return result
+
+    # --- KV to and from the spill store ---------------------------------------------------
+
+    def _spill(self, order: KVSpill) -> SpillOutcome:
+        if self.kv_transfer is None:
+            return SpillOutcome(
+                seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error="no spill store"
+            )
+        return self.kv_transfer.spill(order)
+
+    def _bring_kv_in(self, plan: StepPlan) -> list[str]:
+        """Restores and prefix loads; the sequences whose KV could not be read."""
+        lost: list[str] = []
+        for restore in plan.restores:
+            if self.kv_transfer is None or not self.kv_transfer.restore(restore):
+                lost.append(restore.seq_id)
+        for load in plan.prefix_loads:
+            if self.kv_transfer is None or not self.kv_transfer.load_prefix(load):
+                lost.append(load.seq_id)
+        return lost
+
+    def _count_transfers(self, result: StepResult) -> None:
+        if self.kv_transfer is None:
+            return
+        c = self.kv_transfer.counters
+        result.kv_io_bytes, result.kv_io_s = c.bytes, c.seconds
+        result.restored_bytes, result.restore_s = c.restored_bytes, c.restore_s
+
+    def _check_kv_orders(self, plan: StepPlan) -> None:
+        for spill in plan.spills:
+            self._check_blocks(spill.seq_id, spill.block_ids)
+        self._check_blocks("prefix tier", [b.block_id for b in plan.prefix_stores])
+        for restore in plan.restores:
+            self._check_blocks(restore.seq_id, restore.block_ids)
+        for load in plan.prefix_loads:
+            self._check_blocks(load.seq_id, [b.block_id for b in load.blocks])
 
     # --- plan application ----------------------------------------------------------------
 
@@ -136,7 +225,9 @@ class ModelRunner:
         if bad:
             raise PlanError(f"sequence {seq_id!r}: block ids {bad[:5]} outside 0..{num_blocks - 1}")
 
-    def _check_rows(self, rows: Sequence[StepRow], sequences: dict[str, SequenceState]) -> None:
+    def _check_rows(
+        self, rows: Sequence[StepRow], sequences: dict[str, SequenceState], new: set[str]
+    ) -> None:
         vocab = self.model.config.vocab_size
         seen: set[str] = set()
         for row in rows:
@@ -146,11 +237,16 @@ class ModelRunner:
             if row.seq_id in seen:
                 raise PlanError(f"sequence {row.seq_id!r} has two rows in one step")
             seen.add(row.seq_id)
-            if not row.token_ids:
+            if row.feed_last:
+                if row.token_ids:
+                    raise PlanError(f"run-ahead row for {row.seq_id!r} carries tokens")
+                if row.seq_id not in self.last_token or row.seq_id in new:
+                    raise PlanError(f"run-ahead row for {row.seq_id!r}: no token sampled")
+            elif not row.token_ids:
                 raise PlanError(f"row for {row.seq_id!r} has no tokens")
-            if min(row.token_ids) < 0 or max(row.token_ids) >= vocab:
+            elif min(row.token_ids) < 0 or max(row.token_ids) >= vocab:
                 raise PlanError(f"row for {row.seq_id!r} has a token id outside 0..{vocab - 1}")
-            end = row.start_pos + len(row.token_ids)
+            end = row.start_pos + row_length(row)
             if row.start_pos < 0 or end > self.max_model_len:
                 raise PlanError(
                     f"row for {row.seq_id!r} spans positions {row.start_pos}..{end - 1},"
@@ -214,10 +310,11 @@ class ModelRunner:
         token_ids: list[int] = []
         lengths, starts, block_lists = [], [], []
         for row in rows:
-            token_ids.extend(row.token_ids)
-            lengths.append(len(row.token_ids))
+            row_tokens = [self.last_token[row.seq_id]] if row.feed_last else row.token_ids
+            token_ids.extend(row_tokens)
+            lengths.append(len(row_tokens))
             starts.append(row.start_pos)
-            end = row.start_pos + len(row.token_ids)
+            end = row.start_pos + len(row_tokens)
             block_lists.append(self.sequences[row.seq_id].block_ids[: blocks_needed(end, bs)])
         lens = torch.tensor(lengths, dtype=torch.int64)  # [R]
         query_start = torch.zeros(len(rows) + 1, dtype=torch.int64)
@@ -243,6 +340,10 @@ class ModelRunner:
             max_context_len=int(context_lens.max()),
             decode_only=max_query_len == 1,
         )
+
+
+def row_length(row: StepRow) -> int:
+    return 1 if row.feed_last else len(row.token_ids)
 
 
 def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
@@ -275,7 +376,8 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         dtype,
         ops.name,
     )
-    runner = ModelRunner(model, kv_cache)
+    runner = ModelRunner(model, kv_cache, kv_transfer=kv_transfer_for(settings, kv_cache))
+    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
     if graphs_wanted(settings, device, ops.name):
         sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)
         try:
@@ -284,6 +386,28 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
             log.exception("decode CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None
     return runner, source.model_id
+
+
+def kv_transfer_for(settings: Settings, kv_cache: KVCache) -> KVTransfer | None:
+    """The spill store's data plane, when this system has a spill store."""
+    if not settings.spill_store:
+        return None
+    client = connect_kv_store(settings.redis_url, settings.kv_store_timeout_s)
+    return KVTransfer(
+        client,
+        SpillKeys(settings.namespace),
+        kv_cache,
+        group_blocks=settings.spill_group_blocks,
+        ttl_s=settings.spill_ttl_s,
+    )
+
+
+def kv_layout(source: ModelSource, config: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
+    """What one KV block's bytes mean: whose weights, which precision, which geometry."""
+    return (
+        f"{source.model_id}/{weights_fingerprint(source)}/{str(dtype).removeprefix('torch.')}"
+        f"/L{config.num_layers}/H{config.num_kv_heads}/D{config.head_dim}/B{block_size}"
+    )
 
 
 def graphs_wanted(settings: Settings, device: torch.device, backend: str) -> bool:

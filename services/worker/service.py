@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,12 +22,20 @@ from nats.aio.msg import Msg
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
+from services.worker.kv_cache import block_bytes
 from services.worker.runner import ModelRunner, load_runner
 from shared import subjects
 from shared.bus import Bus, BusError
 from shared.config import Settings
 from shared.lifecycle import announce_ready
-from shared.protocol import Heartbeat, RegisterReply, StepPlan, StepResult, WorkerInfo
+from shared.protocol import (
+    Heartbeat,
+    RegisterReply,
+    SpillRecord,
+    StepPlan,
+    StepResult,
+    WorkerInfo,
+)
 from shared.telemetry import Telemetry, extract
 
 log = logging.getLogger(__name__)
@@ -65,6 +74,7 @@ async def serve(
 
 def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInfo:
     config = runner.model.config
+    transfer = runner.kv_transfer
     return WorkerInfo(
         worker_id=worker_id,
         model_id=model_id,
@@ -75,6 +85,9 @@ def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInf
         eos_token_ids=list(config.eos_token_ids),
         device=str(runner.model.device),
         dtype=str(runner.model.dtype).removeprefix("torch."),
+        kv_layout=runner.kv_layout,
+        block_bytes=block_bytes(config, runner.block_size, runner.kv_cache.dtype),
+        kv_store=transfer is not None and transfer.ping(),
     )
 
 
@@ -168,12 +181,51 @@ class WorkerService:
 
     async def _on_step(self, plan: StepPlan, ctx: Context, raw: Msg) -> StepResult:
         loop = asyncio.get_running_loop()
+        kv_start_ns = time.time_ns()
         result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
         if result.error is not None:
             log.warning("step %d: %s", plan.step_id, result.error.message)
+        await self._record_spills(result)
         if self.tel.exporting:
             self._trace_rows(plan, result)
+            if result.kv_io_bytes:
+                self._trace_kv_io(plan, result, kv_start_ns, ctx)
         return result
+
+    async def _record_spills(self, result: StepResult) -> None:
+        """Tells the spill store what this step wrote, for its accounting and expiry."""
+        for spill in result.spills:
+            if not spill.ok:
+                continue
+            record = SpillRecord(
+                seq_id=spill.seq_id,
+                spill_id=spill.spill_id,
+                worker_id=self.info.worker_id,
+                num_bytes=spill.num_bytes,
+                num_keys=spill.num_keys,
+            )
+            try:
+                await self.bus.publish(subjects.SPILL_RECORDED, record)
+            except Exception as e:  # the data is written; only the accounting waits
+                log.warning("spill record for %s not sent: %s", spill.seq_id, e)
+
+    def _trace_kv_io(self, plan: StepPlan, result: StepResult, start_ns: int, ctx: Context) -> None:
+        """One `worker.kv_io` span per step that moved KV to or from the spill store."""
+        span = self.tel.tracer.start_span(
+            "worker.kv_io",
+            context=ctx,
+            start_time=start_ns,
+            attributes={
+                "spillway.step_id": plan.step_id,
+                "spillway.kv.bytes": result.kv_io_bytes,
+                "spillway.kv.spills": len(plan.spills),
+                "spillway.kv.restores": len(plan.restores),
+                "spillway.kv.prefix_stores": len(plan.prefix_stores),
+                "spillway.kv.prefix_loads": len(plan.prefix_loads),
+                "spillway.kv.lost": len(result.lost_seq_ids),
+            },
+        )
+        span.end(end_time=start_ns + int(result.kv_io_s * 1e9))
 
     def _trace_rows(self, plan: StepPlan, result: StepResult) -> None:
         """One `worker.forward` span per traced row, a child of the scheduler's row span,

@@ -46,7 +46,6 @@ def test_invalid_option_value_is_a_clear_error():
     ("args", "message"),
     [
         (["--workers", "2"], "--workers above 1 is not available yet"),
-        (["--preemption-mode", "spill"], "--preemption-mode spill is not available yet"),
     ],
 )
 def test_unavailable_options_say_so(args, message):

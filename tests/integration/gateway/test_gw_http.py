@@ -47,6 +47,7 @@ async def test_non_streamed_chat_has_openai_body_and_exact_usage(system, served_
         "prompt_tokens": len(prompt),
         "completion_tokens": len(served_tokenizer.encode(REPLY_TEXT)) + 1,  # + EOS
         "total_tokens": len(prompt) + len(served_tokenizer.encode(REPLY_TEXT)) + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     submitted = system.scheduler.submits[-1]
     assert submitted.prompt_token_ids == prompt

@@ -196,7 +196,7 @@ async def test_failed_step_ends_its_requests_and_the_loop_goes_on(system):
     assert (await gateway.submit("survivor", max_tokens=3)).ok
     await gateway.wait_finished("survivor")
     assert gateway.tokens_of("survivor") == [scripted_token("survivor", i) for i in range(3)]
-    assert "doomed" in worker.plans[-3].finished_seq_ids
+    assert any("doomed" in p.finished_seq_ids for p in worker.plans)
 
 
 async def test_silent_worker_is_dropped_and_its_request_ends_with_an_error(system):

@@ -1,4 +1,5 @@
-"""The spill-store service over real NATS and Redis."""
+"""The spill-store service over real NATS and Redis: accounting, deletion on drop, expiry
+of a dead worker's spills, capacity and lookups of the shared prefix tier."""
 
 from __future__ import annotations
 
@@ -7,12 +8,28 @@ import asyncio
 import redis.asyncio as aioredis
 
 from services.cli.servers import start_redis
-from services.spillstore.keys import SpillKeys
 from services.spillstore.service import serve
 from shared.bus import Bus
 from shared.config import load_settings
-from shared.protocol import SpillStats, StatsRequest
-from shared.subjects import SPILL_STATS
+from shared.protocol import (
+    Heartbeat,
+    PrefixLookup,
+    PrefixLookupReply,
+    SpillDrop,
+    SpillRecord,
+    SpillRef,
+    SpillStats,
+    StatsRequest,
+    WorkerInfo,
+)
+from shared.spill_keys import SpillKeys
+from shared.subjects import (
+    SPILL_DROP,
+    SPILL_PREFIX_LOOKUP,
+    SPILL_RECORDED,
+    SPILL_STATS,
+    WORKER_HEARTBEAT,
+)
 
 
 async def _start(settings):
@@ -30,27 +47,158 @@ async def _stats(bus: Bus) -> SpillStats:
     raise AssertionError("spill store never answered")
 
 
-async def test_stats_count_only_this_namespace(nats_url, redis_url):
+async def _until(bus: Bus, check, timeout: float = 10.0) -> SpillStats:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        stats = await _stats(bus)
+        if check(stats):
+            return stats
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"never true: {stats}")
+        await asyncio.sleep(0.05)
+
+
+async def _spill(store: aioredis.Redis, keys: SpillKeys, seq: str, spill_id: int, n: int) -> None:
+    for g in range(n):
+        await store.set(keys.block_group(seq, spill_id, g), b"k" * 1000)
+
+
+def _beat(worker_id: str) -> Heartbeat:
+    info = WorkerInfo(
+        worker_id=worker_id, model_id="m", num_kv_blocks=8, block_size=16, max_model_len=64,
+        vocab_size=100, eos_token_ids=[2], device="cpu", dtype="float32",
+    )  # fmt: skip
+    return Heartbeat(info=info)
+
+
+async def test_spills_are_accounted_per_sequence_and_deleted_when_dropped(nats_url, redis_url):
     settings = load_settings(nats_url=nats_url, redis_url=redis_url, namespace="sp1")
     stop, task = await _start(settings)
-    client = await Bus.connect(nats_url, "sp1", "test")
+    bus = await Bus.connect(nats_url, "sp1", "test")
+    other = await Bus.connect(nats_url, "sp2", "test")
     store = aioredis.from_url(redis_url)
-    mine = SpillKeys("sp1").block_group("seq-a", 0)
-    theirs = SpillKeys("sp2").block_group("seq-a", 0)
-    await store.set(mine, b"k" * 4096)
-    await store.set(theirs, b"k" * 4096)
+    keys = SpillKeys("sp1")
     try:
-        stats = await _stats(client)
-        assert stats.redis_ok
-        assert stats.num_keys == 1
-        assert stats.used_bytes >= 4096
+        await _stats(bus)
+        await _spill(store, keys, "a", 1, 2)
+        await _spill(store, keys, "b", 1, 1)
+        for seq, n in (("a", 2), ("b", 1)):
+            rec = SpillRecord(seq_id=seq, spill_id=1, worker_id="w", num_bytes=n * 1000, num_keys=n)
+            await bus.publish(SPILL_RECORDED, rec)
+        # Another system's record never counts here.
+        await other.publish(SPILL_RECORDED, SpillRecord(
+            seq_id="c", spill_id=1, worker_id="w", num_bytes=5, num_keys=1))  # fmt: skip
+        stats = await _until(bus, lambda s: s.num_sequences == 2)
+        assert stats.redis_ok and stats.used_bytes == 3000 and stats.num_keys == 3
+        assert stats.sequences == {"a:1": 2000, "b:1": 1000}
         assert stats.capacity_bytes == settings.spill_capacity_bytes
+        await bus.publish(SPILL_DROP, SpillDrop(spills=[SpillRef(seq_id="a", spill_id=1)]))
+        stats = await _until(bus, lambda s: s.num_sequences == 1)
+        assert stats.dropped_total == 1 and stats.used_bytes == 1000
+        assert not await store.exists(keys.block_group("a", 1, 0), keys.block_group("a", 1, 1))
+        assert await store.exists(keys.block_group("b", 1, 0))
+        # A drop that overtakes its record: the late record's data is deleted at once.
+        await bus.publish(SPILL_DROP, SpillDrop(spills=[SpillRef(seq_id="late", spill_id=3)]))
+        await _spill(store, keys, "late", 3, 1)
+        await bus.publish(SPILL_RECORDED, SpillRecord(
+            seq_id="late", spill_id=3, worker_id="w", num_bytes=1000, num_keys=1))  # fmt: skip
+        await _stats(bus)
+        for _ in range(100):
+            if not await store.exists(keys.block_group("late", 3, 0)):
+                break
+            await asyncio.sleep(0.05)
+        assert not await store.exists(keys.block_group("late", 3, 0))
+        assert (await _stats(bus)).num_sequences == 1
     finally:
-        await store.delete(mine, theirs)
         await store.aclose()
         stop.set()
         await task
-        await client.close()
+        await bus.close()
+        await other.close()
+
+
+async def test_a_dead_workers_spills_expire_and_a_live_ones_stay(nats_url, redis_url):
+    settings = load_settings(
+        nats_url=nats_url, redis_url=redis_url, namespace="sp4", spill_orphan_timeout_s=1.0
+    )
+    stop, task = await _start(settings)
+    bus = await Bus.connect(nats_url, "sp4", "test")
+    store = aioredis.from_url(redis_url)
+    keys = SpillKeys("sp4")
+    try:
+        await _stats(bus)
+        for seq, worker in (("x", "alive"), ("y", "dead")):
+            await _spill(store, keys, seq, 1, 1)
+            await bus.publish(SPILL_RECORDED, SpillRecord(
+                seq_id=seq, spill_id=1, worker_id=worker, num_bytes=1000, num_keys=1))  # fmt: skip
+        await _until(bus, lambda s: s.num_sequences == 2)
+        deadline = asyncio.get_running_loop().time() + 10
+        while asyncio.get_running_loop().time() < deadline:
+            await bus.publish(WORKER_HEARTBEAT, _beat("alive"))
+            stats = await _stats(bus)
+            if stats.expired_total:
+                break
+            await asyncio.sleep(0.2)
+        assert stats.expired_total == 1 and stats.sequences == {"x:1": 1000}
+        assert not await store.exists(keys.block_group("y", 1, 0))
+        assert await store.exists(keys.block_group("x", 1, 0))
+    finally:
+        await store.aclose()
+        stop.set()
+        await task
+        await bus.close()
+
+
+async def test_prefix_tier_lookups_count_leading_hits_and_the_tier_keeps_its_capacity(
+    nats_url, redis_url
+):
+    settings = load_settings(
+        nats_url=nats_url, redis_url=redis_url, namespace="sp5", prefix_tier_blocks=3
+    )
+    stop, task = await _start(settings)
+    bus = await Bus.connect(nats_url, "sp5", "test")
+    store = aioredis.from_url(redis_url)
+    keys = SpillKeys("sp5")
+    try:
+        await _stats(bus)
+        for i, h in enumerate(["h0", "h1", "h2", "h3", "h4"]):
+            await store.set(keys.prefix_block(h), b"b" * 100)
+            await store.zadd(keys.prefix_index(), {h: float(i)})
+        lookup = PrefixLookup(block_hashes=["h3", "h4", "nope", "h2"])
+        reply = await bus.request(SPILL_PREFIX_LOOKUP, lookup, PrefixLookupReply, timeout=5)
+        assert reply.num_hits == 2
+        stats = await _until(bus, lambda s: s.prefix_blocks == 3)
+        assert stats.prefix_evicted_total == 2 and stats.prefix_capacity_blocks == 3
+        # The oldest went first.
+        assert not await store.exists(keys.prefix_block("h0"), keys.prefix_block("h1"))
+        assert await store.exists(keys.prefix_block("h4"))
+    finally:
+        await store.aclose()
+        stop.set()
+        await task
+        await bus.close()
+
+
+async def test_a_restarted_store_knows_what_it_holds(nats_url, redis_url):
+    settings = load_settings(nats_url=nats_url, redis_url=redis_url, namespace="sp6")
+    bus = await Bus.connect(nats_url, "sp6", "test")
+    stop, task = await _start(settings)
+    try:
+        await _stats(bus)
+        await bus.publish(SPILL_RECORDED, SpillRecord(
+            seq_id="z", spill_id=2, worker_id="w", num_bytes=700, num_keys=1))  # fmt: skip
+        await _until(bus, lambda s: s.num_sequences == 1)
+    finally:
+        stop.set()
+        await task
+    stop, task = await _start(settings)
+    try:
+        stats = await _until(bus, lambda s: s.num_sequences == 1)
+        assert stats.sequences == {"z:2": 700}
+    finally:
+        stop.set()
+        await task
+        await bus.close()
 
 
 async def test_redis_going_away_is_reported_not_fatal(nats_url):

@@ -173,7 +173,8 @@ def test_non_streamed_bodies_have_openai_shape(tokenizer):
             }
         ],
         "usage": {"prompt_tokens": 3, "completion_tokens": output.num_tokens,
-                  "total_tokens": 3 + output.num_tokens},
+                  "total_tokens": 3 + output.num_tokens,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
     }  # fmt: skip
     text = completion_body(meta("completion"), [output], usage)
     assert text["object"] == "text_completion"
@@ -185,9 +186,21 @@ def test_non_streamed_bodies_have_openai_shape(tokenizer):
 def test_usage_counts_each_prompt_once_and_every_choice(tokenizer):
     a, _ = run_choice(tokenizer, [10, 11, 12])
     b, _ = run_choice(tokenizer, [13, 14])
-    assert usage_of([[1, 2, 3, 4]], [a, b]).body() == {
-        "prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9
+    assert usage_of([[1, 2, 3, 4]], [a, b], n=2).body() == {
+        "prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }  # fmt: skip
+
+
+def test_cached_tokens_come_from_the_first_delta_once_per_prompt(tokenizer):
+    outputs = [ChoiceOutput(i, tokenizer, OutputOptions()) for i in range(4)]
+    for i, output in enumerate(outputs):  # two prompts, two choices each
+        output.apply(RequestDelta(request_id=f"c{i}", token_ids=[10], num_prompt_tokens=40,
+                                  num_cached_tokens=16 * (i + 1)))  # fmt: skip
+        output.apply(RequestDelta(request_id=f"c{i}", token_ids=[11], num_cached_tokens=0))
+    usage = usage_of([[1] * 40, [2] * 40], outputs, n=2)
+    assert usage.cached_tokens == 16 + 48
+    assert usage.body()["prompt_tokens_details"] == {"cached_tokens": 64}
 
 
 def test_chat_chunks_in_order(tokenizer):
@@ -220,7 +233,8 @@ def test_completion_chunks_without_usage_option(tokenizer):
 def test_final_chunk_can_carry_usage():
     chunk = ChunkBuilder(meta("completion"), include_usage=False).finish(0, "stop", Usage(2, 3))
     assert chunk["choices"][0]["finish_reason"] == "stop"
-    assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
 
 
 def test_models_body():

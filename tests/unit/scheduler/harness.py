@@ -9,6 +9,7 @@ out with the same tokens as an undisturbed one.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,9 +20,11 @@ from services.scheduler.observer import NullObserver
 from services.scheduler.sequence import Sequence
 from shared.clock import FakeClock
 from shared.protocol import (
+    ErrorInfo,
     RequestDelta,
     RowResult,
     SamplingParams,
+    SpillOutcome,
     StepPlan,
     StepResult,
     SubmitRequest,
@@ -58,6 +61,10 @@ def make_core(
     max_num_batched_tokens: int = 512,
     max_waiting: int = 16,
     observer=None,
+    prefix_cache: bool = True,
+    preemption_mode: str = "recompute",
+    spill_store: bool = False,
+    run_ahead: bool = False,
     **worker_kwargs,
 ) -> tuple[SchedulerCore, FakeClock]:
     clock = FakeClock(100.0)
@@ -65,10 +72,22 @@ def make_core(
         max_batch=max_batch,
         max_num_batched_tokens=max_num_batched_tokens,
         max_waiting=max_waiting,
+        prefix_cache=prefix_cache,
+        preemption_mode=preemption_mode,  # type: ignore[arg-type]
+        spill_store=spill_store,
+        prefix_tier=spill_store,
+        run_ahead=run_ahead,
     )
     core = SchedulerCore(clock, config, observer)
     core.attach_worker(worker_info(**worker_kwargs))
+    if spill_store:
+        core.spill_store_reported(True, 1 << 40)
     return core, clock
+
+
+# Every prompt submitted, by request id: the fake worker's truth for what a sequence's KV
+# must hold (it never trusts the scheduler's own view).
+PROMPTS: dict[str, list[int]] = {}
 
 
 def submit_request(
@@ -78,51 +97,141 @@ def submit_request(
     gateway_id: str = "g1",
     **fields,
 ) -> SubmitRequest:
+    prompt = prompt if prompt is not None else [10 + i % 80 for i in range(prompt_len)]
+    PROMPTS[request_id] = list(prompt)
     return SubmitRequest(
         request_id=request_id,
         gateway_id=gateway_id,
-        prompt_token_ids=prompt if prompt is not None else [10 + i % 80 for i in range(prompt_len)],
+        prompt_token_ids=prompt,
         sampling=SamplingParams(temperature=0.0, seed=7),
         **fields,
     )
 
 
-def submit(core: SchedulerCore, request_id: str, prompt_len: int = 5, **fields) -> None:
-    error = core.add_request(submit_request(request_id, prompt_len, **fields))
+def submit(
+    core: SchedulerCore,
+    request_id: str,
+    prompt_len: int = 5,
+    tier_hashes: list[int] | None = None,
+    **fields,
+) -> None:
+    error = core.add_request(submit_request(request_id, prompt_len, **fields), tier_hashes)
     assert error is None, error
 
 
 class FakeWorker:
+    """Carries out plans on a model of the KV cache: each block slot holds the token whose
+    KV it would hold. Every row must find, at every position before it, exactly the
+    tokens the sequence has there (prompt, then `token_fn` outputs): a wrong prefix hit, a
+    bad restore, a block overwritten under another sequence or a row that skips or
+    repeats positions fails at once. Spills and the shared prefix tier are dicts.
+    """
+
     def __init__(self, block_size: int, token_fn: TokenFn = model_token) -> None:
         self.block_size = block_size
         self.token_fn = token_fn
         self.tables: dict[str, list[int]] = {}
-        self.kv_len: dict[str, int] = {}
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token
+        self.last_token: dict[str, int] = {}
+        self.spilled: dict[tuple[str, int], list[list[int | None]]] = {}
+        self.tier: dict[str, list[int | None]] = {}
         self.plans: list[StepPlan] = []
+        self.store_down = False  # spills fail, restores and loads are lost
+        self.oom_rows_above: int | None = None  # a step with more rows runs out of memory
+
+    def expected(self, seq_id: str, pos: int) -> int:
+        prompt = PROMPTS[seq_id]
+        return prompt[pos] if pos < len(prompt) else self.token_fn(seq_id, pos - len(prompt))
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
-        for seq_id in plan.finished_seq_ids:
+        result = StepResult(step_id=plan.step_id)
+        # As the real worker does, a plan is checked whole before anything changes.
+        fresh = {n.seq_id for n in plan.new_seqs} | set(plan.finished_seq_ids)
+        for row in plan.rows:
+            if row.feed_last and (row.seq_id not in self.last_token or row.seq_id in fresh):
+                result.error = ErrorInfo(status=400, message="no token", code="invalid_plan")
+                return result
+        for spill in plan.spills:
+            if self.store_down:
+                result.spills.append(
+                    SpillOutcome(seq_id=spill.seq_id, spill_id=spill.spill_id, ok=False)
+                )
+                continue
+            self.spilled[(spill.seq_id, spill.spill_id)] = [self._read(b) for b in spill.block_ids]
+            result.spills.append(
+                SpillOutcome(seq_id=spill.seq_id, spill_id=spill.spill_id, ok=True)
+            )
+        for block in plan.prefix_stores:
+            if not self.store_down:
+                self.tier[block.block_hash] = self._read(block.block_id)
+        for seq_id in [*plan.finished_seq_ids, *(n.seq_id for n in plan.new_seqs)]:
             self.tables.pop(seq_id, None)
-            self.kv_len.pop(seq_id, None)
+            self.last_token.pop(seq_id, None)
         for new in plan.new_seqs:
             self.tables[new.seq_id] = list(new.block_ids)
-            self.kv_len[new.seq_id] = 0
         for update in plan.updated_seqs:
             assert update.new_block_ids, "an update without blocks"
             self.tables[update.seq_id].extend(update.new_block_ids)
-        owned = [b for table in self.tables.values() for b in table]
-        assert len(owned) == len(set(owned)), "two sequences share a block"
-        results = []
-        for row in plan.rows:
-            assert row.start_pos == self.kv_len[row.seq_id], "row does not continue the KV"
-            self.kv_len[row.seq_id] += len(row.token_ids)
-            table = self.tables[row.seq_id]
-            assert len(table) * self.block_size >= self.kv_len[row.seq_id], "table too short"
-            if row.sample:
-                token = self.token_fn(row.seq_id, row.output_index)
-                results.append(RowResult(seq_id=row.seq_id, token_id=token))
-        return StepResult(step_id=plan.step_id, rows=results)
+        lost: set[str] = set()
+        for restore in plan.restores:
+            data = self.spilled.get((restore.seq_id, restore.spill_id))
+            if self.store_down or data is None:
+                lost.add(restore.seq_id)
+                continue
+            assert len(data) == len(restore.block_ids), "restore into the wrong number of blocks"
+            for block_id, contents in zip(restore.block_ids, data, strict=True):
+                self._write_block(block_id, contents)
+        for load in plan.prefix_loads:
+            if self.store_down or any(b.block_hash not in self.tier for b in load.blocks):
+                lost.add(load.seq_id)
+                continue
+            for block in load.blocks:
+                self._write_block(block.block_id, self.tier[block.block_hash])
+        result.lost_seq_ids = sorted(lost)
+        rows = [row for row in plan.rows if row.seq_id not in lost]
+        if self.oom_rows_above is not None and len(rows) > self.oom_rows_above:
+            for row in rows:
+                self.last_token.pop(row.seq_id, None)
+            result.error = ErrorInfo(status=503, message="out of memory", code="out_of_memory")
+            return result
+        for row in rows:
+            result.rows += self._run_row(row)
+        return result
+
+    def _run_row(self, row) -> list[RowResult]:
+        table = self.tables[row.seq_id]
+        bs = self.block_size
+        for pos in range(row.start_pos):
+            got = self.slots.get((table[pos // bs], pos % bs))
+            assert got == self.expected(row.seq_id, pos), (
+                f"{row.seq_id}: KV at position {pos} holds {got}, "
+                f"expected {self.expected(row.seq_id, pos)}"
+            )
+        tokens = [self.last_token[row.seq_id]] if row.feed_last else list(row.token_ids)
+        assert not row.feed_last or not row.token_ids
+        end = row.start_pos + len(tokens)
+        assert len(table) * bs >= end, "table too short"
+        for i, token in enumerate(tokens):
+            pos = row.start_pos + i
+            assert token == self.expected(row.seq_id, pos), f"{row.seq_id}: wrong token at {pos}"
+            self.slots[(table[pos // bs], pos % bs)] = token
+        if not row.sample:
+            return []
+        token = self.token_fn(row.seq_id, row.output_index)
+        assert row.output_index == end - len(PROMPTS[row.seq_id]), "wrong output index"
+        self.last_token[row.seq_id] = token
+        return [RowResult(seq_id=row.seq_id, token_id=token)]
+
+    def _read(self, block_id: int) -> list[int | None]:
+        return [self.slots.get((block_id, o)) for o in range(self.block_size)]
+
+    def _write_block(self, block_id: int, contents: list[int | None]) -> None:
+        for offset, token in enumerate(contents):
+            if token is None:
+                self.slots.pop((block_id, offset), None)
+            else:
+                self.slots[(block_id, offset)] = token
 
     def first_block(self, seq_id: str) -> int:
         return self.tables[seq_id][0]
@@ -172,6 +281,60 @@ def run_to_completion(
     return outcomes
 
 
+class Pipeline:
+    """Drives the core as the service shell does with run-ahead: up to `depth` steps in
+    flight (the fake worker runs each when it is sent, in order, as the real one does),
+    the oldest result applied per tick, a failed step voiding those after it, and the
+    end-of-tick phases with a drain when a finished sequence is still in flight."""
+
+    def __init__(self, core: SchedulerCore, worker: FakeWorker, depth: int = 2) -> None:
+        self.core = core
+        self.worker = worker
+        self.depth = depth
+        self.inflight: deque[tuple[StepPlan, StepResult]] = deque()
+        self.max_inflight = 0
+        self.drains = 0
+
+    def tick(self) -> list[RequestDelta]:
+        core = self.core
+        while len(self.inflight) < self.depth and core.can_schedule():
+            plan = core.schedule()
+            if plan is None:
+                break
+            self.inflight.append((plan, self.worker.step(plan)))
+            self.max_inflight = max(self.max_inflight, len(self.inflight))
+        if not self.inflight:
+            deltas = core.end_tick()
+            core.check_integrity()
+            return merge_deltas(deltas)
+        deltas = self._apply_oldest()
+        deltas += core.sweep_deadlines()
+        if core.must_drain():
+            self.drains += 1
+            while self.inflight:
+                deltas += self._apply_oldest()
+        deltas += core.finish_tick()
+        core.check_integrity()
+        return merge_deltas(deltas)
+
+    def _apply_oldest(self) -> list[RequestDelta]:
+        plan, result = self.inflight.popleft()
+        deltas = self.core.update_from_output(plan, result)
+        if result.error is not None:
+            while self.inflight:
+                self.core.void_step(self.inflight.popleft()[0])
+        return deltas
+
+    def run(self, outcomes: dict[str, Outcome] | None = None, max_ticks: int = 5000):
+        outcomes = {} if outcomes is None else outcomes
+        for _ in range(max_ticks):
+            if not self.core.has_work() and not self.inflight:
+                break
+            collect(outcomes, self.tick())
+        assert not self.core.has_work(), "did not finish"
+        return outcomes
+
+
 class RecordingObserver(NullObserver):
     """Keeps (event, request id) pairs in call order."""
 
@@ -189,6 +352,9 @@ class RecordingObserver(NullObserver):
 
     def request_resumed(self, seq: Sequence) -> None:
         self.events.append(("resumed", seq.request_id))
+
+    def request_kv_lost(self, seq: Sequence, reason: str) -> None:
+        self.events.append(("kv_lost", seq.request_id))
 
     def request_finished(self, seq: Sequence) -> None:
         self.events.append((f"finished:{seq.finish_reason}", seq.request_id))

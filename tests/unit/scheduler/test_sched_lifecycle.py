@@ -64,7 +64,7 @@ def test_abort_frees_waiting_and_running_within_one_tick_and_emits_abort():
     assert plan is not None
     assert plan.finished_seq_ids == ["running"]  # the worker never saw "waiting"
     assert [r.seq_id for r in plan.rows] == ["other"]
-    assert core.blocks.num_free_blocks == 16 - len(core.sequence("other").block_ids)  # type: ignore[union-attr]
+    assert core.blocks.num_available_blocks == 16 - len(core.sequence("other").block_ids)  # type: ignore[union-attr]
     assert len(core.sequence("other").block_ids) >= held_by_other  # type: ignore[union-attr]
     assert core.num_waiting == 0
 

@@ -21,7 +21,9 @@ def test_preempted_sequence_resumes_with_the_same_tokens_as_without_pressure():
 
     def run(num_kv_blocks: int):
         observer = RecordingObserver()
-        core, _ = make_core(num_kv_blocks=num_kv_blocks, block_size=4, observer=observer)
+        core, _ = make_core(
+            num_kv_blocks=num_kv_blocks, block_size=4, observer=observer, prefix_cache=False
+        )
         worker = FakeWorker(block_size=4)
         for seq_id, prompt_len in requests.items():
             submit(core, seq_id, prompt_len=prompt_len, max_tokens=12)
@@ -54,7 +56,7 @@ def test_preempted_sequence_resumes_with_the_same_tokens_as_without_pressure():
     row = next(r for r in resumed.rows if r.seq_id == "late")
     assert row.start_pos == 0
     assert len(row.token_ids) > 8 and row.sample
-    assert tight_core.blocks is not None and tight_core.blocks.num_free_blocks == 7
+    assert tight_core.blocks is not None and tight_core.blocks.num_available_blocks == 7
 
 
 def test_victim_is_the_lowest_priority_even_when_it_arrived_first_and_batch_continues():
@@ -84,4 +86,4 @@ def test_sequence_alone_larger_than_the_cache_ends_with_an_error():
     assert outcome.deltas[-1].error.code == "kv_cache_exhausted"
     # 12 slots: positions 0..11 computed, the token sampled at position 11 is the last.
     assert outcome.token_ids == expected_tokens("huge", 8)
-    assert core.blocks is not None and core.blocks.num_free_blocks == 3
+    assert core.blocks is not None and core.blocks.num_available_blocks == 3

@@ -1,0 +1,47 @@
+"""What the core remembers of a step it sent, until its result is applied (or voided).
+
+Each entry records the sequence's epoch when the step was planned: a sequence preempted,
+spilled or resynced since then has another epoch, and its entries are void.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.sequence import Sequence
+
+
+@dataclass
+class PlannedRow:
+    seq: Sequence
+    epoch: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class PlannedSpill:
+    seq: Sequence
+    spill_id: int
+
+
+@dataclass
+class PlannedLoad:
+    """A restore (swap-in) or a prefix load: KV the sequence's rows depend on."""
+
+    seq: Sequence
+    epoch: int
+    num_tier_tokens: int = 0  # prefix loads: tokens served from the shared tier
+
+
+@dataclass
+class InflightStep:
+    step_id: int
+    rows: list[PlannedRow] = field(default_factory=list)
+    spills: list[PlannedSpill] = field(default_factory=list)
+    loads: list[PlannedLoad] = field(default_factory=list)
+    forgets: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)

@@ -1,0 +1,188 @@
+"""KV blocks between the worker's cache and the spill store's Redis: the data plane.
+
+Bytes go worker <-> Redis directly (binary values, one pipelined round trip per order),
+never over NATS and never through the scheduler. A value holds a group of blocks as
+`KVCache.read_blocks` lays them out ([2, L, n, BS, Hkv, D] in the cache's dtype), so a
+restore is one copy back. Any Redis failure is reported, never raised: the scheduler then
+recomputes what could not be spilled or read back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from services.worker.kv_cache import KVCache
+from shared.protocol import KVRestore, KVSpill, PrefixBlock, PrefixLoad, SpillOutcome
+from shared.spill_keys import SpillKeys
+
+log = logging.getLogger(__name__)
+
+
+def connect_kv_store(url: str, timeout_s: float) -> redis.Redis:
+    """A client that fails fast: a step never waits on a dead store for long (no
+    retries; the next order tries a fresh connection)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+    )
+
+
+@dataclass
+class TransferCounters:
+    """One step's traffic with the store (reset by the runner per step)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+
+
+class KVTransfer:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: SpillKeys,
+        kv_cache: KVCache,
+        group_blocks: int = 16,
+        ttl_s: int = 3600,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.kv = kv_cache
+        self.group_blocks = group_blocks
+        self.ttl_s = ttl_s
+        self.timer = timer
+        self.counters = TransferCounters()
+        shape = (2, len(kv_cache.k), 1, *kv_cache.block_shape)
+        self.block_bytes = torch.Size(shape).numel() * kv_cache.dtype.itemsize
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    # --- spill / restore ---------------------------------------------------------------
+
+    def spill(self, order: KVSpill) -> SpillOutcome:
+        start = self.timer()
+        groups = self._groups(order.block_ids)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            total = 0
+            for g, block_ids in enumerate(groups):
+                value = _to_bytes(self.kv.read_blocks(block_ids))
+                total += len(value)
+                key = self.keys.block_group(order.seq_id, order.spill_id, g)
+                pipe.set(key, value, ex=self.ttl_s)
+            pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            log.warning("spilling %s failed: %s", order.seq_id, e)
+            return SpillOutcome(
+                seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error=str(e)[:200]
+            )
+        self._count(total, start)
+        return SpillOutcome(
+            seq_id=order.seq_id,
+            spill_id=order.spill_id,
+            ok=True,
+            num_bytes=total,
+            num_keys=len(groups),
+        )
+
+    def restore(self, order: KVRestore) -> bool:
+        """False when the spill is gone, incomplete or unreadable (nothing is written)."""
+        start = self.timer()
+        groups = self._groups(order.block_ids)
+        keys = [self.keys.block_group(order.seq_id, order.spill_id, g) for g in range(len(groups))]
+        values = self._get_all(keys, order.seq_id)
+        if values is None:
+            return False
+        if [len(v) for v in values] != [len(b) * self.block_bytes for b in groups]:
+            log.warning("spill of %s does not match its blocks: recomputing", order.seq_id)
+            return False
+        for block_ids, value in zip(groups, values, strict=True):
+            self.kv.write_blocks(block_ids, self._from_bytes(value, len(block_ids)))
+        num_bytes = sum(len(v) for v in values)
+        self._count(num_bytes, start)
+        self.counters.restored_bytes += num_bytes
+        self.counters.restore_s += self.timer() - start
+        return True
+
+    # --- the shared prefix tier --------------------------------------------------------
+
+    def store_prefix(self, blocks: Sequence[PrefixBlock]) -> None:
+        """Writes full blocks under their hashes (best effort: the tier is a cache)."""
+        if not blocks:
+            return
+        start = self.timer()
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            total = 0
+            now = time.time()
+            for block in blocks:
+                value = _to_bytes(self.kv.read_blocks([block.block_id]))
+                total += len(value)
+                pipe.set(self.keys.prefix_block(block.block_hash), value)
+            pipe.zadd(self.keys.prefix_index(), {b.block_hash: now for b in blocks})
+            pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            log.warning("storing %d prefix blocks failed: %s", len(blocks), e)
+            return
+        self._count(total, start)
+
+    def load_prefix(self, load: PrefixLoad) -> bool:
+        start = self.timer()
+        keys = [self.keys.prefix_block(b.block_hash) for b in load.blocks]
+        values = self._get_all(keys, load.seq_id)
+        if values is None or any(len(v) != self.block_bytes for v in values):
+            return False
+        for block, value in zip(load.blocks, values, strict=True):
+            self.kv.write_blocks([block.block_id], self._from_bytes(value, 1))
+        self._count(sum(len(v) for v in values), start)
+        return True
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _groups(self, block_ids: Sequence[int]) -> list[list[int]]:
+        n = self.group_blocks
+        return [list(block_ids[i : i + n]) for i in range(0, len(block_ids), n)]
+
+    def _get_all(self, keys: list[str], seq_id: str) -> list[bytes] | None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            values = pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            log.warning("reading KV of %s failed: %s", seq_id, e)
+            return None
+        if any(v is None for v in values):
+            log.warning("KV of %s is gone from the store", seq_id)
+            return None
+        return values
+
+    def _from_bytes(self, value: bytes, num_blocks: int) -> torch.Tensor:
+        shape = (2, len(self.kv.k), num_blocks, *self.kv.block_shape)
+        flat = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+        return flat.view(self.kv.dtype).reshape(shape)
+
+    def _count(self, num_bytes: int, start: float) -> None:
+        self.counters.bytes += num_bytes
+        self.counters.seconds += self.timer() - start
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()

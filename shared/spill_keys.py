@@ -1,0 +1,45 @@
+"""The spill store's Redis key space, namespaced so that several systems share one Redis.
+Workers write and read the KV values directly; the spill store owns the rest.
+
+    <NS:>spill:seq:<seq_id>:<spill_id>:<group>   one value per group of spilled blocks
+    <NS:>spill:index                             hash: "<seq_id>:<spill_id>" -> record
+    <NS:>prefix:block:<hash>                     one full block of the shared prefix tier
+    <NS:>prefix:index                            sorted set: hash -> time stored
+"""
+
+from __future__ import annotations
+
+from shared.subjects import Namespace
+
+SPILL_PREFIX = "spill:"
+PREFIX_TIER = "prefix:"
+
+
+class SpillKeys:
+    def __init__(self, namespace: str = "") -> None:
+        self.ns = Namespace(namespace)
+
+    def block_group(self, seq_id: str, spill_id: int, group: int) -> str:
+        return self.ns.redis_key(f"{SPILL_PREFIX}seq:{seq_id}:{spill_id}:{group}")
+
+    def spill_pattern(self, seq_id: str, spill_id: int) -> str:
+        """Every value of one spill (to delete one whose record never came)."""
+        return self.ns.redis_key(f"{SPILL_PREFIX}seq:{seq_id}:{spill_id}:*")
+
+    def index(self) -> str:
+        return self.ns.redis_key(f"{SPILL_PREFIX}index")
+
+    def pattern(self) -> str:
+        """Every spill key this system owns."""
+        return self.ns.redis_key(f"{SPILL_PREFIX}*")
+
+    def prefix_block(self, block_hash: str) -> str:
+        return self.ns.redis_key(f"{PREFIX_TIER}block:{block_hash}")
+
+    def prefix_index(self) -> str:
+        return self.ns.redis_key(f"{PREFIX_TIER}index")
+
+
+def spill_name(seq_id: str, spill_id: int) -> str:
+    """A spill's field in the index hash."""
+    return f"{seq_id}:{spill_id}"

@@ -1,0 +1,171 @@
+"""KV pressure end to end, on a worker with 40 blocks of 16 tokens: every preemption mode,
+run-ahead on and off, the prefix cache and its shared tier, and Redis going away in the
+middle of a spill-mode run. Generations are held token by token against the same requests
+on a worker with ample blocks (the session's `system`)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from services.cli.launcher import ServiceGroup, wait_until
+from services.cli.servers import start_redis
+from tests.e2e.pressure import (
+    assert_same_greedy,
+    generate,
+    generate_all,
+    health,
+    metrics,
+    scheduler,
+    settled,
+    wait_for_metric,
+)
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 160
+KV_BLOCKS = "40"
+SUBJECTS = [
+    "a lighthouse keeper", "a robot chef", "two rival bakers", "a lost kitten",
+    "a sailor in a storm", "a village under snow", "a clockmaker", "a dragon who counts",
+    "a desert caravan", "a librarian at night", "a moon base", "a stubborn mule",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(reference_tokenizer) -> list[list[int]]:
+    return [reference_tokenizer(f"Tell a long story about {s}.").input_ids for s in SUBJECTS]
+
+
+@pytest.fixture(scope="module")
+def ample(system, prompts):
+    """The same requests on a worker whose cache holds them all (no preemption)."""
+    return generate_all(system.url, prompts, NEW_TOKENS)
+
+
+def _group(nats_url: str, redis_url: str, namespace: str) -> ServiceGroup:
+    group = ServiceGroup("--nats-url", nats_url, "--redis-url", redis_url, "--namespace", namespace)
+    group.start("spillstore")
+    group.start("worker", "--kv-blocks", KV_BLOCKS, "--block-size", "16")
+    group.start("gateway", "--port", "0")
+    return group
+
+
+@pytest.fixture(scope="module")
+def pressure(nats_url, redis_url):
+    group = _group(nats_url, redis_url, "kvp")
+    yield group
+    group.stop_all()
+
+
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [
+        ("spill", []),
+        ("recompute", []),
+        ("auto", []),
+        ("spill", ["--no-run-ahead"]),
+    ],
+    ids=["spill", "recompute", "auto", "spill-lockstep"],
+)
+def test_every_request_completes_exactly_under_kv_pressure(pressure, ample, prompts, mode, options):
+    before = metrics(pressure.url)
+    with scheduler(pressure, "--preemption-mode", mode, *options):
+        runs = generate_all(pressure.url, prompts, NEW_TOKENS)
+        after = settled(pressure.url)
+    ties = 0
+    for i, (got, want) in enumerate(zip(runs, ample, strict=True)):
+        assert got.finish_reason == "length"
+        ties += assert_same_greedy(got, want, f"{mode} prompt {i}")
+    assert ties <= 2, "more near ties than chance allows"
+    preempted = {
+        m: after[f'spillway_preemptions_total{{mode="{m}"}}']
+        - before.get(f'spillway_preemptions_total{{mode="{m}"}}', 0)
+        for m in ("spill", "recompute")
+    }
+    if mode == "spill":
+        assert preempted["spill"] > 0 and preempted["recompute"] == 0
+    elif mode == "recompute":
+        assert preempted["recompute"] > 0 and preempted["spill"] == 0
+    else:
+        assert preempted["spill"] + preempted["recompute"] > 0
+    # No block leaked, nothing left in the spill store (settled() waited for both).
+    assert after["spillway_kv_cache_usage_ratio"] == 0
+    assert after["spillway_spill_store_used_bytes"] == 0
+    assert after["spillway_spill_store_sequences"] == 0
+
+
+def _shared_prefix_prompts(tokenizer) -> tuple[list[int], list[list[int]]]:
+    text = "the river runs past old mills and quiet farms toward a wide grey sea. " * 40
+    shared = tokenizer(text).input_ids[:300]
+    tails = [tokenizer(f" Question {i}: what comes next?").input_ids for i in range(8)]
+    return shared, [shared + t for t in tails]
+
+
+def test_prefix_cache_skips_the_shared_prefill_and_the_shared_tier_serves_a_new_worker(
+    pressure, reference_tokenizer
+):
+    shared, prompts = _shared_prefix_prompts(reference_tokenizer)
+    with scheduler(pressure, "--no-prefix-cache"):
+        uncached = [generate(pressure.url, p, 16) for p in prompts]
+    assert all(g.cached_tokens == 0 for g in uncached)
+    before = metrics(pressure.url)
+    with scheduler(pressure):
+        first = generate(pressure.url, prompts[0], 16)
+        rest = generate_all(pressure.url, prompts[1:], 16)
+        after = settled(pressure.url)
+    assert first.cached_tokens == 0
+    for g in rest:
+        assert g.cached_tokens >= 0.8 * len(shared)
+    for i, (got, want) in enumerate(zip([first, *rest], uncached, strict=True)):
+        assert_same_greedy(got, want, f"prefix prompt {i}")
+    hits = after["spillway_prefix_cache_hits_total"] - before["spillway_prefix_cache_hits_total"]
+    queries = (
+        after["spillway_prefix_cache_queries_total"] - before["spillway_prefix_cache_queries_total"]
+    )
+    assert hits == sum(g.cached_tokens for g in rest)
+    assert queries == sum(len(p) for p in prompts)
+    assert after["spillway_prefix_tier_blocks"] >= len(shared) // 16
+
+    # A freshly started worker has an empty cache: the shared tier fills the prefix.
+    pressure.stop("worker")
+    pressure.start("worker", "--kv-blocks", KV_BLOCKS, "--block-size", "16")
+    with scheduler(pressure):
+        again = generate(pressure.url, prompts[3], 16)
+    assert again.cached_tokens >= 0.8 * len(shared)
+    assert_same_greedy(again, uncached[3], "tier prompt 3")
+
+
+def test_redis_stopping_mid_spill_loses_no_request_and_spilling_resumes(
+    nats_url, system, prompts, ample
+):
+    store = start_redis()
+    port = int(store.url.rsplit(":", 1)[1].split("/")[0])
+    group = _group(nats_url, store.url, "kvr")
+    try:
+        with scheduler(group, "--preemption-mode", "spill"):
+            url = group.url
+            with cf.ThreadPoolExecutor(len(prompts)) as pool:
+                futures = [pool.submit(generate, url, p, NEW_TOKENS) for p in prompts]
+                wait_for_metric(url, 'spillway_preemptions_total{mode="spill"}', 1)
+                wait_for_metric(url, "spillway_spill_store_sequences", 1)
+                store.stop()  # the spilled sequences' data is gone with it
+                assert wait_until(lambda: health(url)["spill"]["status"] == "degraded", 30)
+                assert health(url)["status"] == "ok"
+                recomputed = wait_for_metric(url, 'spillway_preemptions_total{mode="recompute"}', 1)
+                spilled_while_down = metrics(url)['spillway_preemptions_total{mode="spill"}']
+                store = start_redis(port=port)
+                runs = [f.result(timeout=900) for f in futures]
+            for i, (got, want) in enumerate(zip(runs, ample, strict=True)):
+                assert got.finish_reason == "length"
+                assert_same_greedy(got, want, f"redis-outage prompt {i}")
+            assert recomputed >= 1
+            # Redis is back: new victims are spilled again.
+            assert wait_until(lambda: health(url)["spill"]["status"] == "ok", 30)
+            generate_all(url, prompts[:8], 96)
+            assert metrics(url)['spillway_preemptions_total{mode="spill"}'] > spilled_while_down
+            settled(url)
+    finally:
+        group.stop_all()
+        store.stop()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.metrics import GatewayMetrics, TokenTimer
-from shared.protocol import SchedulerStats
+from services.gateway.metrics import GatewayMetrics, TokenTimer, spill_health
+from services.scheduler.phase_stats import PhaseStats
+from shared.protocol import SchedulerStats, SpillStats
 
 CONTRACT_NAMES = [
     "spillway_time_to_first_token_seconds_bucket",
@@ -87,3 +88,45 @@ def test_scheduler_down_keeps_last_values_and_says_so():
     text = metrics.render().decode()
     assert metric_value(text, "spillway_scheduler_up") == 0
     assert metric_value(text, "spillway_requests_running") == 2
+
+
+def test_phase_histograms_and_the_spill_store_are_exported_without_a_tracing_backend():
+    phases = PhaseStats()
+    for seconds in (0.0002, 0.0004, 0.02):
+        phases.observe("swap_in", seconds)
+    phases.observe("drain", 0.3)
+    store = SpillStats(
+        redis_ok=True, num_sequences=2, used_bytes=3000, capacity_bytes=10_000,
+        sequences={"a:1": 2000, "b:1": 1000}, expired_total=1, prefix_blocks=7,
+    )  # fmt: skip
+    metrics = GatewayMetrics()
+    metrics.scheduler.update(
+        SchedulerStats(
+            num_workers=1,
+            num_running=0,
+            num_waiting=0,
+            num_swapped=2,
+            phases=phases.snapshot(),
+            spill_store=store,
+        )
+    )
+    text = metrics.render().decode()
+    name = "spillway_scheduler_phase_seconds"
+    assert metric_value(text, f'{name}_count{{phase="swap_in"}}') == 3
+    assert metric_value(text, f'{name}_bucket{{le="0.0005",phase="swap_in"}}') == 2
+    assert metric_value(text, f'{name}_bucket{{le="+Inf",phase="swap_in"}}') == 3
+    assert metric_value(text, f'{name}_sum{{phase="drain"}}') == pytest.approx(0.3)
+    assert metric_value(text, "spillway_requests_swapped") == 2
+    assert metric_value(text, "spillway_spill_store_up") == 1
+    assert metric_value(text, "spillway_spill_store_used_bytes") == 3000
+    assert metric_value(text, 'spillway_spill_store_sequence_bytes{seq="a:1"}') == 2000
+    assert metric_value(text, "spillway_spill_store_expired_total") == 1
+    assert metric_value(text, "spillway_prefix_tier_blocks") == 7
+
+
+def test_health_says_spill_is_degraded_while_redis_is_down():
+    stats = SchedulerStats(num_workers=1, num_running=0, num_waiting=0, preemption_mode="auto",
+                           spill_store=SpillStats(redis_ok=False))  # fmt: skip
+    body = spill_health(stats)
+    assert body["status"] == "degraded" and "recomputed" in str(body["reason"])
+    assert spill_health(stats.model_copy(update={"spill_store": None}))["status"] == "unavailable"

@@ -7,6 +7,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.tracing import SpanObserver
 from shared.clock import FakeClock
 from shared.telemetry import Telemetry
@@ -69,3 +70,27 @@ def test_while_exporting_rows_carry_their_step_span_as_traceparent():
     phases = [s for s in spans if s.name == "scheduler.deadline_sweep"]
     assert ticks and len(phases) == len(ticks)
     assert all(p.parent.span_id in {t.context.span_id for t in ticks} for p in phases)
+
+
+def test_every_end_of_tick_phase_gets_a_span_in_the_seed_order_and_a_histogram():
+    tel = Telemetry("scheduler", None)
+    tel.exporting = True
+    exporter = InMemorySpanExporter()
+    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    phases = PhaseStats()
+    observer = SpanObserver(tel, FakeClock(100.0), lambda: "m", on_phase=phases.observe)
+    core, _ = make_core(observer=observer)
+    worker = FakeWorker(block_size=4)
+    assert core.add_request(submit_request("r", prompt_len=6, max_tokens=2)) is None
+    observer.start_tick()
+    tick(core, worker)
+    observer.end_tick({})
+    names = [s.name.removeprefix("scheduler.") for s in exporter.get_finished_spans()]
+    end_of_tick = [n for n in names if n in END_OF_TICK]
+    assert end_of_tick == ["deadline_sweep", "store_finished", "retire", "swap_in", "resume"]
+    snapshot = phases.snapshot()
+    assert set(END_OF_TICK) - {"drain"} <= set(snapshot)
+    assert all(sum(h.counts) == 1 and len(h.counts) == len(h.bounds) + 1 for h in snapshot.values())
+
+
+END_OF_TICK = ("deadline_sweep", "drain", "store_finished", "retire", "swap_in", "resume")

@@ -1,0 +1,44 @@
+"""The spill store's ledger (pure, clock passed in): accounting, drops that overtake their
+record, and orphans of silent workers."""
+
+from __future__ import annotations
+
+from services.spillstore.ledger import SpillLedger
+from shared.protocol import SpillRecord
+
+
+def _rec(seq: str, spill_id: int = 1, worker: str = "w1", num_bytes: int = 100) -> SpillRecord:
+    return SpillRecord(seq_id=seq, spill_id=spill_id, worker_id=worker, num_bytes=num_bytes,
+                       num_keys=1)  # fmt: skip
+
+
+def test_bytes_are_counted_per_spill_and_in_total():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=30)
+    ledger.record(_rec("a", num_bytes=300), now=0)
+    ledger.record(_rec("a", spill_id=2, num_bytes=200), now=1)
+    ledger.record(_rec("b", num_bytes=50), now=1)
+    assert ledger.used_bytes == 550 and ledger.spilled_total == 3
+    assert ledger.sequences() == {"a:1": 300, "a:2": 200, "b:1": 50}
+    entry = ledger.drop("a", 1)
+    assert entry is not None and entry.num_bytes == 300
+    assert ledger.used_bytes == 250 and ledger.dropped_total == 1
+
+
+def test_a_drop_that_overtakes_its_record_deletes_the_record_when_it_comes():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=30)
+    assert ledger.drop("late", 4) is None
+    assert ledger.record(_rec("late", spill_id=4), now=0) is None  # delete what was written
+    assert ledger.used_bytes == 0
+    assert ledger.record(_rec("late", spill_id=5), now=0) is not None  # a later spill stays
+
+
+def test_spills_of_a_worker_silent_past_the_timeout_expire_and_others_stay():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=10)
+    ledger.record(_rec("a", worker="alive"), now=0)
+    ledger.record(_rec("b", worker="dead"), now=0)
+    ledger.worker_alive("alive", now=9)
+    assert ledger.orphans(now=9) == []
+    ledger.worker_alive("alive", now=15)
+    expired = ledger.orphans(now=15)
+    assert [e.seq_id for e in expired] == ["b"]
+    assert ledger.sequences() == {"a:1": 100} and ledger.expired_total == 1

@@ -24,16 +24,6 @@ Phase = Literal[
     "swap_in",
     "resume",
 ]
-PHASES: tuple[Phase, ...] = (
-    "schedule",
-    "update",
-    "deadline_sweep",
-    "drain",
-    "store_finished",
-    "retire",
-    "swap_in",
-    "resume",
-)
 
 
 class SchedulerObserver(Protocol):

@@ -174,7 +174,7 @@ class SchedulerService:
     async def _tier_lookup(self, req: SubmitRequest) -> list[int] | None:
         """The prompt's block hashes the shared prefix tier holds beyond the local cache
         (asked of the spill store; nothing when it is off, slow or down)."""
-        if not self.config.prefix_tier:
+        if not self.config.prefix_tier or not (self._spill_stats and self._spill_stats.redis_ok):
             return None
         hashes = self.core.prefix_lookup_hashes(req.prompt_token_ids)
         if not hashes:

@@ -10,8 +10,10 @@ recomputes what could not be spilled or read back.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
@@ -24,6 +26,9 @@ from shared.protocol import KVRestore, KVSpill, PrefixBlock, PrefixLoad, SpillOu
 from shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
+
+# Batches of shared-tier blocks queued for the writer; beyond this, stores are dropped.
+MAX_PENDING_STORES = 8
 
 
 def connect_kv_store(url: str, timeout_s: float) -> redis.Redis:
@@ -65,6 +70,9 @@ class KVTransfer:
         self.ttl_s = ttl_s
         self.timer = timer
         self.counters = TransferCounters()
+        # One writer thread for the shared tier, so its writes leave the step's path.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
+        self._store_slots = threading.BoundedSemaphore(MAX_PENDING_STORES)
         shape = (2, len(kv_cache.k), 1, *kv_cache.block_shape)
         self.block_bytes = torch.Size(shape).numel() * kv_cache.dtype.itemsize
 
@@ -124,24 +132,34 @@ class KVTransfer:
     # --- the shared prefix tier --------------------------------------------------------
 
     def store_prefix(self, blocks: Sequence[PrefixBlock]) -> None:
-        """Writes full blocks under their hashes (best effort: the tier is a cache)."""
+        """Copies full blocks out of the cache (now: the step may reuse them) and writes
+        them under their hashes in the background, off the step's critical path. Best
+        effort: the tier is a cache, so a write that fails or finds the writer busy is
+        dropped."""
         if not blocks:
             return
-        start = self.timer()
+        if not self._store_slots.acquire(blocking=False):
+            log.debug("prefix tier writer busy: %d blocks not stored", len(blocks))
+            return
+        values = {b.block_hash: _to_bytes(self.kv.read_blocks([b.block_id])) for b in blocks}
+        self._writer.submit(self._write_prefix, values)
+
+    def _write_prefix(self, values: dict[str, bytes]) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
-            total = 0
+            for block_hash, value in values.items():
+                pipe.set(self.keys.prefix_block(block_hash), value)
             now = time.time()
-            for block in blocks:
-                value = _to_bytes(self.kv.read_blocks([block.block_id]))
-                total += len(value)
-                pipe.set(self.keys.prefix_block(block.block_hash), value)
-            pipe.zadd(self.keys.prefix_index(), {b.block_hash: now for b in blocks})
+            pipe.zadd(self.keys.prefix_index(), dict.fromkeys(values, now))
             pipe.execute()
         except (redis.RedisError, OSError) as e:
-            log.warning("storing %d prefix blocks failed: %s", len(blocks), e)
-            return
-        self._count(total, start)
+            log.warning("storing %d prefix blocks failed: %s", len(values), e)
+        finally:
+            self._store_slots.release()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Waits for the background writes sent so far (tests, shutdown)."""
+        self._writer.submit(lambda: None).result(timeout)
 
     def load_prefix(self, load: PrefixLoad) -> bool:
         start = self.timer()

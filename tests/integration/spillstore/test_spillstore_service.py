@@ -4,6 +4,7 @@ of a dead worker's spills, capacity and lookups of the shared prefix tier."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import redis.asyncio as aioredis
 
@@ -36,6 +37,24 @@ async def _start(settings):
     stop = asyncio.Event()
     task = asyncio.create_task(serve(settings, stop))
     return stop, task
+
+
+@contextlib.asynccontextmanager
+async def _running_store(nats_url: str, redis_url: str, namespace: str, **settings):
+    """A spill store serving `namespace`, a bus client and a Redis client beside it."""
+    stop, task = await _start(
+        load_settings(nats_url=nats_url, redis_url=redis_url, namespace=namespace, **settings)
+    )
+    bus = await Bus.connect(nats_url, namespace, "test")
+    store = aioredis.from_url(redis_url)
+    try:
+        await _stats(bus)
+        yield bus, store, SpillKeys(namespace)
+    finally:
+        await store.aclose()
+        stop.set()
+        await task
+        await bus.close()
 
 
 async def _stats(bus: Bus) -> SpillStats:
@@ -72,14 +91,8 @@ def _beat(worker_id: str) -> Heartbeat:
 
 
 async def test_spills_are_accounted_per_sequence_and_deleted_when_dropped(nats_url, redis_url):
-    settings = load_settings(nats_url=nats_url, redis_url=redis_url, namespace="sp1")
-    stop, task = await _start(settings)
-    bus = await Bus.connect(nats_url, "sp1", "test")
-    other = await Bus.connect(nats_url, "sp2", "test")
-    store = aioredis.from_url(redis_url)
-    keys = SpillKeys("sp1")
-    try:
-        await _stats(bus)
+    async with _running_store(nats_url, redis_url, "sp1") as (bus, store, keys):
+        other = await Bus.connect(nats_url, "sp2", "test")
         await _spill(store, keys, "a", 1, 2)
         await _spill(store, keys, "b", 1, 1)
         for seq, n in (("a", 2), ("b", 1)):
@@ -88,10 +101,11 @@ async def test_spills_are_accounted_per_sequence_and_deleted_when_dropped(nats_u
         # Another system's record never counts here.
         await other.publish(SPILL_RECORDED, SpillRecord(
             seq_id="c", spill_id=1, worker_id="w", num_bytes=5, num_keys=1))  # fmt: skip
+        await other.close()
         stats = await _until(bus, lambda s: s.num_sequences == 2)
         assert stats.redis_ok and stats.used_bytes == 3000 and stats.num_keys == 3
         assert stats.sequences == {"a:1": 2000, "b:1": 1000}
-        assert stats.capacity_bytes == settings.spill_capacity_bytes
+        assert stats.capacity_bytes == load_settings().spill_capacity_bytes
         await bus.publish(SPILL_DROP, SpillDrop(spills=[SpillRef(seq_id="a", spill_id=1)]))
         stats = await _until(bus, lambda s: s.num_sequences == 1)
         assert stats.dropped_total == 1 and stats.used_bytes == 1000
@@ -102,31 +116,17 @@ async def test_spills_are_accounted_per_sequence_and_deleted_when_dropped(nats_u
         await _spill(store, keys, "late", 3, 1)
         await bus.publish(SPILL_RECORDED, SpillRecord(
             seq_id="late", spill_id=3, worker_id="w", num_bytes=1000, num_keys=1))  # fmt: skip
-        await _stats(bus)
         for _ in range(100):
             if not await store.exists(keys.block_group("late", 3, 0)):
                 break
             await asyncio.sleep(0.05)
         assert not await store.exists(keys.block_group("late", 3, 0))
         assert (await _stats(bus)).num_sequences == 1
-    finally:
-        await store.aclose()
-        stop.set()
-        await task
-        await bus.close()
-        await other.close()
 
 
 async def test_a_dead_workers_spills_expire_and_a_live_ones_stay(nats_url, redis_url):
-    settings = load_settings(
-        nats_url=nats_url, redis_url=redis_url, namespace="sp4", spill_orphan_timeout_s=1.0
-    )
-    stop, task = await _start(settings)
-    bus = await Bus.connect(nats_url, "sp4", "test")
-    store = aioredis.from_url(redis_url)
-    keys = SpillKeys("sp4")
-    try:
-        await _stats(bus)
+    store_ctx = _running_store(nats_url, redis_url, "sp4", spill_orphan_timeout_s=1.0)
+    async with store_ctx as (bus, store, keys):
         for seq, worker in (("x", "alive"), ("y", "dead")):
             await _spill(store, keys, seq, 1, 1)
             await bus.publish(SPILL_RECORDED, SpillRecord(
@@ -142,25 +142,16 @@ async def test_a_dead_workers_spills_expire_and_a_live_ones_stay(nats_url, redis
         assert stats.expired_total == 1 and stats.sequences == {"x:1": 1000}
         assert not await store.exists(keys.block_group("y", 1, 0))
         assert await store.exists(keys.block_group("x", 1, 0))
-    finally:
-        await store.aclose()
-        stop.set()
-        await task
-        await bus.close()
 
 
 async def test_prefix_tier_lookups_count_leading_hits_and_the_tier_keeps_its_capacity(
     nats_url, redis_url
 ):
-    settings = load_settings(
-        nats_url=nats_url, redis_url=redis_url, namespace="sp5", prefix_tier_blocks=3
-    )
-    stop, task = await _start(settings)
-    bus = await Bus.connect(nats_url, "sp5", "test")
-    store = aioredis.from_url(redis_url)
-    keys = SpillKeys("sp5")
-    try:
-        await _stats(bus)
+    async with _running_store(nats_url, redis_url, "sp5", prefix_tier_blocks=3) as (
+        bus,
+        store,
+        keys,
+    ):
         for i, h in enumerate(["h0", "h1", "h2", "h3", "h4"]):
             await store.set(keys.prefix_block(h), b"b" * 100)
             await store.zadd(keys.prefix_index(), {h: float(i)})
@@ -172,11 +163,6 @@ async def test_prefix_tier_lookups_count_leading_hits_and_the_tier_keeps_its_cap
         # The oldest went first.
         assert not await store.exists(keys.prefix_block("h0"), keys.prefix_block("h1"))
         assert await store.exists(keys.prefix_block("h4"))
-    finally:
-        await store.aclose()
-        stop.set()
-        await task
-        await bus.close()
 
 
 async def test_a_restarted_store_knows_what_it_holds(nats_url, redis_url):

@@ -155,6 +155,7 @@ def test_shared_tier_blocks_load_into_a_fresh_runner(runner, tiny_llama_dir, red
     expected = d.generate(16)  # 35 tokens computed: two full blocks
     stores = [PrefixBlock(block_id=0, block_hash="h0"), PrefixBlock(block_id=1, block_hash="h1")]
     runner.execute(d.plan(d.blocks, prefix_stores=stores))
+    runner.kv_transfer.flush()
     assert redis.Redis.from_url(redis_url).zscore(SpillKeys("kvt").prefix_index(), "h1")
 
     fresh = tiny_runner(tiny_llama_dir, kv_blocks=16)

@@ -96,6 +96,9 @@ class SubmitRequest(Message):
 class SubmitReply(Message):
     ok: bool = True
     error: ErrorInfo | None = None
+    # The scheduler that took the request: the gateway watches its lease and expects the
+    # request's deltas from it alone.
+    scheduler_id: str = ""
 
 
 class AbortRequest(Message):
@@ -147,6 +150,23 @@ class SchedulerStats(Message):
     step_bookkeeping_s: float | None = None
     step_bus_s: float | None = None
     step_forward_s: float | None = None
+    scheduler_id: str = ""
+    worker_id: str | None = None  # the worker it drives (num_workers counts registrations)
+
+
+class SchedulerLease(Message):
+    """sched.heartbeat, every lease interval: a scheduler is alive, what it drives and how
+    busy it is. Gateways route by it and end the requests of a scheduler whose lease
+    lapsed; workers pick the scheduler they register with by it."""
+
+    scheduler_id: str
+    interval_s: float
+    worker_id: str | None = None  # the worker it drives
+    worker_ids: list[str] = Field(default_factory=list)  # every worker registered with it
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    draining: bool = False  # stopping: it takes no new requests
 
 
 # --- scheduler <-> worker --------------------------------------------------------------
@@ -164,15 +184,20 @@ class WorkerInfo(Message):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    # Random per worker process: a registration with a new boot id is a restarted worker
+    # (empty KV cache) even when its worker id is the same.
+    boot_id: str = ""
 
 
 class RegisterReply(Message):
     ok: bool = True
+    scheduler_id: str = ""  # the scheduler the worker now belongs to
 
 
 class Heartbeat(Message):
     info: WorkerInfo
     num_steps: int = 0
+    scheduler_id: str = ""  # the scheduler the worker belongs to ("" while it has none)
 
 
 class NewSequence(Message):

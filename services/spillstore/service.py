@@ -63,7 +63,7 @@ async def connect_redis(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     tel = Telemetry("spillstore", settings.otlp_endpoint)
     redis = await connect_redis(settings.redis_url)
-    bus = await Bus.connect(settings.nats_url, settings.namespace, "spillway-spillstore")
+    bus = await Bus.for_service(settings, "spillstore", "spillway-spillstore")
     store = SpillStore(redis, SpillKeys(settings.namespace), settings.spill_capacity_bytes)
 
     async def on_stats(_: StatsRequest, ctx: Context, raw) -> SpillStats:

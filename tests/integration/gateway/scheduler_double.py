@@ -71,6 +71,7 @@ class SchedulerDouble:
     num_workers: int = 1
     scheduler_id: str = "double"
     burst: bool = False
+    stalls: bool = True  # False: "STALL" prompts get the reply like any other
     submits: list[SubmitRequest] = field(default_factory=list)
     submit_trace_ids: list[int] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -137,7 +138,8 @@ class SchedulerDouble:
             return SubmitReply(ok=False, error=ErrorInfo(status=429, message="waiting queue full"))
         if "NOWORKER" in prompt:
             return SubmitReply(ok=False, error=ErrorInfo(status=503, message="no worker"))
-        behaviour = next((b for b in ("STALL", "LONG") if b in prompt), "REPLY")
+        markers = ("STALL", "LONG") if self.stalls else ("LONG",)
+        behaviour = next((b for b in markers if b in prompt), "REPLY")
         self.active[req.request_id] = Sequence(req, [], behaviour, time.monotonic())
         return SubmitReply(ok=True, scheduler_id=self.scheduler_id)
 

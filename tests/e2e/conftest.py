@@ -77,22 +77,20 @@ def reference_model():
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, reference_tokenizer):
+def save_tiny_model(folder, tokenizer, context: int):
     """A tiny random Llama with the SmolLM2 tokenizer, saved as a Hugging Face folder."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(1234)
     config = LlamaConfig(
-        vocab_size=len(reference_tokenizer),
+        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=context,
         rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -101,8 +99,21 @@ def tiny_model_dir(tmp_path_factory, reference_tokenizer):
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
-    reference_tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, reference_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), reference_tokenizer, 1024)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory, reference_tokenizer):
+    """The tiny Llama with an 8k context: its generations run long enough (thousands of
+    cheap steps) to be in flight when a test kills something."""
+    folder = tmp_path_factory.mktemp("tiny-llama-8k")
+    return save_tiny_model(folder, reference_tokenizer, 8192)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.clock import Clock
 from shared.protocol import SchedulerLease
+from shared.subjects import is_token
 
 
 @dataclass
@@ -30,7 +31,12 @@ class LeaseBook:
         self._heard: dict[str, _Heard] = {}
 
     def observe(self, lease: SchedulerLease) -> bool:
-        """Records a lease; True when its scheduler was not known (or had lapsed)."""
+        """Records a lease; True when its scheduler was not known (or had lapsed). A lease
+        whose ids cannot be subject tokens (they name subjects) is ignored."""
+        if not is_token(lease.scheduler_id) or not (
+            lease.worker_id is None or is_token(lease.worker_id)
+        ):
+            return False
         new = lease.scheduler_id not in self._heard
         self._heard[lease.scheduler_id] = _Heard(lease, self.clock.now())
         return new

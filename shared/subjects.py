@@ -27,6 +27,13 @@ WORKER_DISCOVER = "worker.discover"
 SPILL_STATS = "spill.stats"  # request/reply: StatsRequest -> SpillStats
 
 
+def is_token(name: str, max_len: int = 64) -> bool:
+    """Whether `name` can be one token of a subject (service ids are): 1 to max_len ASCII
+    letters, digits, '-' or '_'. Ids heard from the bus are checked before use."""
+    allowed = all(c.isascii() and (c.isalnum() or c in "-_") for c in name)
+    return 0 < len(name) <= max_len and allowed
+
+
 def worker_step(worker_id: str) -> str:
     """request/reply: StepPlan -> StepResult."""
     return f"worker.{worker_id}.step"

@@ -76,7 +76,8 @@ def create_app(
         return await _generate(api, clock, limits, request, "completion")
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_document(api.model.model_id))
+        info = api.model
+        return JSONResponse(openapi_document(info.model_id, info.context_length, info.vocab_size))
 
     async def list_models(request: Request) -> Response:
         return JSONResponse(api.models())

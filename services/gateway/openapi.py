@@ -25,17 +25,18 @@ ERROR_STATUSES = {
 }
 
 
-def openapi_document(model_id: str) -> dict[str, Any]:
-    doc = dict(_document())
+def openapi_document(model_id: str, context_length: int, vocab_size: int) -> dict[str, Any]:
+    doc = dict(_document(context_length, vocab_size))
     doc["info"] = {**doc["info"], "description": f"Serves `{model_id}`."}
     return doc
 
 
 @cache
-def _document() -> dict[str, Any]:
+def _document(context_length: int, vocab_size: int) -> dict[str, Any]:
     schemas: dict[str, Any] = {"ErrorBody": _ERROR_BODY, "Object": {"type": "object"}}
     for model in (ChatCompletionRequest, CompletionRequest):
         schemas.update(_component(model, schemas))
+    _served_limits(schemas, context_length, vocab_size)
     return {
         "openapi": "3.1.0",
         "info": {"title": "spillway", "version": "1"},
@@ -71,6 +72,35 @@ def _document() -> dict[str, Any]:
         },
         "components": {"schemas": schemas},
     }
+
+
+def _served_limits(schemas: dict[str, Any], context_length: int, vocab_size: int) -> None:
+    """What the pydantic models cannot know: the served model's limits. A prompt is not
+    empty and its token ids lie in the vocabulary; max_tokens fits the context; a
+    message has content (only an assistant's tool calls may go without)."""
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    ids = {"type": "array", "items": token, "minItems": 1}
+    text = {"type": "string", "minLength": 1}
+    prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt")
+    if prompt is not None:
+        prompt["anyOf"] = [
+            text,
+            ids,
+            {"type": "array", "items": text, "minItems": 1},
+            {"type": "array", "items": ids, "minItems": 1},
+        ]
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        for field in ("max_tokens", "max_completion_tokens"):
+            limit = schemas.get(request, {}).get("properties", {}).get(field)
+            for option in (limit or {}).get("anyOf", []):
+                if option.get("type") == "integer":
+                    option["maximum"] = context_length - 1
+    message = schemas.get("ChatMessage")
+    if message is not None and "content" in message.get("properties", {}):
+        content = message["properties"]["content"]
+        content["anyOf"] = [o for o in content.get("anyOf", []) if o.get("type") != "null"]
+        content.pop("default", None)
+        message["required"] = sorted({*message.get("required", []), "content"})
 
 
 def _component(model: type[BaseModel], known: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from shared.clock import Clock
 from shared.protocol import ErrorInfo, Heartbeat, WorkerInfo
+from shared.subjects import is_token
 
 MAX_KV_BLOCKS = 1 << 22
 MAX_BLOCK_SIZE = 4096
@@ -43,7 +44,7 @@ def registration_error(info: WorkerInfo) -> ErrorInfo | None:
 
 
 def _registration_problem(info: WorkerInfo) -> str | None:
-    if not info.worker_id or len(info.worker_id) > 64 or not _is_token(info.worker_id):
+    if not is_token(info.worker_id):
         return "the worker id must be 1-64 letters, digits, '-' or '_'"
     if not 1 <= info.num_kv_blocks <= MAX_KV_BLOCKS:
         return f"num_kv_blocks must lie in [1, {MAX_KV_BLOCKS}]"
@@ -63,10 +64,6 @@ def _registration_problem(info: WorkerInfo) -> str | None:
     ):
         return f"model_id must be set; model_id, device and dtype at most {MAX_NAME_LEN} chars"
     return None
-
-
-def _is_token(name: str) -> bool:
-    return all(c.isascii() and (c.isalnum() or c in "-_") for c in name)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import pytest
 
 from services.cli.launcher import System, pid_alive, wait_until
 from services.cli.servers import port_open
-from tests.e2e.clients import (
+from tests.clients import (
     END_S,
     nats_stream,
     sse_events,
@@ -72,6 +72,18 @@ def bus_system(long_tiny_model_dir):
     if bus.own_server is not None:
         bus.own_server.terminate()
         bus.own_server.wait(10)
+
+
+async def _two_running_streams(client: httpx.AsyncClient) -> list[asyncio.Future]:
+    """Two long streams, returned once both have produced text (--max-batch 2: they fill
+    the batch, and whatever comes next waits)."""
+    first = [asyncio.Event(), asyncio.Event()]
+    streams = [
+        asyncio.ensure_future(sse_events(client, COMP, {**LONG, "prompt": p}, e))
+        for p, e in zip(("Once upon a time", "Far away"), first, strict=True)
+    ]
+    await until(lambda: all(e.is_set() for e in first), 60)
+    return streams
 
 
 def _connz(bus: BusSystem) -> list[dict]:
@@ -130,14 +142,7 @@ async def test_each_service_speaks_as_its_own_user_and_strangers_only_use_llm(bu
 async def test_nats_restarted_mid_run_nothing_hangs_and_then_all_serve(bus_system):
     system = bus_system.system
     async with httpx.AsyncClient(base_url=system.url, timeout=120) as client:
-        first = [asyncio.Event(), asyncio.Event()]
-        tasks = [
-            asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
-            asyncio.ensure_future(
-                sse_events(client, COMP, {**LONG, "prompt": "Far away"}, first[1])
-            ),
-        ]
-        await until(lambda: all(e.is_set() for e in first), 60)
+        tasks = await _two_running_streams(client)
         # --max-batch 2: this one waits, with no output, while the bus goes down.
         tasks.append(asyncio.ensure_future(client.post(COMP, json=SHORT)))
         await asyncio.sleep(0.3)
@@ -183,14 +188,7 @@ async def test_sigterm_drains_then_exits_0_leaving_no_process(bus_system):
     nc = await nats.connect(bus_system.nats_url)
     try:
         async with httpx.AsyncClient(base_url=system.url, timeout=120) as client:
-            first = [asyncio.Event(), asyncio.Event()]
-            streams = [
-                asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
-                asyncio.ensure_future(
-                    sse_events(client, COMP, {**LONG, "prompt": "Far"}, first[1])
-                ),
-            ]
-            await until(lambda: all(e.is_set() for e in first), 60)
+            streams = await _two_running_streams(client)
             # --max-batch 2: this one waits its turn (and gets its end from the drain).
             streams.append(asyncio.ensure_future(nats_stream(nc, "llm.generate", LONG)))
             await asyncio.sleep(0.3)

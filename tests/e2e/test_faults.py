@@ -20,7 +20,7 @@ import nats
 import pytest
 
 from services.cli.launcher import System, pid_alive, wait_until
-from tests.e2e.clients import (
+from tests.clients import (
     END_S,
     nats_stream,
     sse_events,

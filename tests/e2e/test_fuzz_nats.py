@@ -40,7 +40,7 @@ from shared.protocol import (
     SubmitRequest,
     WorkerInfo,
 )
-from tests.e2e.clients import until
+from tests.clients import until
 
 pytestmark = pytest.mark.slow
 

@@ -14,50 +14,12 @@ import nats
 from shared.bus import Bus
 from shared.protocol import DeltaBatch, RequestDelta
 from shared.subjects import gateway_deltas
+from tests.clients import END_S, nats_stream, sse_events
 from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import REPLY_TEXT, SchedulerDouble
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
-END_S = 10.0  # every client hears its end within this of the fault
-
-
-async def _sse(
-    client: httpx.AsyncClient, path: str, body: dict, first: asyncio.Event | None = None
-):
-    """The `data:` payloads of one stream (sets `first` when the first content arrives)."""
-    events: list[str] = []
-    async with client.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
-                if first is not None and _has_text(events[-1]):
-                    first.set()
-    return events
-
-
-def _has_text(event: str) -> bool:
-    if event == "[DONE]":
-        return False
-    choices = json.loads(event).get("choices") or [{}]
-    delta = choices[0].get("delta") or {}
-    return bool(choices[0].get("text") or delta.get("content"))
-
-
-async def _nats_stream(nc, subject: str, body: dict, first: asyncio.Event | None = None):
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    await nc.publish(subject, json.dumps({**body, "stream": True}).encode(), inbox)
-    msgs = []
-    while True:
-        msg = await sub.next_msg(timeout=60)
-        msgs.append(msg)
-        headers = msg.headers or {}
-        if first is not None and "Spillway-Error" not in headers:
-            first.set()
-        if headers.get("Spillway-Done") == "1" or "Spillway-Error" in headers:
-            return msgs
 
 
 async def _two_doubles(nats_url, tokenizer, namespace):
@@ -101,14 +63,14 @@ async def test_scheduler_lost_mid_run_ends_or_replays_every_request(nats_url, se
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
             firsts = [asyncio.Event() for _ in range(3)]
             runs = {
-                "http stream with output": _sse(
+                "http stream with output": sse_events(
                     client, COMP, {"prompt": "LONG a", **long}, firsts[0]
                 ),
                 "http with output": client.post(COMP, json={"prompt": "LONG b", **long}),
-                "nats stream with output": _nats_stream(
+                "nats stream with output": nats_stream(
                     nc, generate, {"prompt": "LONG c", **long}, firsts[1]
                 ),
-                "http stream, no output": _sse(
+                "http stream, no output": sse_events(
                     client, CHAT, {"messages": [{"role": "user", "content": "STALL d"}]}
                 ),
                 "http, no output": client.post(COMP, json={"prompt": "STALL e", **long}),
@@ -176,7 +138,7 @@ async def test_deltas_from_strangers_are_ignored_and_bad_ones_end_the_request(
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             # A stranger's news (say, an end) is dropped: the stream goes on.
             stream = asyncio.ensure_future(
-                _sse(client, COMP, {"prompt": "STALL forged", "max_tokens": 50})
+                sse_events(client, COMP, {"prompt": "STALL forged", "max_tokens": 50})
             )
             await _until(lambda: double.submit_of("STALL forged"))
             await forge(stranger, "STALL forged", token_ids=[42], finish_reason="stop")
@@ -222,9 +184,9 @@ async def test_stop_drains_with_503_then_aborts_what_runs(nats_url, served_token
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             first = [asyncio.Event(), asyncio.Event()]
             body = {"prompt": "LONG drain", "max_tokens": 5000}
-            http = asyncio.ensure_future(_sse(client, COMP, body, first[0]))
+            http = asyncio.ensure_future(sse_events(client, COMP, body, first[0]))
             over_nats = asyncio.ensure_future(
-                _nats_stream(nc, f"{namespace}.llm.generate", body, first[1])
+                nats_stream(nc, f"{namespace}.llm.generate", body, first[1])
             )
             await _until(lambda: all(e.is_set() for e in first))
             gateway.stop.set()

@@ -72,14 +72,20 @@ async def _start_scheduler(settings, scheduler_id: str) -> tuple[asyncio.Event, 
     return stop, task
 
 
-async def test_two_schedulers_on_one_namespace_each_drive_their_own_worker(nats_url):
-    namespace = f"rep{uuid.uuid4().hex[:8]}"
-    settings = _settings(nats_url, namespace)
+async def _watchers(nats_url: str, namespace: str) -> tuple[Bus, Leases, Gateway]:
+    """A test gateway on the namespace, and every lease the schedulers publish on it."""
     bus = await Bus.connect(nats_url, namespace, "test-gateway")
     leases = Leases(bus)
     await leases.start()
     gateway = Gateway(bus)
     await gateway.start()
+    return bus, leases, gateway
+
+
+async def test_two_schedulers_on_one_namespace_each_drive_their_own_worker(nats_url):
+    namespace = f"rep{uuid.uuid4().hex[:8]}"
+    settings = _settings(nats_url, namespace)
+    bus, leases, gateway = await _watchers(nats_url, namespace)
     stops = [await _start_scheduler(settings, sid) for sid in ("sa", "sb")]
     await leases.until(lambda seen: {"sa", "sb"} <= set(seen))
     workers = [
@@ -135,11 +141,7 @@ BAD_REGISTRATIONS = [
 async def test_bad_and_fake_registrations_are_refused_and_the_loop_keeps_serving(nats_url):
     namespace = f"reg{uuid.uuid4().hex[:8]}"
     settings = _settings(nats_url, namespace)
-    bus = await Bus.connect(nats_url, namespace, "test-gateway")
-    leases = Leases(bus)
-    await leases.start()
-    gateway = Gateway(bus)
-    await gateway.start()
+    bus, leases, gateway = await _watchers(nats_url, namespace)
     stop, task = await _start_scheduler(settings, "s1")
     worker = ScriptedWorker(nats_url, namespace)
     try:
@@ -174,11 +176,7 @@ async def test_bad_and_fake_registrations_are_refused_and_the_loop_keeps_serving
 async def test_a_draining_scheduler_refuses_new_requests_and_finishes_running_ones(nats_url):
     namespace = f"drn{uuid.uuid4().hex[:8]}"
     settings = _settings(nats_url, namespace, drain_timeout_s=5.0)
-    bus = await Bus.connect(nats_url, namespace, "test-gateway")
-    leases = Leases(bus)
-    await leases.start()
-    gateway = Gateway(bus)
-    await gateway.start()
+    bus, leases, gateway = await _watchers(nats_url, namespace)
     stop, task = await _start_scheduler(settings, "s1")
     worker = ScriptedWorker(nats_url, namespace, step_delay_s=0.02)
     try:

@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     # gone: gateways end its requests (replaying those with no output yet, for up to
     # replay_timeout_s) and its workers register elsewhere.
     scheduler_lease_interval_s: float = Field(default=0.5, gt=0)
-    scheduler_timeout_s: float = Field(default=3.0, gt=0)
+    scheduler_timeout_s: float = Field(default=5.0, gt=0)
     replay_timeout_s: float = Field(default=30.0, ge=0)
     # This process's own NATS user (each service has one; see `spillway nats-config`).
     # Given, they win over credentials in the URL.

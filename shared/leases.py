@@ -23,6 +23,22 @@ class _Heard:
     at: float
 
 
+class StallGuard:
+    """Tells a periodic check whether its own process stalled since the last round (its
+    event loop blocked, the machine starved): then the others' silence says nothing about
+    them, and the check must give them a fresh timeout instead of declaring them dead."""
+
+    def __init__(self, clock: Clock, interval_s: float, tolerance: float = 4.0) -> None:
+        self.clock = clock
+        self.max_gap_s = interval_s * tolerance
+        self._last = clock.now()
+
+    def stalled(self) -> bool:
+        now = self.clock.now()
+        gap, self._last = now - self._last, now
+        return gap > self.max_gap_s
+
+
 class LeaseBook:
     def __init__(self, clock: Clock, timeout_s: float, rng: random.Random | None = None) -> None:
         self.clock = clock

@@ -161,6 +161,9 @@ class SchedulerLease(Message):
 
     scheduler_id: str
     interval_s: float
+    # Random per scheduler process: a new boot id under a known scheduler id (one given a
+    # fixed id, restarted) is a scheduler that knows none of the old one's requests.
+    boot_id: str = ""
     worker_id: str | None = None  # the worker it drives
     worker_ids: list[str] = Field(default_factory=list)  # every worker registered with it
     num_running: int = 0

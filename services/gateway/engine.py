@@ -260,7 +260,7 @@ class GatewayEngine:
         clock: Clock | None = None,
         submit_timeout_s: float = SUBMIT_TIMEOUT_S,
         deadline_grace_s: float = DEADLINE_GRACE_S,
-        scheduler_timeout_s: float = 3.0,
+        scheduler_timeout_s: float = 5.0,
         replay_timeout_s: float = 30.0,
         vocab_size: int | None = None,
     ) -> None:

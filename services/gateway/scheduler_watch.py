@@ -7,13 +7,14 @@ when one goes quiet.
                            reached us yet: it is watched from now on all the same)
     on_gone(id, reason)    called once when a scheduler holding our requests may have
                            lost them for us:
-        LOST               its lease lapsed (killed, hung, cut off): nothing more will
-                           come from it
+        LOST               its lease lapsed (killed, hung, cut off), or it came back as a
+                           new process under the same id: nothing more will come from it
         INTERRUPTED        our own connection to NATS was down, and its first lease since
                            has arrived: it lives, but news it sent meanwhile never reached
                            us (core NATS keeps nothing for an absent subscriber)
 
-While our own connection is down nothing lapses: the silence is ours, not theirs.
+While our own connection is down, or right after our own process stalled, nothing
+lapses: the silence is ours, not theirs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from nats.aio.subscription import Subscription
 
 from shared.bus import Bus
 from shared.clock import Clock
-from shared.leases import LeaseBook
+from shared.leases import LeaseBook, StallGuard
 from shared.protocol import SchedulerLease, decode
 from shared.subjects import SCHED_HEARTBEAT
 
@@ -93,7 +94,13 @@ class SchedulerWatch:
         except ValueError:  # pydantic's ValidationError included
             log.warning("ignored a malformed lease on %s", msg.subject)
             return
+        sid = lease.scheduler_id
+        previous = self.book.get(sid)
         self.book.observe(lease)
+        if previous is not None and previous.boot_id != lease.boot_id and sid in self._watched:
+            self._unconfirmed.discard(sid)
+            self._gone(sid, "lost")  # restarted under the same id: our requests died with it
+            return
         if lease.scheduler_id in self._unconfirmed:
             self._unconfirmed.discard(lease.scheduler_id)
             self._gone(lease.scheduler_id, "interrupted")
@@ -103,8 +110,12 @@ class SchedulerWatch:
         self._unconfirmed = set(self._watched)
 
     async def _check_forever(self) -> None:
+        guard = StallGuard(self.book.clock, CHECK_INTERVAL_S)
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
+            if guard.stalled():
+                self.book.renew_all()  # leases may wait unread in our own queue
+                continue
             if not self.bus.is_connected:
                 continue
             for scheduler_id in self.book.lapse():

@@ -43,6 +43,7 @@ from shared.beacon import Beacon
 from shared.bus import Bus, BusError
 from shared.clock import Clock, MonotonicClock
 from shared.config import Settings
+from shared.leases import StallGuard
 from shared.lifecycle import announce_ready
 from shared.protocol import (
     AbortRequest,
@@ -101,6 +102,7 @@ class SchedulerService:
         clock = clock or MonotonicClock()
         self.clock = clock
         self.scheduler_id = scheduler_id or bus.sender or new_scheduler_id(settings)
+        self.boot_id = uuid.uuid4().hex
         self.tracer = SpanObserver(tel, clock, self._model_id)
         self.core = SchedulerCore(clock, SchedulerConfig.from_settings(settings), self.tracer)
         self.registry = WorkerRegistry(clock, settings.worker_timeout_s, self.scheduler_id)
@@ -159,7 +161,9 @@ class SchedulerService:
         """Takes no new requests, lets the running ones finish for drain_timeout_s, then
         aborts the rest and lets the tick loop publish their ends."""
         self._draining = True
-        self.lease.kick()
+        # Said at once, not at the next interval: gateways stop routing to us now.
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subjects.SCHED_HEARTBEAT, self._lease())
         deadline = self.clock.now() + self.settings.drain_timeout_s
         while self._gateway_of and self.clock.now() < deadline and not ticks.done():
             await asyncio.sleep(0.05)
@@ -290,6 +294,7 @@ class SchedulerService:
         return SchedulerLease(
             scheduler_id=self.scheduler_id,
             interval_s=self.settings.scheduler_lease_interval_s,
+            boot_id=self.boot_id,
             worker_id=self._attached[0] if self._attached is not None else None,
             worker_ids=self.registry.worker_ids(),
             num_running=self.core.num_running,
@@ -322,8 +327,12 @@ class SchedulerService:
 
     async def _expire_workers(self) -> None:
         interval = min(0.25, self.settings.worker_timeout_s / 4)
+        guard = StallGuard(self.clock, interval)
         while True:
             await asyncio.sleep(interval)
+            if guard.stalled():
+                self.registry.touch_all()  # heartbeats may wait unread in our own queue
+                continue
             if not self.bus.is_connected:
                 continue  # nobody can reach us: silence is no sign of death
             dropped = self.registry.expire()

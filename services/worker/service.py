@@ -37,7 +37,7 @@ from shared.beacon import Beacon
 from shared.bus import Bus, BusError, sender_of
 from shared.clock import MonotonicClock
 from shared.config import Settings
-from shared.leases import LeaseBook
+from shared.leases import LeaseBook, StallGuard
 from shared.lifecycle import announce_ready
 from shared.protocol import (
     ErrorInfo,
@@ -121,7 +121,7 @@ class WorkerService:
         info: WorkerInfo,
         executor: ThreadPoolExecutor,
         heartbeat_interval_s: float,
-        scheduler_timeout_s: float = 3.0,
+        scheduler_timeout_s: float = 5.0,
     ) -> None:
         self.bus = bus
         self.tel = tel
@@ -223,8 +223,12 @@ class WorkerService:
         self._heard_lease.set()
 
     async def _watch_scheduler(self) -> None:
+        guard = StallGuard(self.leases.clock, self.heartbeat_interval_s)
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
+            if guard.stalled():
+                self.leases.renew_all()  # we were stalled: the leases' silence is ours
+                continue
             if not self.bus.is_connected:
                 continue  # nobody can reach us: the leases' silence is ours
             self.leases.lapse()

@@ -80,6 +80,18 @@ async def _until_health(client: httpx.AsyncClient, status: int, timeout: float):
     return await asyncio.wait_for(poll(), timeout)
 
 
+async def _until_streaming(client: httpx.AsyncClient, first, tasks) -> None:
+    """Until every stream in `first` produced text; fails at once, saying why, when a
+    request ends first (or when none has streamed within a minute)."""
+    try:
+        await until(lambda: all(e.is_set() for e in first) or any(t.done() for t in tasks), 60)
+    except TimeoutError:
+        health = (await _health(client)).json()
+        raise AssertionError(f"no stream produced text within 60s; health: {health}") from None
+    ended = [t.result() for t in tasks if t.done()]
+    assert not ended, f"a request ended before the fault: {ended}"
+
+
 async def _generate(nc, body: dict):
     return await nc.request(f"{NS}.llm.generate", json.dumps(body).encode(), timeout=120)
 
@@ -147,7 +159,7 @@ async def test_the_only_worker_killed_ends_every_request_then_comes_back(faults_
                 client.post(COMP, json={**LONG, "prompt": "Waiting for its turn"}),
             ]
             tasks = [asyncio.ensure_future(run) for run in runs]
-            await until(lambda: all(e.is_set() for e in first), 60)
+            await _until_streaming(client, first, tasks)
             os.kill(faults_system.service_pids()["worker"], signal.SIGKILL)
             killed = time.monotonic()
             _, pending = await asyncio.wait(tasks, timeout=END_S)
@@ -180,7 +192,7 @@ async def test_the_scheduler_killed_mid_run_ends_what_ran_and_replays_what_waite
                 asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
                 asyncio.ensure_future(nats_stream(nc, f"{NS}.llm.generate", LONG, first[1])),
             ]
-            await until(lambda: all(e.is_set() for e in first), 60)
+            await _until_streaming(client, first, running)
             # --max-batch 2: these wait their turn behind the two running ones.
             prompts = [f"Replay me {i}:" for i in range(4)]
             waiting = [

@@ -70,6 +70,7 @@ class SchedulerDouble:
     tokenizer: object
     num_workers: int = 1
     scheduler_id: str = "double"
+    boot_id: str = "boot-1"
     burst: bool = False
     stalls: bool = True  # False: "STALL" prompts get the reply like any other
     submits: list[SubmitRequest] = field(default_factory=list)
@@ -100,6 +101,11 @@ class SchedulerDouble:
         for sub in self._subs:
             await sub.unsubscribe()
 
+    def restart(self) -> None:
+        """A new process under the same id: it knows none of the old one's requests."""
+        self.boot_id = f"{self.boot_id}+"
+        self.active.clear()
+
     async def close(self) -> None:
         await self.lease.stop()
         self._ticker.cancel()
@@ -110,6 +116,7 @@ class SchedulerDouble:
         return SchedulerLease(
             scheduler_id=self.scheduler_id,
             interval_s=LEASE_INTERVAL_S,
+            boot_id=self.boot_id,
             worker_id="w-double" if self.num_workers else None,
             worker_ids=["w-double"] if self.num_workers else [],
             num_running=len(self.active),

@@ -119,6 +119,26 @@ async def test_scheduler_lost_mid_run_ends_or_replays_every_request(nats_url, se
             await double.close()
 
 
+async def test_a_scheduler_restarted_under_its_own_id_counts_as_lost(nats_url, served_tokenizer):
+    namespace = f"reboot{uuid.uuid4().hex[:8]}"
+    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
+    await double.start()
+    gateway = await start_serving(gateway_settings(nats_url, namespace))
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            first = asyncio.Event()
+            body = {"prompt": "LONG reboot", "max_tokens": 5000}
+            stream = asyncio.ensure_future(sse_events(client, COMP, body, first))
+            await _until(first.is_set)
+            double.restart()
+            events = await asyncio.wait_for(stream, END_S)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "scheduler_lost"
+    finally:
+        await gateway.shutdown()
+        await double.close()
+
+
 async def test_deltas_from_strangers_are_ignored_and_bad_ones_end_the_request(
     nats_url, served_tokenizer
 ):

@@ -26,7 +26,7 @@ from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import SchedulerDouble
 
 EXAMPLES = {"POST": 180, "GET": 25}  # per operation and generation mode
-MIN_CASES = 750
+MIN_CASES = 700
 
 
 class GatewayThread:

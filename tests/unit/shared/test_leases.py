@@ -7,7 +7,7 @@ import random
 
 from services.worker.ownership import Ownership
 from shared.clock import FakeClock
-from shared.leases import LeaseBook
+from shared.leases import LeaseBook, StallGuard
 from shared.protocol import SchedulerLease
 
 
@@ -121,3 +121,14 @@ def test_a_standby_worker_moves_to_a_scheduler_that_drives_none():
     assert own.why_register(b) is None  # a standby, with nowhere better to go
     b.observe(lease("s2", worker=None))
     assert own.why_register(b) == "scheduler s2 drives no worker"
+
+
+def test_a_stalled_check_is_told_so_and_others_get_a_fresh_timeout():
+    clock = FakeClock()
+    guard = StallGuard(clock, interval_s=0.25)
+    clock.advance(0.3)
+    assert not guard.stalled()
+    clock.advance(4.0)  # our own loop was blocked
+    assert guard.stalled()
+    clock.advance(0.25)
+    assert not guard.stalled()

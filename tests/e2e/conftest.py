@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import pytest
 
-from services.cli.launcher import System
+from services.cli.launcher import System, pid_alive, wait_until
 from tests.e2e.keys import TINY_API_KEY
 from tests.e2e.otlp_sink import OtlpSink
 
@@ -130,3 +132,32 @@ def tiny_system(nats_url, redis_url, tiny_model_dir):
     )  # fmt: skip
     yield s
     s.stop()
+
+
+FAULTS_NS = "faults"
+FAULTS_KV_BLOCKS = 600
+
+
+@pytest.fixture(scope="session")
+def faults_system(long_tiny_model_dir, nats_url, redis_url):
+    """The system the fault-injection and fuzzing tests hit (in that order: it must come
+    back from every fault). Stopping it at the end must exit 0 and leave no process."""
+    s = start_faults_system(long_tiny_model_dir, nats_url, redis_url)
+    yield s
+    pids = s.all_descendants()
+    assert s.stop(signal.SIGTERM) == 0, s.tail()
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10)
+
+
+def start_faults_system(model_dir, nats_url: str, redis_url: str) -> System:
+    return System(
+        "--model", str(model_dir),
+        "--namespace", FAULTS_NS,
+        "--nats-url", nats_url,
+        "--redis-url", redis_url,
+        "--kv-blocks", str(FAULTS_KV_BLOCKS),
+        "--block-size", "32",
+        "--max-batch", "2",
+        "--dtype", "float32",
+        env={"SPILLWAY_DRAIN_TIMEOUT_S": "2"},
+    )  # fmt: skip

@@ -6,6 +6,7 @@ streams running. The tests run in file order on one system; the last one stops i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -51,8 +52,9 @@ class BusSystem:
 
     def nats_server_pid(self) -> int:
         for pid in self.system.all_descendants():
-            if "nats-server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                return pid
+            with contextlib.suppress(OSError):  # a process may end while we look
+                if b"nats-server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
         raise AssertionError("no nats-server under spillway up")
 
 

@@ -3,7 +3,8 @@
 something dies). Every client hears its end within END_S of the fault; nothing is
 doubled; the supervisor brings the dead service back and the system serves again.
 
-The tests run in file order on one system.
+The tests run in file order on one system (conftest.py's `faults_system`, which the NATS
+fuzzer hits afterwards).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import httpx
 import nats
 import pytest
 
-from services.cli.launcher import System, pid_alive, wait_until
+from services.cli.launcher import System
 from tests.clients import (
     END_S,
     nats_stream,
@@ -29,36 +30,15 @@ from tests.clients import (
     stream_text,
     until,
 )
+from tests.e2e.conftest import FAULTS_NS as NS
+from tests.e2e.conftest import start_faults_system
 
 pytestmark = pytest.mark.slow
 
-NS = "faults"
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
 LONG = {"prompt": "Once upon a time", "max_tokens": 7000, "ignore_eos": True}
 RECOVERY_S = 90.0  # a restarted process imports torch and loads its model
-
-
-def _start(model_dir, nats_url: str, redis_url: str) -> System:
-    return System(
-        "--model", str(model_dir),
-        "--namespace", NS,
-        "--nats-url", nats_url,
-        "--redis-url", redis_url,
-        "--kv-blocks", "600",
-        "--block-size", "32",
-        "--max-batch", "2",
-        "--dtype", "float32",
-        env={"SPILLWAY_DRAIN_TIMEOUT_S": "2"},
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def faults_system(long_tiny_model_dir, nats_url, redis_url):
-    s = _start(long_tiny_model_dir, nats_url, redis_url)
-    yield s
-    code = s.stop(signal.SIGTERM)
-    assert code == 0, s.tail()
 
 
 def _log(system: System) -> str:
@@ -101,7 +81,7 @@ async def test_two_systems_share_a_namespace_without_cross_talk(
 ):
     """The operator's case: a second `spillway up` on the same NATS and namespace. Each
     scheduler drives its own worker, every request runs once: exactly max_tokens."""
-    second = await asyncio.to_thread(_start, long_tiny_model_dir, nats_url, redis_url)
+    second = await asyncio.to_thread(start_faults_system, long_tiny_model_dir, nats_url, redis_url)
     nc = await nats.connect(nats_url)
     try:
         async with (
@@ -247,10 +227,3 @@ async def test_the_scheduler_killed_mid_run_ends_what_ran_and_replays_what_waite
             assert "scheduler exited with code -9; restarting it" in _log(faults_system)
     finally:
         await nc.close()
-
-
-def test_sigterm_stops_everything_with_exit_code_0(faults_system):
-    pids = faults_system.all_descendants()
-    assert len(pids) >= 4
-    assert faults_system.stop(signal.SIGTERM) == 0
-    assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=5)

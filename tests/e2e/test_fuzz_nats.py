@@ -2,7 +2,8 @@
 listens on, public and internal, plus well-formed but hostile step plans sent in the
 worker's own scheduler's name. Every request gets an answer that is not a 500, no
 service dies or restarts, and afterwards the system gives the very same greedy output
-it gave before.
+it gave before. It runs on the system of the fault-injection tests, after them: a
+system that came back from every fault.
 
 Payloads come from hypothesis (derandomized: the same cases on every run): raw bytes,
 any JSON, and bodies shaped by each message's own JSON schema, fitting it and breaking
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from collections import Counter
 from typing import Any
 
@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from schemathesis.generation.modes import GenerationMode
 
-from services.cli.launcher import System
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.bus import SENDER_HEADER
 from shared.protocol import (
@@ -41,10 +40,11 @@ from shared.protocol import (
     WorkerInfo,
 )
 from tests.clients import until
+from tests.e2e.conftest import FAULTS_KV_BLOCKS
+from tests.e2e.conftest import FAULTS_NS as NS
 
 pytestmark = pytest.mark.slow
 
-NS = "fuzz"
 REF = "#/components/schemas/{model}"
 EXAMPLES = 80  # per subject and strategy family
 MIN_MESSAGES = 1100
@@ -126,7 +126,8 @@ def _bounded(body: Any) -> Any:
                 body[key] = max(1, min(body[key], 4)) if body[key] > 0 else body[key]
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
             body["n"] = min(body["n"], 2)
-        if "prompt_token_ids" in body and "max_tokens" not in body:
+        generates = {"prompt_token_ids", "prompt", "messages"} & set(body)
+        if generates and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = 4
     return body
 
@@ -177,22 +178,6 @@ def hostile_plans(draw, num_blocks: int, vocab: int) -> bytes:
     return json.dumps(plan).encode()
 
 
-@pytest.fixture(scope="module")
-def fuzz_system(tiny_model_dir, nats_url, redis_url):
-    s = System(
-        "--model", str(tiny_model_dir),
-        "--namespace", NS,
-        "--nats-url", nats_url,
-        "--redis-url", redis_url,
-        "--kv-blocks", "128",
-        "--block-size", "32",
-        "--max-batch", "8",
-        "--dtype", "float32",
-    )  # fmt: skip
-    yield s
-    assert s.stop(signal.SIGTERM) == 0, s.tail()
-
-
 class Target:
     """What the fuzzer aims at: the system's ids, learned from the bus itself."""
 
@@ -200,7 +185,7 @@ class Target:
         self.scheduler_id = ""
         self.worker_id = ""
         self.gateway_id = ""
-        self.num_blocks = 128
+        self.num_blocks = FAULTS_KV_BLOCKS
         self.vocab = VOCAB
 
 
@@ -227,11 +212,11 @@ async def _discover(nc, client: httpx.AsyncClient) -> Target:
     return target
 
 
-async def test_every_subject_survives_random_and_hostile_payloads(fuzz_system, nats_url):
+async def test_every_subject_survives_random_and_hostile_payloads(faults_system, nats_url):
     nc = await nats.connect(nats_url)
-    async with httpx.AsyncClient(base_url=fuzz_system.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=faults_system.url, timeout=120) as client:
         before = (await client.post("/v1/completions", json=GREEDY)).json()["choices"][0]["text"]
-        pids = fuzz_system.service_pids()
+        pids = faults_system.service_pids()
         target = await _discover(nc, client)
         sid, wid, gid = target.scheduler_id, target.worker_id, target.gateway_id
 
@@ -310,7 +295,7 @@ async def test_every_subject_survives_random_and_hostile_payloads(fuzz_system, n
         assert total >= MIN_MESSAGES
 
         # No service died or restarted; the system still gives the same greedy output.
-        assert fuzz_system.service_pids() == pids
+        assert faults_system.service_pids() == pids
         health = await client.get("/health")
         assert health.status_code == 200, health.text
         after = (await client.post("/v1/completions", json=GREEDY)).json()["choices"][0]["text"]

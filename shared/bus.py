@@ -2,6 +2,13 @@
 subjects that answer malformed input with an error reply, and W3C trace context carried
 in message headers.
 
+Each service connects as its own NATS user (where the server has users; see
+services/cli/nats_auth.py) with an inbox prefix of its own, so that the server's
+permissions can keep every other user off its replies. A bus may name its sender: every
+message it sends then carries `Spillway-Sender`, which lets a worker take plans from its
+own scheduler only and a gateway take a request's deltas from that request's scheduler
+only.
+
 The service shells are the only callers; the pure cores never see the bus.
 """
 
@@ -10,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -25,11 +32,56 @@ from shared.protocol import ErrorInfo, ErrorReply, decode, encode
 from shared.subjects import Namespace
 from shared.telemetry import extract, inject
 
+if TYPE_CHECKING:
+    from shared.config import Settings
+
 log = logging.getLogger(__name__)
 
 ERROR_HEADER = "Spillway-Error"
+SENDER_HEADER = "Spillway-Sender"
 R = TypeVar("R", bound=BaseModel)
 Handler = Callable[[Any, Context, Msg], Awaitable[BaseModel | None]]
+Listener = Callable[[], Any]
+
+
+def inbox_prefix(service: str) -> str:
+    """The reply subjects of one service's requests: `_INBOX_<service>.<random>`."""
+    return f"_INBOX_{service}"
+
+
+class ConnectionEvents:
+    """Who to tell when the connection drops and when it is back. Messages published to
+    us while we were away are lost (core NATS keeps nothing), so a listener of
+    `reconnected` must assume that news it was waiting for may never come."""
+
+    def __init__(self) -> None:
+        self.disconnected: list[Listener] = []
+        self.reconnected: list[Listener] = []
+        self.is_connected = True
+
+    async def _on_disconnected(self) -> None:
+        if self.is_connected:
+            log.warning("lost the connection to NATS; reconnecting")
+        self.is_connected = False
+        self._tell(self.disconnected)
+
+    async def _on_reconnected(self) -> None:
+        self.is_connected = True
+        log.info("reconnected to NATS")
+        self._tell(self.reconnected)
+
+    @staticmethod
+    def _tell(listeners: list[Listener]) -> None:
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:  # one listener's bug must not stop the others
+                log.exception("connection listener failed")
+
+
+async def _on_error(e: Exception) -> None:
+    # Permission violations and slow-consumer drops arrive here; the client goes on.
+    log.warning("NATS: %s", e)
 
 
 class BusError(Exception):
@@ -40,10 +92,29 @@ class BusError(Exception):
         self.info = info
 
 
-async def connect_nats(url: str, name: str, connect_timeout_s: float = 10.0) -> NatsClient:
-    """Connects, retrying until `connect_timeout_s`; once connected it reconnects forever."""
+async def connect_nats(
+    url: str,
+    name: str,
+    connect_timeout_s: float = 10.0,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    inbox: str | None = None,
+    events: ConnectionEvents | None = None,
+) -> NatsClient:
+    """Connects, retrying until `connect_timeout_s`; once connected it reconnects forever.
+    `user`/`password`, when given, win over credentials in the URL."""
     deadline = asyncio.get_running_loop().time() + connect_timeout_s
     last: Exception | None = None
+    options: dict[str, Any] = {}
+    if user is not None and password is not None:
+        options.update(user=user, password=password)
+    if inbox:
+        options["inbox_prefix"] = inbox
+    if events is not None:
+        options.update(
+            disconnected_cb=events._on_disconnected, reconnected_cb=events._on_reconnected
+        )
     while asyncio.get_running_loop().time() < deadline:
         try:
             return await nats.connect(
@@ -55,6 +126,8 @@ async def connect_nats(url: str, name: str, connect_timeout_s: float = 10.0) -> 
                 reconnect_time_wait=0.25,
                 ping_interval=5,
                 max_outstanding_pings=3,
+                error_cb=_on_error,
+                **options,
             )
         except Exception as e:  # any failure before the first connection is retried
             last = e
@@ -89,13 +162,66 @@ def error_headers(status: int, context: Context | None = None) -> dict[str, str]
 class Bus:
     """A NATS connection with the system's namespace applied to every subject."""
 
-    def __init__(self, nc: NatsClient, namespace: str = "") -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        namespace: str = "",
+        sender: str = "",
+        events: ConnectionEvents | None = None,
+    ) -> None:
         self.nc = nc
         self.ns = Namespace(namespace)
+        self.sender = sender
+        self.events = events or ConnectionEvents()
 
     @classmethod
-    async def connect(cls, url: str, namespace: str, name: str) -> Bus:
-        return cls(await connect_nats(url, name), namespace)
+    async def connect(
+        cls,
+        url: str,
+        namespace: str,
+        name: str,
+        *,
+        sender: str = "",
+        service: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> Bus:
+        """`service` names the inbox prefix its user may subscribe to."""
+        events = ConnectionEvents()
+        nc = await connect_nats(
+            url,
+            name,
+            user=user,
+            password=password,
+            inbox=inbox_prefix(service) if service else None,
+            events=events,
+        )
+        return cls(nc, namespace, sender, events)
+
+    @classmethod
+    async def for_service(
+        cls, settings: Settings, service: str, name: str, sender: str = ""
+    ) -> Bus:
+        """A service's own connection: its NATS user, its inbox prefix."""
+        return await cls.connect(
+            settings.nats_url,
+            settings.namespace,
+            name,
+            sender=sender,
+            service=service,
+            user=settings.nats_user,
+            password=settings.nats_password,
+        )
+
+    @property
+    def is_connected(self) -> bool:
+        return self.events.is_connected and self.nc.is_connected
+
+    def _headers(self, context: Context | None, extra: dict[str, str] | None = None):
+        headers = {**inject(context), **(extra or {})}
+        if self.sender:
+            headers[SENDER_HEADER] = self.sender
+        return headers
 
     def subject(self, subject: str) -> str:
         return self.ns.subject(subject)
@@ -112,9 +238,7 @@ class Bus:
         headers: dict[str, str] | None = None,
     ) -> None:
         body = msg if isinstance(msg, bytes) else encode(msg)
-        await self.nc.publish(
-            self.subject(subject), body, headers={**inject(context), **(headers or {})}
-        )
+        await self.nc.publish(self.subject(subject), body, headers=self._headers(context, headers))
 
     async def request(
         self,
@@ -127,7 +251,7 @@ class Bus:
         """Sends `msg` and decodes the reply; raises BusError on any failure."""
         try:
             reply = await self.nc.request(
-                self.subject(subject), encode(msg), timeout=timeout, headers=inject(context)
+                self.subject(subject), encode(msg), timeout=timeout, headers=self._headers(context)
             )
         except NoRespondersError as e:
             raise BusError(ErrorInfo(status=503, message=f"no service on {subject}")) from e
@@ -166,7 +290,7 @@ class Bus:
                 await self._reply_error(raw, ErrorInfo(message=f"{type(e).__name__}: {e}"), ctx)
                 return
             if raw.reply and answer is not None:
-                await self.nc.publish(raw.reply, encode(answer), headers=inject(ctx))
+                await self.nc.publish(raw.reply, encode(answer), headers=self._headers(ctx))
 
         sub = await self.nc.subscribe(self.subject(subject), queue=queue, cb=on_message)
         # Requests sent after serve() returns must find the subscription.
@@ -177,9 +301,8 @@ class Bus:
         if not raw.reply:
             log.warning("dropped a bad message on %s: %s", raw.subject, info.message)
             return
-        await self.nc.publish(
-            raw.reply, encode(ErrorReply(error=info)), headers=error_headers(info.status, ctx)
-        )
+        headers = self._headers(None, error_headers(info.status, ctx))
+        await self.nc.publish(raw.reply, encode(ErrorReply(error=info)), headers=headers)
 
     async def close(self) -> None:
         if self.nc.is_closed:
@@ -188,6 +311,11 @@ class Bus:
             await self.nc.drain()
         except Exception:  # already closing or disconnected: nothing left to flush
             await self.nc.close()
+
+
+def sender_of(raw: Msg) -> str:
+    """The sender a message names ("" when it names none)."""
+    return (raw.headers or {}).get(SENDER_HEADER, "")
 
 
 def _error_of(data: bytes, status: int) -> ErrorInfo:

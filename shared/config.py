@@ -69,6 +69,30 @@ class Settings(BaseSettings):
     step_timeout_s: float = Field(default=120.0, gt=0)
     # Ctrl-C: how long running requests may take to finish before children are stopped.
     drain_timeout_s: float = Field(default=10.0, ge=0)
+    # A scheduler publishes its lease this often; one silent for scheduler_timeout_s is
+    # gone: gateways end its requests (replaying those with no output yet, for up to
+    # replay_timeout_s) and its workers register elsewhere.
+    scheduler_lease_interval_s: float = Field(default=0.5, gt=0)
+    scheduler_timeout_s: float = Field(default=5.0, gt=0)
+    replay_timeout_s: float = Field(default=30.0, ge=0)
+    # This process's own NATS user (each service has one; see `spillway nats-config`).
+    # Given, they win over credentials in the URL.
+    nats_user: str | None = None
+    nats_password: str | None = None
+    # `spillway up`: start private nats-server / redis-server even when the default URLs
+    # answer (a system of its own, its bus guarded by per-service users).
+    private_servers: bool = False
+    # `spillway up` restarts a child that dies, after restart_backoff_s (doubling, at most
+    # 10 s); a child that dies more than restart_limit times in restart_window_s is a crash
+    # loop: the whole system stops with an error.
+    restart_limit: int = Field(default=5, ge=0)
+    restart_window_s: float = Field(default=60.0, gt=0)
+    restart_backoff_s: float = Field(default=0.5, ge=0)
+    # HTTP: bodies above this get 413 unread; a client that takes longer than
+    # http_client_timeout_s to send its request, or stops reading a stream that long,
+    # is cut off (and its request aborted).
+    max_request_bytes: int = Field(default=4 << 20, ge=1024)
+    http_client_timeout_s: float = Field(default=30.0, gt=0)
     # CPU KV cache budget when --kv-blocks is not given (GPU: sized from free memory).
     cpu_kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
@@ -95,17 +119,18 @@ class Settings(BaseSettings):
     # Derived files kept between runs (e.g. a GGUF model's tokenizer, converted once).
     cache_dir: str = "~/.cache/spillway"
 
-    @field_validator("api_key", "otlp_endpoint", mode="before")
+    @field_validator("api_key", "otlp_endpoint", "nats_user", "nats_password", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: object) -> object:
         # Compose files pass `VAR=` for "not set".
         return None if v == "" else v
 
-    @field_validator("namespace")
+    @field_validator("namespace", "service_id")
     @classmethod
-    def _namespace_is_a_token(cls, v: str) -> str:
+    def _subject_token(cls, v: str | None) -> str | None:
+        # Both become one token of NATS subjects.
         if v and not all(c.isalnum() or c in "-_" for c in v):
-            raise ValueError("namespace may hold letters, digits, '-' and '_' only")
+            raise ValueError("may hold letters, digits, '-' and '_' only")
         return v
 
     @field_validator("block_size")

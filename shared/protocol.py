@@ -96,6 +96,9 @@ class SubmitRequest(Message):
 class SubmitReply(Message):
     ok: bool = True
     error: ErrorInfo | None = None
+    # The scheduler that took the request: the gateway watches its lease and expects the
+    # request's deltas from it alone.
+    scheduler_id: str = ""
 
 
 class AbortRequest(Message):
@@ -165,6 +168,29 @@ class SchedulerStats(Message):
     phases: dict[str, PhaseHistogram] = Field(default_factory=dict)
     # The spill store's last answer (None: none yet, or it does not answer).
     spill_store: SpillStats | None = None
+    scheduler_id: str = ""
+    worker_id: str | None = None  # the worker it drives (num_workers counts registrations)
+
+
+class SchedulerLease(Message):
+    """sched.heartbeat, every lease interval: a scheduler is alive, what it drives and how
+    busy it is. Gateways route by it and end the requests of a scheduler whose lease
+    lapsed; workers pick the scheduler they register with by it."""
+
+    scheduler_id: str
+    interval_s: float
+    # Random per scheduler process: a new boot id under a known scheduler id (one given a
+    # fixed id, restarted) is a scheduler that knows none of the old one's requests.
+    boot_id: str = ""
+    worker_id: str | None = None  # the worker it drives
+    worker_ids: list[str] = Field(default_factory=list)  # every worker registered with it
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    draining: bool = False  # stopping: it takes no new requests
+    # Spilling, in one word (services/gateway/metrics.spill_status), and the mode.
+    spill_status: str = ""
+    preemption_mode: str = ""
 
 
 # --- scheduler <-> worker --------------------------------------------------------------
@@ -188,15 +214,20 @@ class WorkerInfo(Message):
     block_bytes: int = 0  # one block across all layers, K and V
     # Whether the worker reached the spill store's Redis at start (it retries later).
     kv_store: bool = False
+    # Random per worker process: a registration with a new boot id is a restarted worker
+    # (empty KV cache) even when its worker id is the same.
+    boot_id: str = ""
 
 
 class RegisterReply(Message):
     ok: bool = True
+    scheduler_id: str = ""  # the scheduler the worker now belongs to
 
 
 class Heartbeat(Message):
     info: WorkerInfo
     num_steps: int = 0
+    scheduler_id: str = ""  # the scheduler the worker belongs to ("" while it has none)
 
 
 class NewSequence(Message):

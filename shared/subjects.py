@@ -13,23 +13,43 @@ GENERATE = "llm.generate"
 ABORT = "llm.abort"
 MODELS = "llm.models"
 GATEWAY_QUEUE = "gateway"
+SCHEDULER_QUEUE = "scheduler"  # sched.submit and worker.register reach one scheduler each
 
 # Internal.
 SCHED_SUBMIT = "sched.submit"  # request/reply: SubmitRequest -> SubmitReply
 SCHED_ABORT = "sched.abort"  # publish: AbortRequest
 SCHED_STATS = "sched.stats"  # request/reply: StatsRequest -> SchedulerStats
-WORKER_REGISTER = "worker.register"  # request/reply: WorkerInfo -> RegisterReply
+SCHED_HEARTBEAT = "sched.heartbeat"  # publish: SchedulerLease, watched by gateways and workers
+WORKER_REGISTER = "worker.register"  # request/reply: WorkerInfo -> RegisterReply (queue)
 WORKER_HEARTBEAT = "worker.heartbeat"  # publish: Heartbeat
-WORKER_DISCOVER = "worker.discover"  # publish by a (re)started scheduler: workers re-register
+# publish by a (re)started scheduler: workers without a live scheduler register now
+WORKER_DISCOVER = "worker.discover"
 SPILL_STATS = "spill.stats"  # request/reply: StatsRequest -> SpillStats
 SPILL_RECORDED = "spill.recorded"  # publish, worker -> spill store: SpillRecord
 SPILL_DROP = "spill.drop"  # publish, scheduler -> spill store: SpillDrop
 SPILL_PREFIX_LOOKUP = "spill.prefix_lookup"  # request/reply: PrefixLookup -> PrefixLookupReply
 
 
+def is_token(name: str, max_len: int = 64) -> bool:
+    """Whether `name` can be one token of a subject (service ids are): 1 to max_len ASCII
+    letters, digits, '-' or '_'. Ids heard from the bus are checked before use."""
+    allowed = all(c.isascii() and (c.isalnum() or c in "-_") for c in name)
+    return 0 < len(name) <= max_len and allowed
+
+
 def worker_step(worker_id: str) -> str:
     """request/reply: StepPlan -> StepResult."""
     return f"worker.{worker_id}.step"
+
+
+def sched_submit(scheduler_id: str) -> str:
+    """request/reply: SubmitRequest -> SubmitReply, to one chosen scheduler."""
+    return f"sched.{scheduler_id}.submit"
+
+
+def sched_register(scheduler_id: str) -> str:
+    """request/reply: WorkerInfo -> RegisterReply, to one chosen scheduler."""
+    return f"sched.{scheduler_id}.register"
 
 
 def gateway_deltas(gateway_id: str) -> str:

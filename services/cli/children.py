@@ -44,6 +44,7 @@ class Child:
         stderr: IO[str] | None = None,
     ) -> None:
         self.service = service
+        self._spec = (args, env, emit)
         self.ready = threading.Event()
         self.ready_detail = ""
         self.proc = popen_child(
@@ -67,6 +68,10 @@ class Child:
                 self.ready_detail = line[len(marker) :].strip()
                 self.ready.set()
             self._emit(line)
+
+    def respawn(self) -> Child:
+        """The same service started again, in a new process."""
+        return Child(self.service, *self._spec)
 
     @property
     def alive(self) -> bool:

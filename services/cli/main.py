@@ -1,4 +1,5 @@
-"""The `spillway` command: `up` (the whole system) and `serve <service>` (one service)."""
+"""The `spillway` command: `up` (the whole system), `serve <service>` (one service) and
+`nats-config` (the users and permissions to put into an existing nats-server's config)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service in the foreground")
     serve.add_argument("service", choices=SERVICES)
     add_options(serve, defaults)
+    nats = sub.add_parser(
+        "nats-config",
+        help="print nats-server users and permissions (one per service) with new passwords",
+    )
+    nats.add_argument("--namespace", default=defaults.namespace, help="the system's namespace")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "nats-config":
+        from services.cli.nats_auth import print_config
+
+        return print_config(args.namespace)
     try:
         settings = load_settings(**overrides_from(args))
     except ValidationError as e:

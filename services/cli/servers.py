@@ -49,6 +49,9 @@ class ServerProcess:
     url: str
     proc: subprocess.Popen
     workdir: tempfile.TemporaryDirectory = field(repr=False)
+    # A nats-server with per-service users: each user's password (see nats_auth.py).
+    passwords: dict[str, str] = field(default_factory=dict, repr=False)
+    monitor_url: str | None = None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -73,15 +76,36 @@ def _wait_for_port(proc: subprocess.Popen, name: str, port: int, timeout: float)
     raise RuntimeError(f"{name} did not open port {port} within {timeout}s")
 
 
-def start_nats(jetstream: bool = True, timeout: float = 10.0) -> ServerProcess:
+def start_nats(
+    jetstream: bool = True, timeout: float = 10.0, users_namespace: str | None = None
+) -> ServerProcess:
+    """A private nats-server. With `users_namespace` (a namespace, "" for the default) it
+    runs with one user per service and the `client` user for everyone else, its
+    permissions scoped to that namespace's subjects (nats_auth.py)."""
     port = free_port()
     workdir = tempfile.TemporaryDirectory(prefix="spillway-nats-")
-    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)]
-    if jetstream:
-        args += ["-js", "-sd", workdir.name]
+    binary = find_binary("nats-server")
+    passwords: dict[str, str] = {}
+    monitor_url = None
+    if users_namespace is None:
+        args = [binary, "-a", "127.0.0.1", "-p", str(port)]
+        if jetstream:
+            args += ["-js", "-sd", workdir.name]
+    else:
+        from services.cli.nats_auth import new_passwords, server_config
+
+        passwords = new_passwords()
+        monitor_port = free_port()
+        monitor_url = f"http://127.0.0.1:{monitor_port}"
+        config = Path(workdir.name, "nats.conf")
+        store = str(Path(workdir.name, "jetstream"))
+        config.write_text(server_config(port, passwords, users_namespace, store, monitor_port))
+        config.chmod(0o600)
+        args = [binary, "-c", str(config)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_port(proc, "nats-server", port, timeout)
-    return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc, workdir)
+    url = f"nats://127.0.0.1:{port}"
+    return ServerProcess("nats", url, proc, workdir, passwords, monitor_url)
 
 
 def start_redis(timeout: float = 10.0, port: int | None = None) -> ServerProcess:

@@ -1,4 +1,15 @@
-"""`spillway up`: every service as its own process, private NATS/Redis when needed."""
+"""`spillway up`: every service as its own process, private NATS/Redis when needed.
+
+A private nats-server gets one user per service (nats_auth.py): each child connects with
+its own credentials, handed over in its environment, and clients without credentials may
+use the public `llm.*` subjects only.
+
+While it runs, `spillway up` supervises its children: one that exits is restarted after
+a backoff, with a log line; one that keeps exiting (a crash loop, supervisor.py) stops
+the whole system with an error. Ctrl-C or SIGTERM drains: the gateway answers new
+requests with 503, lets running ones finish for up to drain_timeout_s, ends the rest
+with finish_reason "abort"; then every child stops and the exit code is 0.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +24,13 @@ from urllib.parse import urlparse
 from services.cli.children import Child
 from services.cli.options import as_arguments
 from services.cli.servers import ServerProcess, port_open, start_nats, start_redis
+from services.cli.supervisor import RestartPolicy, RestartTracker
+from shared.clock import MonotonicClock
 from shared.config import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, Settings, child_environment
 
 START_ORDER = ("spillstore", "scheduler", "worker", "gateway")
 STARTUP_TIMEOUT_S = 300.0
+WATCH_INTERVAL_S = 0.2
 
 
 class StartupError(RuntimeError):
@@ -30,22 +44,38 @@ def _reachable(url: str, default_port: int) -> bool:
 
 def ensure_servers(settings: Settings) -> tuple[Settings, list[ServerProcess]]:
     """Uses the servers at the configured URLs; starts private ones for default URLs
-    that do not answer; fails clearly for a non-default URL that does not answer."""
+    that do not answer (or always, with private_servers); fails clearly for a
+    non-default URL that does not answer."""
     started: list[ServerProcess] = []
     nats_url, redis_url = settings.nats_url, settings.redis_url
-    if not _reachable(nats_url, 4222):
-        if nats_url != DEFAULT_NATS_URL:
+    if settings.private_servers or not _reachable(nats_url, 4222):
+        if nats_url != DEFAULT_NATS_URL and not settings.private_servers:
             raise StartupError(f"no NATS server answers at {nats_url}")
-        started.append(start_nats())
+        started.append(start_nats(users_namespace=settings.namespace))
         nats_url = started[-1].url
-        print(f"nats: started a private nats-server at {nats_url}", flush=True)
-    if not _reachable(redis_url, 6379):
-        if redis_url != DEFAULT_REDIS_URL:
+        print(
+            f"nats: started a private nats-server at {nats_url} (one user per service; "
+            f"clients connect without credentials and may use llm.* only; monitoring at "
+            f"{started[-1].monitor_url})",
+            flush=True,
+        )
+    if settings.private_servers or not _reachable(redis_url, 6379):
+        if redis_url != DEFAULT_REDIS_URL and not settings.private_servers:
             raise StartupError(f"no Redis server answers at {redis_url.split('@')[-1]}")
         started.append(start_redis())
         redis_url = started[-1].url
         print(f"redis: started a private redis-server at {redis_url}", flush=True)
     return settings.with_overrides(nats_url=nats_url, redis_url=redis_url), started
+
+
+def service_environment(service: str, servers: list[ServerProcess]) -> dict[str, str]:
+    """A child's environment: ours, plus its own NATS user on a private server."""
+    nats = next((s for s in servers if s.name == "nats" and s.passwords), None)
+    if nats is None:
+        return child_environment()
+    return child_environment(
+        {"SPILLWAY_NATS_USER": service, "SPILLWAY_NATS_PASSWORD": nats.passwords[service]}
+    )
 
 
 def check_supported(settings: Settings) -> None:
@@ -87,13 +117,14 @@ def wait_ready(children: list[Child], stop: threading.Event, timeout: float) -> 
 
 
 def stop_children(children: list[Child], drain_timeout_s: float) -> None:
-    """Gateway first (it stops accepting and lets running requests finish), then the rest."""
+    """Gateway first (it stops accepting and lets running requests finish), then the rest
+    (a scheduler drains whatever it still runs)."""
     gateways = [c for c in children if c.service == "gateway"]
     others = [c for c in children if c.service != "gateway"]
-    for group, grace in ((gateways, drain_timeout_s + 5.0), (others, 10.0)):
+    for group in (gateways, others):
         for c in group:
             c.terminate()
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + drain_timeout_s + 5.0
         for c in group:
             if not c.wait(max(0.0, deadline - time.monotonic())):
                 c.kill()
@@ -101,6 +132,10 @@ def stop_children(children: list[Child], drain_timeout_s: float) -> None:
 
 def _emit(line: str) -> None:
     print(line, flush=True)
+
+
+def _say(line: str) -> None:
+    print(f"spillway: {line}", file=sys.stderr, flush=True)
 
 
 def up(settings: Settings) -> int:
@@ -114,8 +149,7 @@ def up(settings: Settings) -> int:
         check_supported(settings)
         settings, servers = ensure_servers(settings)
         args = as_arguments(settings)
-        env = child_environment()
-        children = [Child(s, args, env, _emit) for s in START_ORDER]
+        children += [Child(s, args, service_environment(s, servers), _emit) for s in START_ORDER]
         wait_ready(children, stop, STARTUP_TIMEOUT_S)
         if not stop.is_set():
             gateway = next(c for c in children if c.service == "gateway")
@@ -123,9 +157,13 @@ def up(settings: Settings) -> int:
             wait_healthy(url, children, stop, STARTUP_TIMEOUT_S)
             if not stop.is_set():
                 print(f"ready: {url}", flush=True)
-        watch(children, stop)
+        policy = RestartPolicy(
+            settings.restart_limit, settings.restart_window_s, settings.restart_backoff_s
+        )
+        supervise(children, stop, policy)
+        _say(f"stopping: running requests get up to {settings.drain_timeout_s:g}s to finish")
     except StartupError as e:
-        print(f"spillway: {e}", file=sys.stderr, flush=True)
+        _say(str(e))
         code = 1
     finally:
         stop_children(children, settings.drain_timeout_s)
@@ -134,18 +172,33 @@ def up(settings: Settings) -> int:
     return code
 
 
-def watch(children: list[Child], stop: threading.Event) -> None:
-    """Runs until Ctrl-C / SIGTERM. A child that exits is reported; the rest keep serving
-    (a dead worker shows as 503 on /health, which is what clients should see)."""
-    reported: set[str] = set()
-    while not stop.wait(0.5):
-        for c in children:
-            if not c.alive and c.service not in reported:
-                reported.add(c.service)
-                print(
-                    f"spillway: {c.service} exited with code {c.proc.returncode}",
-                    file=sys.stderr,
-                    flush=True,
+def supervise(children: list[Child], stop: threading.Event, policy: RestartPolicy) -> None:
+    """Runs until Ctrl-C / SIGTERM, restarting every child that exits (`children` always
+    holds the current processes). Raises StartupError on a crash loop."""
+    clock = MonotonicClock()
+    trackers = {c.service: RestartTracker(policy, clock) for c in children}
+    restart_at: dict[int, float] = {}  # index in children -> when to start it again
+    while not stop.wait(WATCH_INTERVAL_S):
+        now = clock.now()
+        for i, child in enumerate(children):
+            if i in restart_at or child.alive:
+                continue
+            tracker = trackers[child.service]
+            delay = tracker.on_exit()
+            if delay is None:
+                raise StartupError(
+                    f"{child.service} keeps exiting ({tracker.recent_exits} exits within "
+                    f"{policy.window_s:g}s, the last with code {child.proc.returncode}): "
+                    "giving up"
                 )
-        if len(reported) == len(children):
-            raise StartupError("every service has exited")
+            _say(
+                f"{child.service} exited with code {child.proc.returncode}; restarting it "
+                f"in {delay:g}s (exit {tracker.recent_exits} of at most {policy.limit} "
+                f"within {policy.window_s:g}s)"
+            )
+            restart_at[i] = now + delay
+        for i, due in list(restart_at.items()):
+            if now >= due:
+                del restart_at[i]
+                children[i] = children[i].respawn()
+                _say(f"{children[i].service} restarted (pid {children[i].proc.pid})")

@@ -8,6 +8,7 @@ join the same trace.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ class Generation:
         self.run = run
         self.meta = meta
         self.span = span
+        self._closed = False
 
     @property
     def prepared(self) -> PreparedRequest:
@@ -61,6 +63,9 @@ class Generation:
             yield builder.usage(self.run.usage)
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         await self.run.close()
         usage = self.run.usage
         self.span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
@@ -86,8 +91,10 @@ class GatewayApi:
         arrival: float,
         aliases: list[str] | None = None,
     ) -> Generation:
-        """Validates and submits; raises ApiError (nothing left running) on any refusal."""
-        prepared = self.preparer.prepare(kind, body)
+        """Validates and submits; raises ApiError (nothing left running) on any refusal.
+        Templating and tokenizing run on a worker thread: a big body never stalls the
+        event loop that serves everyone else."""
+        prepared = await asyncio.to_thread(self.preparer.prepare, kind, body)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         meta = ResponseMeta(
             id=f"{prefix}-{uuid.uuid4().hex}",

@@ -4,6 +4,13 @@ Two thin ASGI layers wrap the Starlette app: tracing outermost (every response, 
 and 500s included, carries a W3C `traceparent`; an incoming one parents the request's
 root span), then the API key check for `/v1/` routes. A client that goes away, before
 a reply or mid-stream, aborts its request at once.
+
+Hostile clients: a body over max_request_bytes is a 413 before it is read (or as soon as
+it grows past the limit), a body that does not arrive within the client timeout a 408,
+and a stream whose reader stalls that long is cut and its request aborted (slow headers
+are timed out by the protocol in http_server.py). 429 and 503 carry Retry-After.
+/health is 200 while a live scheduler (by its lease) drives a worker, and 503 while the
+gateway drains.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -19,15 +27,17 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.api import GatewayApi, Generation
 from services.gateway.errors import ApiError
+from services.gateway.json_body import parse_json_body
 from services.gateway.metrics import GatewayMetrics, spill_health
-from services.gateway.validation import Kind, parse_json_body
+from services.gateway.openapi import openapi_document
+from services.gateway.validation import Kind
 from shared.clock import Clock, MonotonicClock
 from shared.telemetry import extract, inject
 
@@ -37,8 +47,14 @@ SPAN_KEY = "spillway.span"
 HEALTH_TIMEOUT_S = 1.0
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    max_request_bytes: int = 4 << 20
+    client_timeout_s: float = 30.0
+
+
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 def create_app(
@@ -47,15 +63,21 @@ def create_app(
     tracer: trace.Tracer,
     api_key: str | None = None,
     clock: Clock | None = None,
+    limits: HttpLimits | None = None,
 ) -> ASGIApp:
     """The gateway's ASGI app; `uvicorn` serves it (service.py)."""
     clock = clock or MonotonicClock()
+    limits = limits or HttpLimits()
 
     async def chat_completions(request: Request) -> Response:
-        return await _generate(api, clock, request, "chat")
+        return await _generate(api, clock, limits, request, "chat")
 
     async def completions(request: Request) -> Response:
-        return await _generate(api, clock, request, "completion")
+        return await _generate(api, clock, limits, request, "completion")
+
+    async def openapi(request: Request) -> Response:
+        info = api.model
+        return JSONResponse(openapi_document(info.model_id, info.context_length, info.vocab_size))
 
     async def list_models(request: Request) -> Response:
         return JSONResponse(api.models())
@@ -70,24 +92,8 @@ def create_app(
         )
 
     async def health(request: Request) -> Response:
-        stats = await api.engine.scheduler_stats(HEALTH_TIMEOUT_S)
-        if stats is None:
-            return JSONResponse(
-                {"status": "unavailable", "workers": 0, "reason": "the scheduler does not answer"},
-                status_code=503,
-            )
-        body = {
-            "status": "ok" if stats.num_workers >= 1 else "unavailable",
-            "workers": stats.num_workers,
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-            "kv_cache_usage": stats.kv_usage,
-            "model": api.model.model_id,
-            "spill": spill_health(stats),
-        }
-        if stats.num_workers < 1:
-            body["reason"] = "no worker is registered"
-        return JSONResponse(body, status_code=200 if stats.num_workers >= 1 else 503)
+        body = health_body(api)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def prometheus(request: Request) -> Response:
         metrics.scheduler.update(await api.engine.scheduler_stats(HEALTH_TIMEOUT_S))
@@ -110,24 +116,95 @@ def create_app(
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     return TracingMiddleware(ApiKeyMiddleware(app, api_key), tracer)
 
 
-async def _generate(api: GatewayApi, clock: Clock, request: Request, kind: Kind) -> Response:
+def health_body(api: GatewayApi) -> dict[str, Any]:
+    """What /health says: "ok" while some live scheduler drives a worker, by the leases."""
+    engine = api.engine
+    leases = engine.schedulers.live()
+    serving = [lease for lease in leases if lease.worker_id and not lease.draining]
+    body: dict[str, Any] = {
+        "status": "ok" if serving and not engine.draining else "unavailable",
+        "workers": len({lease.worker_id for lease in serving}),
+        "schedulers": [
+            {"id": lease.scheduler_id, "worker": lease.worker_id, "draining": lease.draining}
+            for lease in leases
+        ],
+        "running": sum(lease.num_running for lease in leases),
+        "waiting": sum(lease.num_waiting for lease in leases),
+        "kv_cache_usage": max((lease.kv_usage for lease in serving), default=0.0),
+        "model": api.model.model_id,
+        "spill": spill_health(serving),
+    }
+    if engine.draining:
+        body["status"] = "draining"
+        body["reason"] = "the gateway is shutting down"
+    elif not engine.bus.is_connected:
+        body["reason"] = "the gateway cannot reach NATS"
+    elif not leases:
+        body["reason"] = "no scheduler answers"
+    elif not serving:
+        body["reason"] = "no worker is registered"
+    return body
+
+
+async def _generate(
+    api: GatewayApi, clock: Clock, limits: HttpLimits, request: Request, kind: Kind
+) -> Response:
     arrival = clock.now()
     span: trace.Span = request.scope.get(SPAN_KEY) or trace.INVALID_SPAN
     try:
-        body = parse_json_body(await request.body())
+        raw = await read_body(request, limits)
+        body = await asyncio.to_thread(parse_json_body, raw)
         generation = await api.open(kind, body, span, arrival)
     except ApiError as e:
         _record_error(span, e)
         return error_response(e)
+    except ClientDisconnect:
+        return Response(status_code=499)  # nobody is left to answer
     if generation.prepared.stream:
-        return EventStreamResponse(generation)
+        return EventStreamResponse(generation, limits.client_timeout_s)
     return await _reply_when_done(generation, request.receive)
+
+
+async def read_body(request: Request, limits: HttpLimits) -> bytes:
+    """The body, refused with 413 past max_request_bytes (unread when its declared length
+    says so) and with 408 when it takes longer than the client timeout to arrive."""
+    limit = limits.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), limits.client_timeout_s)
+    except TimeoutError as e:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {limits.client_timeout_s:g}s",
+            code="request_timeout",
+        ) from e
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body has {size} bytes or more; at most {limit} are accepted",
+        code="request_too_large",
+    )
 
 
 async def _reply_when_done(generation: Generation, receive: Receive) -> Response:
@@ -169,12 +246,26 @@ def sse_event(data: dict[str, Any] | str) -> bytes:
 
 class EventStreamResponse:
     """Server-Sent Events for one generation: a `data:` line per chunk, an error event if
-    it fails midway, then `data: [DONE]`. Watches for the client leaving the whole time."""
+    it fails midway, then `data: [DONE]`. Watches for the client leaving the whole time;
+    a client that stops reading for `write_timeout_s` counts as gone."""
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: Generation, write_timeout_s: float = 30.0) -> None:
         self.generation = generation
+        self.write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except TimeoutError as e:
+                raise OSError("the client stopped reading the stream") from e
+
+        try:
+            await self._stream(receive, send_in_time)
+        except OSError:
+            await self.generation.close()
+
+    async def _stream(self, receive: Receive, send: Send) -> None:
         await send(
             {
                 "type": "http.response.start",

@@ -57,6 +57,8 @@ class OutputOptions:
     logprobs: int | None = None  # None: no logprobs
     tokens_as_ids: bool = False  # logprob tokens spelled "token_id:<id>"
     skip_special_tokens: bool = True
+    # Never more tokens than this, whatever the scheduler sends (None: no cap).
+    max_tokens: int | None = None
 
 
 class ChoiceOutput:
@@ -70,6 +72,7 @@ class ChoiceOutput:
         self._stop = StopStringMatcher(options.stop)
         self._want_logprobs = options.logprobs is not None
         self._tokens_as_ids = options.tokens_as_ids
+        self._max_tokens = options.max_tokens
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self.text = ""
@@ -89,6 +92,12 @@ class ChoiceOutput:
             self.num_cached_tokens = delta.num_cached_tokens
         sampled = delta.logprobs or []
         for i, token_id in enumerate(delta.token_ids):
+            if self._max_tokens is not None and self.num_tokens >= self._max_tokens:
+                # More than asked for (a scheduler that ran it twice): keep what was asked.
+                step.text += self._release_held_text()
+                step.finish_reason = "length"
+                step.stop_matched = True
+                return self._record(step)
             self.num_tokens += 1
             if self._want_logprobs and i < len(sampled):
                 step.logprobs.append(self._logprob_info(token_id, sampled[i]))
@@ -112,6 +121,15 @@ class ChoiceOutput:
             return step
         step.text = self._release_held_text()
         step.finish_reason = finish_reason
+        return self._record(step)
+
+    def fail(self, error: ErrorInfo) -> ChoiceStep:
+        """Ends the choice with an error the gateway found itself (its scheduler is gone,
+        the scheduler's news is unusable)."""
+        step = ChoiceStep(self.index)
+        if self.finished:
+            return step
+        step.error = error
         return self._record(step)
 
     def _release_held_text(self) -> str:

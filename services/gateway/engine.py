@@ -7,6 +7,14 @@ The run turns deltas into `ChoiceStep`s through each choice's `ChoiceOutput`, ab
 sequence at the scheduler when a stop string ends it, and ends every choice with
 "timeout" itself if the scheduler's own deadline delta has not come shortly after the
 deadline (a backstop: the client gets an answer within its budget whatever happens).
+
+Which scheduler: the least busy live one by the leases (scheduler_watch.py), else any
+one of the `sched.submit` queue group; the reply names the one that took it, and only
+that scheduler's deltas count for it (`Spillway-Sender`). When that scheduler is gone
+(its lease lapsed) or our own bus connection was down (its news may be lost), a choice
+that has produced nothing yet is submitted again, to a live scheduler, for up to
+replay_timeout_s; one that has produced tokens ends with a clear 503 error: the client
+never waits for news that cannot come.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from services.gateway.choice_output import ChoiceOutput, ChoiceStep, OutputOptio
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics, TokenTimer
 from services.gateway.responses import Usage, usage_of
+from services.gateway.scheduler_watch import GoneReason, SchedulerWatch
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.validation import PreparedRequest
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, sender_of
 from shared.clock import Clock, MonotonicClock
 from shared.protocol import (
     AbortRequest,
@@ -42,7 +51,7 @@ from shared.protocol import (
     SubmitRequest,
     decode,
 )
-from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas
+from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas, sched_submit
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +59,35 @@ SUBMIT_TIMEOUT_S = 10.0
 # How long after a request's deadline the scheduler's "timeout" delta may take before the
 # gateway ends the request itself.
 DEADLINE_GRACE_S = 0.5
+REPLAY_RETRY_S = 0.25
+GONE_ERRORS = {
+    "lost": ErrorInfo(
+        status=503,
+        message="the scheduler running this request stopped answering before it finished",
+        type="service_unavailable",
+        code="scheduler_lost",
+    ),
+    "interrupted": ErrorInfo(
+        status=503,
+        message="the connection to the message bus was interrupted while this request ran; "
+        "part of its output may be lost",
+        type="service_unavailable",
+        code="bus_interrupted",
+    ),
+}
 
 
 @dataclass(frozen=True)
 class _Cancel:
     reason: str
+
+
+@dataclass(frozen=True)
+class _Gone:
+    """The scheduler of some choices is gone, or its news to us may be lost."""
+
+    scheduler_id: str
+    reason: GoneReason
 
 
 class RequestRun:
@@ -68,12 +101,15 @@ class RequestRun:
         self._engine = engine
         self.prepared = prepared
         self.request_ids = request_ids
-        self.queue: asyncio.Queue[tuple[RequestDelta, float] | _Cancel] = asyncio.Queue()
+        self.scheduler_ids = ["" for _ in request_ids]  # who runs each choice ("": unknown yet)
+        self.context: Context | None = None
+        self.queue: asyncio.Queue[tuple[RequestDelta, float] | _Cancel | _Gone] = asyncio.Queue()
         options = OutputOptions(
             stop=prepared.stop,
             logprobs=prepared.sampling.logprobs,
             tokens_as_ids=prepared.tokens_as_ids,
             skip_special_tokens=prepared.skip_special_tokens,
+            max_tokens=prepared.max_tokens,
         )
         self.outputs = [ChoiceOutput(i, engine.tokenizer, options) for i in range(len(request_ids))]
         self._timers = [TokenTimer(arrival) for _ in request_ids]
@@ -99,6 +135,13 @@ class RequestRun:
         """Asks the consumer of steps() to end every choice now (and abort them)."""
         self.queue.put_nowait(_Cancel(reason))
 
+    def runs_on(self, scheduler_id: str) -> bool:
+        return scheduler_id in self.scheduler_ids
+
+    def scheduler_of(self, request_id: str) -> str | None:
+        i = self._index.get(request_id)
+        return self.scheduler_ids[i] if i is not None else None
+
     async def steps(self) -> AsyncIterator[ChoiceStep]:
         """Every step with news, until each choice has finished."""
         while not self.finished:
@@ -111,20 +154,75 @@ class RequestRun:
                         await self._on_finished(step, abort=True)
                         yield step
                 continue
+            if isinstance(item, _Gone):
+                for step in await self._scheduler_gone(item):
+                    yield step
+                continue
             delta, received_at = item
             i = self._index.get(delta.request_id)
             if i is None or self.outputs[i].finished:
                 continue
-            output = self.outputs[i]
-            before = output.num_tokens
-            step = output.apply(delta)
-            self._engine.metrics.on_tokens(self._timers[i], output.num_tokens - before, received_at)
+            step = self._apply(i, delta, received_at)
             if step.finished:
-                await self._on_finished(step, abort=step.stop_matched)
+                await self._on_finished(step, abort=step.stop_matched or step.error is not None)
             if step.text or step.logprobs or step.finished:
                 yield step
 
-    async def _next(self) -> tuple[RequestDelta, float] | _Cancel | None:
+    def _apply(self, i: int, delta: RequestDelta, received_at: float) -> ChoiceStep:
+        output = self.outputs[i]
+        vocab_size = self._engine.vocab_size
+        bad = [t for t in delta.token_ids if not 0 <= t < vocab_size]
+        if bad:
+            log.warning(
+                "request %s: the scheduler sent token ids outside the vocabulary (%s)",
+                delta.request_id,
+                bad[:5],
+            )
+            return output.fail(BAD_TOKENS)
+        before = output.num_tokens
+        try:
+            step = output.apply(delta)
+        except Exception:  # news we cannot turn into text must not take the stream down
+            log.exception("request %s: a delta could not be applied", delta.request_id)
+            return output.fail(BAD_DELTA)
+        self._engine.metrics.on_tokens(self._timers[i], output.num_tokens - before, received_at)
+        return step
+
+    async def _scheduler_gone(self, gone: _Gone) -> list[ChoiceStep]:
+        """Choices that produced nothing yet run again elsewhere; the others end with an
+        error (their output so far cannot be trusted to be whole)."""
+        ended = []
+        for i, output in enumerate(self.outputs):
+            if output.finished or self.scheduler_ids[i] != gone.scheduler_id:
+                continue
+            error = GONE_ERRORS[gone.reason]
+            if output.num_tokens == 0:
+                exclude = {gone.scheduler_id} if gone.reason == "lost" else set()
+                try:
+                    await self._engine.replay(self, i, frozenset(exclude))
+                    continue
+                except ApiError as e:
+                    error = ErrorInfo(
+                        status=e.status, message=f"{error.message}; {e.message}", code=e.code
+                    )
+            past_deadline = self.deadline_at is not None and self._engine.clock.now() >= (
+                self.deadline_at
+            )
+            step = output.end("timeout") if past_deadline else output.fail(error)
+            await self._on_finished(step, abort=True)
+            ended.append(step)
+        return ended
+
+    def move(self, index: int, request_id: str) -> str:
+        """Choice `index` runs under a new request id from now on; returns the old one."""
+        old = self.request_ids[index]
+        self._index.pop(old, None)
+        self.request_ids[index] = request_id
+        self.scheduler_ids[index] = ""
+        self._index[request_id] = index
+        return old
+
+    async def _next(self) -> tuple[RequestDelta, float] | _Cancel | _Gone | None:
         """The next queued item; None when the deadline backstop fired."""
         if self.deadline_at is None:
             return await self.queue.get()
@@ -162,6 +260,9 @@ class GatewayEngine:
         clock: Clock | None = None,
         submit_timeout_s: float = SUBMIT_TIMEOUT_S,
         deadline_grace_s: float = DEADLINE_GRACE_S,
+        scheduler_timeout_s: float = 5.0,
+        replay_timeout_s: float = 30.0,
+        vocab_size: int | None = None,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id
@@ -170,6 +271,10 @@ class GatewayEngine:
         self.clock = clock or MonotonicClock()
         self.submit_timeout_s = submit_timeout_s
         self.deadline_grace_s = deadline_grace_s
+        self.replay_timeout_s = replay_timeout_s
+        # Token ids a delta may carry: the model's (it may exceed the tokenizer's).
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.schedulers = SchedulerWatch(bus, self.clock, scheduler_timeout_s, self._gone)
         self.draining = False
         # Unique across gateways (the id) and across restarts of one (the boot tag).
         self._id_prefix = f"{gateway_id}-{uuid.uuid4().hex[:6]}"
@@ -184,9 +289,11 @@ class GatewayEngine:
     async def start(self) -> None:
         subject = self.bus.subject(gateway_deltas(self.gateway_id))
         self._sub = await self.bus.nc.subscribe(subject, cb=self._on_deltas)
+        await self.schedulers.start()
         await self.bus.settle()
 
     async def stop(self) -> None:
+        await self.schedulers.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
@@ -202,10 +309,34 @@ class GatewayEngine:
         except (ValidationError, ValueError):
             log.warning("dropped a malformed delta batch on %s", msg.subject)
             return
+        sender = sender_of(msg)
         for delta in batch.deltas:
             run = self._routes.get(delta.request_id)
-            if run is not None:
-                run.queue.put_nowait((delta, received_at))
+            if run is None:
+                continue
+            expected = run.scheduler_of(delta.request_id)
+            # "" until the submit reply is in (the first delta may come before it).
+            if expected and sender != expected:
+                log.warning(
+                    "dropped a delta for %s from %r: scheduler %r runs it",
+                    delta.request_id,
+                    sender,
+                    expected,
+                )
+                continue
+            run.queue.put_nowait((delta, received_at))
+
+    def _gone(self, scheduler_id: str, reason: GoneReason) -> None:
+        runs = [run for run in self._runs if run.runs_on(scheduler_id)]
+        if runs:
+            log.warning(
+                "scheduler %s %s: %d requests affected",
+                scheduler_id,
+                "stopped answering" if reason == "lost" else "may have lost news for us",
+                len(runs),
+            )
+        for run in runs:
+            run.queue.put_nowait(_Gone(scheduler_id, reason))
 
     async def submit(
         self,
@@ -217,14 +348,16 @@ class GatewayEngine:
         """Submits every choice; raises ApiError (and leaves nothing behind) on refusal."""
         if self.draining:
             raise ApiError(503, "the gateway is shutting down", code="shutting_down")
-        ids = [f"{self._id_prefix}-{next(self._counter)}" for _ in range(prepared.num_choices)]
+        ids = [self._new_request_id() for _ in range(prepared.num_choices)]
         run = RequestRun(self, prepared, ids, arrival)
+        run.context = context
         # Routes first: the first delta may arrive before the submit reply does.
         for rid in ids:
             self._routes[rid] = run
         self._track(run, aliases or [])
+        target = self.schedulers.pick()  # one scheduler for all choices: they share a prompt
         try:
-            await asyncio.gather(*(self._submit_one(run, i, context) for i in range(len(ids))))
+            await asyncio.gather(*(self._submit_one(run, i, target) for i in range(len(ids))))
         except BaseException:
             await self.abort(ids)
             for rid in ids:
@@ -234,7 +367,34 @@ class GatewayEngine:
         self.metrics.prompt_tokens.inc(sum(len(prepared.choice_prompt(i)) for i in range(len(ids))))
         return run
 
-    async def _submit_one(self, run: RequestRun, index: int, context: Context | None) -> None:
+    def _new_request_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._counter)}"
+
+    async def replay(self, run: RequestRun, index: int, exclude: frozenset[str]) -> None:
+        """Submits choice `index` again under a new id (its old scheduler is told to drop
+        the old one), retrying while no scheduler can take it, for up to replay_timeout_s.
+        Raises ApiError when it cannot be placed."""
+        new_id = self._new_request_id()
+        self._routes[new_id] = run
+        old_id = run.move(index, new_id)
+        self.release(old_id)
+        await self.abort([old_id])
+        deadline = self.clock.now() + self.replay_timeout_s
+        if run.deadline_at is not None:
+            deadline = min(deadline, run.deadline_at)
+        while True:
+            try:
+                await self._submit_one(run, index, self.schedulers.pick(exclude))
+                log.info("request %s runs again as %s", old_id, new_id)
+                return
+            except ApiError as e:
+                if e.status != 503 or self.clock.now() >= deadline:
+                    raise
+            await asyncio.sleep(REPLAY_RETRY_S)
+
+    async def _submit_one(self, run: RequestRun, index: int, target: str | None) -> None:
+        """Submits one choice to `target` (a scheduler id; None: whichever of the queue
+        group takes it) and records who took it; raises ApiError on refusal."""
         prepared = run.prepared
         deadline_ms = None
         if run.deadline_at is not None:
@@ -249,16 +409,24 @@ class GatewayEngine:
             priority=prepared.priority,
             deadline_ms=deadline_ms,
         )
-        try:
-            reply = await self.bus.request(
-                SCHED_SUBMIT, request, SubmitReply, self.submit_timeout_s, context=context
-            )
-        except BusError as e:
-            raise _unavailable(e.info) from e
-        if not reply.ok:
-            raise ApiError.from_info(
-                reply.error or ErrorInfo(status=503, message="the scheduler refused the request")
-            )
+        subjects = [sched_submit(target), SCHED_SUBMIT] if target else [SCHED_SUBMIT]
+        for attempt, subject in enumerate(subjects, 1):
+            try:
+                reply = await self.bus.request(
+                    subject, request, SubmitReply, self.submit_timeout_s, context=run.context
+                )
+            except BusError as e:
+                if attempt < len(subjects) and e.info.status == 503:
+                    continue  # the chosen one just went away: any scheduler will do
+                raise _unavailable(e.info) from e
+            if reply.ok:
+                run.scheduler_ids[index] = reply.scheduler_id
+                self.schedulers.note(reply.scheduler_id)
+                return
+            error = reply.error or ErrorInfo(status=503, message="the scheduler refused it")
+            if attempt < len(subjects) and error.status == 503:
+                continue  # its worker or its lease changed meanwhile: ask the group
+            raise ApiError.from_info(error)
 
     def _track(self, run: RequestRun, aliases: list[str]) -> None:
         self._runs.add(run)
@@ -315,6 +483,18 @@ class GatewayEngine:
             return await self.bus.request(SCHED_STATS, StatsRequest(), SchedulerStats, timeout)
         except BusError:
             return None
+
+
+BAD_TOKENS = ErrorInfo(
+    status=502,
+    message="the scheduler sent token ids outside the model's vocabulary",
+    code="bad_upstream_message",
+)
+BAD_DELTA = ErrorInfo(
+    status=502,
+    message="the scheduler sent news that could not be read",
+    code="bad_upstream_message",
+)
 
 
 def _unavailable(info: ErrorInfo) -> ApiError:

@@ -16,10 +16,14 @@ _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
     504: "timeout",
 }
+# 429 and 503 tell the client when to try again (RFC 9110 Retry-After, in seconds).
+RETRY_AFTER_S = {429: 1, 503: 1}
 
 
 class ApiError(Exception):
@@ -37,6 +41,15 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+
+    @property
+    def retry_after(self) -> str | None:
+        seconds = RETRY_AFTER_S.get(self.status)
+        return str(seconds) if seconds is not None else None
+
+    def headers(self) -> dict[str, str]:
+        """The response headers an error carries beside its body."""
+        return {"Retry-After": self.retry_after} if self.retry_after else {}
 
     def body(self) -> dict[str, Any]:
         return {

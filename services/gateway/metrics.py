@@ -8,7 +8,7 @@ custom collector, so they are never stale copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shared.protocol import SchedulerStats, SpillStats
+from shared.protocol import SchedulerLease, SchedulerStats, SpillStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -101,21 +101,16 @@ class SchedulerStatsCollector(Collector):
         yield from _spill_store_metrics(s)
 
 
-def spill_health(stats: SchedulerStats) -> dict[str, object]:
-    """What /health says of spilling: a Redis outage degrades spill to recompute; the
-    system still serves."""
-    store = stats.spill_store
-    if store is None:
-        state = "off" if stats.preemption_mode == "recompute" else "unavailable"
-        return {"status": state, "preemption_mode": stats.preemption_mode}
+def spill_health(leases: Sequence[SchedulerLease]) -> dict[str, object]:
+    """What /health says of spilling, from the serving schedulers' leases (the worst)."""
+    order = ("degraded", "unavailable", "ok", "off")
+    statuses = [lease.spill_status for lease in leases if lease.spill_status]
+    status = min(statuses, key=order.index) if statuses else "unavailable"
     body: dict[str, object] = {
-        "status": "ok" if store.redis_ok else "degraded",
-        "preemption_mode": stats.preemption_mode,
-        "spilled_sequences": store.num_sequences,
-        "used_bytes": store.used_bytes,
-        "capacity_bytes": store.capacity_bytes,
+        "status": status,
+        "preemption_mode": ",".join(sorted({lease.preemption_mode for lease in leases})),
     }
-    if not store.redis_ok:
+    if status == "degraded":
         body["reason"] = "redis is unavailable: victims are recomputed, not spilled"
     return body
 

@@ -9,7 +9,9 @@
 - `llm.models` (queue group `gateway`): the /v1/models body.
 
 Each generate message runs as its own task (a subscription's callbacks run one at a
-time), tracked so that a shutdown can let them finish.
+time), tracked so that a shutdown can let them finish. No message, however malformed,
+ends a handler without an answer: bad input gets a 400 reply, a bug a 500 reply and a
+log line, and the subscription goes on.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.api import GatewayApi, Generation
 from services.gateway.errors import ApiError, invalid
-from services.gateway.validation import kind_of, parse_json_body
+from services.gateway.json_body import parse_json_body
+from services.gateway.validation import kind_of
 from shared.bus import ERROR_HEADER, Bus
 from shared.clock import Clock, MonotonicClock
 from shared.subjects import ABORT, GATEWAY_QUEUE, GENERATE, MODELS
@@ -35,6 +39,22 @@ from shared.telemetry import extract, inject
 log = logging.getLogger(__name__)
 
 DONE_HEADER = "Spillway-Done"
+MAX_ID_LEN = 256
+ClientId = Field(min_length=1, max_length=MAX_ID_LEN)
+
+
+class AbortBody(BaseModel):
+    """llm.abort: one id, or a list of them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    request_id: str | None = ClientId
+    request_ids: list[str] | None = Field(None, min_length=1, max_length=1024)
+
+    def ids(self) -> list[str]:
+        return [self.request_id] if self.request_id is not None else list(self.request_ids or [])
+
+
+ABORT_USAGE = 'the body must be {"request_id": "..."} or {"request_ids": ["...", ...]}'
 
 
 def _json(body: dict[str, Any]) -> bytes:
@@ -103,28 +123,35 @@ class NatsApi:
         ) as span:
             span.set_attribute("messaging.destination.name", msg.subject)
             try:
-                body = parse_json_body(msg.data)
-                request_id = body.pop("request_id", None)
-                if request_id is not None and not isinstance(request_id, str):
-                    raise invalid("request_id must be a string", "request_id")
-                if request_id:
-                    span.set_attribute("spillway.client_request_id", request_id)
-                generation = await self.api.open(
-                    kind_of(body), body, span, arrival, aliases=[request_id or ""]
-                )
+                await self._serve_generate(msg, span, arrival)
+            except asyncio.CancelledError:
+                raise
             except ApiError as e:
                 await self._reply_error(msg, e, span)
-                return
-            try:
-                if generation.prepared.stream:
-                    await self._stream(msg, generation, span)
-                else:
-                    reply = await generation.collect()
-                    await self.bus.nc.publish(msg.reply, _json(reply), headers=_trace(span))
-            except ApiError as e:
-                await self._reply_error(msg, e, span)
-            finally:
-                await generation.close()
+            except Exception:  # a bug: the client still gets an answer
+                log.exception("llm.generate failed")
+                await self._reply_error(msg, ApiError(500, "internal server error"), span)
+
+    async def _serve_generate(self, msg: Msg, span: trace.Span, arrival: float) -> None:
+        body = await asyncio.to_thread(parse_json_body, msg.data)
+        request_id = body.pop("request_id", None)
+        if request_id is not None and not (
+            isinstance(request_id, str) and len(request_id) <= MAX_ID_LEN
+        ):
+            raise invalid(f"request_id must be a string of at most {MAX_ID_LEN}", "request_id")
+        if request_id:
+            span.set_attribute("spillway.client_request_id", request_id)
+        generation = await self.api.open(
+            kind_of(body), body, span, arrival, aliases=[request_id or ""]
+        )
+        try:
+            if generation.prepared.stream:
+                await self._stream(msg, generation, span)
+            else:
+                reply = await generation.collect()
+                await self.bus.nc.publish(msg.reply, _json(reply), headers=_trace(span))
+        finally:
+            await generation.close()
 
     async def _stream(self, msg: Msg, generation: Generation, span: trace.Span) -> None:
         # One chunk is held back so that the last can be marked done when the run ends.
@@ -139,17 +166,24 @@ class NatsApi:
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
-            body = parse_json_body(msg.data)
-            ids = body.get("request_ids") or [body.get("request_id")]
-            if not all(isinstance(i, str) and i for i in ids):
-                raise invalid('the body must be {"request_id": "..."}', "request_id")
-        except ApiError as e:
-            if msg.reply:
-                await self._publish_error(msg.reply, e, {})
+            body = AbortBody.model_validate(parse_json_body(msg.data))
+            if (body.request_id is None) == (body.request_ids is None):
+                raise invalid(ABORT_USAGE, "request_id")
+        except ValidationError as e:
+            await self._refuse(msg, invalid(f"{ABORT_USAGE}: {e.errors()[0]['msg']}"))
             return
-        aborted = sum(self.api.engine.cancel_alias(i) for i in ids)
+        except ApiError as e:
+            await self._refuse(msg, e)
+            return
+        aborted = sum(self.api.engine.cancel_alias(i) for i in body.ids())
         if msg.reply:
             await self.bus.nc.publish(msg.reply, _json({"aborted": aborted}))
+
+    async def _refuse(self, msg: Msg, error: ApiError) -> None:
+        if msg.reply:
+            await self._publish_error(msg.reply, error, {})
+        else:
+            log.warning("dropped a bad message on %s: %s", msg.subject, error.message)
 
     async def _on_models(self, msg: Msg) -> None:
         if msg.reply:
@@ -163,9 +197,8 @@ class NatsApi:
         await self._publish_error(msg.reply, error, _trace(span))
 
     async def _publish_error(self, reply: str, error: ApiError, headers: dict[str, str]) -> None:
-        await self.bus.nc.publish(
-            reply, _json(error.body()), headers={**headers, ERROR_HEADER: str(error.status)}
-        )
+        headers = {**headers, **error.headers(), ERROR_HEADER: str(error.status)}
+        await self.bus.nc.publish(reply, _json(error.body()), headers=headers)
 
 
 def _trace(span: trace.Span) -> dict[str, str]:

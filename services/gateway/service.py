@@ -3,8 +3,14 @@
 `serve(settings, stop)` is the service's whole life: it loads the tokenizer (converting a
 GGUF's once into the cache), connects, subscribes its delta subject, starts uvicorn on
 settings.host/port (port 0 picks a free one; the bound one is announced), announces
-itself ready, and on `stop` stops taking requests, lets running ones finish (bounded by
-drain_timeout_s), aborts whatever is left and closes.
+itself ready, and on `stop` drains:
+
+    1. new requests get 503 with Retry-After (HTTP keeps listening, so clients hear why;
+       llm.generate leaves the queue group, so other gateways take the NATS requests)
+    2. running requests may finish, for up to drain_timeout_s
+    3. the rest end with finish_reason "abort" (streams with their finish chunk and
+       [DONE], NATS streams with their done message)
+    4. the server closes and the service returns (exit code 0)
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from dataclasses import dataclass
 import uvicorn
 
 from services.gateway.api import GatewayApi
-from services.gateway.app import create_app
+from services.gateway.app import HttpLimits, create_app
 from services.gateway.engine import GatewayEngine
+from services.gateway.http_server import guarded_protocol
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_facts import load_model_facts
 from services.gateway.nats_api import NatsApi
@@ -34,6 +41,9 @@ from shared.model_files import resolve_model
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+# After the drain: how long the aborted requests get to write their last words.
+END_GRACE_S = 2.0
 
 
 class _Server(uvicorn.Server):
@@ -60,22 +70,21 @@ class Gateway:
 
     async def shutdown(self) -> None:
         drain_s = self.settings.drain_timeout_s
-        await self.nats_api.stop_accepting()
         self.engine.draining = True
-        self.server.should_exit = True
-        # uvicorn stops listening, then waits for in-flight HTTP requests (up to its
-        # graceful timeout) and cancels what is left; a cancelled handler aborts its run.
-        await asyncio.gather(
-            self.nats_api.drain(drain_s),
-            self.engine.wait_idle(drain_s),
-            asyncio.wait({self.server_task}, timeout=drain_s + 5),
-        )
+        await self.nats_api.stop_accepting()
         if self.engine.num_active:
+            log.info("draining %d requests (up to %gs)", self.engine.num_active, drain_s)
+        if not await self.engine.wait_idle(drain_s):
             log.warning(
                 "aborting %d requests still running after the drain", self.engine.num_active
             )
             self.engine.cancel_all()
-            await self.engine.wait_idle(1.0)
+            await self.engine.wait_idle(END_GRACE_S)
+        await self.nats_api.drain(END_GRACE_S)
+        # uvicorn stops listening, then waits for responses still being written (up to
+        # its graceful timeout) and cancels what is left.
+        self.server.should_exit = True
+        await asyncio.wait({self.server_task}, timeout=END_GRACE_S + 3)
         if not self.server_task.done():
             self.server_task.cancel()
         await asyncio.gather(self.server_task, return_exceptions=True)
@@ -102,22 +111,34 @@ async def start_gateway(settings: Settings) -> Gateway:
     tokenizer, info = await asyncio.to_thread(model_info, settings)
     gateway_id = settings.service_id or f"gw{uuid.uuid4().hex[:10]}"
     telemetry = Telemetry("gateway", settings.otlp_endpoint)
-    bus = await Bus.connect(settings.nats_url, settings.namespace, f"spillway-gateway-{gateway_id}")
+    bus = await Bus.for_service(
+        settings, "gateway", f"spillway-gateway-{gateway_id}", sender=gateway_id
+    )
     metrics = GatewayMetrics()
-    engine = GatewayEngine(bus, gateway_id, tokenizer, metrics)
+    engine = GatewayEngine(
+        bus,
+        gateway_id,
+        tokenizer,
+        metrics,
+        scheduler_timeout_s=settings.scheduler_timeout_s,
+        replay_timeout_s=settings.replay_timeout_s,
+        vocab_size=info.vocab_size,
+    )
     await engine.start()
     preparer = RequestPreparer(tokenizer, info, random_seed=lambda: secrets.randbits(63))
     api = GatewayApi(engine, preparer, info)
-    app = create_app(api, metrics, telemetry.tracer, api_key=settings.api_key)
+    limits = HttpLimits(settings.max_request_bytes, settings.http_client_timeout_s)
+    app = create_app(api, metrics, telemetry.tracer, api_key=settings.api_key, limits=limits)
     server = _Server(
         uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
+            http=guarded_protocol(settings.http_client_timeout_s),
             lifespan="off",
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=int(END_GRACE_S) + 1,
         )
     )
     server_task = asyncio.ensure_future(_run(server))

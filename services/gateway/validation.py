@@ -7,7 +7,6 @@ for bad input, 404 `model_not_found`, 400 `context_length_exceeded`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,6 +26,9 @@ from shared.protocol import SamplingParams
 
 Kind = Literal["chat", "completion"]
 MAX_PROMPTS = 16  # prompts in one batched completions request
+# /v1/completions without max_tokens generates this many, as OpenAI's and vLLM's do
+# (chat completions run to the end of the context).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -74,20 +76,6 @@ class PreparedRequest:
     def choice_sampling(self, index: int) -> SamplingParams:
         seed = (self.sampling.seed + index % self.n) % 2**64
         return self.sampling.model_copy(update={"seed": seed})
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise invalid(f"the request body is not valid UTF-8: {e}") from e
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
 
 
 def kind_of(body: dict[str, Any]) -> Kind:
@@ -171,6 +159,9 @@ class RequestPreparer:
         prompt_param = "messages" if kind == "chat" else "prompt"
         for ids in prompts:
             self._check_context(ids, max_tokens, prompt_param)
+        if max_tokens is None and kind == "completion":
+            room = self.model.context_length - max(len(ids) for ids in prompts)
+            max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, room)
         top_k = req.top_k or 0
         sampling = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,

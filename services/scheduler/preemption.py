@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.protocol import SpillStats
+
 Mode = Literal["spill", "recompute"]
 ConfiguredMode = Literal["auto", "spill", "recompute"]
 
@@ -124,3 +126,14 @@ class PreemptionPolicy:
             return "recompute"
         self._pending_bytes += num_bytes
         return "spill"
+
+
+def spill_status(preemption_mode: str, store: SpillStats | None) -> str:
+    """Spilling in one word, for the lease and /health: "off" (recompute only), "ok",
+    "degraded" (Redis is down: victims are recomputed, the system still serves) or
+    "unavailable" (no spill store answers)."""
+    if preemption_mode == "recompute":
+        return "off"
+    if store is None:
+        return "unavailable"
+    return "ok" if store.redis_ok else "degraded"

@@ -14,6 +14,17 @@ tick loop keeps up to two steps in flight when running ahead (one otherwise):
 With nothing to do, it waits on an event that submit, abort and register set. A side task
 asks the spill store for its health every half second (auto mode spills only to a healthy
 store with room).
+
+Several schedulers may share a namespace. Each has an id and publishes its lease on
+sched.heartbeat (what it drives, how busy it is, whether it drains, how spilling goes);
+sched.submit and worker.register reach one scheduler of the queue group, sched.<id>.submit
+and sched.<id>.register one chosen scheduler. Everything it sends names it as the sender.
+A registration is validated and its worker probed before the core ever sees it.
+
+SIGTERM drains: new submits get 503, running requests may finish for drain_timeout_s,
+the rest end with "abort". A tick loop that died takes the process down (exit code 1),
+so that a supervisor restarts it, rather than leaving a scheduler that answers health
+checks and serves nobody.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,14 +45,17 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.deltas import merge_deltas
 from services.scheduler.phase_stats import PhaseStats
+from services.scheduler.preemption import spill_status
 from services.scheduler.prefix_hash import hash_hex
-from services.scheduler.registry import WorkerRegistry
+from services.scheduler.registry import WorkerRegistry, registration_error
 from services.scheduler.step_timing import StepTimings
 from services.scheduler.tracing import SpanObserver
 from shared import subjects
+from shared.beacon import Beacon
 from shared.bus import Bus, BusError
 from shared.clock import Clock, MonotonicClock
 from shared.config import Settings
+from shared.leases import StallGuard
 from shared.lifecycle import announce_ready
 from shared.protocol import (
     AbortRequest,
@@ -51,6 +66,7 @@ from shared.protocol import (
     PrefixLookupReply,
     RegisterReply,
     RequestDelta,
+    SchedulerLease,
     SchedulerStats,
     SpillDrop,
     SpillStats,
@@ -66,6 +82,8 @@ from shared.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
+# How long a registering worker has to answer the probe of its step subject.
+PROBE_TIMEOUT_S = 2.0
 STOPPING = ErrorInfo(status=503, message="the scheduler is stopping", code="shutting_down")
 SPILL_POLL_S = 0.5
 SPILL_STATS_TIMEOUT_S = 1.0
@@ -80,11 +98,18 @@ class _Step:
     reply: asyncio.Future[StepResult]
 
 
+def new_scheduler_id(settings: Settings) -> str:
+    return settings.service_id or f"s{uuid.uuid4().hex[:10]}"
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     tel = Telemetry("scheduler", settings.otlp_endpoint)
-    bus = await Bus.connect(settings.nats_url, settings.namespace, "spillway-scheduler")
+    scheduler_id = new_scheduler_id(settings)
+    bus = await Bus.for_service(
+        settings, "scheduler", f"spillway-scheduler-{scheduler_id}", sender=scheduler_id
+    )
     try:
-        await SchedulerService(settings, bus, tel).run(stop)
+        await SchedulerService(settings, bus, tel, scheduler_id=scheduler_id).run(stop)
     finally:
         await bus.close()
         tel.shutdown()
@@ -92,17 +117,31 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 class SchedulerService:
     def __init__(
-        self, settings: Settings, bus: Bus, tel: Telemetry, clock: Clock | None = None
+        self,
+        settings: Settings,
+        bus: Bus,
+        tel: Telemetry,
+        clock: Clock | None = None,
+        scheduler_id: str | None = None,
     ) -> None:
         self.settings = settings
         self.bus = bus
         clock = clock or MonotonicClock()
         self.clock = clock
+        self.scheduler_id = scheduler_id or bus.sender or new_scheduler_id(settings)
+        self.boot_id = uuid.uuid4().hex
         self.phases = PhaseStats()
         self.tracer = SpanObserver(tel, clock, self._model_id, on_phase=self.phases.observe)
         self.config = SchedulerConfig.from_settings(settings)
         self.core = SchedulerCore(clock, self.config, self.tracer)
-        self.registry = WorkerRegistry(clock, settings.worker_timeout_s)
+        self.registry = WorkerRegistry(clock, settings.worker_timeout_s, self.scheduler_id)
+        self.lease = Beacon(
+            bus, subjects.SCHED_HEARTBEAT, self._lease, settings.scheduler_lease_interval_s
+        )
+        self._draining = False
+        # After our connection came back with steps in flight: a request or reply may be
+        # lost, so the worker is re-attached (its sequences recomputed) once it is back.
+        self._resync_worker = False
         self.timings = StepTimings()
         self._wake = asyncio.Event()
         self._attached: tuple[str, int] | None = None  # (worker id, registration generation)
@@ -114,32 +153,36 @@ class SchedulerService:
         self._stopping = False
 
     async def run(self, stop: asyncio.Event) -> None:
+        self.bus.events.reconnected.append(self._on_reconnected)
         subs = await self._subscribe()
-        # Workers that registered with an earlier scheduler register again.
+        self.lease.start()
+        # Workers without a live scheduler (theirs died) register now.
         await self.bus.publish(subjects.WORKER_DISCOVER, b"")
         announce_ready(
             "scheduler",
-            f"namespace={self.settings.namespace or '-'} "
+            f"id={self.scheduler_id} namespace={self.settings.namespace or '-'} "
             f"preemption={self.config.preemption_mode} run_ahead={self.config.run_ahead}",
         )
-        tasks = [
-            asyncio.create_task(self._tick_loop(), name="scheduler-ticks"),
-            asyncio.create_task(self._expire_workers(), name="scheduler-expiry"),
-        ]
+        ticks = asyncio.create_task(self._tick_loop(), name="scheduler-ticks")
+        side = [asyncio.create_task(self._expire_workers(), name="scheduler-expiry")]
         if self.config.spill_store:
-            tasks.append(asyncio.create_task(self._watch_spill_store(), name="scheduler-spill"))
+            side.append(asyncio.create_task(self._watch_spill_store(), name="scheduler-spill"))
+        stopped = asyncio.ensure_future(stop.wait())
         try:
-            await stop.wait()
+            await asyncio.wait({stopped, ticks}, return_when=asyncio.FIRST_COMPLETED)
+            if not ticks.done():
+                await self._drain_requests(ticks)
         finally:
+            stopped.cancel()
+            await self.lease.stop()
             # The tick in progress may finish (and publish its news); a step that takes
             # longer is abandoned.
             self._stopping = True
             self._wake.set()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(tasks[0]), STOP_GRACE_S)
-            for task in tasks:
+            await asyncio.wait({ticks}, timeout=STOP_GRACE_S)
+            for task in (ticks, *side):
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(ticks, *side, return_exceptions=True)
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -148,28 +191,55 @@ class SchedulerService:
                 self._void_inflight()
                 await self._publish([*self._take_pending(), *self.core.detach_worker(STOPPING)])
                 await self._publish_spill_drops()
+        if ticks.done() and not ticks.cancelled() and ticks.exception() is not None:
+            raise RuntimeError("the scheduler's tick loop stopped") from ticks.exception()
+
+    async def _drain_requests(self, ticks: asyncio.Task[None]) -> None:
+        """Takes no new requests, lets the running ones finish for drain_timeout_s, then
+        aborts the rest and lets the tick loop publish their ends."""
+        self._draining = True
+        # Said at once, not at the next interval: gateways stop routing to us now.
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subjects.SCHED_HEARTBEAT, self._lease())
+        deadline = self.clock.now() + self.settings.drain_timeout_s
+        while self._gateway_of and self.clock.now() < deadline and not ticks.done():
+            await asyncio.sleep(0.05)
+        if self._gateway_of:
+            log.warning("draining: aborting %d requests still running", len(self._gateway_of))
+            self.core.abort(list(self._gateway_of))
+            self._wake.set()
+            deadline = self.clock.now() + STOP_GRACE_S
+            while self._gateway_of and self.clock.now() < deadline and not ticks.done():
+                await asyncio.sleep(0.02)
 
     async def _subscribe(self) -> list[Subscription]:
+        queue = subjects.SCHEDULER_QUEUE
+        mine = self.scheduler_id
+        serve = self.bus.serve
         return [
-            await self.bus.serve(subjects.SCHED_SUBMIT, SubmitRequest, self._on_submit),
-            await self.bus.serve(subjects.SCHED_ABORT, AbortRequest, self._on_abort),
-            await self.bus.serve(subjects.SCHED_STATS, StatsRequest, self._on_stats),
-            await self.bus.serve(subjects.WORKER_REGISTER, WorkerInfo, self._on_register),
-            await self.bus.serve(subjects.WORKER_HEARTBEAT, Heartbeat, self._on_heartbeat),
+            await serve(subjects.SCHED_SUBMIT, SubmitRequest, self._on_submit, queue=queue),
+            await serve(subjects.sched_submit(mine), SubmitRequest, self._on_submit),
+            await serve(subjects.SCHED_ABORT, AbortRequest, self._on_abort),
+            await serve(subjects.SCHED_STATS, StatsRequest, self._on_stats),
+            await serve(subjects.WORKER_REGISTER, WorkerInfo, self._on_register, queue=queue),
+            await serve(subjects.sched_register(mine), WorkerInfo, self._on_register),
+            await serve(subjects.WORKER_HEARTBEAT, Heartbeat, self._on_heartbeat),
         ]
 
     # --- handlers -------------------------------------------------------------------
 
     async def _on_submit(self, req: SubmitRequest, ctx: Context, raw: Msg) -> SubmitReply:
         self.tracer.bind(req.request_id, ctx)
-        tier_hashes = await self._tier_lookup(req)
-        error = self.core.add_request(req, tier_hashes)
+        if self._draining:
+            error: ErrorInfo | None = STOPPING
+        else:
+            error = self.core.add_request(req, await self._tier_lookup(req))
         if error is not None:
             self.tracer.rejected(req, ctx, error)
-            return SubmitReply(ok=False, error=error)
+            return SubmitReply(ok=False, error=error, scheduler_id=self.scheduler_id)
         self._gateway_of[req.request_id] = req.gateway_id
         self._wake.set()
-        return SubmitReply()
+        return SubmitReply(scheduler_id=self.scheduler_id)
 
     async def _tier_lookup(self, req: SubmitRequest) -> list[int] | None:
         """The prompt's block hashes the shared prefix tier holds beyond the local cache
@@ -216,20 +286,93 @@ class SchedulerService:
             run_ahead=self.config.run_ahead,
             phases=self.phases.snapshot(),
             spill_store=self._spill_stats,
+            scheduler_id=self.scheduler_id,
+            worker_id=self._attached[0] if self._attached is not None else None,
         )
 
     async def _on_register(self, info: WorkerInfo, ctx: Context, raw: Msg) -> RegisterReply:
-        self.registry.register(info)
-        log.info("worker %s registered (%d KV blocks)", info.worker_id, info.num_kv_blocks)
+        error = registration_error(info) or await self._probe(info)
+        if error is not None:
+            log.warning("%s", error.message)
+            raise BusError(error)
+        before = self.registry.key_of(info.worker_id)
+        if self.registry.register(info).key != before:
+            log.info("worker %s registered (%d KV blocks)", info.worker_id, info.num_kv_blocks)
         self._workers_changed()
-        return RegisterReply()
+        return RegisterReply(scheduler_id=self.scheduler_id)
+
+    async def _probe(self, info: WorkerInfo) -> ErrorInfo | None:
+        """A registration names a step subject: something must answer there (a plan that
+        changes nothing), or every step sent to it would fail."""
+        subject = subjects.worker_step(info.worker_id)
+        try:
+            await self.bus.request(subject, StepPlan(step_id=0), StepResult, PROBE_TIMEOUT_S)
+        except BusError as e:
+            return ErrorInfo(
+                status=503,
+                message=f"registration of worker {info.worker_id!r} refused: nothing answers "
+                f"on {subject} ({e.info.message})",
+                code="worker_unreachable",
+            )
+        return None
 
     async def _on_heartbeat(self, beat: Heartbeat, ctx: Context, raw: Msg) -> None:
-        if self.registry.heartbeat(beat):
-            log.info("worker %s registered by its heartbeat", beat.info.worker_id)
+        worker_id = beat.info.worker_id
+        mine = beat.scheduler_id == self.scheduler_id
+        if mine and (error := registration_error(beat.info)) is not None:
+            log.warning("heartbeat ignored: %s", error.message)
+            return
+        known = worker_id in self.registry
+        changed = self.registry.heartbeat(beat)
+        if known and worker_id not in self.registry:
+            log.warning("worker %s now belongs to scheduler %r", worker_id, beat.scheduler_id)
+            changed = True
+        elif changed:
+            log.info("worker %s registered again by its heartbeat", worker_id)
+        if mine and self._resync_worker and self._attached and worker_id == self._attached[0]:
+            self._resync_after_outage()
+            changed = True
+        if changed:
             self._workers_changed()
 
     # --- workers --------------------------------------------------------------------
+
+    def _on_reconnected(self) -> None:
+        """Our connection was down: the workers' silence meanwhile says nothing, and a step
+        in flight may have lost its request or its reply."""
+        self.registry.touch_all()
+        if self._inflight:
+            self._resync_worker = True
+        self.lease.kick()
+
+    def _resync_after_outage(self) -> None:
+        """The driven worker is back: re-attach it (its sequences are recomputed, their
+        tokens kept) and stop waiting for the steps that got lost."""
+        self._resync_worker = False
+        assert self._attached is not None
+        worker_id = self._attached[0]
+        log.warning("worker %s: step state unknown after the outage; recomputing", worker_id)
+        self.registry.renew_generation(worker_id)
+        self._cancel_inflight()  # the tick loop re-plans on the re-attached worker
+
+    def _cancel_inflight(self) -> None:
+        for step in self._inflight:
+            step.reply.cancel()
+
+    def _lease(self) -> SchedulerLease:
+        return SchedulerLease(
+            scheduler_id=self.scheduler_id,
+            interval_s=self.settings.scheduler_lease_interval_s,
+            boot_id=self.boot_id,
+            worker_id=self._attached[0] if self._attached is not None else None,
+            worker_ids=self.registry.worker_ids(),
+            num_running=self.core.num_running,
+            num_waiting=self.core.num_waiting,
+            kv_usage=self.core.kv_usage,
+            draining=self._draining,
+            spill_status=spill_status(self.config.preemption_mode, self._spill_stats),
+            preemption_mode=self.config.preemption_mode,
+        )
 
     def _workers_changed(self) -> None:
         # With no step in flight the core can follow at once (a submit right after a
@@ -251,11 +394,18 @@ class SchedulerService:
             log.info("driving worker %s", active.info.worker_id)
             self._pending += self.core.attach_worker(active.info)
         self._attached = key
+        self.lease.kick()
 
     async def _expire_workers(self) -> None:
         interval = min(0.25, self.settings.worker_timeout_s / 4)
+        guard = StallGuard(self.clock, interval)
         while True:
             await asyncio.sleep(interval)
+            if guard.stalled():
+                self.registry.touch_all()  # heartbeats may wait unread in our own queue
+                continue
+            if not self.bus.is_connected:
+                continue  # nobody can reach us: silence is no sign of death
             dropped = self.registry.expire()
             if not dropped:
                 continue
@@ -263,8 +413,7 @@ class SchedulerService:
                 log.warning("worker %s missed its heartbeats: dropped", info.worker_id)
             if self._attached is not None and self._attached[0] in {w.worker_id for w in dropped}:
                 if self._inflight:
-                    for step in self._inflight:
-                        step.reply.cancel()  # the tick loop re-plans without that worker
+                    self._cancel_inflight()  # the tick loop re-plans without that worker
                 else:
                     self._reconcile_workers()
             self._wake.set()
@@ -343,7 +492,7 @@ class SchedulerService:
         deltas += self._apply(result)
         deltas += self.core.sweep_deadlines()
         if self.core.must_drain():
-            deltas += await self._drain()
+            deltas += await self._drain_pipeline()
         deltas += self.core.finish_tick()
         bookkeeping += time.perf_counter() - started
         if result is not None and result.error is None:
@@ -402,7 +551,7 @@ class SchedulerService:
             self._void_inflight()
         return deltas
 
-    async def _drain(self) -> list[RequestDelta]:
+    async def _drain_pipeline(self) -> list[RequestDelta]:
         """Phase 2: applies every step in flight (a finished sequence's blocks may still
         be written by one); their rows for finished sequences are over-runs, discarded."""
         start = self.clock.now()

@@ -228,7 +228,7 @@ async def _sweep_forever(store: SpillStore) -> None:
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     tel = Telemetry("spillstore", settings.otlp_endpoint)
     redis = await connect_redis(settings.redis_url)
-    bus = await Bus.connect(settings.nats_url, settings.namespace, "spillway-spillstore")
+    bus = await Bus.for_service(settings, "spillstore", "spillway-spillstore")
     store = SpillStore(
         redis,
         SpillKeys(settings.namespace),

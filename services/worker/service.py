@@ -1,9 +1,18 @@
 """The worker service: the NATS shell around ModelRunner (the only worker file on the bus).
 
-    worker.register   request/reply, retried until the scheduler answers (and again on
-                      every worker.discover)
-    worker.heartbeat  published every heartbeat_interval_s
-    worker.<id>.step  request/reply: StepPlan -> StepResult
+    sched.<id>.register  request/reply to the scheduler it picks from the leases (one that
+      or worker.register drives no worker first; the queue group when it knows none),
+                         retried until answered
+    worker.heartbeat     published every heartbeat_interval_s, naming its scheduler
+    worker.<id>.step     request/reply: StepPlan -> StepResult
+    sched.heartbeat      the schedulers' leases: when its scheduler's lapses (or drops it)
+                         the worker registers elsewhere (ownership.py)
+    worker.discover      a new scheduler asks: only a worker without a live scheduler
+                         registers again, so a stream of these disturbs nothing
+
+A worker belongs to the scheduler that took its registration and refuses every plan sent
+by anyone else (the `Spillway-Sender` header); a plan that changes nothing, the
+scheduler's probe at registration, is answered for anyone.
 
 Steps run one at a time on a single executor thread, so the event loop stays free for
 heartbeats while the model computes.
@@ -23,25 +32,35 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
 from services.worker.kv_cache import block_bytes
+from services.worker.ownership import Ownership
 from services.worker.runner import ModelRunner, load_runner
 from shared import subjects
-from shared.bus import Bus, BusError
+from shared.beacon import Beacon
+from shared.bus import Bus, BusError, sender_of
+from shared.clock import MonotonicClock
 from shared.config import Settings
+from shared.leases import LeaseBook, StallGuard
 from shared.lifecycle import announce_ready
 from shared.protocol import (
+    ErrorInfo,
     Heartbeat,
     RegisterReply,
+    SchedulerLease,
     SpillRecord,
     StepPlan,
     StepResult,
     WorkerInfo,
+    decode,
 )
 from shared.telemetry import Telemetry, extract
+from shared.waiting import wait_event
 
 log = logging.getLogger(__name__)
 
-REGISTER_TIMEOUT_S = 2.0
+# The scheduler probes our step subject before it answers.
+REGISTER_TIMEOUT_S = 5.0
 REGISTER_RETRY_S = 0.5
+FIRST_LEASE_WAIT_S = 1.0
 
 
 async def serve(
@@ -58,11 +77,19 @@ async def serve(
         if stop.is_set():  # asked to stop while the weights were loading
             return
         info = worker_info(worker_id, model_id, runner)
-        bus = await Bus.connect(
-            settings.nats_url, settings.namespace, f"spillway-worker-{worker_id}"
+        bus = await Bus.for_service(
+            settings, "worker", f"spillway-worker-{worker_id}", sender=worker_id
         )
         try:
-            service = WorkerService(bus, tel, runner, info, executor, settings.heartbeat_interval_s)
+            service = WorkerService(
+                bus,
+                tel,
+                runner,
+                info,
+                executor,
+                settings.heartbeat_interval_s,
+                settings.scheduler_timeout_s,
+            )
             await service.run(stop)
         finally:
             await bus.close()
@@ -88,6 +115,7 @@ def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInf
         kv_layout=runner.kv_layout,
         block_bytes=block_bytes(config, runner.block_size, runner.kv_cache.dtype),
         kv_store=transfer is not None and transfer.ping(),
+        boot_id=uuid.uuid4().hex,
     )
 
 
@@ -100,6 +128,7 @@ class WorkerService:
         info: WorkerInfo,
         executor: ThreadPoolExecutor,
         heartbeat_interval_s: float,
+        scheduler_timeout_s: float = 5.0,
     ) -> None:
         self.bus = bus
         self.tel = tel
@@ -107,7 +136,12 @@ class WorkerService:
         self.info = info
         self.executor = executor
         self.heartbeat_interval_s = heartbeat_interval_s
+        clock = MonotonicClock()
+        self.leases = LeaseBook(clock, scheduler_timeout_s)
+        self.ownership = Ownership(info.worker_id, clock, scheduler_timeout_s)
+        self.heartbeat = Beacon(bus, subjects.WORKER_HEARTBEAT, self._beat, heartbeat_interval_s)
         self._registering: asyncio.Task[None] | None = None
+        self._heard_lease = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         step_sub = await self.bus.serve(
@@ -117,9 +151,13 @@ class WorkerService:
         discover_sub = await self.bus.nc.subscribe(
             self.bus.subject(subjects.WORKER_DISCOVER), cb=self._on_discover
         )
+        lease_sub = await self.bus.nc.subscribe(
+            self.bus.subject(subjects.SCHED_HEARTBEAT), cb=self._on_lease
+        )
         await self.bus.settle()
-        self._register()
-        heartbeats = asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeats")
+        self._register("starting")
+        self.heartbeat.start()
+        watch = asyncio.create_task(self._watch_scheduler(), name="worker-watch")
         announce_ready(
             "worker",
             f"id={self.info.worker_id} blocks={self.info.num_kv_blocks} device={self.info.device}",
@@ -127,31 +165,40 @@ class WorkerService:
         try:
             await stop.wait()
         finally:
-            tasks = [t for t in (heartbeats, self._registering) if t is not None]
+            await self.heartbeat.stop()
+            tasks = [t for t in (watch, self._registering) if t is not None]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for sub in (step_sub, discover_sub):
+            for sub in (step_sub, discover_sub, lease_sub):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
     # --- registration and heartbeats -------------------------------------------------
 
-    def _register(self) -> None:
-        # A registration in flight may already have been answered by the scheduler that
-        # now asks again: start afresh so the asker surely hears from us.
-        if self._registering is not None:
-            self._registering.cancel()
+    def _register(self, why: str) -> None:
+        if self._registering is not None and not self._registering.done():
+            return  # one registration at a time; it picks the scheduler afresh each try
+        log.info("registering: %s", why)
         self._registering = asyncio.create_task(
             self._register_until_answered(), name="worker-register"
         )
 
     async def _register_until_answered(self) -> None:
+        # A worker that just started waits a moment to hear the leases, so that it joins
+        # a scheduler that has no worker rather than whichever answers first.
+        await wait_event(self._heard_lease, FIRST_LEASE_WAIT_S)
         attempts = 0
         while True:
+            target = self.leases.pick_for_worker()
+            subject = (
+                subjects.sched_register(target.scheduler_id)
+                if target is not None
+                else subjects.WORKER_REGISTER
+            )
             try:
                 reply = await self.bus.request(
-                    subjects.WORKER_REGISTER, self.info, RegisterReply, REGISTER_TIMEOUT_S
+                    subject, self.info, RegisterReply, REGISTER_TIMEOUT_S
                 )
             except BusError as e:
                 attempts += 1
@@ -159,27 +206,76 @@ class WorkerService:
                     log.info("registration not answered yet (%s); retrying", e.info.message)
                 await asyncio.sleep(REGISTER_RETRY_S)
                 continue
-            if not reply.ok:
-                log.warning("the scheduler declined the registration")
-            else:
-                log.info("registered as %s", self.info.worker_id)
+            owner = reply.scheduler_id or (target.scheduler_id if target else "")
+            if self.ownership.join(owner):
+                # Sequences of an earlier scheduler will never be finished by anyone; the
+                # executor runs this before any step of the new one.
+                forget = self.runner.sequences.clear
+                await asyncio.get_running_loop().run_in_executor(self.executor, forget)
+            log.info("worker %s belongs to scheduler %s", self.info.worker_id, owner or "?")
+            self.heartbeat.kick()
             return
 
     async def _on_discover(self, raw: Msg) -> None:
-        self._register()
+        why = self.ownership.why_register(self.leases)
+        if why is not None:
+            self._register(why)
 
-    async def _heartbeat_loop(self) -> None:
+    async def _on_lease(self, raw: Msg) -> None:
+        try:
+            self.leases.observe(decode(SchedulerLease, raw.data))
+        except ValueError:  # pydantic's ValidationError included
+            log.warning("ignored a malformed lease on %s", raw.subject)
+            return
+        self._heard_lease.set()
+
+    async def _watch_scheduler(self) -> None:
+        guard = StallGuard(self.leases.clock, self.heartbeat_interval_s)
         while True:
-            try:
-                beat = Heartbeat(info=self.info, num_steps=self.runner.num_steps)
-                await self.bus.publish(subjects.WORKER_HEARTBEAT, beat)
-            except Exception as e:  # disconnected for now: the client reconnects by itself
-                log.warning("heartbeat not sent: %s", e)
             await asyncio.sleep(self.heartbeat_interval_s)
+            if guard.stalled():
+                self.leases.renew_all()  # we were stalled: the leases' silence is ours
+                continue
+            if not self.bus.is_connected:
+                continue  # nobody can reach us: the leases' silence is ours
+            self.leases.lapse()
+            why = self.ownership.why_register(self.leases)
+            if why is not None:
+                self._register(why)
+
+    def _beat(self) -> Heartbeat:
+        return Heartbeat(
+            info=self.info,
+            num_steps=self.runner.num_steps,
+            scheduler_id=self.ownership.owner or "",
+        )
 
     # --- steps -------------------------------------------------------------------------
 
     async def _on_step(self, plan: StepPlan, ctx: Context, raw: Msg) -> StepResult:
+        if _changes_nothing(plan):
+            return StepResult(step_id=plan.step_id)
+        sender = sender_of(raw)
+        registering = self._registering
+        if not self.ownership.may_command(sender) and registering and not registering.done():
+            # The scheduler that took our registration may send its first plan before its
+            # reply has reached us.
+            await asyncio.wait({registering}, timeout=REGISTER_TIMEOUT_S)
+        if not self.ownership.may_command(sender):
+            log.warning(
+                "refused step %d from %r: this worker belongs to scheduler %r",
+                plan.step_id,
+                sender,
+                self.ownership.owner,
+            )
+            error = ErrorInfo(
+                status=403,
+                message=f"worker {self.info.worker_id} takes plans from its own scheduler "
+                f"({self.ownership.owner!r}) only",
+                type="permission_error",
+                code="not_my_scheduler",
+            )
+            return StepResult(step_id=plan.step_id, error=error)
         loop = asyncio.get_running_loop()
         kv_start_ns = time.time_ns()
         result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
@@ -254,3 +350,8 @@ class WorkerService:
             if result.error is not None:
                 span.set_status(Status(StatusCode.ERROR, result.error.message))
             span.end(end_time=end_ns if result.error is None else None)
+
+
+def _changes_nothing(plan: StepPlan) -> bool:
+    """A probe (a plan of nothing but its id): any order at all makes it a real step."""
+    return not any(getattr(plan, name) for name in StepPlan.model_fields if name != "step_id")

@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import pytest
 
-from services.cli.launcher import System
+from services.cli.launcher import System, pid_alive, wait_until
 from tests.e2e.keys import TINY_API_KEY
 from tests.e2e.otlp_sink import OtlpSink
 
@@ -77,22 +79,20 @@ def reference_model():
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, reference_tokenizer):
+def save_tiny_model(folder, tokenizer, context: int):
     """A tiny random Llama with the SmolLM2 tokenizer, saved as a Hugging Face folder."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(1234)
     config = LlamaConfig(
-        vocab_size=len(reference_tokenizer),
+        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=context,
         rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -101,8 +101,21 @@ def tiny_model_dir(tmp_path_factory, reference_tokenizer):
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
-    reference_tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, reference_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), reference_tokenizer, 1024)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory, reference_tokenizer):
+    """The tiny Llama with an 8k context: its generations run long enough (thousands of
+    cheap steps) to be in flight when a test kills something."""
+    folder = tmp_path_factory.mktemp("tiny-llama-8k")
+    return save_tiny_model(folder, reference_tokenizer, 8192)
 
 
 @pytest.fixture(scope="session")
@@ -119,3 +132,32 @@ def tiny_system(nats_url, redis_url, tiny_model_dir):
     )  # fmt: skip
     yield s
     s.stop()
+
+
+FAULTS_NS = "faults"
+FAULTS_KV_BLOCKS = 600
+
+
+@pytest.fixture(scope="session")
+def faults_system(long_tiny_model_dir, nats_url, redis_url):
+    """The system the fault-injection and fuzzing tests hit (in that order: it must come
+    back from every fault). Stopping it at the end must exit 0 and leave no process."""
+    s = start_faults_system(long_tiny_model_dir, nats_url, redis_url)
+    yield s
+    pids = s.all_descendants()
+    assert s.stop(signal.SIGTERM) == 0, s.tail()
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10)
+
+
+def start_faults_system(model_dir, nats_url: str, redis_url: str) -> System:
+    return System(
+        "--model", str(model_dir),
+        "--namespace", FAULTS_NS,
+        "--nats-url", nats_url,
+        "--redis-url", redis_url,
+        "--kv-blocks", str(FAULTS_KV_BLOCKS),
+        "--block-size", "32",
+        "--max-batch", "2",
+        "--dtype", "float32",
+        env={"SPILLWAY_DRAIN_TIMEOUT_S": "2"},
+    )  # fmt: skip

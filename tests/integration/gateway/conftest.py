@@ -60,12 +60,14 @@ async def start_serving(settings: Settings) -> RunningGateway:
 
 def gateway_settings(nats_url: str, namespace: str, **overrides) -> Settings:
     return Settings(
-        nats_url=nats_url,
-        namespace=namespace,
-        port=0,
-        service_id=f"gw-{uuid.uuid4().hex[:6]}",
-        drain_timeout_s=3.0,
-        **overrides,
+        **{
+            "nats_url": nats_url,
+            "namespace": namespace,
+            "port": 0,
+            "service_id": f"gw-{uuid.uuid4().hex[:6]}",
+            "drain_timeout_s": 3.0,
+            **overrides,
+        }
     )
 
 

@@ -1,9 +1,11 @@
 """A scripted scheduler on the real bus, for the gateway's integration tests.
 
-It answers `sched.submit`, `sched.stats` and takes `sched.abort` like the real one, and
-ticks every few milliseconds publishing ONE DeltaBatch per gateway per tick, each
-request's next token id from a fixed reply text (encoded with the real tokenizer). The
-prompt's text picks a behaviour:
+It answers `sched.submit` (and its own `sched.<id>.submit`), `sched.stats`, takes
+`sched.abort` and publishes its lease like the real one (naming itself as the sender of
+everything), and ticks every few milliseconds publishing ONE DeltaBatch per gateway per
+tick, each request's next token id from a fixed reply text (encoded with the real
+tokenizer). With `burst`, a request's whole output (at most the reply text) comes in
+one delta instead. The prompt's text picks a behaviour:
 
     "STALL"     accepted, but never produces a token (disconnects, deadline backstop)
     "LONG"      the reply text repeated forever (until max_tokens, deadline or abort)
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from shared.beacon import Beacon
 from shared.bus import Bus
 from shared.protocol import (
     AbortRequest,
@@ -27,6 +30,7 @@ from shared.protocol import (
     ErrorInfo,
     RequestDelta,
     SampledLogprobs,
+    SchedulerLease,
     SchedulerStats,
     StatsRequest,
     SubmitReply,
@@ -34,11 +38,19 @@ from shared.protocol import (
     TokenLogprob,
     decode,
 )
-from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas
+from shared.subjects import (
+    SCHED_ABORT,
+    SCHED_HEARTBEAT,
+    SCHED_STATS,
+    SCHED_SUBMIT,
+    gateway_deltas,
+    sched_submit,
+)
 
 REPLY_TEXT = "Hello! The answer is 42: one, two, three, four. 世界 🎉 done"
 EOS = 2
 TICK_S = 0.004
+LEASE_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -57,6 +69,10 @@ class SchedulerDouble:
     bus: Bus
     tokenizer: object
     num_workers: int = 1
+    scheduler_id: str = "double"
+    boot_id: str = "boot-1"
+    burst: bool = False
+    stalls: bool = True  # False: "STALL" prompts get the reply like any other
     submits: list[SubmitRequest] = field(default_factory=list)
     submit_trace_ids: list[int] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -64,24 +80,47 @@ class SchedulerDouble:
 
     async def start(self) -> None:
         self.reply_ids = self.tokenizer.encode(REPLY_TEXT)
+        self.bus.sender = self.scheduler_id
         self._subs = [
             await self.bus.serve(SCHED_SUBMIT, SubmitRequest, self._on_submit),
+            await self.bus.serve(sched_submit(self.scheduler_id), SubmitRequest, self._on_submit),
             await self.bus.serve(SCHED_STATS, StatsRequest, self._on_stats),
         ]
         self._subs.append(
             await self.bus.nc.subscribe(self.bus.subject(SCHED_ABORT), cb=self._on_abort)
         )
         await self.bus.settle()
+        self.lease = Beacon(self.bus, SCHED_HEARTBEAT, self._lease, LEASE_INTERVAL_S)
+        self.lease.start()
         self._ticker = asyncio.ensure_future(self._tick_forever())
 
-    async def stop_stats(self) -> None:
-        """From now on sched.stats has no responder (a dead scheduler, for /health)."""
-        await self._subs[1].unsubscribe()
+    async def fall_silent(self) -> None:
+        """A dead scheduler: no lease, no answers, no ticks."""
+        await self.lease.stop()
+        self._ticker.cancel()
+        for sub in self._subs:
+            await sub.unsubscribe()
+
+    def restart(self) -> None:
+        """A new process under the same id: it knows none of the old one's requests."""
+        self.boot_id = f"{self.boot_id}+"
+        self.active.clear()
 
     async def close(self) -> None:
+        await self.lease.stop()
         self._ticker.cancel()
         await asyncio.gather(self._ticker, return_exceptions=True)
         await self.bus.close()
+
+    def _lease(self) -> SchedulerLease:
+        return SchedulerLease(
+            scheduler_id=self.scheduler_id,
+            interval_s=LEASE_INTERVAL_S,
+            boot_id=self.boot_id,
+            worker_id="w-double" if self.num_workers else None,
+            worker_ids=["w-double"] if self.num_workers else [],
+            num_running=len(self.active),
+        )
 
     async def wait_aborted(self, request_id: str, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -106,9 +145,10 @@ class SchedulerDouble:
             return SubmitReply(ok=False, error=ErrorInfo(status=429, message="waiting queue full"))
         if "NOWORKER" in prompt:
             return SubmitReply(ok=False, error=ErrorInfo(status=503, message="no worker"))
-        behaviour = next((b for b in ("STALL", "LONG") if b in prompt), "REPLY")
+        markers = ("STALL", "LONG") if self.stalls else ("LONG",)
+        behaviour = next((b for b in markers if b in prompt), "REPLY")
         self.active[req.request_id] = Sequence(req, [], behaviour, time.monotonic())
-        return SubmitReply(ok=True)
+        return SubmitReply(ok=True, scheduler_id=self.scheduler_id)
 
     async def _on_stats(self, req: StatsRequest, ctx, raw) -> SchedulerStats:
         return SchedulerStats(
@@ -155,6 +195,10 @@ class SchedulerDouble:
             return self._delta(seq, [], finish)
         if seq.behaviour == "STALL":
             return None
+        if self.burst:
+            n = min(req.max_tokens or len(self.reply_ids), len(self.reply_ids))
+            finish = "length" if req.max_tokens is not None and n == req.max_tokens else "stop"
+            return self._delta(seq, self.reply_ids[:n], finish)
         if seq.behaviour == "LONG":
             token = self.reply_ids[seq.emitted % len(self.reply_ids)]
         elif seq.emitted < len(self.reply_ids):

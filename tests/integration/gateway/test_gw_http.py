@@ -112,7 +112,9 @@ async def test_openai_client_chat_completions_and_streaming(system):
 
 async def test_stop_string_ends_with_stop_and_aborts_the_sequence(system):
     stop = "three"
-    r = await system.client.post(COMP, json={"prompt": "Count", "stop": ["zzz", stop]})
+    r = await system.client.post(
+        COMP, json={"prompt": "Count", "stop": ["zzz", stop], "max_tokens": 100}
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["text"] == REPLY_TEXT[: REPLY_TEXT.index(stop)]
@@ -154,7 +156,7 @@ async def test_logprobs_in_openai_shapes(system):
 async def test_client_disconnect_mid_stream_aborts(system):
     async with (
         httpx.AsyncClient(base_url=system.url, timeout=30) as c,
-        c.stream("POST", COMP, json={"prompt": "LONG", "stream": True}) as r,
+        c.stream("POST", COMP, json={"prompt": "LONG", "stream": True, "max_tokens": 5000}) as r,
     ):
         got = 0
         async for line in r.aiter_lines():
@@ -173,7 +175,9 @@ async def test_client_disconnect_before_a_reply_aborts(system):
 
 
 async def test_scheduler_timeout_delta_ends_with_timeout(system):
-    r = await system.client.post(COMP, json={"prompt": "LONG timed", "deadline_ms": 150})
+    r = await system.client.post(
+        COMP, json={"prompt": "LONG timed", "deadline_ms": 150, "max_tokens": 5000}
+    )
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "timeout"
     assert body["usage"]["completion_tokens"] > 0
@@ -196,16 +200,30 @@ async def test_scheduler_refusals_map_to_statuses(system, marker, status):
     assert "traceparent" in r.headers
 
 
-async def test_health_follows_workers(system):
-    r = await system.client.get("/health")
+async def _health_until(client, status: int) -> httpx.Response:
+    """/health, polled until it answers `status` (leases arrive every 50 ms)."""
+    for _ in range(100):
+        r = await client.get("/health")
+        if r.status_code == status:
+            return r
+        await asyncio.sleep(0.05)
+    return r
+
+
+async def test_health_follows_the_worker_the_scheduler_drives(system):
+    r = await _health_until(system.client, 200)
     assert r.status_code == 200
-    assert r.json()["status"] == "ok" and r.json()["workers"] == 1
+    body = r.json()
+    assert body["status"] == "ok" and body["workers"] == 1
+    assert body["schedulers"] == [{"id": "double", "worker": "w-double", "draining": False}]
     system.scheduler.num_workers = 0
     try:
-        r = await system.client.get("/health")
+        r = await _health_until(system.client, 503)
         assert r.status_code == 503 and r.json()["workers"] == 0
+        assert r.json()["reason"] == "no worker is registered"
     finally:
         system.scheduler.num_workers = 1
+    assert (await _health_until(system.client, 200)).status_code == 200
 
 
 async def test_metrics_exports_contract_names(system):

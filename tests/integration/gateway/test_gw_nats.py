@@ -90,7 +90,7 @@ async def test_streamed_chat_opens_with_the_role(nc, system):
 async def test_abort_by_request_id_ends_the_stream_with_abort(nc, system):
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    body = {"prompt": "LONG nats", "stream": True, "request_id": "mine-1"}
+    body = {"prompt": "LONG nats", "stream": True, "request_id": "mine-1", "max_tokens": 5000}
     await nc.publish(subject(system, "llm.generate"), json.dumps(body).encode(), inbox)
     first = await sub.next_msg(timeout=10)
     assert "Spillway-Error" not in (first.headers or {})
@@ -147,7 +147,7 @@ async def test_traceparent_header_is_honoured(nc, system):
 
 async def test_http_request_can_be_aborted_over_nats_by_its_response_id(nc, system):
     async with system.client.stream(
-        "POST", "/v1/completions", json={"prompt": "LONG http", "stream": True}
+        "POST", "/v1/completions", json={"prompt": "LONG http", "stream": True, "max_tokens": 5000}
     ) as r:
         lines = r.aiter_lines()
         first = json.loads((await anext(lines)).removeprefix("data: "))

@@ -1,5 +1,7 @@
-"""A worker test double on the real bus: registers, heartbeats, answers steps with
-deterministic tokens, and can be told to fail a step, hold its steps, or fall silent."""
+"""A worker test double on the real bus: registers (its heartbeats then name the scheduler
+that took it), heartbeats, answers steps with deterministic tokens, and can be told to
+fail a step, hold its steps, or fall silent. The scheduler's registration probe (a plan
+that changes nothing) is answered and not recorded."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class ScriptedWorker:
         max_model_len: int = 128,
         heartbeat_interval_s: float = 0.1,
         step_delay_s: float = 0.0,
+        register_with: str | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.namespace = namespace
@@ -50,8 +53,14 @@ class ScriptedWorker:
             dtype="float32",
         )
         self.heartbeat_interval_s = heartbeat_interval_s
+        # A scheduler id: register with that one (sched.<id>.register), else with
+        # whichever of the queue group answers.
+        self.register_subject = (
+            subjects.sched_register(register_with) if register_with else subjects.WORKER_REGISTER
+        )
         self.step_delay_s = step_delay_s
         self.plans: list[StepPlan] = []
+        self.owner = ""  # the scheduler that took the registration
         self.fail_next_step = False
         self.gate = asyncio.Event()  # steps wait for it; set = answer at once
         self.gate.set()
@@ -74,7 +83,8 @@ class ScriptedWorker:
         assert self.bus is not None
         while True:
             try:
-                await self.bus.request(subjects.WORKER_REGISTER, self.info, RegisterReply, 1.0)
+                reply = await self.bus.request(self.register_subject, self.info, RegisterReply, 3.0)
+                self.owner = reply.scheduler_id
                 return
             except BusError:
                 await asyncio.sleep(0.05)
@@ -98,10 +108,13 @@ class ScriptedWorker:
     async def _heartbeat(self) -> None:
         assert self.bus is not None
         while not self._silent:
-            await self.bus.publish(subjects.WORKER_HEARTBEAT, Heartbeat(info=self.info))
+            beat = Heartbeat(info=self.info, scheduler_id=self.owner)
+            await self.bus.publish(subjects.WORKER_HEARTBEAT, beat)
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _on_step(self, plan: StepPlan, ctx, raw) -> StepResult | None:
+        if not (plan.finished_seq_ids or plan.new_seqs or plan.updated_seqs or plan.rows):
+            return StepResult(step_id=plan.step_id)  # the registration probe
         self.plans.append(plan)
         await self.gate.wait()
         if self._silent:

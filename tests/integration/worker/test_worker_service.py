@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.worker.service import serve
 from shared import subjects
+from shared.beacon import Beacon
 from shared.bus import Bus, BusError
 from shared.config import load_settings
 from shared.protocol import (
@@ -20,6 +21,7 @@ from shared.protocol import (
     NewSequence,
     RegisterReply,
     SamplingParams,
+    SchedulerLease,
     StepPlan,
     StepResult,
     StepRow,
@@ -28,18 +30,12 @@ from shared.protocol import (
 from shared.telemetry import Telemetry, span_context_header
 from tests.unit.worker.tiny_llama import (
     TINY_VOCAB,
-    save_tiny_llama,
     tiny_runner,
     write_synthetic_config,
 )
 
 LOAD_TIMEOUT_S = 60.0
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, seed=7, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-service"))
 
 
 def _settings(nats_url: str, model_dir, worker_id: str):
@@ -72,25 +68,43 @@ def _prefill_plan(step_id: int, seq_id: str, traceparent: str | None = None) -> 
 
 
 class SchedulerDouble:
-    """Answers registrations and collects heartbeats, as the scheduler would."""
+    """Answers registrations (naming itself), publishes its lease listing the workers that
+    registered with it, collects heartbeats; everything it sends names it as the sender."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, scheduler_id: str = "sched-test") -> None:
         self.bus = bus
+        self.scheduler_id = scheduler_id
+        bus.sender = scheduler_id
         self.registrations: asyncio.Queue[WorkerInfo] = asyncio.Queue()
         self.heartbeats: asyncio.Queue[Heartbeat] = asyncio.Queue()
+        self.workers: list[str] = []
+        self.lease = Beacon(bus, subjects.SCHED_HEARTBEAT, self._lease, 0.1)
 
     async def answer_registrations(self) -> None:
         async def on_register(info: WorkerInfo, ctx, raw) -> RegisterReply:
+            if info.worker_id not in self.workers:
+                self.workers.append(info.worker_id)
             await self.registrations.put(info)
-            return RegisterReply()
+            return RegisterReply(scheduler_id=self.scheduler_id)
 
-        await self.bus.serve(subjects.WORKER_REGISTER, WorkerInfo, on_register)
+        queue = subjects.SCHEDULER_QUEUE
+        await self.bus.serve(subjects.WORKER_REGISTER, WorkerInfo, on_register, queue=queue)
+        await self.bus.serve(subjects.sched_register(self.scheduler_id), WorkerInfo, on_register)
+        self.lease.start()
 
     async def collect_heartbeats(self) -> None:
         async def on_heartbeat(beat: Heartbeat, ctx, raw) -> None:
             await self.heartbeats.put(beat)
 
         await self.bus.serve(subjects.WORKER_HEARTBEAT, Heartbeat, on_heartbeat)
+
+    def _lease(self) -> SchedulerLease:
+        return SchedulerLease(
+            scheduler_id=self.scheduler_id,
+            interval_s=0.1,
+            worker_id=self.workers[0] if self.workers else None,
+            worker_ids=self.workers,
+        )
 
 
 async def test_worker_registers_beats_steps_and_stops(nats_url, tiny_llama_dir):
@@ -106,6 +120,7 @@ async def test_worker_registers_beats_steps_and_stops(nats_url, tiny_llama_dir):
         await scheduler.answer_registrations()
         info = await asyncio.wait_for(scheduler.registrations.get(), 10)
         assert info == first_beat.info
+        assert first_beat.scheduler_id == ""  # it belonged to nobody yet
         assert info.worker_id == "w-int"
         assert info.model_id == tiny_llama_dir.name
         assert (info.num_kv_blocks, info.block_size) == (64, 16)
@@ -113,9 +128,12 @@ async def test_worker_registers_beats_steps_and_stops(nats_url, tiny_llama_dir):
         assert (info.vocab_size, info.eos_token_ids) == (TINY_VOCAB, [2])
         assert (info.device, info.dtype) == ("cpu", "float32")
 
-        await bus.publish(subjects.WORKER_DISCOVER, b"")
-        again = await asyncio.wait_for(scheduler.registrations.get(), 10)
-        assert again.worker_id == "w-int"
+        # A worker with a live scheduler ignores a new scheduler's discover (a stream of
+        # them re-attached it over and over, recomputing everything each time).
+        for _ in range(10):
+            await bus.publish(subjects.WORKER_DISCOVER, b"")
+        await asyncio.sleep(0.5)
+        assert scheduler.registrations.empty()
 
         step = subjects.worker_step("w-int")
         plan = _prefill_plan(1, "seq-a")

@@ -6,7 +6,8 @@ import pytest
 
 from services.gateway.metrics import GatewayMetrics, TokenTimer, spill_health
 from services.scheduler.phase_stats import PhaseStats
-from shared.protocol import SchedulerStats, SpillStats
+from services.scheduler.preemption import spill_status
+from shared.protocol import SchedulerLease, SchedulerStats, SpillStats
 
 CONTRACT_NAMES = [
     "spillway_time_to_first_token_seconds_bucket",
@@ -125,8 +126,14 @@ def test_phase_histograms_and_the_spill_store_are_exported_without_a_tracing_bac
 
 
 def test_health_says_spill_is_degraded_while_redis_is_down():
-    stats = SchedulerStats(num_workers=1, num_running=0, num_waiting=0, preemption_mode="auto",
-                           spill_store=SpillStats(redis_ok=False))  # fmt: skip
-    body = spill_health(stats)
+    def lease(status: str) -> SchedulerLease:
+        return SchedulerLease(scheduler_id=status, interval_s=0.5, spill_status=status,
+                              preemption_mode="auto")  # fmt: skip
+
+    body = spill_health([lease("ok"), lease("degraded")])
     assert body["status"] == "degraded" and "recomputed" in str(body["reason"])
-    assert spill_health(stats.model_copy(update={"spill_store": None}))["status"] == "unavailable"
+    assert spill_health([lease("ok")]) == {"status": "ok", "preemption_mode": "auto"}
+    assert spill_health([])["status"] == "unavailable"
+    assert spill_status("auto", SpillStats(redis_ok=False)) == "degraded"
+    assert spill_status("recompute", None) == "off"
+    assert spill_status("spill", None) == "unavailable"

@@ -87,6 +87,25 @@ def test_error_delta_finishes_with_the_error(tokenizer):
     assert step.error == info and step.finished and output.finished
 
 
+def test_never_more_tokens_than_max_tokens_whatever_the_scheduler_sends(tokenizer):
+    """Two schedulers running one request sent each token twice: the gateway keeps what
+    was asked for, ends with "length", and asks for an abort."""
+    ids = tokenizer.encode("one two three four")
+    output = ChoiceOutput(0, tokenizer, OutputOptions(max_tokens=3))
+    doubled = [t for t in ids for _ in range(2)]
+    step = output.apply(RequestDelta(request_id="r", token_ids=doubled))
+    assert output.num_tokens == 3 and step.finish_reason == "length" and step.stop_matched
+    assert output.text == tokenizer.decode(doubled[:3])
+
+
+def test_fail_ends_an_unfinished_choice_with_the_gateways_error(tokenizer):
+    output = ChoiceOutput(0, tokenizer, OutputOptions())
+    output.apply(RequestDelta(request_id="r", token_ids=tokenizer.encode("Hi")))
+    info = ErrorInfo(status=503, message="scheduler lost", code="scheduler_lost")
+    assert output.fail(info).error == info and output.finished
+    assert output.fail(ErrorInfo(message="again")).error is None  # already ended
+
+
 def logprob_deltas(tokenizer, text: str, k: int) -> tuple[list[int], list[RequestDelta]]:
     ids = tokenizer.encode(text)
     deltas = [

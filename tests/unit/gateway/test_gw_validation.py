@@ -8,15 +8,17 @@ import json
 import pytest
 
 from services.gateway.errors import ApiError
-from services.gateway.validation import ModelInfo, RequestPreparer, kind_of, parse_json_body
+from services.gateway.json_body import parse_json_body
+from services.gateway.validation import ModelInfo, RequestPreparer, kind_of
 
 MODEL = "SmolLM2-135M-Instruct"
 MSG = [{"role": "user", "content": "hi"}]
+CONTEXT = 8192
 
 
 @pytest.fixture(scope="module")
 def preparer(tokenizer):
-    info = ModelInfo(MODEL, context_length=8192, vocab_size=49152, aliases=frozenset({"alias"}))
+    info = ModelInfo(MODEL, context_length=CONTEXT, vocab_size=49152, aliases=frozenset({"alias"}))
     return RequestPreparer(tokenizer, info, random_seed=lambda: 777)
 
 
@@ -166,8 +168,16 @@ def test_defaults_and_random_seed(preparer):
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.logprobs, s.seed) == (
         1.0, 1.0, 0, 0.0, None, 777,
     )  # fmt: skip
-    assert p.max_tokens is None and p.n == 1 and not p.stream and not p.include_usage
+    # Completions default to 16 tokens, as OpenAI's and vLLM's do; chat runs to the end.
+    assert p.max_tokens == 16 and p.n == 1 and not p.stream and not p.include_usage
     assert p.model == MODEL
+    chat = preparer.prepare("chat", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.max_tokens is None
+
+
+def test_completion_default_max_tokens_shrinks_to_the_room_left(preparer):
+    p = preparer.prepare("completion", {"prompt": [42] * (CONTEXT - 5)})
+    assert p.max_tokens == 5
 
 
 def test_completion_prompt_forms(preparer, tokenizer):

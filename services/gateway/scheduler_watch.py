@@ -1,0 +1,131 @@
+"""The gateway's view of the schedulers: their leases on sched.heartbeat, and what to do
+when one goes quiet.
+
+    pick()                 where a new request goes: the least busy live scheduler that
+                           drives a worker and is not draining
+    note(scheduler_id)     a scheduler took one of our requests (its lease may not have
+                           reached us yet: it is watched from now on all the same)
+    on_gone(id, reason)    called once when a scheduler holding our requests may have
+                           lost them for us:
+        LOST               its lease lapsed (killed, hung, cut off), or it came back as a
+                           new process under the same id: nothing more will come from it
+        INTERRUPTED        our own connection to NATS was down, and its first lease since
+                           has arrived: it lives, but news it sent meanwhile never reached
+                           us (core NATS keeps nothing for an absent subscriber)
+
+While our own connection is down, or right after our own process stalled, nothing
+lapses: the silence is ours, not theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.bus import Bus
+from shared.clock import Clock
+from shared.leases import LeaseBook, StallGuard
+from shared.protocol import SchedulerLease, decode
+from shared.subjects import SCHED_HEARTBEAT
+
+log = logging.getLogger(__name__)
+
+GoneReason = Literal["lost", "interrupted"]
+CHECK_INTERVAL_S = 0.25
+
+
+class SchedulerWatch:
+    def __init__(
+        self,
+        bus: Bus,
+        clock: Clock,
+        timeout_s: float,
+        on_gone: Callable[[str, GoneReason], None],
+    ) -> None:
+        self.bus = bus
+        self.book = LeaseBook(clock, timeout_s)
+        self._on_gone = on_gone
+        self._watched: set[str] = set()  # schedulers that hold (or held) our requests
+        self._unconfirmed: set[str] = set()  # watched, not heard since our reconnect
+        self._sub: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.nc.subscribe(
+            self.bus.subject(SCHED_HEARTBEAT), cb=self._on_lease
+        )
+        self.bus.events.reconnected.append(self._on_reconnected)
+        self._task = asyncio.create_task(self._check_forever(), name="gateway-scheduler-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    # --- queries -----------------------------------------------------------------------
+
+    def pick(self, exclude: frozenset[str] = frozenset()) -> str | None:
+        lease = self.book.pick_for_request(exclude)
+        return lease.scheduler_id if lease is not None else None
+
+    def live(self) -> list[SchedulerLease]:
+        """The schedulers heard within the timeout (none while we cannot reach NATS)."""
+        return self.book.live() if self.bus.is_connected else []
+
+    def note(self, scheduler_id: str) -> None:
+        if scheduler_id and scheduler_id not in self._watched:
+            self._watched.add(scheduler_id)
+            self.book.expect(scheduler_id)
+
+    # --- events ------------------------------------------------------------------------
+
+    async def _on_lease(self, msg: Msg) -> None:
+        try:
+            lease = decode(SchedulerLease, msg.data)
+        except ValueError:  # pydantic's ValidationError included
+            log.warning("ignored a malformed lease on %s", msg.subject)
+            return
+        sid = lease.scheduler_id
+        previous = self.book.get(sid)
+        self.book.observe(lease)
+        if previous is not None and previous.boot_id != lease.boot_id and sid in self._watched:
+            self._unconfirmed.discard(sid)
+            self._gone(sid, "lost")  # restarted under the same id: our requests died with it
+            return
+        if lease.scheduler_id in self._unconfirmed:
+            self._unconfirmed.discard(lease.scheduler_id)
+            self._gone(lease.scheduler_id, "interrupted")
+
+    def _on_reconnected(self) -> None:
+        self.book.renew_all()
+        self._unconfirmed = set(self._watched)
+
+    async def _check_forever(self) -> None:
+        guard = StallGuard(self.book.clock, CHECK_INTERVAL_S)
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            if guard.stalled():
+                self.book.renew_all()  # leases may wait unread in our own queue
+                continue
+            if not self.bus.is_connected:
+                continue
+            for scheduler_id in self.book.lapse():
+                self._unconfirmed.discard(scheduler_id)
+                if scheduler_id in self._watched:
+                    self._watched.discard(scheduler_id)
+                    self._gone(scheduler_id, "lost")
+
+    def _gone(self, scheduler_id: str, reason: GoneReason) -> None:
+        try:
+            self._on_gone(scheduler_id, reason)
+        except Exception:  # the watch must outlive any bug in a listener
+            log.exception("handling scheduler %s (%s) failed", scheduler_id, reason)

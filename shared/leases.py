@@ -1,0 +1,117 @@
+"""The schedulers' leases as one service last heard them (pure: clock and randomness are
+injected).
+
+Every scheduler publishes a `SchedulerLease` on sched.heartbeat each lease interval. A
+gateway routes new requests to the least busy live scheduler that drives a worker and
+ends the requests of one whose lease lapsed; a worker registers with a live scheduler,
+preferring one that drives no worker yet, and registers elsewhere when its own lapses.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from shared.clock import Clock
+from shared.protocol import SchedulerLease
+from shared.subjects import is_token
+
+
+@dataclass
+class _Heard:
+    lease: SchedulerLease | None  # None: known to exist, no lease heard yet
+    at: float
+
+
+class StallGuard:
+    """Tells a periodic check whether its own process stalled since the last round (its
+    event loop blocked, the machine starved): then the others' silence says nothing about
+    them, and the check must give them a fresh timeout instead of declaring them dead."""
+
+    def __init__(self, clock: Clock, interval_s: float, tolerance: float = 4.0) -> None:
+        self.clock = clock
+        self.max_gap_s = interval_s * tolerance
+        self._last = clock.now()
+
+    def stalled(self) -> bool:
+        now = self.clock.now()
+        gap, self._last = now - self._last, now
+        return gap > self.max_gap_s
+
+
+class LeaseBook:
+    def __init__(self, clock: Clock, timeout_s: float, rng: random.Random | None = None) -> None:
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.rng = rng or random.Random()
+        self._heard: dict[str, _Heard] = {}
+
+    def observe(self, lease: SchedulerLease) -> bool:
+        """Records a lease; True when its scheduler was not known (or had lapsed). A lease
+        whose ids cannot be subject tokens (they name subjects) is ignored."""
+        if not is_token(lease.scheduler_id) or not (
+            lease.worker_id is None or is_token(lease.worker_id)
+        ):
+            return False
+        new = lease.scheduler_id not in self._heard
+        self._heard[lease.scheduler_id] = _Heard(lease, self.clock.now())
+        return new
+
+    def expect(self, scheduler_id: str) -> None:
+        """Watches a scheduler heard of some other way (it answered a request): it lapses
+        like any other unless its lease arrives within the timeout."""
+        if scheduler_id not in self._heard:
+            self._heard[scheduler_id] = _Heard(None, self.clock.now())
+
+    def get(self, scheduler_id: str) -> SchedulerLease | None:
+        heard = self._heard.get(scheduler_id)
+        return heard.lease if heard is not None else None
+
+    def is_live(self, scheduler_id: str) -> bool:
+        heard = self._heard.get(scheduler_id)
+        return heard is not None and self.clock.now() - heard.at <= self.timeout_s
+
+    def live(self) -> list[SchedulerLease]:
+        return [
+            h.lease for sid, h in self._heard.items() if h.lease is not None and self.is_live(sid)
+        ]
+
+    def lapse(self) -> list[str]:
+        """Forgets the schedulers silent for longer than the timeout and returns their ids."""
+        gone = [sid for sid in self._heard if not self.is_live(sid)]
+        for sid in gone:
+            del self._heard[sid]
+        return gone
+
+    def forget(self, scheduler_id: str) -> None:
+        self._heard.pop(scheduler_id, None)
+
+    def renew_all(self) -> None:
+        """Every known scheduler gets a fresh timeout: after our own connection was down,
+        its silence says nothing about it."""
+        now = self.clock.now()
+        for heard in self._heard.values():
+            heard.at = now
+
+    def pick_for_request(self, exclude: frozenset[str] = frozenset()) -> SchedulerLease | None:
+        """The least busy live scheduler that drives a worker and is not draining."""
+        ready = [
+            lease
+            for lease in self.live()
+            if lease.worker_id and not lease.draining and lease.scheduler_id not in exclude
+        ]
+        return self._least(ready, lambda lease: lease.num_running + lease.num_waiting)
+
+    def pick_for_worker(self) -> SchedulerLease | None:
+        """A live scheduler for a worker to join: one without a worker first, then the one
+        with the fewest workers, so that the systems sharing a namespace each drive one."""
+        open_ = [lease for lease in self.live() if not lease.draining]
+        return self._least(
+            open_, lambda lease: (lease.worker_id is not None, len(lease.worker_ids))
+        )
+
+    def _least(self, leases: list[SchedulerLease], key) -> SchedulerLease | None:
+        if not leases:
+            return None
+        best = min(key(lease) for lease in leases)
+        return self.rng.choice([lease for lease in leases if key(lease) == best])

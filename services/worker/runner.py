@@ -250,10 +250,13 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     graphs; returns the runner and the model id."""
     source = resolve_model(settings.model)
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
+    configure_threads(device, settings.threads)
+    dtype = resolve_dtype(settings.dtype, device, settings.auto_dtype)
     # Before the weights load: a backend that cannot run here fails at once.
-    ops = select_ops(settings.attention_backend, device)
-    configure_threads(device)
+    native_dir = settings.cache_dir if settings.cpu_native_kernels else None
+    ops = select_ops(
+        settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
+    )
     config, weights = load_model(source, device, dtype)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         config,

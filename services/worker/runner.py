@@ -55,6 +55,15 @@ class SequenceState:
     sampling: SamplingParams
 
 
+@dataclass(frozen=True)
+class StepPhases:
+    """Where a step's time went on the worker (seconds); forward_s includes sampling."""
+
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+
+
 class PlanError(ValueError):
     """A plan the runner cannot carry out as given (the scheduler's mistake)."""
 
@@ -102,13 +111,29 @@ class ModelRunner:
         if not plan.rows:
             return StepResult(step_id=plan.step_id)
         try:
-            rows, forward_s = self._run(plan.rows)
+            rows, phases = self._run(plan.rows)
         except Exception as e:  # a device failure: report it, keep serving
             log.exception("step %d failed", plan.step_id)
             error = ErrorInfo(status=500, message=f"forward failed: {type(e).__name__}: {e}")
             return StepResult(step_id=plan.step_id, error=error)
         self.num_steps += 1
-        return StepResult(step_id=plan.step_id, rows=rows, forward_s=forward_s)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step %d: %d rows, %d tokens; prepare %.2f ms, forward %.2f ms, sampling %.2f ms",
+                plan.step_id,
+                len(plan.rows),
+                sum(len(row.token_ids) for row in plan.rows),
+                1e3 * phases.prepare_s,
+                1e3 * (phases.forward_s - phases.sample_s),
+                1e3 * phases.sample_s,
+            )
+        return StepResult(
+            step_id=plan.step_id,
+            rows=rows,
+            forward_s=phases.forward_s,
+            prepare_s=phases.prepare_s,
+            sample_s=phases.sample_s,
+        )
 
     # --- plan application ----------------------------------------------------------------
 
@@ -164,7 +189,8 @@ class ModelRunner:
 
     # --- the forward -----------------------------------------------------------------------
 
-    def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], float]:
+    def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], StepPhases]:
+        prepare_start = self.timer()
         batch = self.host_batch(rows)
         sampling = [
             RowSampling(self.sequences[row.seq_id].sampling, row.output_index)
@@ -174,15 +200,19 @@ class ModelRunner:
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
             logits = self.logits(batch)  # [S, V]
+            sample_start = self.timer()
             token_ids, logprobs = sample(logits, sampling) if sampling else ([], [])
-        forward_s = self.timer() - start
+        end = self.timer()
+        phases = StepPhases(
+            prepare_s=start - prepare_start, forward_s=end - start, sample_s=end - sample_start
+        )
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
         sampled_rows = [row for row in rows if row.sample]
         results = [
             RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
             for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
         ]
-        return results, forward_s
+        return results, phases
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,

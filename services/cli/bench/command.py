@@ -182,10 +182,6 @@ def compare(
         if gguf:
             print("peer: llama.cpp ...", flush=True)
             peers.append(run_subprocess_peer("llama.cpp", llama_python, gguf, requests, batch))
-    vllm_python = args.vllm_python or _this_python_if("vllm")
-    if vllm_python:
-        print("peer: vLLM ...", flush=True)
-        peers.append(run_subprocess_peer("vllm", vllm_python, str(source.path), requests, batch))
     tokenizer = _tokenizer(source)
     agreements = {
         p.name: agreement(our_texts, [tokenizer.decode(ids) for ids in p.output_ids])

@@ -70,7 +70,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="run the workload through transformers (and llama.cpp / vLLM when "
+        help="run the workload through transformers (and llama.cpp when "
         "installed) in the same run and print the ratios",
     )
     p.add_argument(
@@ -88,11 +88,6 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
         "--llama-cpp-model",
         default=None,
         help="the GGUF file llama.cpp runs (default: --model when it is a GGUF)",
-    )
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="a Python with vLLM's CPU build installed (default: this one, if it has)",
     )
     p.add_argument(
         "--nats-url",

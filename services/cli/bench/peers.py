@@ -2,9 +2,9 @@
 
 - transformers: static batched `generate` (greedy, every request of a batch generating
   its batch's longest output), on the very weights the server loads, in this process.
-- llama.cpp (`llama-cpp-python`) and vLLM's CPU build: optional, each in its own Python
-  environment (never a dependency of spillway); the peer script beside this module runs
-  there as a subprocess, reads the workload as JSON on stdin and answers JSON on stdout.
+- llama.cpp (`llama-cpp-python`): optional, in its own Python environment (never a
+  dependency of spillway); the peer script beside this module runs there as a
+  subprocess, reads the workload as JSON on stdin and answers JSON on stdout.
 
 Each peer returns its generated token ids per request, so that the bench can check that
 greedy outputs agree, and its wall time for the throughput.
@@ -22,10 +22,7 @@ from pathlib import Path
 from services.cli.bench.workload import BenchRequest
 from shared.model_files import ModelSource
 
-PEER_SCRIPTS = {
-    "llama.cpp": Path(__file__).with_name("llama_cpp_peer.py"),
-    "vllm": Path(__file__).with_name("vllm_peer.py"),
-}
+PEER_SCRIPTS = {"llama.cpp": Path(__file__).with_name("llama_cpp_peer.py")}
 
 
 @dataclass

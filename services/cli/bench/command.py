@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import httpx
+
 from services.cli.bench import machine as machine_mod
 from services.cli.bench.client import run_requests, served_model
 from services.cli.bench.metrics import summarise
@@ -29,7 +31,7 @@ from services.cli.bench.progress import ProgressBar
 from services.cli.bench.report import comparison_table, summary_table, write_json
 from services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
 from shared.model_config import ModelConfig, load_model_config
-from shared.model_files import ModelSource, resolve_model
+from shared.model_files import ModelNotFound, ModelSource, resolve_model
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -54,7 +56,11 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.launch and args.url:
         print("spillway bench: give --url or --launch, not both", file=sys.stderr)
         return 2
-    source = resolve_model(args.model)
+    try:
+        source = resolve_model(args.model)
+    except ModelNotFound as e:
+        print(f"spillway bench: {e}", file=sys.stderr)
+        return 2
     requests = build_requests(source, workload)
     print(
         f"workload: {workload.num_requests} requests, {workload.input_len} prompt / "
@@ -68,8 +74,13 @@ def bench_main(args: argparse.Namespace) -> int:
     namespace = system.namespace if system else args.namespace
     try:
         model = args.served_model_name or asyncio.run(served_model(url, args.api_key))
-        records, split = asyncio.run(_load_test(url, model, requests, workload, args, nats_url,
-                                                namespace))  # fmt: skip
+        records, split = asyncio.run(
+            _load_test(url, model, requests, workload, args, nats_url, namespace)
+        )
+    except httpx.HTTPError as e:
+        print(f"spillway bench: the server at {url} did not answer ({e!r}); start one or"
+              " give --launch", file=sys.stderr)  # fmt: skip
+        return 1
     finally:
         if system:
             system.stop()
@@ -123,7 +134,7 @@ async def _load_test(
     # before the clock starts.
     warm = [BenchRequest(0, requests[0].prompt_ids[:8], 2, 0.0)]
     await run_requests(url, model, warm, api_key=args.api_key)
-    bar = ProgressBar(len(requests), enabled=not args.no_progress)
+    bar = ProgressBar(len(requests), enabled=not args.no_progress and sys.stderr.isatty())
     records = await run_requests(
         url,
         model,

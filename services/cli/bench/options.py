@@ -74,6 +74,12 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
         "installed) in the same run and print the ratios",
     )
     p.add_argument(
+        "--perplexity",
+        action="store_true",
+        help="also measure perplexity of a fixed text in float32 and in int8 (the worker's "
+        "model code, in this process)",
+    )
+    p.add_argument(
         "--peer-batch",
         type=int,
         default=None,

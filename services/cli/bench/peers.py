@@ -56,7 +56,9 @@ def run_transformers(
     (all at once when None), prompts left-padded. Counts only each request's own tokens."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     if threads:
         torch.set_num_threads(threads)
     result = PeerResult(name=f"transformers generate ({dtype})")

@@ -30,6 +30,8 @@ from services.cli.bench.peers import PeerResult, agreement, run_subprocess_peer,
 from services.cli.bench.progress import ProgressBar
 from services.cli.bench.report import comparison_table, summary_table, write_json
 from services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
+from services.cli.worker_env import apply_openmp_environment
+from shared.config import load_settings
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelNotFound, ModelSource, resolve_model
 
@@ -56,6 +58,9 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.launch and args.url:
         print("spillway bench: give --url or --launch, not both", file=sys.stderr)
         return 2
+    # The in-process peers' OpenMP threads wait as the worker's do (before torch loads), so
+    # that a busy machine costs both sides alike.
+    apply_openmp_environment(load_settings())
     try:
         source = resolve_model(args.model)
     except ModelNotFound as e:
@@ -116,7 +121,6 @@ def build_requests(source: ModelSource, workload: Workload) -> list[BenchRequest
 
 def _tokenizer(source: ModelSource):
     from services.gateway.tokenizer import load_tokenizer
-    from shared.config import load_settings
 
     return load_tokenizer(source, load_settings().cache_dir)
 

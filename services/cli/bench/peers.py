@@ -12,6 +12,8 @@ greedy outputs agree, and its wall time for the throughput.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import time
@@ -56,21 +58,20 @@ def run_transformers(
     (all at once when None), prompts left-padded. Counts only each request's own tokens."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     if threads:
         torch.set_num_threads(threads)
     result = PeerResult(name=f"transformers generate ({dtype})")
-    if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.path.parent), gguf_file=source.path.name, dtype=getattr(torch, dtype)
-        )
-    elif source.kind == "hf":
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=getattr(torch, dtype))
-    else:
+    if source.kind not in ("gguf", "hf"):
         result.error = "transformers cannot load a synthetic model"
         return result
+    folder = source.path.parent if source.kind == "gguf" else source.path
+    extra = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
+    # Its GGUF conversion draws a progress bar of its own; the bench's output stays a table.
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=getattr(torch, dtype), **extra
+        )
     model = model.eval()
     outputs: dict[int, list[int]] = {}
     with torch.inference_mode():

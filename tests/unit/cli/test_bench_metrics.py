@@ -67,9 +67,10 @@ def test_tables_and_json_carry_the_figures(tmp_path):
     assert f"{ratio:.2f}" in lines["transformers"]
     assert "failed: exit code 1" in lines["llama.cpp"]
     path = tmp_path / "out" / "bench.json"
-    write_json(path, {"summary": s, "stats": Stats(1.0, 2.0, 3.0)})
+    write_json(path, {"summary": s, "stats": Stats(1.0, 2.0, 3.0), "file": tmp_path})
     data = json.loads(path.read_text())
     assert data["summary"]["completed"] == 1 and data["stats"]["p99"] == 3.0
+    assert data["file"] == str(tmp_path)
 
 
 def test_agreement_counts_identical_outputs_and_common_prefixes():

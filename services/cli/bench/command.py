@@ -102,7 +102,8 @@ def bench_main(args: argparse.Namespace) -> int:
         "step_split_s": split,
     }
     if args.compare:
-        report.update(compare(args, source, requests, ours, [r.text for r in records]))
+        name = "spillway (HTTP, whole system)" if system else f"{model} at {url}"
+        report.update(compare(args, source, requests, name, ours, [r.text for r in records]))
     if args.perplexity:
         report["perplexity"] = measure_perplexity(source)
     if args.json:
@@ -179,6 +180,7 @@ def compare(
     args: argparse.Namespace,
     source: ModelSource,
     requests: list[BenchRequest],
+    ours_name: str,
     ours,
     our_texts: list[str],
 ) -> dict[str, Any]:
@@ -204,7 +206,7 @@ def compare(
         if not p.error and args.temperature == 0.0
     }
     print()
-    print(comparison_table("spillway (HTTP, whole system)", ours, peers, agreements, bound))
+    print(comparison_table(ours_name, ours, peers, agreements, bound))
     print(f"matrix-product bound: {gflops:.0f} GFLOP/s float32 on {the_machine.line()}")
     return {
         "machine": the_machine,

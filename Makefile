@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: install
-	$(BIN)/python -m bench.throughput
+	$(BIN)/spillway bench --launch --compare --json bench-results/bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -4,6 +4,11 @@ Each kernel module also holds the torch reference that the CPU worker runs, so i
 must not need Triton. Deferring `triton.jit` to the first launch also means the interpreter
 switch (TRITON_INTERPRET) is read when a kernel is first used, not whenever its module happened
 to be imported first.
+
+Device functions that several kernels call (`@helper`, the Triton tutorials' `@triton.jit`
+helpers) are deferred the same way: when a kernel is first launched, every helper named in
+its module (and in those helpers' modules) becomes one shared `triton.jit` function, so a
+kernel module may import a helper from another.
 """
 
 from __future__ import annotations
@@ -31,12 +36,40 @@ class LazyKernel:
         if self._jitted is None:
             import triton
 
+            jit_helpers(self.fn)
             self._jitted = triton.jit(self.fn)
         return self._jitted[grid]
 
 
+class LazyHelper:
+    """A device function called from kernels; a Triton JIT function once a kernel that
+    calls it is first launched."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.jitted: Any = None
+
+
 def jit(fn: Callable[..., None]) -> LazyKernel:
     return LazyKernel(fn)
+
+
+def helper(fn: Callable[..., Any]) -> LazyHelper:
+    return LazyHelper(fn)
+
+
+def jit_helpers(kernel_fn: Callable[..., Any]) -> None:
+    """Replaces every LazyHelper in the kernel's module globals by its (shared) JIT
+    function, which is what Triton finds when it compiles the kernel."""
+    import triton
+
+    namespace = kernel_fn.__globals__
+    for name, value in list(namespace.items()):
+        if isinstance(value, LazyHelper):
+            if value.jitted is None:
+                value.jitted = triton.jit(value.fn)
+                jit_helpers(value.fn)  # helpers calling helpers
+            namespace[name] = value.jitted
 
 
 def next_pow2(n: int) -> int:

@@ -335,22 +335,11 @@ def bench_kernels(device: torch.device, ops: KernelOps, copy_gbps: float | None)
     return [measure(case, ops, device, copy_gbps) for case in cases(device)]
 
 
-def bench_decode_step(
-    device: torch.device, ops: KernelOps, copy_gbps: float | None
-) -> list[Result]:
-    """The worker's whole decode step on a synthetic model, against its floor and against
-    transformers (services/worker/decode_bench.py)."""
-    from services.worker.decode_bench import bench_decode_step as run
-
-    return run(device, ops, copy_gbps)
-
-
-# Further sections plug in beside the kernels: each takes (device, ops, copy_gbps) and
-# returns rows for the table and the JSON file.
-SECTIONS: dict[str, Callable[[torch.device, KernelOps, float | None], list[Result]]] = {
-    "kernels": bench_kernels,
-    "decode_step": bench_decode_step,
-}
+# Further sections plug in beside the kernels (the worker's whole decode step does, from
+# `python -m services.worker.decode_bench`): each takes (device, ops, copy_gbps) and returns
+# rows for the table and the JSON file.
+Section = Callable[[torch.device, KernelOps, float | None], list[Result]]
+SECTIONS: dict[str, Section] = {"kernels": bench_kernels}
 
 
 # --- report -------------------------------------------------------------------------------
@@ -383,8 +372,12 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
+def main(
+    argv: list[str] | None = None,
+    sections: dict[str, Section] | None = None,
+    prog: str = "python -m kernels.bench",
+) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -413,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_gbps": copy_gbps,
     }
     failed = False
-    for section, bench in SECTIONS.items():
+    for section, bench in (sections or SECTIONS).items():
         results = bench(device, ops, copy_gbps)
         print(f"\n[{section}]\n{format_table(results)}")
         report[section] = [asdict(r) for r in results]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._contract import check_out, check_paged_kv
-from kernels._jit import cdiv, jit, next_pow2, num_sms
+from kernels._jit import cdiv, helper, jit, next_pow2, num_sms
 
 try:
     import triton.language as tl
@@ -27,6 +27,60 @@ LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
 # A split shorter than this spends more on its partial results than on attention.
 MIN_SPLIT_TOKENS = 256
+
+
+@helper
+def attend_tile(
+    q,  # [M, D]: M queries of one KV head's group (rows past the group: zeros)
+    q_pos,  # [M] int: the last key position each query sees
+    acc,  # [M, D] float32: unnormalised output so far
+    m_i,  # [M] float32: running max (log2 units)
+    l_i,  # [M] float32: running softmax denominator
+    table,  # the row's block table
+    k_head,  # the KV head's first element in the K cache (v_head alike)
+    v_head,
+    tile,  # the tile's first key position
+    end,  # keys at `end` and after are not read
+    qk_scale,  # softmax scale * log2(e)
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One tile of BLOCK_N keys of online softmax (flash attention's inner step): loads the
+    tile's K and V through the block table, returns the updated (acc, m_i, l_i). Shared by
+    the decode and the prefill kernels."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tile + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < end
+    block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+    # kt: [D, BLOCK_N]
+    kt = tl.load(
+        k_head + block[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None],
+        mask=n_ok[None, :],
+        other=0.0,
+    )
+    # s: [M, BLOCK_N] in log2 units, so exp2 below is the softmax exponential
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+    visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    # v: [BLOCK_N, D]
+    v = tl.load(
+        v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :],
+        mask=n_ok[:, None],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
 
 
 @jit
@@ -95,32 +149,14 @@ def _decode_partial_kernel(
     table = block_tables_ptr + row.to(tl.int64) * stride_btr
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
+    # Every query of the group sits at the context's end and sees every key before it.
+    q_pos = tl.full([BLOCK_H], ctx - 1, tl.int32)
     for tile in range(start, end, BLOCK_N):
-        offs_n = tile + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        # kt: [D, BLOCK_N]
-        kt = tl.load(
-            k_head + block[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None],
-            mask=n_ok[None, :],
-            other=0.0,
-        )
-        # s: [BLOCK_H, BLOCK_N] in log2 units, so exp2 below is the softmax exponential
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        # v: [BLOCK_N, D]
-        v = tl.load(
-            v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, m_i, l_i = attend_tile(
+            q, q_pos, acc, m_i, l_i, table, k_head, v_head, tile, end, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
 
     if NUM_SPLITS == 1:
         # A row with no context would divide 0 by 0; it gets zeros instead of NaN.

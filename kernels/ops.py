@@ -23,20 +23,24 @@ bfloat16 or float16, and attention accumulates in float32 on both backends.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
+from kernels import cpu_native
 from kernels._jit import interpreting
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
-from kernels.linear import PackedLinear, linear
+from kernels.linear import Int8Linear, PackedLinear, linear
 from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotary_factors, rotary_ref
 
 Derived = TypeVar("Derived")
+# Weight quantizations of the CPU projections (`TorchOps(quantize=...)`).
+QUANTIZATIONS = ("none", "int8")
 
 
 class KernelOps(Protocol):
@@ -157,6 +161,10 @@ class LastDerived(Generic[Derived]):
         )
 
 
+def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _same(a: object, b: object) -> bool:
     return a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b)
 
@@ -166,12 +174,27 @@ class TorchOps:
 
     One instance serves one model: it keeps the packed projection weights, the gather
     buffers and what it derived from the current step's index tensors (`LastDerived`).
+
+    Decode rows of a float32 CPU cache attend through the native kernel
+    (`kernels.cpu_native`), which reads the paged cache in place instead of gathering it:
+    `native` is those kernels, None for the pure torch path, or "auto" to build them (in
+    `native_dir`) where a C compiler is found.
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
-        self._linear = PackedLinear()
+    def __init__(
+        self,
+        native: cpu_native.NativeKernels | Literal["auto"] | None = "auto",
+        native_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR,
+        quantize: str = "none",
+    ) -> None:
+        if quantize not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantize!r}: use {' or '.join(QUANTIZATIONS)}")
+        self.native = cpu_native.load(native_dir) if native == "auto" else native
+        self.quantize = quantize
+        self._decode_query_start: torch.Tensor | None = None  # [R + 1] int64: 0, 1, ..., R
+        self._linear = Int8Linear() if quantize == "int8" else PackedLinear()
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
@@ -181,6 +204,11 @@ class TorchOps:
     ) -> torch.Tensor:
         """x W^T + b; on the CPU against weights packed on first use (kernels.linear)."""
         return self._linear(x, weight, bias)
+
+    def keep_exact(self, weights: Iterable[torch.Tensor]) -> None:
+        """Under a quantization: these projection weights stay float32."""
+        if isinstance(self._linear, Int8Linear):
+            self._linear.exempt(weights)
 
     def store_kv(
         self,
@@ -251,6 +279,8 @@ class TorchOps:
 
         `max_context_len` is not needed: the lengths are on the host already.
         """
+        if self._native_fits(q, k_cache, v_cache):
+            return self._native_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
         block_size = k_cache.shape[1]
         gather = self._decode_gather.get(
             (block_tables, context_lens),
@@ -268,6 +298,46 @@ class TorchOps:
             gather=gather,
             buffers=self._gather_buffers,
         )
+
+    def _native_fits(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        return (
+            self.native is not None
+            and q.device.type == "cpu"
+            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and q.stride(-1) == 1
+        )
+
+    def _native_decode(
+        self,
+        q: torch.Tensor,  # [R, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        assert self.native is not None
+        rows = q.shape[0]
+        starts = self._decode_query_start
+        if starts is None or starts.shape[0] < rows + 1:
+            starts = self._decode_query_start = torch.arange(max(rows + 1, 65))
+        target = out if out is not None and out.is_contiguous() else torch.empty_like(q)
+        self.native.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            _contiguous_rows(block_tables.to(torch.int32)),
+            context_lens.to(torch.int32).contiguous(),
+            starts[: rows + 1],
+            scale,
+            target,
+        )
+        if out is not None and target is not out:
+            out.copy_(target)
+        return target if out is None else out
 
     def rms_norm(
         self,
@@ -449,17 +519,28 @@ class TritonOps:
         self._rotary.rotary(q, k, positions, cos_cache, sin_cache)
 
 
-def select_ops(backend: str = "auto", device: str | torch.device = "cpu") -> KernelOps:
+def select_ops(
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
+    *,
+    native_dir: str | Path | None = cpu_native.DEFAULT_CACHE_DIR,
+    quantize: str = "none",
+) -> KernelOps:
     """`auto`: Triton on CUDA (when installed), torch elsewhere.
 
     `triton` on a non-CUDA device runs the kernels in Triton's CPU interpreter, which is
-    only meant for testing and must be asked for with TRITON_INTERPRET=1.
+    only meant for testing and must be asked for with TRITON_INTERPRET=1. The torch backend
+    builds its native CPU kernels in `native_dir` (None: pure torch) and quantizes its
+    projections as `quantize` says; quantization is a CPU mode.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
     on_cuda = torch.device(device).type == "cuda"
+    if quantize != "none" and on_cuda:
+        raise ValueError(f"--quantize {quantize} is a CPU mode; on CUDA use --dtype bfloat16")
     if backend == "torch" or (backend == "auto" and not (on_cuda and _triton_importable())):
-        return TorchOps()
+        native: Literal["auto"] | None = "auto" if native_dir is not None else None
+        return TorchOps(native, native_dir or cpu_native.DEFAULT_CACHE_DIR, quantize)
     if not on_cuda and not interpreting():
         raise ValueError(
             f"the triton backend needs a CUDA device, not {device!r}; set TRITON_INTERPRET=1 "
@@ -467,6 +548,8 @@ def select_ops(backend: str = "auto", device: str | torch.device = "cpu") -> Ker
         )
     if not _triton_importable():
         raise ValueError("the triton backend needs the triton package: pip install triton")
+    if quantize != "none":
+        raise ValueError(f"--quantize {quantize} needs the torch backend")
     return TritonOps()
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels._contract import check_out, check_paged_kv
 from kernels._jit import cdiv, jit
-from kernels.decode_attention import GatherBuffers, decode_gather, gather_kv
+from kernels.decode_attention import GatherBuffers, attend_tile, decode_gather, gather_kv
 
 try:
     import triton.language as tl
@@ -95,32 +95,11 @@ def _prefill_kernel(
     # Key 0 is visible to every query, so after the first tile each row's max is finite and
     # later fully masked rows cannot produce exp(-inf - -inf).
     for tile in range(0, kv_end, BLOCK_N):
-        offs_n = tile + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        # kt: [D, BLOCK_N]
-        kt = tl.load(
-            k_head + block[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None],
-            mask=n_ok[None, :],
-            other=0.0,
-        )
-        # s: [BLOCK_M, BLOCK_N] in log2 units
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        # v: [BLOCK_N, D]
-        v = tl.load(
-            v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, m_i, l_i = attend_tile(
+            q, q_pos, acc, m_i, l_i, table, k_head, v_head, tile, kv_end, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
 
     o = acc / l_i[:, None]
     tl.store(

@@ -18,6 +18,9 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AutoDtype = Literal["exact", "fastest"]
+CpuWaitPolicy = Literal["passive", "active"]
+Quantization = Literal["none", "int8"]
 PreemptionMode = Literal["auto", "spill", "recompute"]
 AttentionBackend = Literal["auto", "torch", "triton"]
 
@@ -113,6 +116,24 @@ class Settings(BaseSettings):
     prefix_tier_blocks: int = Field(default=1024, ge=0)
     # Plan step N+1 before step N's result is back (hides bus and bookkeeping time).
     run_ahead: bool = True
+    # --- the worker on the CPU ---
+    # Math threads of the worker (--threads); unset: every core this process may run on.
+    threads: int | None = Field(default=None, ge=1)
+    # How the worker's idle math threads wait (OpenMP's OMP_WAIT_POLICY, unless that is set):
+    # passive threads sleep at once, so a busy neighbour costs throughput in proportion to
+    # the CPU it takes; active ones spin, a little faster on an idle machine and far slower
+    # on a shared one.
+    cpu_wait_policy: CpuWaitPolicy = "passive"
+    # What --dtype auto picks on the CPU: exact = float32 (greedy outputs equal the float32
+    # reference); fastest = whichever of float32 and bfloat16 a start-up measurement finds
+    # faster (bfloat16 only on a CPU with bfloat16 units).
+    auto_dtype: AutoDtype = "exact"
+    # Weight quantization of the projections (--quantize): int8 (per output channel, with
+    # activations quantized per step) is faster on the CPU and changes outputs: opt-in only.
+    quantize: Quantization = "none"
+    # Attention reads the paged KV cache in place through C loops built on first use
+    # (a C compiler is needed; without one the torch path gathers the cache instead).
+    cpu_native_kernels: bool = True
     debug_invariants: bool = False
     log_level: str = "INFO"
     service_id: str | None = None  # the worker / gateway id; random when not set

@@ -335,6 +335,11 @@ class StepResult(Message):
     step_id: int
     rows: list[RowResult] = Field(default_factory=list)  # one per sampling row, plan order
     forward_s: float = 0.0  # time in the model's forward and sampling
+    # The worker's phases, when it reports them: building the step's index tensors, and
+    # the sampling part of forward_s (on CUDA the forward's tail, which sampling waits
+    # for, counts as sampling).
+    prepare_s: float | None = None
+    sample_s: float | None = None
     error: ErrorInfo | None = None
     spills: list[SpillOutcome] = Field(default_factory=list)
     # Sequences whose restore or prefix load failed (data gone, store down): their rows

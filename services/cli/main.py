@@ -9,6 +9,7 @@ import sys
 
 from pydantic import ValidationError
 
+from services.cli.bench.options import add_bench_options
 from services.cli.options import add_options, overrides_from
 from shared.config import Settings, load_settings
 
@@ -32,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print nats-server users and permissions (one per service) with new passwords",
     )
     nats.add_argument("--namespace", default=defaults.namespace, help="the system's namespace")
+    bench = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible server (and compare with transformers)"
+    )
+    add_bench_options(bench)
     return parser
 
 
@@ -41,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.nats_auth import print_config
 
         return print_config(args.namespace)
+    if args.command == "bench":
+        from services.cli.bench.command import bench_main
+
+        return bench_main(args)
     try:
         settings = load_settings(**overrides_from(args))
     except ValidationError as e:
@@ -58,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
 def serve_one(service: str, settings: Settings) -> int:
     from shared.lifecycle import run_service
 
+    if service == "worker":
+        from services.cli.worker_env import apply_openmp_environment
+
+        apply_openmp_environment(settings)  # before the worker's imports load torch
     # Imported lazily: the gateway never loads torch, the worker never loads FastAPI.
     module = importlib.import_module(f"services.{service}.service")
     return run_service(service, lambda stop: module.serve(settings, stop), settings.log_level)

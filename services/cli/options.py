@@ -40,6 +40,10 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--no-run-ahead", "run_ahead", {"action": "store_const", "const": False,
                                      "help": "wait for each step's result before planning "
                                      "the next"}),
+    ("--threads", "threads", {"type": int, "help": "worker math threads on the CPU"}),
+    ("--quantize", "quantize", {"choices": ["none", "int8"],
+                                "help": "int8 weights for the CPU projections (faster, changes "
+                                "outputs)"}),
     ("--no-cuda-graphs", "cuda_graphs", {"action": "store_const", "const": False,
                                          "help": "run decode steps eagerly, without CUDA "
                                          "graphs"}),
@@ -47,6 +51,7 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 SECRET_FIELDS = {"api_key"}
+SHOWN_WHEN_UNSET = {"kv_blocks": "sized from memory", "threads": "every core available"}
 # Switches that are on unless their --no-... flag is given.
 OFF_SWITCHES = {"prefix_cache", "cuda_graphs", "run_ahead"}
 
@@ -60,7 +65,7 @@ def add_options(parser: argparse.ArgumentParser, defaults: Settings) -> None:
         if field in OFF_SWITCHES:
             shown = "on" if shown else "off"
         if shown in (None, ""):
-            shown = "sized from memory" if field == "kv_blocks" else "none"
+            shown = SHOWN_WHEN_UNSET.get(field, "none")
         help_text = f"{kwargs.pop('help')} (default: {shown})"
         parser.add_argument(flag, dest=field, default=None, help=help_text, **kwargs)
 

@@ -1,5 +1,5 @@
-"""The worker's whole decode step, measured: the `decode_step` section of
-`python -m kernels.bench`.
+"""The worker's whole decode step, measured: `python -m services.worker.decode_bench` runs
+the kernel benchmark (`kernels.bench`) with this step as its `decode_step` section.
 
 A synthetic model (random weights made on the device) decodes one token for each of B rows
 whose caches already hold `context - 1` tokens (random keys and values: attention costs the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 
+from kernels.bench import SECTIONS, Result, timer_for
+from kernels.bench import main as bench_main
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache, blocks_needed
 from services.worker.loader import ModelWeights
@@ -131,8 +134,6 @@ class _Case:
 
 def bench_decode_step(device: torch.device, ops: KernelOps, copy_gbps: float | None) -> list:
     """Rows (`kernels.bench.Result`) for each configuration, skipped ones included."""
-    from kernels.bench import Result, timer_for
-
     timer = timer_for(device)
     setup = setup_for(device)
     config, dtype = setup.config, setup.dtype
@@ -458,3 +459,15 @@ def _result(
         meets_target=None if target is None or fraction is None else fraction >= target,
         extra=extra,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(
+        argv,
+        sections={**SECTIONS, "decode_step": bench_decode_step},
+        prog="python -m services.worker.decode_bench",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.cpu_info import cpu_flags
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
 
@@ -67,11 +69,48 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA, float32 elsewhere (CPU bfloat16 matmuls are slow)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
+# bfloat16 must beat float32 by this much to be chosen: the measurement is short and noisy.
+BF16_MIN_SPEEDUP = 1.2
+BF16_UNITS = ("avx512_bf16", "amx_bf16")
+
+
+def resolve_dtype(dtype: str, device: torch.device, auto: str = "exact") -> torch.dtype:
+    """`auto`: bfloat16 on CUDA. On the CPU, float32 (the exact mode) unless `auto` is
+    "fastest": then bfloat16 where this CPU has bfloat16 units and a start-up measurement
+    finds it at least BF16_MIN_SPEEDUP times faster (without such units bfloat16 matmuls
+    run emulated, several times slower than float32)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if auto != "fastest":
+        return torch.float32
+    units = [f for f in BF16_UNITS if f in cpu_flags()]
+    f32_s, bf16_s = time_matmul(torch.float32), time_matmul(torch.bfloat16)
+    speedup = f32_s / bf16_s
+    chosen = torch.bfloat16 if units and speedup >= BF16_MIN_SPEEDUP else torch.float32
+    log.info(
+        "dtype auto (fastest): bfloat16 runs %.2fx float32's speed here, bfloat16 units: %s;"
+        " chose %s",
+        speedup,
+        ", ".join(units) or "none",
+        str(chosen).removeprefix("torch."),
+    )
+    return chosen
+
+
+def time_matmul(dtype: torch.dtype, rows: int = 64, size: int = 1024, rounds: int = 5) -> float:
+    """Best seconds of one [rows, size] x [size, size] product in `dtype` on the CPU."""
+    x = torch.randn(rows, size).to(dtype)
+    w = torch.randn(size, size).to(dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def load_model(

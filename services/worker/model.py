@@ -70,10 +70,21 @@ def rope_tables(
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
-def configure_threads(device: torch.device) -> None:
-    """On CPU the forward is matmul bound: give torch every core."""
-    if device.type == "cpu":
-        torch.set_num_threads(os.cpu_count() or 1)
+def configure_threads(device: torch.device, threads: int | None = None) -> int:
+    """On the CPU: `threads` math threads, by default one per core this process may run
+    on (its affinity, which a container or `taskset` may narrow). Returns the count."""
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    count = threads or available_cores()
+    torch.set_num_threads(count)
+    return count
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class LlamaModel:
@@ -97,6 +108,12 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        keep_exact = getattr(ops, "keep_exact", None)
+        if keep_exact is not None:
+            # The down projection's inputs (SiLU(gate) * up) have outliers that 8-bit
+            # activations lose: quantizing it alone raised SmolLM2-135M's perplexity of
+            # the bench text from 38.4 to 53.6, every other projection together to 41.
+            keep_exact(layer.down for layer in weights.layers)
 
     @property
     def device(self) -> torch.device:

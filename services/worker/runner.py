@@ -68,6 +68,15 @@ class SequenceState:
     sampling: SamplingParams
 
 
+@dataclass(frozen=True)
+class StepPhases:
+    """Where a step's time went on the worker (seconds); forward_s includes sampling."""
+
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+
+
 class PlanError(ValueError):
     """A plan the runner cannot carry out as given (the scheduler's mistake)."""
 
@@ -143,7 +152,7 @@ class ModelRunner:
         if not rows:
             return result
         try:
-            result.rows, result.forward_s = self._run(rows)
+            result.rows, phases = self._run(rows)
         except Exception as e:  # a device failure: report it, keep serving
             for row in rows:  # their run-ahead rows must not feed a stale token
                 self.last_token.pop(row.seq_id, None)
@@ -161,6 +170,19 @@ class ModelRunner:
         for out in result.rows:
             self.last_token[out.seq_id] = out.token_id
         self.num_steps += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step %d: %d rows, %d tokens; prepare %.2f ms, forward %.2f ms, sampling %.2f ms",
+                plan.step_id,
+                len(rows),
+                sum(row_length(row) for row in rows),
+                1e3 * phases.prepare_s,
+                1e3 * (phases.forward_s - phases.sample_s),
+                1e3 * phases.sample_s,
+            )
+        result.forward_s = phases.forward_s
+        result.prepare_s = phases.prepare_s
+        result.sample_s = phases.sample_s
         return result
 
     # --- KV to and from the spill store ---------------------------------------------------
@@ -260,7 +282,8 @@ class ModelRunner:
 
     # --- the forward -----------------------------------------------------------------------
 
-    def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], float]:
+    def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], StepPhases]:
+        prepare_start = self.timer()
         batch = self.host_batch(rows)
         sampling = [
             RowSampling(self.sequences[row.seq_id].sampling, row.output_index)
@@ -270,15 +293,19 @@ class ModelRunner:
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
             logits = self.logits(batch)  # [S, V]
+            sample_start = self.timer()
             token_ids, logprobs = sample(logits, sampling) if sampling else ([], [])
-        forward_s = self.timer() - start
+        end = self.timer()
+        phases = StepPhases(
+            prepare_s=start - prepare_start, forward_s=end - start, sample_s=end - sample_start
+        )
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
         sampled_rows = [row for row in rows if row.sample]
         results = [
             RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
             for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
         ]
-        return results, forward_s
+        return results, phases
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,
@@ -351,10 +378,13 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     graphs; returns the runner and the model id."""
     source = resolve_model(settings.model)
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
+    configure_threads(device, settings.threads)
+    dtype = resolve_dtype(settings.dtype, device, settings.auto_dtype)
     # Before the weights load: a backend that cannot run here fails at once.
-    ops = select_ops(settings.attention_backend, device)
-    configure_threads(device)
+    native_dir = settings.cache_dir if settings.cpu_native_kernels else None
+    ops = select_ops(
+        settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
+    )
     config, weights = load_model(source, device, dtype)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         config,

@@ -72,6 +72,7 @@ def _compile(fn, args, kwargs):
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    kjit.jit_helpers(fn)  # the device functions it calls, as a live launch would
     jitted = JITFunction(fn)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(jitted.arg_names, args, strict=False)) | kwargs

@@ -9,7 +9,9 @@ import torch
 
 from kernels.linear import (
     CPU_TRANSPOSED_BELOW,
+    Int8Linear,
     PackedLinear,
+    int8_available,
     linear,
     onednn_packing_available,
 )
@@ -88,3 +90,23 @@ def test_packed_linear_falls_back_where_it_cannot_pack():
     assert grad_w.grad is not None and len(packed) == 0
     off = PackedLinear(enabled=False)
     assert torch.equal(off(x, w, b), linear(x, w, b)) and len(off) == 0
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_is_close_to_float_and_exempt_weights_are_exact(with_bias):
+    w, b = _weights(5, out_features=96, in_features=64)
+    bias = b if with_bias else None
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    want = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+    int8 = Int8Linear()
+    got = int8(x, w, bias)
+    assert got.shape == (9, 96) and len(int8) == 1
+    err = float((got.double() - want).norm() / want.norm())
+    assert 1e-5 < err < 0.03  # quantized (not exact), yet close
+    torch.testing.assert_close(int8(x, w, bias), got)  # packed once, reused
+    assert len(int8) == 1
+    other, _ = _weights(6, out_features=96, in_features=64)
+    int8.exempt([other])
+    exact = int8(x, other)
+    torch.testing.assert_close(exact.double(), x.double() @ other.double().T, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,140 @@
+"""Native CPU kernels, compiled from C on first use and called through ctypes.
+
+What torch cannot express without copying (attention that reads the paged KV cache in
+place) lives in `native/*.c`: plain C with OpenMP loops, no torch headers, so it builds in
+about a second with the system's C compiler. The library is cached per source and CPU
+(`cache_dir/native/<hash>/`); where no compiler is found or the build fails, `load()`
+returns None and callers keep the torch path.
+
+OpenMP: the library links `libgomp.so.1`, the soname of the runtime torch has already
+loaded, so its loops share torch's thread pool and settings (thread count, wait policy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_info import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
+DEFAULT_CACHE_DIR = Path("~/.cache/spillway")
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def compile_flags() -> list[str]:
+    """-O3 with OpenMP, plus AVX2/FMA where this CPU has them (the library is cached per
+    CPU flags, so a machine without them never loads one built with them)."""
+    flags = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+    have = cpu_flags()
+    if {"avx2", "fma"} <= have:
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+class NativeKernels:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._lib = library
+        fn = library.paged_attention_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            _PTR, _I64, _I64,  # q, its token and head strides
+            _PTR, _PTR,  # k_cache, v_cache
+            _PTR, _I64, _PTR,  # block_tables, its row stride, context_lens
+            _PTR, _PTR,  # query_start, out
+            _I64, _I64, _I64, _I64, _I64,  # rows, q heads, kv heads, head dim, block size
+            _F32,  # scale
+        ]  # fmt: skip
+        self._paged_attention = fn
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D] float32, unit stride in D
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D] float32, contiguous
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [R, MB] int32, unit stride in MB
+        context_lens: torch.Tensor,  # [R] int32, contiguous
+        query_start: torch.Tensor,  # [R + 1] int64, contiguous
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D] float32, contiguous
+    ) -> torch.Tensor:
+        """Attention of every query over its row's cached context, read in place."""
+        _, q_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
+        assert q.stride(2) == 1 and block_tables.stride(1) == 1
+        assert block_tables.dtype == context_lens.dtype == torch.int32
+        assert query_start.dtype == torch.int64 and context_lens.is_contiguous()
+        assert query_start.is_contiguous() and q_heads % kv_heads == 0
+        rows = block_tables.shape[0]
+        code = self._paged_attention(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+            query_start.data_ptr(), out.data_ptr(),
+            rows, q_heads, kv_heads, head_dim, block_size,
+            scale,
+        )  # fmt: skip
+        if code != 0:
+            raise MemoryError("native paged attention could not allocate its buffers")
+        return out
+
+
+_loaded: dict[Path, NativeKernels | None] = {}
+_lock = threading.Lock()
+
+
+def load(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> NativeKernels | None:
+    """The native kernels, built on first use; None where they cannot be built here."""
+    folder = Path(cache_dir).expanduser() / "native" / _build_key()
+    with _lock:
+        if folder not in _loaded:
+            _loaded[folder] = _build_and_load(folder)
+        return _loaded[folder]
+
+
+def _build_key() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(compile_flags()).encode())
+    return h.hexdigest()[:16]
+
+
+def _build_and_load(folder: Path) -> NativeKernels | None:
+    library = folder / "libspillway_native.so"
+    try:
+        if not library.is_file():
+            compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+            if compiler is None:
+                log.info("no C compiler: attention gathers the KV cache (torch path)")
+                return None
+            folder.mkdir(parents=True, exist_ok=True)
+            # Built beside and renamed into place: a concurrent loader never sees half a file.
+            with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
+                partial = Path(tmp.name)
+            try:
+                subprocess.run(
+                    [compiler, *compile_flags(), str(SOURCE), "-o", str(partial), "-lm"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                partial.replace(library)
+            finally:
+                partial.unlink(missing_ok=True)
+        return NativeKernels(ctypes.CDLL(str(library)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("native CPU kernels unavailable (%s): using the torch path", detail.strip())
+        return None

@@ -1,0 +1,156 @@
+/* Paged attention over the worker's KV cache, read in place (CPU, float32).
+ *
+ * The torch path gathers every row's blocks into a padded copy before attending, which
+ * reads and writes the whole context once more per layer and step; these loops read each
+ * row's blocks where they lie. One task per (row, KV head) covers that head's query group
+ * (GQA), so each key and value is loaded once for the group. Two passes per task: scores
+ * (kept in a per-thread buffer), then softmax weights times values. Accumulates in float32.
+ *
+ * Layout (as kernels/ops.py states): q [T, Hq, D] (any row and head strides, unit stride
+ * in D), caches [NB, BS, Hkv, D] contiguous, block_tables [R, MB] int32 (row stride
+ * given), context_lens [R] int32, out [T, Hq, D] contiguous. Query i of row r sits at
+ * position context_lens[r] - q_len + i and sees keys [0, that position].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* exp(x) for x <= 0, within 1.5 float ulps (Cephes' expf: x = n ln2 + r with ln2 split
+ * in two so that r is exact, e^r by a polynomial, 2^n set in the exponent bits); below
+ * -87 it gives e^-87. Unlike libm's expf it vectorizes. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } power = {.i = ((int32_t)n + 127) << 23};
+    return p * power.f;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
+}
+
+/* The attention of one query group (the G query heads sharing a KV head) over keys
+ * [0, visible) of one row: q_g at q + g * q_head_stride, out_g at out + g * head_dim.
+ * scores holds G * visible floats. */
+static inline __attribute__((always_inline)) void attend_group(const float *q, int64_t q_head_stride, int64_t group,
+                         const float *k_head, const float *v_head, const int32_t *table,
+                         int64_t visible, int64_t block_size, int64_t token_stride,
+                         int64_t block_stride, int64_t head_dim, float scale,
+                         float *restrict scores, float *restrict out) {
+    memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
+    if (visible <= 0) return;
+    /* Pass 1: every score, each key loaded once for the whole group. */
+    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
+        const float *k_block = k_head + (int64_t)table[b] * block_stride;
+        const int64_t n = visible - start < block_size ? visible - start : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            const float *k = k_block + o * token_stride;
+            for (int64_t g = 0; g < group; g++)
+                scores[g * visible + start + o] = dot(q + g * q_head_stride, k, head_dim) * scale;
+        }
+    }
+    /* Softmax weights, unnormalised; the division comes last. */
+    float inv_total[group];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * visible;
+        float max_score = -INFINITY;
+        for (int64_t t = 0; t < visible; t++) max_score = s[t] > max_score ? s[t] : max_score;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < visible; t++) {
+            s[t] = exp_nonpositive(s[t] - max_score);
+            total += s[t];
+        }
+        inv_total[g] = 1.0f / total;
+    }
+    /* Pass 2: weights times values, each value loaded once for the whole group. */
+    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
+        const float *v_block = v_head + (int64_t)table[b] * block_stride;
+        const int64_t n = visible - start < block_size ? visible - start : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            const float *v = v_block + o * token_stride;
+            for (int64_t g = 0; g < group; g++)
+                axpy(out + g * head_dim, scores[g * visible + start + o], v, head_dim);
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv_total[g];
+    }
+}
+
+/* Every query of every row: rows' queries packed back to back (query_start [R + 1]);
+ * a row of one query is a decode row. Returns 0, or -1 when a buffer could not be had. */
+int paged_attention_f32(const float *q, int64_t q_token_stride, int64_t q_head_stride,
+                        const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *context_lens, const int64_t *query_start, float *out,
+                        int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale) {
+    const int64_t group = q_heads / kv_heads;
+    const int64_t token_stride = kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (context_lens[r] > longest) longest = context_lens[r];
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t room = (longest > 0 ? longest : 1) * group;
+        float *scores = (float *)malloc((size_t)room * sizeof(float));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (scores == NULL) continue;
+                const int64_t first = query_start[r], last = query_start[r + 1];
+                const int64_t ctx = context_lens[r];
+                const int32_t *table = block_tables + r * table_stride;
+                const float *k_head = k_cache + h * head_dim;
+                const float *v_head = v_cache + h * head_dim;
+                for (int64_t i = first; i < last; i++) {
+                    const int64_t visible = ctx - (last - i) + 1;
+                    const int64_t head = h * group;
+                    const float *q_group = q + i * q_token_stride + head * q_head_stride;
+                    float *out_group = out + (i * q_heads + head) * head_dim;
+/* Common head sizes get their own copy, unrolled for that size. */
+#define ATTEND(D)                                                                         \
+    attend_group(q_group, q_head_stride, group, k_head, v_head, table, visible, block_size, \
+                 token_stride, block_stride, D, scale, scores, out_group)
+                    if (head_dim == 64)
+                        ATTEND(64);
+                    else if (head_dim == 128)
+                        ATTEND(128);
+                    else
+                        ATTEND(head_dim);
+#undef ATTEND
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

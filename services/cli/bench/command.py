@@ -1,0 +1,297 @@
+"""`spillway bench`: options, then one run (load test, optional peers, report).
+
+    spillway bench [--url URL | --launch] [--requests N] [--concurrency C] [--rate R]
+                   [--input-len L] [--output-len L] [--seed S] [--json FILE] [--compare]
+
+The defaults are the workload P1: 64 requests of 128 random prompt tokens and 128 new
+tokens each, all sent at once, greedy, `ignore_eos`. `--launch` starts a fresh system
+(`spillway up` on private NATS and Redis) for the run and stops it before the peers run,
+so that each system has the machine to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+
+from services.cli.bench import machine as machine_mod
+from services.cli.bench.client import run_requests, served_model
+from services.cli.bench.metrics import summarise
+from services.cli.bench.options import DEFAULT_URL
+from services.cli.bench.peers import PeerResult, agreement, run_subprocess_peer, run_transformers
+from services.cli.bench.progress import ProgressBar
+from services.cli.bench.report import comparison_table, summary_table, write_json
+from services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
+from services.cli.worker_env import apply_openmp_environment
+from shared.config import load_settings
+from shared.model_config import ModelConfig, load_model_config
+from shared.model_files import ModelNotFound, ModelSource, resolve_model
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    return Workload(
+        num_requests=args.requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        dataset=args.dataset,
+        seed=args.seed,
+        rate=args.rate,
+        concurrency=args.concurrency,
+    )
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    try:
+        workload = workload_from(args)
+    except ValueError as e:
+        print(f"spillway bench: {e}", file=sys.stderr)
+        return 2
+    if args.launch and args.url:
+        print("spillway bench: give --url or --launch, not both", file=sys.stderr)
+        return 2
+    # The in-process peers' OpenMP threads wait as the worker's do (before torch loads), so
+    # that a busy machine costs both sides alike.
+    apply_openmp_environment(load_settings())
+    try:
+        source = resolve_model(args.model)
+    except ModelNotFound as e:
+        print(f"spillway bench: {e}", file=sys.stderr)
+        return 2
+    requests = build_requests(source, workload)
+    print(
+        f"workload: {workload.num_requests} requests, {workload.input_len} prompt / "
+        f"{workload.output_len} new tokens (range ±{workload.range_ratio:g}), {workload.dataset}"
+        f" prompts, rate {workload.rate:g}/s, concurrency {workload.concurrency or 'unlimited'}",
+        flush=True,
+    )
+    system = Launched.start(shlex.split(args.launch_args)) if args.launch else None
+    url = system.url if system else (args.url or DEFAULT_URL)
+    nats_url = system.nats_url if system else args.nats_url
+    namespace = system.namespace if system else args.namespace
+    try:
+        model = args.served_model_name or asyncio.run(served_model(url, args.api_key))
+        records, split = asyncio.run(
+            _load_test(url, model, requests, workload, args, nats_url, namespace)
+        )
+    except httpx.HTTPError as e:
+        print(f"spillway bench: the server at {url} did not answer ({e!r}); start one or"
+              " give --launch", file=sys.stderr)  # fmt: skip
+        return 1
+    finally:
+        if system:
+            system.stop()
+    ours = summarise(records)
+    print(summary_table(f"spillway bench: {url}", ours))
+    if split:
+        print("median step (scheduler's view): " + ", ".join(
+            f"{k} {v * 1e3:.1f} ms" for k, v in split.items() if v is not None))  # fmt: skip
+    report: dict[str, Any] = {
+        "workload": asdict(workload),
+        "url": url,
+        "model": model,
+        "summary": ours,
+        "step_split_s": split,
+    }
+    if args.compare:
+        name = "spillway (HTTP, whole system)" if system else f"{model} at {url}"
+        report.update(compare(args, source, requests, name, ours, [r.text for r in records]))
+    if args.perplexity:
+        report["perplexity"] = measure_perplexity(source)
+    if args.json:
+        write_json(args.json, report)
+        print(f"figures written to {args.json}")
+    return 0 if ours.failed == 0 else 1
+
+
+def build_requests(source: ModelSource, workload: Workload) -> list[BenchRequest]:
+    tokenizer = _tokenizer(source)
+    special = list(tokenizer.tokenizer.get_added_tokens_decoder())
+    text = workload.dataset == "text"
+    text_ids = tokenizer.encode(TEXT, add_special_tokens=False) if text else ()
+    return make_requests(workload, tokenizer.vocab_size, special, text_ids)
+
+
+def _tokenizer(source: ModelSource):
+    from services.gateway.tokenizer import load_tokenizer
+
+    return load_tokenizer(source, load_settings().cache_dir)
+
+
+async def _load_test(
+    url: str,
+    model: str,
+    requests: list[BenchRequest],
+    workload: Workload,
+    args: argparse.Namespace,
+    nats_url: str | None,
+    namespace: str,
+):
+    # One short request first: connections open and the server's first-use work is done
+    # before the clock starts.
+    warm = [BenchRequest(0, requests[0].prompt_ids[:8], 2, 0.0)]
+    await run_requests(url, model, warm, api_key=args.api_key)
+    bar = ProgressBar(len(requests), enabled=not args.no_progress and sys.stderr.isatty())
+    records = await run_requests(
+        url,
+        model,
+        requests,
+        concurrency=workload.concurrency,
+        temperature=args.temperature,
+        api_key=args.api_key,
+        progress=bar,
+    )
+    split = await step_split(nats_url, namespace) if nats_url else None
+    return records, split
+
+
+async def step_split(nats_url: str, namespace: str) -> dict[str, float | None] | None:
+    """The scheduler's rolling medians of a step's parts (None when it does not answer)."""
+    from shared.bus import Bus, BusError
+    from shared.protocol import SchedulerStats, StatsRequest
+    from shared.subjects import SCHED_STATS
+
+    try:
+        bus = await Bus.connect(nats_url, namespace, "spillway-bench")
+    except Exception:
+        return None
+    try:
+        stats = await bus.request(SCHED_STATS, StatsRequest(), SchedulerStats, timeout=5)
+    except BusError:
+        return None
+    finally:
+        await bus.close()
+    return {
+        "forward": stats.step_forward_s,
+        "scheduler_bookkeeping": stats.step_bookkeeping_s,
+        "bus": stats.step_bus_s,
+    }
+
+
+def compare(
+    args: argparse.Namespace,
+    source: ModelSource,
+    requests: list[BenchRequest],
+    ours_name: str,
+    ours,
+    our_texts: list[str],
+) -> dict[str, Any]:
+    the_machine = machine_mod.describe_machine()
+    print(f"\nmachine: {the_machine.line()}", flush=True)
+    gflops = machine_mod.matmul_gflops()
+    config = load_model_config(source)
+    bound = bound_tokens_per_s(config, requests, gflops)
+    batch = args.peer_batch or args.concurrency
+    peers: list[PeerResult] = []
+    print("peer: transformers ...", flush=True)
+    peers.append(run_transformers(source, requests, batch))
+    llama_python = args.llama_cpp_python or _this_python_if("llama_cpp")
+    if llama_python:
+        gguf = args.llama_cpp_model or (str(source.path) if source.kind == "gguf" else None)
+        if gguf:
+            print("peer: llama.cpp ...", flush=True)
+            peers.append(run_subprocess_peer("llama.cpp", llama_python, gguf, requests, batch))
+    tokenizer = _tokenizer(source)
+    agreements = {
+        p.name: agreement(our_texts, [tokenizer.decode(ids) for ids in p.output_ids])
+        for p in peers
+        if not p.error and args.temperature == 0.0
+    }
+    print()
+    print(comparison_table(ours_name, ours, peers, agreements, bound))
+    print(f"matrix-product bound: {gflops:.0f} GFLOP/s float32 on {the_machine.line()}")
+    return {
+        "machine": the_machine,
+        "matmul_gflops": gflops,
+        "bound_tokens_per_s": bound,
+        "peers": [
+            {**{k: v for k, v in asdict(p).items() if k != "output_ids"},
+             "output_throughput": p.output_throughput,
+             "ratio_ours_over_peer": (ours.output_throughput / p.output_throughput
+                                      if p.output_throughput else None),
+             "agreement": agreements.get(p.name)}
+            for p in peers
+        ],
+    }  # fmt: skip
+
+
+def measure_perplexity(source: ModelSource) -> dict[str, float]:
+    from services.cli.bench.quality import perplexities, perplexity_lines
+
+    ids = _tokenizer(source).encode(TEXT, add_special_tokens=False)
+    results = perplexities(source, ids)
+    print(perplexity_lines(results, len(ids)))
+    return results
+
+
+def _this_python_if(module: str) -> str | None:
+    return sys.executable if importlib.util.find_spec(module) is not None else None
+
+
+def flops_per_request(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
+    """Arithmetic of one request: every token through the projections and attention, the
+    lm_head only for the tokens that sample (the last prompt token and each new one)."""
+    c = config
+    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_layer = (
+        qkv + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * (c.intermediate_size)
+    )
+    tokens = prompt_len + new_tokens - 1
+    projections = 2.0 * c.num_layers * per_layer * tokens
+    lm_head = 2.0 * c.vocab_size * c.hidden_size * new_tokens
+    # Position i attends to i + 1 keys: QK^T and PV, 2 FLOPs per multiply-add each.
+    attention = 4.0 * c.num_layers * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2)
+    return projections + lm_head + attention
+
+
+def bound_tokens_per_s(config: ModelConfig, requests: list[BenchRequest], gflops: float) -> float:
+    work = sum(flops_per_request(config, len(r.prompt_ids), r.max_tokens) for r in requests)
+    return sum(r.max_tokens for r in requests) / (work / (gflops * 1e9))
+
+
+class Launched:
+    """A fresh system (`spillway up`) on private NATS and Redis, for one run."""
+
+    NAMESPACE = "bench"
+
+    def __init__(self, system, servers, nats_url: str) -> None:
+        self.system = system
+        self.servers = servers
+        self.nats_url = nats_url
+        self.namespace = self.NAMESPACE
+        self.url = system.url
+
+    @classmethod
+    def start(cls, extra_args: list[str]) -> Launched:
+        from services.cli.launcher import System
+        from services.cli.servers import start_nats, start_redis
+
+        servers = [start_nats(), start_redis()]
+        try:
+            print("starting a spillway system ...", flush=True)
+            started = time.perf_counter()
+            system = System(
+                "--namespace", cls.NAMESPACE, "--nats-url", servers[0].url,
+                "--redis-url", servers[1].url, *extra_args,
+            )  # fmt: skip
+        except Exception:
+            for s in servers:
+                s.stop()
+            raise
+        print(f"system ready at {system.url} in {time.perf_counter() - started:.0f} s", flush=True)
+        return cls(system, servers, servers[0].url)
+
+    def stop(self) -> None:
+        try:
+            self.system.stop()
+        finally:
+            for s in self.servers:
+                s.stop()

@@ -1,0 +1,54 @@
+"""The machine a run measured: CPU model, the flags that decide the fast paths, and the
+float32 matrix-product bound (what a perfect engine's arithmetic alone would allow)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from kernels.cpu_info import cpu_flags, cpu_model
+
+# Flags that change which CPU kernels can run (AVX-512, bfloat16 / int8 dot products, AMX).
+FLAGS_OF_INTEREST = (
+    "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16",
+    "amx_int8", "amx_tile",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    cores: int
+    flags: tuple[str, ...]
+
+    def line(self) -> str:
+        return f"{self.cpu}, {self.cores} cores, flags: {' '.join(self.flags) or 'none'}"
+
+
+def describe_machine() -> Machine:
+    flags = cpu_flags()
+    chosen = tuple(f for f in FLAGS_OF_INTEREST if f in flags)
+    return Machine(cpu=cpu_model(), cores=os.cpu_count() or 1, flags=chosen)
+
+
+def matmul_gflops(size: int = 1024, rounds: int = 12, threads: int | None = None) -> float:
+    """The best float32 matrix-product rate torch reaches here, in GFLOP/s (the best of
+    `rounds` products of two size x size matrices: the bound, not a typical figure)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        for _ in range(2):
+            a @ b
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * size**3 / best / 1e9

@@ -1,0 +1,47 @@
+"""What a faster, inexact mode costs in quality: perplexity of a fixed text.
+
+The model reads the text in chunks over its own paged KV cache (the serving path, prefill
+and all) and scores every next token; the same text under float32 is the yardstick
+(`spillway bench --perplexity` prints both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from services.worker.kv_cache import KVCache, blocks_needed
+from services.worker.model import LlamaModel
+from services.worker.runner import ModelRunner
+from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+
+SEQ_ID = "perplexity"
+
+
+def perplexity(
+    model: LlamaModel, token_ids: Sequence[int], chunk: int = 128, block_size: int = 16
+) -> float:
+    """exp(mean negative log-likelihood) of token_ids[1:] given the tokens before each."""
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    num_blocks = blocks_needed(len(token_ids), block_size)
+    cache = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+    runner = ModelRunner(model, cache)
+    blocks = list(range(num_blocks))
+    new = NewSequence(seq_id=SEQ_ID, sampling=SamplingParams(), block_ids=blocks)
+    runner.execute(StepPlan(step_id=0, new_seqs=[new]))
+    total_nll, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(token_ids) - 1, chunk):
+            piece = list(token_ids[start : start + chunk])
+            row = StepRow(seq_id=SEQ_ID, token_ids=piece, start_pos=start, sample=False)
+            batch = replace(runner.host_batch([row]), logits_indices=None)  # every token
+            logits = model.forward(batch.to(model.device), cache)  # [n, V]
+            targets = torch.tensor(token_ids[start + 1 : start + 1 + len(piece)])
+            log_probs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+            total_nll -= float(log_probs.gather(1, targets[:, None].to(logits.device)).sum())
+            count += len(targets)
+    return math.exp(total_nll / count)

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.protocol import RegionName, RegionSampling
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -20,6 +22,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "spill", "recompute"]
 AttentionBackend = Literal["auto", "torch", "triton"]
+MarkerName = Literal["think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end"]
 
 
 def _env(*names: str) -> AliasChoices:
@@ -75,6 +78,22 @@ class Settings(BaseSettings):
     # What the spill store may hold in Redis.
     spill_capacity_bytes: int = Field(default=4 << 30, ge=0)
     debug_invariants: bool = False
+    # Adaptive sampling by region (think block, code fence, tool call): off unless turned
+    # on here (server-wide) or per request (`sampling_by_region` in the body). The table
+    # maps a region to the settings that replace the request's inside it; as an
+    # environment variable, JSON: SPILLWAY_REGION_SAMPLING='{"code": {"temperature": 0.2}}'.
+    sampling_by_region: bool = False
+    region_sampling: dict[RegionName, RegionSampling] = Field(
+        default_factory=lambda: {
+            "code": RegionSampling(temperature=0.2),
+            "tool_call": RegionSampling(temperature=0.0),
+        }
+    )
+    # The model profile's region markers, replacing the ones found in its tokenizer and
+    # chat template: {"think_start": "<think>", "think_end": "</think>", "code_fence":
+    # "```", "tool_call_start": "<tool_call>", "tool_call_end": "</tool_call>"}; an empty
+    # string turns a marker off.
+    region_markers: dict[MarkerName, str] = Field(default_factory=dict)
     log_level: str = "INFO"
     service_id: str | None = None  # the worker / gateway id; random when not set
     # Derived files kept between runs (e.g. a GGUF model's tokenizer, converted once).

@@ -1,18 +1,25 @@
 """One choice's output: from the scheduler's token deltas to text, logprobs and a finish.
 
-Pure: detokenizes incrementally, matches stop strings, shapes logprobs and counts
-tokens. The engine feeds it `RequestDelta`s and acts on what comes back (a matched stop
-string means the scheduler must be told to abort the sequence).
+Pure: detokenizes incrementally, splits reasoning from content (models with think
+markers), matches stop strings on the content (from min_tokens on), reads tool calls out
+of it, shapes logprobs and counts tokens. The engine feeds it `RequestDelta`s and acts on
+what comes back (a matched stop string means the scheduler must be told to abort the
+sequence).
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.reasoning import ReasoningSplit
+from services.gateway.stop_strings import StopCheck, StopStringMatcher
 from services.gateway.tokenizer import ModelTokenizer
-from shared.protocol import ErrorInfo, RequestDelta, SampledLogprobs
+from services.gateway.tool_call_parser import ToolCall, ToolCallDelta, ToolCallParser
+from services.gateway.validation import PreparedRequest
+from shared.protocol import ErrorInfo, RegionName, RequestDelta, SampledLogprobs
+from shared.regions import RegionMarkers
 
 # JSON has no -inf; OpenAI-compatible servers report a very unlikely token like this.
 MIN_LOGPROB = -9999.0
@@ -45,10 +52,18 @@ class ChoiceStep:
     finish_reason: str | None = None
     error: ErrorInfo | None = None
     stop_matched: bool = False  # the scheduler still runs the sequence: abort it
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    @property
+    def has_news(self) -> bool:
+        return bool(
+            self.text or self.reasoning or self.tool_calls or self.logprobs or self.finished
+        )
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,33 @@ class OutputOptions:
     logprobs: int | None = None  # None: no logprobs
     tokens_as_ids: bool = False  # logprob tokens spelled "token_id:<id>"
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings apply once this many tokens are out
+    # Reasoning split: the model's markers and the region the output starts in.
+    reasoning: RegionMarkers | None = None
+    initial_region: RegionName = "plain"
+    # Tool calls parsed out of the content: the (start, end) tags.
+    tool_tags: tuple[str, str] | None = None
+    parallel_tool_calls: bool = True
+
+
+def output_options(prepared: PreparedRequest, markers: RegionMarkers) -> OutputOptions:
+    """How a request's choices turn tokens into text, reasoning and tool calls."""
+    tools = prepared.tools
+    return OutputOptions(
+        stop=prepared.stop,
+        logprobs=prepared.sampling.logprobs,
+        tokens_as_ids=prepared.tokens_as_ids,
+        skip_special_tokens=prepared.skip_special_tokens,
+        min_tokens=prepared.min_tokens,
+        reasoning=markers if prepared.split_reasoning else None,
+        initial_region=prepared.sampling.initial_region,
+        tool_tags=tools.tags if tools is not None else None,
+        parallel_tool_calls=tools.parallel if tools is not None else True,
+    )
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChoiceOutput:
@@ -68,13 +110,38 @@ class ChoiceOutput:
             lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
         )
         self._stop = StopStringMatcher(options.stop)
+        self._min_tokens = options.min_tokens
         self._want_logprobs = options.logprobs is not None
         self._tokens_as_ids = options.tokens_as_ids
+        self._split: ReasoningSplit | None = None
+        self._reasoning_text: IncrementalDetokenizer | None = None
+        if options.reasoning is not None:
+            self._split = ReasoningSplit(
+                options.reasoning, tokenizer.token_bytes, options.initial_region
+            )
+            self._reasoning_text = IncrementalDetokenizer(
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
+            )
+        self._tools: ToolCallParser | None = None
+        if options.tool_tags is not None:
+            start, end = options.tool_tags
+            self._tools = ToolCallParser(
+                start, end, new_tool_call_id, parallel=options.parallel_tool_calls
+            )
         self.num_tokens = 0
         self.text = ""
+        self.reasoning: str | None = "" if options.reasoning is not None else None
         self.logprobs: list[TokenLogprobInfo] = []
         self.finish_reason: str | None = None
         self.error: ErrorInfo | None = None
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self._tools.calls if self._tools is not None else []
+
+    @property
+    def num_reasoning_tokens(self) -> int | None:
+        return self._split.num_reasoning_tokens if self._split is not None else None
 
     @property
     def finished(self) -> bool:
@@ -89,7 +156,15 @@ class ChoiceOutput:
             self.num_tokens += 1
             if self._want_logprobs and i < len(sampled):
                 step.logprobs.append(self._logprob_info(token_id, sampled[i]))
-            check = self._stop.feed(self._detokenizer.push(token_id))
+            channel = self._split.route(token_id) if self._split is not None else "content"
+            if channel != "content":
+                step.reasoning += self._reasoning_piece(token_id, channel)
+                continue
+            piece = self._detokenizer.push(token_id)
+            # Stop strings count only once min_tokens are out (as vLLM does).
+            check = (
+                self._stop.feed(piece) if self.num_tokens > self._min_tokens else StopCheck(piece)
+            )
             step.text += check.text
             if check.matched is not None:
                 step.finish_reason = "stop"
@@ -111,12 +186,32 @@ class ChoiceOutput:
         step.finish_reason = finish_reason
         return self._record(step)
 
+    def _reasoning_piece(self, token_id: int, channel: str) -> str:
+        """Reasoning text for a think-block token; a marker releases what was held back
+        (the block ended, or a new one starts)."""
+        assert self._reasoning_text is not None
+        if channel == "reasoning":
+            return self._reasoning_text.push(token_id)
+        return self._reasoning_text.finish()
+
     def _release_held_text(self) -> str:
         check = self._stop.feed(self._detokenizer.finish())
         return check.text + self._stop.flush()
 
     def _record(self, step: ChoiceStep) -> ChoiceStep:
+        if step.finished and self._reasoning_text is not None:
+            step.reasoning += self._reasoning_text.finish()
+        if self._tools is not None:
+            step.text, step.tool_calls = self._tools.feed(step.text)
+            if step.finished:
+                text, calls = self._tools.finish()
+                step.text += text
+                step.tool_calls += calls
+            if step.finish_reason == "stop" and self._tools.calls:
+                step.finish_reason = "tool_calls"
         self.text += step.text
+        if self.reasoning is not None:
+            self.reasoning += step.reasoning
         self.logprobs.extend(step.logprobs)
         self.finish_reason = step.finish_reason
         self.error = step.error

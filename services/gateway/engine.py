@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 from pydantic import ValidationError
 
-from services.gateway.choice_output import ChoiceOutput, ChoiceStep, OutputOptions
+from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics, TokenTimer
 from services.gateway.responses import Usage, usage_of
@@ -42,6 +42,7 @@ from shared.protocol import (
     SubmitRequest,
     decode,
 )
+from shared.regions import RegionMarkers
 from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,7 @@ class RequestRun:
         self.prepared = prepared
         self.request_ids = request_ids
         self.queue: asyncio.Queue[tuple[RequestDelta, float] | _Cancel] = asyncio.Queue()
-        options = OutputOptions(
-            stop=prepared.stop,
-            logprobs=prepared.sampling.logprobs,
-            tokens_as_ids=prepared.tokens_as_ids,
-            skip_special_tokens=prepared.skip_special_tokens,
-        )
+        options = output_options(prepared, engine.markers)
         self.outputs = [ChoiceOutput(i, engine.tokenizer, options) for i in range(len(request_ids))]
         self._timers = [TokenTimer(arrival) for _ in request_ids]
         self._index = {rid: i for i, rid in enumerate(request_ids)}
@@ -121,7 +117,7 @@ class RequestRun:
             self._engine.metrics.on_tokens(self._timers[i], output.num_tokens - before, received_at)
             if step.finished:
                 await self._on_finished(step, abort=step.stop_matched)
-            if step.text or step.logprobs or step.finished:
+            if step.has_news:
                 yield step
 
     async def _next(self) -> tuple[RequestDelta, float] | _Cancel | None:
@@ -162,6 +158,7 @@ class GatewayEngine:
         clock: Clock | None = None,
         submit_timeout_s: float = SUBMIT_TIMEOUT_S,
         deadline_grace_s: float = DEADLINE_GRACE_S,
+        markers: RegionMarkers | None = None,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id
@@ -170,6 +167,7 @@ class GatewayEngine:
         self.clock = clock or MonotonicClock()
         self.submit_timeout_s = submit_timeout_s
         self.deadline_grace_s = deadline_grace_s
+        self.markers = markers or RegionMarkers()
         self.draining = False
         # Unique across gateways (the id) and across restarts of one (the boot tag).
         self._id_prefix = f"{gateway_id}-{uuid.uuid4().hex[:6]}"
@@ -245,6 +243,7 @@ class GatewayEngine:
             prompt_token_ids=prepared.choice_prompt(index),
             sampling=prepared.choice_sampling(index),
             max_tokens=prepared.max_tokens,
+            stop_token_ids=prepared.stop_token_ids,
             ignore_eos=prepared.ignore_eos,
             priority=prepared.priority,
             deadline_ms=deadline_ms,

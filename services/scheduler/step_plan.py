@@ -32,7 +32,13 @@ def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
         seq.known_to_worker = True
         seq.num_blocks_sent = len(seq.block_ids)
         return NewSequence(
-            seq_id=seq.request_id, sampling=seq.sampling, block_ids=list(seq.block_ids)
+            seq_id=seq.request_id,
+            sampling=seq.sampling,
+            block_ids=list(seq.block_ids),
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens]
+            if seq.sampling.repetition_penalty != 1.0
+            else None,
+            output_token_ids=seq.output_token_ids,
         )
     if len(seq.block_ids) > seq.num_blocks_sent:
         new_block_ids = seq.block_ids[seq.num_blocks_sent :]

@@ -34,7 +34,7 @@ from services.worker.kv_cache import (
 )
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
-from services.worker.sampler import RowSampling, sample
+from services.worker.sampling_state import SamplingStates, load_sampling_states
 from shared.config import Settings
 from shared.model_files import resolve_model
 from shared.protocol import (
@@ -66,9 +66,12 @@ class ModelRunner:
         kv_cache: KVCache,
         timer: Callable[[], float] = time.perf_counter,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        sampling: SamplingStates | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        # Per-sequence sampling state (penalty counts, regions, grammar matchers).
+        self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.sequences: dict[str, SequenceState] = {}
@@ -99,6 +102,7 @@ class ModelRunner:
             )
             return StepResult(step_id=plan.step_id, error=error)
         self.sequences = sequences
+        self.sampling.apply(plan)
         if not plan.rows:
             return StepResult(step_id=plan.step_id)
         try:
@@ -166,18 +170,20 @@ class ModelRunner:
 
     def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], float]:
         batch = self.host_batch(rows)
-        sampling = [
-            RowSampling(self.sequences[row.seq_id].sampling, row.output_index)
-            for row in rows
-            if row.sample
-        ]
+        sampled_rows = [row for row in rows if row.sample]
+        # Grammar masks start filling here, on a helper thread, while the forward runs.
+        prepared = self.sampling.prepare(
+            [(r.seq_id, self.sequences[r.seq_id].sampling, r.output_index) for r in sampled_rows]
+        )
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
             logits = self.logits(batch)  # [S, V]
-            token_ids, logprobs = sample(logits, sampling) if sampling else ([], [])
+            token_ids, logprobs = (
+                self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
+            )
         forward_s = self.timer() - start
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
-        sampled_rows = [row for row in rows if row.sample]
+        self.sampling.accept(prepared, token_ids)
         results = [
             RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
             for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
@@ -275,7 +281,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         dtype,
         ops.name,
     )
-    runner = ModelRunner(model, kv_cache)
+    runner = ModelRunner(model, kv_cache, sampling=load_sampling_states(settings, source, config))
     if graphs_wanted(settings, device, ops.name):
         sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)
         try:

@@ -22,6 +22,10 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "spill", "recompute"]
 AttentionBackend = Literal["auto", "torch", "triton"]
+_DEFAULT_REGION_SAMPLING: dict[RegionName, RegionSampling] = {
+    "code": RegionSampling(temperature=0.2),
+    "tool_call": RegionSampling(temperature=0.0),
+}
 MarkerName = Literal["think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end"]
 
 
@@ -84,10 +88,7 @@ class Settings(BaseSettings):
     # environment variable, JSON: SPILLWAY_REGION_SAMPLING='{"code": {"temperature": 0.2}}'.
     sampling_by_region: bool = False
     region_sampling: dict[RegionName, RegionSampling] = Field(
-        default_factory=lambda: {
-            "code": RegionSampling(temperature=0.2),
-            "tool_call": RegionSampling(temperature=0.0),
-        }
+        default_factory=lambda: _DEFAULT_REGION_SAMPLING.copy()
     )
     # The model profile's region markers, replacing the ones found in its tokenizer and
     # chat template: {"think_start": "<think>", "think_end": "</think>", "code_fence":

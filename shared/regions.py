@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.protocol import RegionName
 
@@ -90,7 +91,7 @@ def marker_ids(markers: RegionMarkers) -> list[int]:
 
 
 def detect_markers(
-    token_id: TokenId, chat_template: str | None, overrides: Mapping[str, str] | None = None
+    token_id: TokenId, chat_template: str | None, overrides: Mapping[Any, str] | None = None
 ) -> RegionMarkers:
     """The markers of a model: think and tool-call pairs that are single tokens of its
     vocabulary or appear in its chat template; `overrides` (name -> text, "" = off) win."""

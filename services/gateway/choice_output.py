@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.detokenizer import DecodeFn, IncrementalDetokenizer
 from services.gateway.reasoning import ReasoningSplit
 from services.gateway.stop_strings import StopCheck, StopStringMatcher
 from services.gateway.tokenizer import ModelTokenizer
@@ -97,6 +97,18 @@ def output_options(prepared: PreparedRequest, markers: RegionMarkers) -> OutputO
     )
 
 
+def _content_decoder(tokenizer: ModelTokenizer, options: OutputOptions) -> DecodeFn:
+    """Decodes content; tool-call tags stay in it for the parser even when they are special
+    tokens that skip_special_tokens would drop."""
+    skip = options.skip_special_tokens
+    tags = options.tool_tags
+    kept = {tokenizer.tokenizer.token_to_id(tag) for tag in tags} if tags and skip else set()
+    dropped = tokenizer.special_ids - kept
+    if not kept & tokenizer.special_ids:
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
+    return lambda ids: tokenizer.decode([i for i in ids if i not in dropped], False)
+
+
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -106,9 +118,7 @@ class ChoiceOutput:
         self.index = index
         self._tokenizer = tokenizer
         skip = options.skip_special_tokens
-        self._detokenizer = IncrementalDetokenizer(
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
-        )
+        self._detokenizer = IncrementalDetokenizer(_content_decoder(tokenizer, options))
         self._stop = StopStringMatcher(options.stop)
         self._min_tokens = options.min_tokens
         self._want_logprobs = options.logprobs is not None

@@ -48,10 +48,9 @@ class ModelTokenizer:
         self.chat_template = ChatTemplate(chat_template, special_tokens) if chat_template else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._byte_level = _uses_byte_level(tokenizer)
-        self._added = {
-            token_id: added.content
-            for token_id, added in tokenizer.get_added_tokens_decoder().items()
-        }
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = {token_id: token.content for token_id, token in added.items()}
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -71,7 +71,7 @@ class ToolCallParser:
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Content released by this text, and the call deltas it completes."""
-        content, deltas = "", []
+        content, deltas = "", list[ToolCallDelta]()
         while text:
             if self._call is None:
                 text, released = self._outside(text)

@@ -273,13 +273,11 @@ def load_sampling_states(
     tokenizer = load_tokenizer(source, settings.cache_dir)
     template = tokenizer.chat_template.source if tokenizer.chat_template else None
     markers = detect_markers(tokenizer.tokenizer.token_to_id, template, settings.region_markers)
-    added = tokenizer.tokenizer.get_added_tokens_decoder()
-    special_ids = [token_id for token_id, token in added.items() if token.special]
     engine = GrammarEngine(
         tokenizer.token_bytes,
         config.vocab_size,
         config.eos_token_ids,
-        special_ids=special_ids,
+        special_ids=tokenizer.special_ids,
         keep_ids=marker_ids(markers),
     )
     return SamplingStates(config.eos_token_ids, markers, tokenizer.token_bytes, engine)

@@ -26,6 +26,7 @@ from shared.config import DEFAULT_MODEL, Settings
 from shared.model_files import resolve_model
 
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+THINK_END_ID = 49153  # the added tokens follow SmolLM2's 49152
 REASONING = " Let me see"
 CONTENT = " Paris is lovely."
 EOS_ID = 2  # <|im_end|>
@@ -97,6 +98,7 @@ def save_think_llama(folder: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
     tokenizer.add_tokens(MARKERS)
     tokenizer.chat_template = CHAT_TEMPLATE
+    assert tokenizer.convert_tokens_to_ids("</think>") == THINK_END_ID
     chain = script_ids(tokenizer)
     assert len(set(chain[:-1])) == len(chain) - 1, "a bigram chain needs distinct tokens"
     config = LlamaConfig(

@@ -181,8 +181,9 @@ class RequestPreparer:
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
         if len(prompts) == 1 and self.model.markers.thinks:
-            # A prompt that ends inside a think block continues in it.
-            text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompts[0])
+            # A prompt that ends inside a think block continues in it (a batch shares one
+            # SamplingParams: its prompts start plain).
+            text = self.tokenizer.decode(prompts[0], skip_special_tokens=False)
             region = region_after_text(self.model.markers, text)
         else:
             region = "plain"

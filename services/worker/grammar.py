@@ -88,7 +88,7 @@ class GrammarEngine:
         return self._pool.submit(fn, *args)
 
     def fill(self, matchers: Sequence[Any]) -> torch.Tensor:
-        """[len(matchers), ceil(V / 32)] int32 masks, one row per matcher (a None row
+        """[len(matchers), ceil(V / 32)] int32 masks, one row per batch row (a None row
         allows every token)."""
         xgr = self._ready.result()[0]
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all set
@@ -96,6 +96,15 @@ class GrammarEngine:
             if matcher is not None:
                 matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Sets the disallowed logits [S, V] of `rows` to -inf, in place (xgrammar's kernel
+        for the logits' device)."""
+        xgr = self._ready.result()[0]
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=self.vocab_size, indices=list(rows)
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -12,7 +12,7 @@ shares the batch, in whatever order, and again after a preempted sequence is rec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from services.worker.noise import exponential_noise, noise_keys
 from shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
 
 MIN_TEMPERATURE = 1e-5
+MaskFn = Callable[[torch.Tensor], None]  # sets disallowed logits [S, V] to -inf, in place
 
 
 @dataclass(frozen=True)
@@ -123,24 +124,19 @@ def _nucleus_floor(
 
 
 def process_logits(
-    logits: torch.Tensor,
-    rows: Sequence[RowSampling],
-    bitmask: torch.Tensor | None = None,
-    bitmask_rows: Sequence[int] = (),
+    logits: torch.Tensor, rows: Sequence[RowSampling], mask: MaskFn | None = None
 ) -> torch.Tensor:
-    """[S, V] logits after logit_bias, penalties, bans and the grammar mask: a new tensor
-    when anything applies (the raw logits stay for logprobs), else `logits` itself.
-    bitmask: [len(bitmask_rows), ceil(V / 32)] int32 for those rows."""
+    """[S, V] logits after logit_bias, penalties, bans and the grammar `mask` (which sets
+    disallowed tokens to -inf in place): a new tensor when anything applies (the raw logits
+    stay for logprobs), else `logits` itself."""
     changed = [i for i, r in enumerate(rows) if r.processed]
-    if not changed and bitmask is None:
+    if not changed and mask is None:
         return logits
     out = logits.clone()
     for i in changed:
         _process_row(out[i], rows[i])
-    if bitmask is not None and bitmask_rows:
-        index = torch.tensor(list(bitmask_rows), device=out.device)
-        allowed = token_mask(bitmask.to(out.device), out.shape[-1])  # [M, V]
-        out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    if mask is not None:
+        mask(out)
     return out
 
 
@@ -165,23 +161,12 @@ def _process_row(logits: torch.Tensor, row: RowSampling) -> None:
         logits[torch.tensor(list(row.banned_ids), device=device)] = float("-inf")
 
 
-def token_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[M, V] bool: which tokens a bitmask [M, ceil(V / 32)] int32 allows."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
-    return bits.flatten(1)[:, :vocab_size].bool()
-
-
 def sample(
-    logits: torch.Tensor,
-    rows: Sequence[RowSampling],
-    bitmask: torch.Tensor | None = None,
-    bitmask_rows: Sequence[int] = (),
+    logits: torch.Tensor, rows: Sequence[RowSampling], mask: MaskFn | None = None
 ) -> tuple[list[int], list[SampledLogprobs | None]]:
     """One token per row (and its logprobs when asked, from the raw logits). logits: [S, V]
-    float32, raw; bitmask: the grammar's allowed tokens for `bitmask_rows` (see
-    process_logits)."""
-    raw, logits = logits, process_logits(logits, rows, bitmask, bitmask_rows)
+    float32, raw; mask: the grammar's, see process_logits."""
+    raw, logits = logits, process_logits(logits, rows, mask)
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if len(random_rows) == len(rows):
         tokens = _race(logits, rows)  # [S]

@@ -237,7 +237,7 @@ class SamplingStates:
         mask_rows = [i for i, state in enumerate(states) if state.constrained]
         prepared = PreparedSampling(sampling, states, mask_rows)
         if mask_rows and self.engine is not None:
-            constrained = [states[i] for i in mask_rows]
+            constrained = [state if state.constrained else None for state in states]
             prepared.masks = self.engine.submit(_masks, self.engine, constrained)
         return prepared
 
@@ -245,19 +245,22 @@ class SamplingStates:
         self, logits: torch.Tensor, prepared: PreparedSampling
     ) -> tuple[list[int], list[SampledLogprobs | None]]:
         """Joins the grammar masks and draws one token per row."""
-        bitmask = prepared.masks.result() if prepared.masks is not None else None
-        mask_rows = prepared.mask_rows if bitmask is not None else []
-        return sample(logits, prepared.rows, bitmask, mask_rows)
+        if prepared.masks is None or self.engine is None:
+            return sample(logits, prepared.rows)
+        engine, bitmask = self.engine, prepared.masks.result()  # [S, W]
+        return sample(
+            logits, prepared.rows, lambda out: engine.apply(out, bitmask, prepared.mask_rows)
+        )
 
     def accept(self, prepared: PreparedSampling, token_ids: Sequence[int]) -> None:
         for state, token in zip(prepared.states, token_ids, strict=True):
             state.accept(token)
 
 
-def _masks(engine: GrammarEngine, states: list[SequenceSampling]) -> torch.Tensor:
-    """On the grammar thread: sync each matcher, then fill the masks (a grammar that just
-    finished leaves its row all allowed)."""
-    matchers = [state.synced_matcher() for state in states]
+def _masks(engine: GrammarEngine, states: list[SequenceSampling | None]) -> torch.Tensor:
+    """On the grammar thread: [S, W] masks, one row per batch row; an unconstrained row (or
+    a grammar that just finished) allows every token."""
+    matchers = [state.synced_matcher() if state is not None else None for state in states]
     return engine.fill(matchers)
 
 

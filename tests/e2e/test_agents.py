@@ -152,8 +152,11 @@ def test_forced_tool_call_over_nats(system, nats_url):
                 fn["name"] = fn.get("name") or delta["function"].get("name")
                 fn["arguments"] = fn.get("arguments", "") + delta["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    assert [calls[i] for i in sorted(calls)] == [
-        {**c, "function": c["function"]} for c in choice["message"]["tool_calls"]
+    streamed = [calls[i] for i in sorted(calls)]
+    check_calls(streamed, {"get_weather", "get_time"})
+    # The same seed, the same call (ids are fresh per response).
+    assert [c["function"] for c in streamed] == [
+        c["function"] for c in choice["message"]["tool_calls"]
     ]
     assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
 

@@ -97,14 +97,5 @@ class GrammarEngine:
                 matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask
 
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-        """Sets the disallowed logits [S, V] of `rows` to -inf, in place (xgrammar's kernel
-        for the logits' device)."""
-        xgr = self._ready.result()[0]
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=self.vocab_size, indices=list(rows)
-        )
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

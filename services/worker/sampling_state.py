@@ -29,7 +29,7 @@ import torch
 
 from services.gateway.tokenizer import load_tokenizer
 from services.worker.grammar import GrammarEngine
-from services.worker.sampler import RowSampling, sample
+from services.worker.sampler import RowSampling, apply_token_bitmask, sample
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.model_files import ModelSource
@@ -245,12 +245,11 @@ class SamplingStates:
         self, logits: torch.Tensor, prepared: PreparedSampling
     ) -> tuple[list[int], list[SampledLogprobs | None]]:
         """Joins the grammar masks and draws one token per row."""
-        if prepared.masks is None or self.engine is None:
+        if prepared.masks is None:
             return sample(logits, prepared.rows)
-        engine, bitmask = self.engine, prepared.masks.result()  # [S, W]
-        return sample(
-            logits, prepared.rows, lambda out: engine.apply(out, bitmask, prepared.mask_rows)
-        )
+        bitmask = prepared.masks.result()  # [S, W]
+        rows = prepared.mask_rows
+        return sample(logits, prepared.rows, lambda out: apply_token_bitmask(out, bitmask, rows))
 
     def accept(self, prepared: PreparedSampling, token_ids: Sequence[int]) -> None:
         for state, token in zip(prepared.states, token_ids, strict=True):

@@ -11,7 +11,8 @@ how the output is read back (`tool_call_parser`).
   grammar: the output is one call (up to MAX_FORCED_CALLS with `parallel_tool_calls: true`
   given explicitly: a small model asked for "one or more" tends to repeat itself until its
   token budget runs out) and nothing else, its arguments valid under the function's
-  schema. With "auto", functions marked `strict` are enforced once the model opens a call.
+  schema. With "auto" and a function marked `strict`, every call the model opens is
+  enforced (all calls open with the same tag).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from services.gateway.errors import invalid
 from services.gateway.schemas import ChatCompletionRequest, Tool
-from services.gateway.structured_output import GrammarBuilder
+from services.gateway.structured_output import GrammarBuilder, check_schema
 
 # Calls one forced response may hold when parallel calls are allowed.
 MAX_FORCED_CALLS = 4
@@ -74,9 +75,9 @@ def tool_setup(
     parallel = req.parallel_tool_calls is not False
     grammar = None
     if choice == "required" or not isinstance(choice, (str, type(None))):
-        forced = tools
+        forced = list(enumerate(tools))
         if not isinstance(choice, str) and choice is not None:
-            forced = [t for t in tools if t.function.name == choice.function.name]
+            forced = [(i, t) for i, t in forced if t.function.name == choice.function.name]
             if not forced:
                 raise invalid(
                     f"tool_choice names `{choice.function.name}`, which is not in `tools`",
@@ -100,13 +101,18 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 
 def _forced_calls(
-    builder: GrammarBuilder, tools: list[Tool], markers: tuple[str, str], parallel: bool
+    builder: GrammarBuilder,
+    tools: list[tuple[int, Tool]],
+    markers: tuple[str, str],
+    parallel: bool,
 ) -> Any:
     """`start` + one call object + `end`, repeated up to MAX_FORCED_CALLS times (once
-    without parallel calls), and nothing else."""
+    without parallel calls), and nothing else. tools: (index in the request, tool)."""
     start, end = markers
     calls = []
-    for i, tool in enumerate(tools):
+    for i, tool in tools:
+        param = f"tools[{i}].function.parameters"
+        check_schema(_parameters(tool), param)  # reported relative to the parameters
         schema = {
             "type": "object",
             "properties": {
@@ -116,7 +122,6 @@ def _forced_calls(
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        param = f"tools[{i}].function.parameters"
         calls.append(builder.json_schema(schema, bool(tool.function.strict), param))
     one = builder.concat(
         builder.literal(start + "\n"), builder.union(*calls), builder.literal("\n" + end)
@@ -125,7 +130,8 @@ def _forced_calls(
 
 
 def _strict_calls(builder: GrammarBuilder, tools: list[Tool], markers: tuple[str, str]) -> Any:
-    """Free text; a call, once opened, follows its function's schema."""
+    """Free text; a call, once opened, names one of the functions and follows its schema
+    (every function's: a call to any of them opens with the same tag)."""
     start, end = markers
     items = [
         (

@@ -1,16 +1,16 @@
 """Grammar-constrained sampling with xgrammar: compiled grammars, per-sequence matchers,
 token masks.
 
-xgrammar was chosen by measuring mask time per token on the SmolLM2 vocabulary (49152
-tokens, a 5-field JSON schema, 2-core CPU): xgrammar 9 us mean (2 us median) after an 11 ms
-compile, llguidance 118 us mean (lazy, 1 ms compile), outlines-core 54 us mean but 800 ms to
-compile each schema. The gateway turns response formats and forced tool calls into
-xgrammar EBNF (and rejects what cannot be enforced); the worker compiles each grammar once
-(cached by its text) and keeps one matcher per sequence.
+xgrammar was chosen by measuring mask time per token (`python -m bench.structured_output
+--compare-engines`; SmolLM2's 49152 tokens, a 5-field JSON schema, 2-core CPU): xgrammar
+12 us mean after a ~15 ms compile, llguidance 132 us (no compile step, spiky), outlines-core
+33 us but ~2 s to index each new schema. The gateway turns response formats and forced tool
+calls into xgrammar EBNF (and rejects what cannot be enforced); the worker compiles each
+grammar once (cached by its text) and keeps one matcher per sequence.
 
 Off the critical path: compiling starts when a sequence arrives and masks are filled while
-the forward runs, both on one helper thread (xgrammar releases the GIL); the step waits
-for them only after its logits are ready.
+the forward runs, both on one helper thread; the step waits for them only once its logits
+are ready, and then applies them (sampler.apply_token_bitmask).
 
     bitmask: [S, ceil(V / 32)] int32, bit v % 32 of word v // 32 set = token v allowed
 """

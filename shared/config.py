@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.protocol import RegionName, RegionSampling
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -23,6 +25,11 @@ CpuWaitPolicy = Literal["passive", "active"]
 Quantization = Literal["none", "int8"]
 PreemptionMode = Literal["auto", "spill", "recompute"]
 AttentionBackend = Literal["auto", "torch", "triton"]
+_DEFAULT_REGION_SAMPLING: dict[RegionName, RegionSampling] = {
+    "code": RegionSampling(temperature=0.2),
+    "tool_call": RegionSampling(temperature=0.0),
+}
+MarkerName = Literal["think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end"]
 
 
 def _env(*names: str) -> AliasChoices:
@@ -135,6 +142,19 @@ class Settings(BaseSettings):
     # (a C compiler is needed; without one the torch path gathers the cache instead).
     cpu_native_kernels: bool = True
     debug_invariants: bool = False
+    # Adaptive sampling by region (think block, code fence, tool call): off unless turned
+    # on here (server-wide) or per request (`sampling_by_region` in the body). The table
+    # maps a region to the settings that replace the request's inside it; as an
+    # environment variable, JSON: SPILLWAY_REGION_SAMPLING='{"code": {"temperature": 0.2}}'.
+    sampling_by_region: bool = False
+    region_sampling: dict[RegionName, RegionSampling] = Field(
+        default_factory=lambda: _DEFAULT_REGION_SAMPLING.copy()
+    )
+    # The model profile's region markers, replacing the ones found in its tokenizer and
+    # chat template: {"think_start": "<think>", "think_end": "</think>", "code_fence":
+    # "```", "tool_call_start": "<tool_call>", "tool_call_end": "</tool_call>"}; an empty
+    # string turns a marker off.
+    region_markers: dict[MarkerName, str] = Field(default_factory=dict)
     log_level: str = "INFO"
     service_id: str | None = None  # the worker / gateway id; random when not set
     # Derived files kept between runs (e.g. a GGUF model's tokenizer, converted once).

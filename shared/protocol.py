@@ -11,6 +11,8 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length", "timeout", "abort", "error"]
+# Where a sequence is in its output (shared.regions tracks it token by token).
+RegionName = Literal["plain", "think", "code", "tool_call"]
 
 
 class Message(BaseModel):
@@ -48,6 +50,15 @@ class ErrorReply(Message):
 # --- sampling -------------------------------------------------------------------------
 
 
+class RegionSampling(Message):
+    """Adaptive sampling: settings that replace the request's own inside one region."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+
 class SamplingParams(Message):
     """Carried to the worker once per sequence. temperature == 0 means greedy."""
 
@@ -60,6 +71,23 @@ class SamplingParams(Message):
     seed: int = 0
     # None: no logprobs; k >= 0: the chosen token's logprob plus the top k.
     logprobs: int | None = None
+    # Penalties as vLLM applies them: repetition over prompt + output tokens, frequency
+    # and presence over output tokens; logit_bias adds to a token's raw logit.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    # Until min_tokens tokens are out, the worker masks EOS and these ids (the request's
+    # stop token ids; the scheduler stops on SubmitRequest's copy).
+    min_tokens: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    # Adaptive sampling: inside a region named here, its settings replace the ones above.
+    region_sampling: dict[RegionName, RegionSampling] = Field(default_factory=dict)
+    # The region the output starts in (a generation prompt may open a think block).
+    initial_region: RegionName = "plain"
+    # A grammar (xgrammar EBNF) the output must follow, from its first token, or from the
+    # end of the think block when the output starts inside one.
+    grammar: str | None = None
 
 
 class TokenLogprob(Message):
@@ -236,6 +264,8 @@ class NewSequence(Message):
     seq_id: str
     sampling: SamplingParams
     block_ids: list[int]
+    # The prompt, sent only when sampling needs it (repetition_penalty counts its tokens).
+    prompt_token_ids: list[int] | None = None
     # Tokens the sequence generated so far (non-empty when it comes back after a
     # preemption or spill): per-sequence sampling state is rebuilt from them.
     output_token_ids: list[int] = Field(default_factory=list)

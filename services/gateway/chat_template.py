@@ -54,11 +54,19 @@ class ChatTemplate:
         # transformers hands every special token (bos_token, eos_token, ...) to the template.
         self._special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """`extra`: more template variables (a request's chat_template_kwargs)."""
         try:
             return self._template.render(
+                **(extra or {}),
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,

@@ -31,7 +31,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 from pydantic import ValidationError
 
-from services.gateway.choice_output import ChoiceOutput, ChoiceStep, OutputOptions
+from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics, TokenTimer
 from services.gateway.responses import Usage, usage_of
@@ -51,6 +51,7 @@ from shared.protocol import (
     SubmitRequest,
     decode,
 )
+from shared.regions import RegionMarkers
 from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas, sched_submit
 
 log = logging.getLogger(__name__)
@@ -104,13 +105,7 @@ class RequestRun:
         self.scheduler_ids = ["" for _ in request_ids]  # who runs each choice ("": unknown yet)
         self.context: Context | None = None
         self.queue: asyncio.Queue[tuple[RequestDelta, float] | _Cancel | _Gone] = asyncio.Queue()
-        options = OutputOptions(
-            stop=prepared.stop,
-            logprobs=prepared.sampling.logprobs,
-            tokens_as_ids=prepared.tokens_as_ids,
-            skip_special_tokens=prepared.skip_special_tokens,
-            max_tokens=prepared.max_tokens,
-        )
+        options = output_options(prepared, engine.markers)
         self.outputs = [ChoiceOutput(i, engine.tokenizer, options) for i in range(len(request_ids))]
         self._timers = [TokenTimer(arrival) for _ in request_ids]
         self._index = {rid: i for i, rid in enumerate(request_ids)}
@@ -165,7 +160,7 @@ class RequestRun:
             step = self._apply(i, delta, received_at)
             if step.finished:
                 await self._on_finished(step, abort=step.stop_matched or step.error is not None)
-            if step.text or step.logprobs or step.finished:
+            if step.has_news:
                 yield step
 
     def _apply(self, i: int, delta: RequestDelta, received_at: float) -> ChoiceStep:
@@ -263,6 +258,7 @@ class GatewayEngine:
         scheduler_timeout_s: float = 5.0,
         replay_timeout_s: float = 30.0,
         vocab_size: int | None = None,
+        markers: RegionMarkers | None = None,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id
@@ -275,6 +271,7 @@ class GatewayEngine:
         # Token ids a delta may carry: the model's (it may exceed the tokenizer's).
         self.vocab_size = vocab_size or tokenizer.vocab_size
         self.schedulers = SchedulerWatch(bus, self.clock, scheduler_timeout_s, self._gone)
+        self.markers = markers or RegionMarkers()
         self.draining = False
         # Unique across gateways (the id) and across restarts of one (the boot tag).
         self._id_prefix = f"{gateway_id}-{uuid.uuid4().hex[:6]}"
@@ -405,6 +402,7 @@ class GatewayEngine:
             prompt_token_ids=prepared.choice_prompt(index),
             sampling=prepared.choice_sampling(index),
             max_tokens=prepared.max_tokens,
+            stop_token_ids=prepared.stop_token_ids,
             ignore_eos=prepared.ignore_eos,
             priority=prepared.priority,
             deadline_ms=deadline_ms,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.choice_output import ChoiceOutput, ChoiceStep, TokenLogprobInfo
+from services.gateway.tool_call_parser import ToolCall, ToolCallDelta
 from services.gateway.validation import Kind
 
 
@@ -20,14 +21,18 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache or shared tier
+    reasoning_tokens: int | None = None  # for a model that thinks
 
     def body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.reasoning_tokens is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return body
 
 
 def usage_of(
@@ -38,9 +43,50 @@ def usage_of(
     cached = sum(
         outputs[i * n].num_cached_tokens for i in range(len(prompts)) if i * n < len(outputs)
     )
+    reasoning = [o.num_reasoning_tokens for o in outputs if o.num_reasoning_tokens is not None]
     return Usage(
-        sum(len(p) for p in prompts), sum(o.num_tokens for o in outputs), cached_tokens=cached
+        sum(len(p) for p in prompts),
+        sum(o.num_tokens for o in outputs),
+        cached_tokens=cached,
+        reasoning_tokens=sum(reasoning) if reasoning else None,
     )
+
+
+def tool_calls_body(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
+
+
+def tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """A call's first delta names it; later ones carry argument fragments (OpenAI's shape)."""
+    out = []
+    for d in deltas:
+        if d.id is not None:
+            entry: dict[str, Any] = {
+                "index": d.index,
+                "id": d.id,
+                "type": "function",
+                "function": {"name": d.name, "arguments": d.arguments},
+            }
+        else:
+            entry = {"index": d.index, "function": {"arguments": d.arguments}}
+        out.append(entry)
+    return out
+
+
+def chat_message(output: ChoiceOutput) -> dict[str, Any]:
+    calls = output.tool_calls
+    content: str | None = output.text
+    if calls and not output.text.strip():
+        content = None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if output.reasoning is not None:
+        message["reasoning_content"] = output.reasoning or None
+    if calls:
+        message["tool_calls"] = tool_calls_body(calls)
+    return message
 
 
 # --- logprobs -------------------------------------------------------------------------
@@ -97,7 +143,7 @@ def completion_body(
         choices = [
             {
                 "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
+                "message": chat_message(o),
                 "logprobs": chat_logprobs(o.logprobs) if meta.want_logprobs else None,
                 "finish_reason": o.finish_reason,
             }
@@ -154,10 +200,11 @@ class ChunkBuilder:
         return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(num_choices)]
 
     def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
-        """Content for a step (when it has text or logprobs), then its finish chunk."""
+        """Content for a step (when it has text, reasoning, tool calls or logprobs), then
+        its finish chunk."""
         out = []
-        if step.text or step.logprobs:
-            out.append(self._chunk(step.index, self._content(step.text), step.logprobs))
+        if step.text or step.logprobs or step.reasoning or step.tool_calls:
+            out.append(self._chunk(step.index, self._content(step), step.logprobs))
         if step.finish_reason is not None:
             out.append(self.finish(step.index, step.finish_reason))
         return out
@@ -171,8 +218,17 @@ class ChunkBuilder:
     def usage(self, usage: Usage) -> dict[str, Any]:
         return self._envelope([], usage.body())
 
-    def _content(self, text: str) -> dict[str, Any] | str:
-        return {"content": text} if self.meta.kind == "chat" else text
+    def _content(self, step: ChoiceStep) -> dict[str, Any] | str:
+        if self.meta.kind != "chat":
+            return step.text
+        delta: dict[str, Any] = {}
+        if step.reasoning:
+            delta["reasoning_content"] = step.reasoning
+        if step.text or not (step.reasoning or step.tool_calls):
+            delta["content"] = step.text
+        if step.tool_calls:
+            delta["tool_calls"] = tool_call_deltas(step.tool_calls)
+        return delta
 
     def _chunk(
         self,

@@ -32,12 +32,15 @@ from services.gateway.http_server import guarded_protocol
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_facts import load_model_facts
 from services.gateway.nats_api import NatsApi
+from services.gateway.sampling_fields import SamplingDefaults
+from services.gateway.structured_output import GrammarBuilder
 from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
 from services.gateway.validation import ModelInfo, RequestPreparer
 from shared.bus import Bus
 from shared.config import Settings
 from shared.lifecycle import announce_ready
 from shared.model_files import resolve_model
+from shared.regions import detect_markers
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -97,11 +100,13 @@ def model_info(settings: Settings) -> tuple[ModelTokenizer, ModelInfo]:
     source = resolve_model(settings.model)
     tokenizer = load_tokenizer(source, settings.cache_dir)
     facts = load_model_facts(source, settings.cache_dir)
+    template = tokenizer.chat_template.source if tokenizer.chat_template else None
     info = ModelInfo(
         model_id=source.model_id,
         context_length=facts.context_length,
         vocab_size=facts.vocab_size,
         aliases=frozenset({settings.model, str(source.path)}),
+        markers=detect_markers(tokenizer.tokenizer.token_to_id, template, settings.region_markers),
     )
     return tokenizer, info
 
@@ -123,9 +128,16 @@ async def start_gateway(settings: Settings) -> Gateway:
         scheduler_timeout_s=settings.scheduler_timeout_s,
         replay_timeout_s=settings.replay_timeout_s,
         vocab_size=info.vocab_size,
+        markers=info.markers,
     )
     await engine.start()
-    preparer = RequestPreparer(tokenizer, info, random_seed=lambda: secrets.randbits(63))
+    preparer = RequestPreparer(
+        tokenizer,
+        info,
+        random_seed=lambda: secrets.randbits(63),
+        sampling_defaults=SamplingDefaults(settings.sampling_by_region, settings.region_sampling),
+        grammars=GrammarBuilder(),  # loads xgrammar in the background from now on
+    )
     api = GatewayApi(engine, preparer, info)
     limits = HttpLimits(settings.max_request_bytes, settings.http_client_timeout_s)
     app = create_app(api, metrics, telemetry.tracer, api_key=settings.api_key, limits=limits)

@@ -48,10 +48,9 @@ class ModelTokenizer:
         self.chat_template = ChatTemplate(chat_template, special_tokens) if chat_template else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._byte_level = _uses_byte_level(tokenizer)
-        self._added = {
-            token_id: added.content
-            for token_id, added in tokenizer.get_added_tokens_decoder().items()
-        }
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = {token_id: token.content for token_id, token in added.items()}
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -59,15 +58,37 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("the model has no chat template: use /v1/completions")
-        return self.chat_template.render(messages, add_generation_prompt=True)
+        return self.chat_template.render(messages, add_generation_prompt, tools, extra)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
         """The prompt ids transformers' apply_chat_template(..., add_generation_prompt=True)
         gives: the template writes every special token itself, so none is added."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools, extra), add_special_tokens=False)
+
+    def generation_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """The text the template adds to open the answer (it may open a think block)."""
+        full = self.render_chat(messages, tools, extra)
+        bare = self.render_chat(messages, tools, extra, add_generation_prompt=False)
+        return full[len(bare) :] if full.startswith(bare) else full
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (a piece of a character for byte tokens)."""

@@ -8,21 +8,31 @@ for bad input, 404 `model_not_found`, 400 `context_length_exceeded`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from services.gateway.chat_template import ChatTemplateError
 from services.gateway.errors import ApiError, invalid
+from services.gateway.reasoning import splits_reasoning
+from services.gateway.sampling_fields import SamplingDefaults, sampling_fields
 from services.gateway.schemas import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
 )
+from services.gateway.structured_output import GrammarBuilder, response_format_grammar
 from services.gateway.tokenizer import ModelTokenizer
-from shared.protocol import SamplingParams
+from services.gateway.tool_calls import (
+    ToolSetup,
+    template_knows_tools,
+    template_messages,
+    tool_setup,
+)
+from shared.protocol import RegionName, SamplingParams
+from shared.regions import RegionMarkers, region_after_text
 
 Kind = Literal["chat", "completion"]
 MAX_PROMPTS = 16  # prompts in one batched completions request
@@ -38,6 +48,8 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     aliases: frozenset[str] = frozenset()
+    # Think / code / tool-call markers of the model (shared.regions).
+    markers: RegionMarkers = field(default_factory=RegionMarkers)
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases
@@ -65,6 +77,11 @@ class PreparedRequest:
     user: str | None = None
     tokens_as_ids: bool = False
     skip_special_tokens: bool = True
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0  # stop strings apply from this many tokens on
+    tools: ToolSetup | None = None  # tool calls are parsed out of the output when set
+    # Reasoning is split from content (chat, a model with think markers).
+    split_reasoning: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -89,11 +106,32 @@ def kind_of(body: dict[str, Any]) -> Kind:
 
 class RequestPreparer:
     def __init__(
-        self, tokenizer: ModelTokenizer, model: ModelInfo, random_seed: Callable[[], int]
+        self,
+        tokenizer: ModelTokenizer,
+        model: ModelInfo,
+        random_seed: Callable[[], int],
+        sampling_defaults: SamplingDefaults | None = None,
+        grammars: GrammarBuilder | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.random_seed = random_seed
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self._grammars = grammars
+        markers = model.markers
+        self.tool_markers = (
+            (markers.tool_call_start.text, markers.tool_call_end.text)
+            if markers.tool_call_start and markers.tool_call_end
+            else None
+        )
+        template = tokenizer.chat_template.source if tokenizer.chat_template else None
+        self.native_tools = template_knows_tools(template)
+
+    @property
+    def grammars(self) -> GrammarBuilder:
+        if self._grammars is None:
+            self._grammars = GrammarBuilder()
+        return self._grammars
 
     def prepare(self, kind: Kind, body: dict[str, Any]) -> PreparedRequest:
         if kind == "chat":
@@ -104,18 +142,40 @@ class RequestPreparer:
         self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-        messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
+        tools = tool_setup(req, self.grammars, self.tool_markers)
+        messages = template_messages(
+            [_template_message(i, m) for i, m in enumerate(req.messages)],
+            tools.tools if tools else None,
+            self.native_tools,
+            self.tool_markers,
+        )
+        template_tools = tools.tools if tools and self.native_tools else None
+        extra = _template_kwargs(req.chat_template_kwargs)
+        markers = self.model.markers
         try:
-            prompt = self.tokenizer.encode_chat(messages)
+            prompt = self.tokenizer.encode_chat(messages, template_tools, extra)
+            opening = (
+                self.tokenizer.generation_prompt(messages, template_tools, extra)
+                if markers.thinks
+                else ""
+            )
         except ChatTemplateError as e:
             raise invalid(str(e), "messages") from e
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._prepared("chat", req, [prompt], logprobs)
+        region = region_after_text(markers, opening)
+        return self._prepared("chat", req, [prompt], logprobs, region, tools)
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
-        return self._prepared("completion", req, prompts, req.logprobs)
+        if len(prompts) == 1 and self.model.markers.thinks:
+            # A prompt that ends inside a think block continues in it (a batch shares one
+            # SamplingParams: its prompts start plain).
+            text = self.tokenizer.decode(prompts[0], skip_special_tokens=False)
+            region = region_after_text(self.model.markers, text)
+        else:
+            region = "plain"
+        return self._prepared("completion", req, prompts, req.logprobs, region)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and not self.model.serves(name):
@@ -154,6 +214,8 @@ class RequestPreparer:
         req: ChatCompletionRequest | CompletionRequest,
         prompts: list[list[int]],
         logprobs: int | None,
+        initial_region: RegionName = "plain",
+        tools: ToolSetup | None = None,
     ) -> PreparedRequest:
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt_param = "messages" if kind == "chat" else "prompt"
@@ -163,6 +225,15 @@ class RequestPreparer:
             room = self.model.context_length - max(len(ids) for ids in prompts)
             max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, room)
         top_k = req.top_k or 0
+        extra = sampling_fields(req, self.model.vocab_size, max_tokens, self.sampling_defaults)
+        grammar = response_format_grammar(self.grammars, req.response_format)
+        if tools is not None and tools.grammar is not None:
+            if grammar is not None:
+                raise invalid(
+                    "response_format cannot be combined with a forced or strict tool call",
+                    "response_format",
+                )
+            grammar = tools.grammar
         sampling = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -170,6 +241,9 @@ class RequestPreparer:
             min_p=req.min_p or 0.0,
             seed=self.random_seed() if req.seed is None else req.seed,
             logprobs=logprobs,
+            initial_region=initial_region,
+            grammar=grammar,
+            **extra,
         )
         return PreparedRequest(
             kind=kind,
@@ -189,6 +263,10 @@ class RequestPreparer:
             user=req.user,
             tokens_as_ids=bool(req.return_tokens_as_token_ids),
             skip_special_tokens=req.skip_special_tokens is not False,
+            stop_token_ids=sampling.stop_token_ids,
+            min_tokens=sampling.min_tokens,
+            tools=tools if tools is not None and tools.parse else None,
+            split_reasoning=kind == "chat" and splits_reasoning(self.model.markers),
         )
 
     def _check_context(self, prompt: list[int], max_tokens: int | None, param: str) -> None:
@@ -210,7 +288,29 @@ def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
     except ValidationError as e:
         first = e.errors()[0]
         param = _param_of(first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise invalid(
+                f"{param}: this field is not supported by this server (README lists the"
+                " accepted ones)",
+                param,
+                "unsupported_field",
+            ) from e
         raise invalid(f"{param or 'body'}: {first['msg']}", param) from e
+
+
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not kwargs:
+        return None
+    taken = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs))
+    if taken:
+        raise invalid(
+            f"chat_template_kwargs: `{taken[0]}` is set by the request itself",
+            "chat_template_kwargs",
+        )
+    return kwargs
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -240,10 +340,12 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
             texts.append(part.text)
         content = "\n".join(texts)
     out: dict[str, Any] = {"role": message.role, "content": content}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning_content"):
         value = getattr(message, key)
         if value is not None:
             out[key] = value
+    if message.tool_calls is not None:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
     return out
 
 

@@ -41,6 +41,9 @@ def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
             seq_id=seq.request_id,
             sampling=seq.sampling,
             block_ids=list(seq.block_ids),
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens]
+            if seq.sampling.repetition_penalty != 1.0
+            else None,
             output_token_ids=seq.output_token_ids,
         )
     if len(seq.block_ids) > seq.num_blocks_sent:

@@ -43,7 +43,7 @@ from services.worker.kv_cache import (
 from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
-from services.worker.sampler import RowSampling, sample
+from services.worker.sampling_state import SamplingStates, load_sampling_states
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.model_files import ModelSource, resolve_model, weights_fingerprint
@@ -99,9 +99,12 @@ class ModelRunner:
         timer: Callable[[], float] = time.perf_counter,
         wall_clock_ns: Callable[[], int] = time.time_ns,
         kv_transfer: KVTransfer | None = None,
+        sampling: SamplingStates | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        # Per-sequence sampling state (penalty counts, regions, grammar matchers).
+        self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)
@@ -145,6 +148,7 @@ class ModelRunner:
         for seq_id in [*plan.finished_seq_ids, *(n.seq_id for n in plan.new_seqs)]:
             self.last_token.pop(seq_id, None)
         self.sequences = sequences
+        self.sampling.apply(plan)
         result.lost_seq_ids = self._bring_kv_in(plan)
         self._count_transfers(result)
         lost = set(result.lost_seq_ids)
@@ -285,22 +289,24 @@ class ModelRunner:
     def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], StepPhases]:
         prepare_start = self.timer()
         batch = self.host_batch(rows)
-        sampling = [
-            RowSampling(self.sequences[row.seq_id].sampling, row.output_index)
-            for row in rows
-            if row.sample
-        ]
+        sampled_rows = [row for row in rows if row.sample]
+        # Grammar masks start filling here, on a helper thread, while the forward runs.
+        prepared = self.sampling.prepare(
+            [(r.seq_id, self.sequences[r.seq_id].sampling, r.output_index) for r in sampled_rows]
+        )
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
             logits = self.logits(batch)  # [S, V]
             sample_start = self.timer()
-            token_ids, logprobs = sample(logits, sampling) if sampling else ([], [])
+            token_ids, logprobs = (
+                self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
+            )
         end = self.timer()
         phases = StepPhases(
             prepare_s=start - prepare_start, forward_s=end - start, sample_s=end - sample_start
         )
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
-        sampled_rows = [row for row in rows if row.sample]
+        self.sampling.accept(prepared, token_ids)
         results = [
             RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
             for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
@@ -406,7 +412,12 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         dtype,
         ops.name,
     )
-    runner = ModelRunner(model, kv_cache, kv_transfer=kv_transfer_for(settings, kv_cache))
+    runner = ModelRunner(
+        model,
+        kv_cache,
+        kv_transfer=kv_transfer_for(settings, kv_cache),
+        sampling=load_sampling_states(settings, source, config),
+    )
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
     if graphs_wanted(settings, device, ops.name):
         sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)

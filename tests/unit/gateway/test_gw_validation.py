@@ -147,7 +147,6 @@ def test_chat_request_becomes_template_ids_and_sampling(preparer, tokenizer):
         "stream": True,
         "stream_options": {"include_usage": True},
         "user": "u1",
-        "tools": [{"type": "function"}],  # accepted, ignored
     }
     p = preparer.prepare("chat", body)
     assert p.prompts == [tokenizer.encode_chat([{"role": "user", "content": "Hi"}])]

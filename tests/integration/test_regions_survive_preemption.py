@@ -1,0 +1,43 @@
+"""A sequence preempted inside a think block continues in it: the real scheduler core drives
+the real runner with the scripted think model (tests/unit/worker/think_llama.py) under KV
+pressure, and every sequence's tokens equal those of a run without pressure.
+
+The sequences start inside a think block and sample at temperature 1 there (adaptive
+sampling), greedily outside it: a sequence that came back in the wrong region would decode
+greedily and leave the tokens it had without preemption. (Spilled sequences come back the
+same way, as a NewSequence with their tokens; until spilling exists, victims are
+recomputed.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import RegionSampling, SamplingParams
+from tests.integration.test_scheduler_drives_worker import NEW_TOKENS, _serve_all
+from tests.unit.worker.think_llama import THINK_END_ID, save_think_llama
+
+THINKING = SamplingParams(
+    temperature=0.0,
+    initial_region="think",
+    region_sampling={"think": RegionSampling(temperature=1.0)},
+)
+
+
+@pytest.fixture(scope="module")
+def think_dir(tmp_path_factory):
+    return save_think_llama(tmp_path_factory.mktemp("think"))
+
+
+def test_a_sequence_preempted_inside_a_think_block_continues_in_it(think_dir):
+    roomy, roomy_core = _serve_all(think_dir, kv_blocks=64, sampling=THINKING)
+    tight, tight_core = _serve_all(think_dir, kv_blocks=10, sampling=THINKING)
+    assert roomy_core.preemptions["recompute"] == 0
+    assert tight_core.preemptions["recompute"] > 0
+    # </think> never came, so every victim was inside its block.
+    assert all(THINK_END_ID not in tokens for tokens in roomy.values())
+    assert all(len(tokens) == NEW_TOKENS for tokens in roomy.values())
+    assert tight == roomy
+    # Were the region lost (plain), decoding would be greedy: other tokens.
+    plain = THINKING.model_copy(update={"initial_region": "plain"})
+    assert _serve_all(think_dir, kv_blocks=64, sampling=plain)[0] != roomy

@@ -82,6 +82,9 @@ from shared.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
+# Steps in a row that may get lost on the bus (and be planned again) before the requests
+# in the next lost one end with the bus's error.
+MAX_LOST_STEPS = 3
 # How long a registering worker has to answer the probe of its step subject.
 PROBE_TIMEOUT_S = 2.0
 STOPPING = ErrorInfo(status=503, message="the scheduler is stopping", code="shutting_down")
@@ -150,6 +153,7 @@ class SchedulerService:
         self._inflight: deque[_Step] = deque()  # oldest first
         self._last_result_at: float | None = None
         self._spill_stats: SpillStats | None = None
+        self._lost_steps = 0  # steps in a row that got no answer from the bus
         self._stopping = False
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -446,9 +450,9 @@ class SchedulerService:
     async def _tick_loop(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            if not self._inflight:
-                self._reconcile_workers()
             try:
+                if not self._inflight:
+                    self._reconcile_workers()
                 progressed = await self._tick()
             except asyncio.CancelledError:
                 raise
@@ -525,14 +529,24 @@ class SchedulerService:
 
     async def _result_of(self, step: _Step) -> StepResult | None:
         """The step's result; an error result when it failed; None when its worker was
-        dropped while it ran."""
+        dropped while it ran, or when the step got lost on the bus (no responder, no
+        answer in time: the worker may be reconnecting), in which case the step is planned
+        again, a few times at most before its requests end with the error."""
         await asyncio.wait({step.reply})
         if step.reply.cancelled():
             return None
         try:
-            return step.reply.result()
+            result = step.reply.result()
         except BusError as e:
+            if e.info.status in (503, 504) and self._lost_steps < MAX_LOST_STEPS:
+                self._lost_steps += 1
+                log.warning(
+                    "step %d lost (%s): planning it again", step.plan.step_id, e.info.message
+                )
+                return None
             return StepResult(step_id=step.plan.step_id, error=e.info)
+        self._lost_steps = 0
+        return result
 
     def _apply(self, result: StepResult | None) -> list[RequestDelta]:
         """Applies the oldest step's result (it leaves the pipeline). A failed step voids

@@ -189,6 +189,11 @@ class ModelRunner:
         result.sample_s = phases.sample_s
         return result
 
+    def forget_all(self) -> None:
+        """Drops every sequence and what goes with it (run-ahead tokens, sampling state):
+        they belong to a scheduler this worker no longer serves."""
+        self.execute(StepPlan(step_id=0, finished_seq_ids=list(self.sequences)))
+
     # --- KV to and from the spill store ---------------------------------------------------
 
     def _spill(self, order: KVSpill) -> SpillOutcome:

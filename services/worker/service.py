@@ -210,7 +210,7 @@ class WorkerService:
             if self.ownership.join(owner):
                 # Sequences of an earlier scheduler will never be finished by anyone; the
                 # executor runs this before any step of the new one.
-                forget = self.runner.sequences.clear
+                forget = self.runner.forget_all
                 await asyncio.get_running_loop().run_in_executor(self.executor, forget)
             log.info("worker %s belongs to scheduler %s", self.info.worker_id, owner or "?")
             self.heartbeat.kick()

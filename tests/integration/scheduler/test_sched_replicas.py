@@ -206,10 +206,10 @@ async def test_a_dead_tick_loop_takes_the_scheduler_down(nats_url):
     gateway = Gateway(await Bus.connect(nats_url, namespace, "test-gateway"))
     await gateway.start()
 
-    def broken(self) -> None:
+    async def broken(self) -> None:
         raise RuntimeError("a bug outside the tick's guard")
 
-    with mock.patch.object(scheduler_service.SchedulerService, "_reconcile_workers", broken):
+    with mock.patch.object(scheduler_service.SchedulerService, "_idle", broken):
         stop, task = await _start_scheduler(settings, "s1")
         with pytest.raises(RuntimeError, match="tick loop stopped"):
             await asyncio.wait_for(task, WAIT_S)

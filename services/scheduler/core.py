@@ -783,8 +783,9 @@ class SchedulerCore:
         seq.num_computed_tokens = cached
         if seq.state_slot is None:  # first admission
             seq.state_slot = self._slots.take()
-            self.prefix_query_tokens += seq.num_prompt_tokens
-            self.prefix_hit_tokens += len(hits) * bs
+            if self.config.prefix_cache:
+                self.prefix_query_tokens += seq.num_prompt_tokens
+                self.prefix_hit_tokens += len(hits) * bs
             seq.num_cached_tokens = cached
         if tier:
             blocks = [

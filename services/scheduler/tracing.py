@@ -11,8 +11,9 @@ gets a `scheduler.tick` span with a child per phase.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -31,7 +32,9 @@ class _RequestSpans:
     context: Context
     queue: Span | None = None
     retire: Span | None = None
-    row: Span | None = None  # the row of the step in flight (one step at a time)
+    # Row spans of the steps in flight, oldest first (two when steps run ahead): steps
+    # finish in the order they were sent.
+    rows: deque[Span] = field(default_factory=deque)
 
 
 class SpanObserver:
@@ -114,7 +117,7 @@ class SpanObserver:
                 "spillway.step.sample": row.sample,
             },
         )
-        spans.row = span
+        spans.rows.append(span)
         if not self.tel.exporting:
             return None
         return inject(trace.set_span_in_context(span)).get("traceparent")
@@ -122,9 +125,8 @@ class SpanObserver:
     def step_finished(self, plan: StepPlan) -> None:
         for row in plan.rows:
             spans = self._spans.get(row.seq_id)
-            if spans is not None and spans.row is not None:
-                spans.row.end()
-                spans.row = None
+            if spans is not None and spans.rows:
+                spans.rows.popleft().end()
 
     def request_preempted(self, seq: Sequence, mode: PreemptionMode) -> None:
         spans = self._spans.get(seq.request_id)
@@ -165,9 +167,8 @@ class SpanObserver:
         if spans is None:
             return
         self.request_admitted(seq)  # a request that ends while queued ends its queue span
-        if spans.row is not None:
-            spans.row.end()
-            spans.row = None
+        while spans.rows:
+            spans.rows.popleft().end()
         spans.request.set_attributes(
             {
                 "gen_ai.usage.output_tokens": seq.num_output_tokens,

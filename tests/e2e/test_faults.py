@@ -106,9 +106,12 @@ async def test_two_systems_share_a_namespace_without_cross_talk(
                 assert body["status"] == "ok" and body["workers"] == 2
 
             body = {"prompt": "Count:", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+            chat_body = {k: v for k, v in body.items() if k != "prompt"}
             runs = [client.post(COMP, json=body) for client in (one, two) for _ in range(3)]
             runs += [
-                sse_events(client, CHAT, {**body, "messages": [{"role": "user", "content": "Hi"}]})
+                sse_events(
+                    client, CHAT, {**chat_body, "messages": [{"role": "user", "content": "Hi"}]}
+                )
                 for client in (one, two)
             ]
             runs += [_generate(nc, body) for _ in range(2)]

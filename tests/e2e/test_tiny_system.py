@@ -18,6 +18,8 @@ import redis
 import torch
 
 from services.cli.launcher import pid_alive, wait_until
+from shared.protocol import SpillDrop, SpillRecord, SpillRef, encode
+from shared.spill_keys import SpillKeys
 from tests.e2e.keys import TINY_API_KEY
 
 AUTH = {"Authorization": f"Bearer {TINY_API_KEY}"}
@@ -83,16 +85,22 @@ async def test_namespaces_keep_two_systems_apart(system, tiny_system, nats_url, 
                 assert ids == [model_id]
             else:
                 assert ids != ["SmolLM2-135M-Instruct"]
-        # Each spill store accounts only its own namespace's keys.
+        # Each spill store accounts only its own namespace's spills.
         store = redis.Redis.from_url(redis_url)
-        store.set("e2e:spill:seq:probe:0", b"x" * 100)
+        key = SpillKeys("e2e").block_group("probe", 1, 0)
+        store.set(key, b"x" * 100)
+        record = SpillRecord(seq_id="probe", spill_id=1, worker_id="w", num_bytes=100, num_keys=1)
+        await nc.publish("e2e.spill.recorded", encode(record))
         try:
             e2e = json.loads((await nc.request("e2e.spill.stats", b"{}", timeout=10)).data)
             other = json.loads((await nc.request("other.spill.stats", b"{}", timeout=10)).data)
         finally:
-            store.delete("e2e:spill:seq:probe:0")
+            drop = SpillDrop(spills=[SpillRef(seq_id="probe", spill_id=1)])
+            await nc.publish("e2e.spill.drop", encode(drop))
+            await nc.flush()
         assert e2e["redis_ok"] and other["redis_ok"]
-        assert e2e["num_keys"] == 1 and other["num_keys"] == 0
+        assert e2e["sequences"] == {"probe:1": 100} and other["sequences"] == {}
+        assert wait_until(lambda: not store.exists(key), timeout=10)
     finally:
         await nc.close()
 

@@ -11,7 +11,7 @@ from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.tracing import SpanObserver
 from shared.clock import FakeClock
 from shared.telemetry import Telemetry
-from tests.unit.scheduler.harness import FakeWorker, make_core, submit_request, tick
+from tests.unit.scheduler.harness import FakeWorker, Pipeline, make_core, submit_request, tick
 
 
 def _traced_run(exporting: bool):
@@ -94,3 +94,21 @@ def test_every_end_of_tick_phase_gets_a_span_in_the_seed_order_and_a_histogram()
 
 
 END_OF_TICK = ("deadline_sweep", "drain", "store_finished", "retire", "swap_in", "resume")
+
+
+def test_with_steps_running_ahead_every_row_span_ends_and_is_the_workers_parent():
+    tel = Telemetry("scheduler", None)
+    tel.exporting = True
+    exporter = InMemorySpanExporter()
+    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = SpanObserver(tel, FakeClock(100.0), lambda: "m")
+    core, _ = make_core(observer=observer, run_ahead=True)
+    worker = FakeWorker(block_size=4)
+    for rid in ("a", "b"):
+        assert core.add_request(submit_request(rid, prompt_len=6, max_tokens=5)) is None
+    pipe = Pipeline(core, worker, depth=2)
+    pipe.run()
+    assert pipe.max_inflight == 2
+    ended = {format(s.context.span_id, "016x") for s in exporter.get_finished_spans()}
+    rows = [r for p in worker.plans for r in p.rows]
+    assert rows and all(r.traceparent and r.traceparent.split("-")[2] in ended for r in rows)

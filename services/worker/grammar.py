@@ -18,7 +18,7 @@ are ready, and then applies them (sampler.apply_token_bitmask).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -45,8 +45,8 @@ class GrammarEngine:
         token_bytes: Callable[[int], bytes],
         vocab_size: int,
         stop_token_ids: Sequence[int],
-        special_ids: Sequence[int] = (),
-        keep_ids: Sequence[int] = (),
+        special_ids: Collection[int] = (),
+        keep_ids: Collection[int] = (),
     ) -> None:
         self.vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
@@ -58,8 +58,8 @@ class GrammarEngine:
         self,
         token_bytes: Callable[[int], bytes],
         stop_token_ids: list[int],
-        special_ids: Sequence[int],
-        keep_ids: Sequence[int],
+        special_ids: Collection[int],
+        keep_ids: Collection[int],
     ) -> tuple[Any, Any]:
         import xgrammar as xgr  # heavy (torch, transformers): off the start-up path
 

@@ -30,8 +30,10 @@ import httpx
 
 from services.cli.launcher import ServiceGroup, wait_until
 from services.cli.servers import start_nats, start_redis
+from services.cli.worker_env import apply_openmp_environment
 from services.scheduler.preemption import PreemptionPolicy
 from shared.bus import Bus
+from shared.config import load_settings
 from shared.protocol import SchedulerStats, StatsRequest
 from shared.subjects import SCHED_STATS
 
@@ -72,7 +74,7 @@ def per_sequence(model: str, redis_url: str, lengths: list[int], repeats: int) -
         tokens = [100 + (i * 7) % 5000 for i in range(length)]
         ids = list(range(n))
         recompute, swap = [], []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first round warms up and is not counted
             step += 1
             new = NewSequence(seq_id="s", sampling=greedy, block_ids=ids)
             plan = StepPlan(step_id=step, finished_seq_ids=["s"], new_seqs=[new],
@@ -92,6 +94,7 @@ def per_sequence(model: str, redis_url: str, lengths: list[int], repeats: int) -
             swap.append(time.perf_counter() - t)
             assert out.spills[0].ok and not back.lost_seq_ids
             step += 1
+        recompute, swap = recompute[1:], swap[1:]
         kv_bytes = n * runner.kv_transfer.block_bytes
         rows.append(
             {
@@ -235,6 +238,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter runs")
     parser.add_argument("--skip-system", action="store_true", help="per-sequence figures only")
     args = parser.parse_args()
+    # The worker's OpenMP settings, before torch loads here (the in-process runner of 1.).
+    apply_openmp_environment(load_settings())
     nats, redis = start_nats(), start_redis()
     try:
         print("1. swap-in (spill + restore) against recompute, per sequence:", flush=True)

@@ -72,6 +72,16 @@ async def _until_streaming(client: httpx.AsyncClient, first, tasks) -> None:
     assert not ended, f"a request ended before the fault: {ended}"
 
 
+async def _until_waiting(client: httpx.AsyncClient, n: int) -> None:
+    """Until the scheduler holds exactly `n` requests waiting their turn."""
+
+    async def poll():
+        while (await _health(client)).json().get("waiting") != n:
+            await asyncio.sleep(0.1)
+
+    await asyncio.wait_for(poll(), 30)
+
+
 async def _generate(nc, body: dict):
     return await nc.request(f"{NS}.llm.generate", json.dumps(body).encode(), timeout=120)
 
@@ -136,13 +146,15 @@ async def test_the_only_worker_killed_ends_every_request_then_comes_back(faults_
         async with httpx.AsyncClient(base_url=faults_system.url, timeout=120) as client:
             await _until_health(client, 200, RECOVERY_S)
             first = [asyncio.Event(), asyncio.Event()]
-            runs = [
-                sse_events(client, COMP, LONG, first[0]),
-                nats_stream(nc, f"{NS}.llm.generate", LONG, first[1]),
-                client.post(COMP, json={**LONG, "prompt": "Waiting for its turn"}),
+            tasks = [
+                asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
+                asyncio.ensure_future(nats_stream(nc, f"{NS}.llm.generate", LONG, first[1])),
             ]
-            tasks = [asyncio.ensure_future(run) for run in runs]
             await _until_streaming(client, first, tasks)
+            # Sent only now (--max-batch 2), so that it is the one waiting its turn.
+            plain_body = {**LONG, "prompt": "Waiting for its turn"}
+            tasks.append(asyncio.ensure_future(client.post(COMP, json=plain_body)))
+            await _until_waiting(client, 1)
             os.kill(faults_system.service_pids()["worker"], signal.SIGKILL)
             killed = time.monotonic()
             _, pending = await asyncio.wait(tasks, timeout=END_S)
@@ -187,15 +199,7 @@ async def test_the_scheduler_killed_mid_run_ends_what_ran_and_replays_what_waite
                     nats_stream(nc, f"{NS}.llm.generate", {**short, "prompt": prompts[3]}),
                 )
             ]
-
-            async def queued() -> bool:
-                return (await _health(client)).json().get("waiting") == 4
-
-            async def poll():
-                while not await queued():
-                    await asyncio.sleep(0.1)
-
-            await asyncio.wait_for(poll(), 30)
+            await _until_waiting(client, 4)
             os.kill(faults_system.service_pids()["scheduler"], signal.SIGKILL)
 
             # What had output ends with a clear error, soon.

@@ -309,11 +309,14 @@ class KVSpill(Message):
 
 
 class KVRestore(Message):
-    """Read a spilled sequence's blocks back, in order, into `block_ids`."""
+    """Read a spilled sequence's blocks back, in order, into `block_ids`, starting at
+    block `first_block` of the spill (the leading blocks the scheduler's prefix cache
+    still held are not read back)."""
 
     seq_id: str
     spill_id: int
     block_ids: list[int]
+    first_block: int = Field(default=0, ge=0)
 
 
 class PrefixBlock(Message):

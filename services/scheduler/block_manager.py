@@ -19,8 +19,9 @@ block.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 
 @dataclass(eq=False)
@@ -139,16 +140,18 @@ class BlockManager:
                 else:
                     self.cached_block_ids[block_id] = None
 
-    def reclaim(self, count: int) -> int:
-        """Evicts up to `count` cached blocks (least recently used first) into the free
-        queue; returns how many it evicted."""
-        done = 0
-        while done < count and self.cached_block_ids:
-            block_id, _ = self.cached_block_ids.popitem(last=False)
+    def reclaim(self, count: int, keep: Collection[int] = ()) -> int:
+        """Evicts up to `count` cached blocks (least recently used first, passing over
+        the ids in `keep`) into the free queue; returns how many it evicted."""
+        if keep:
+            victims = [b for b in self.cached_block_ids if b not in keep][:count]
+        else:
+            victims = list(islice(self.cached_block_ids, count))
+        for block_id in victims:
+            del self.cached_block_ids[block_id]
             self._forget_hash(self.blocks[block_id])
             self.free_block_ids.append(block_id)
-            done += 1
-        return done
+        return len(victims)
 
     # --- invariants -----------------------------------------------------------------
 

@@ -120,6 +120,7 @@ class SchedulerCore:
         self.preemptions = {"recompute": 0, "spill": 0}
         self.spill_failures = 0
         self.swap_ins = 0
+        self.swap_in_cached_blocks = 0  # blocks a swap-in found still cached (not read)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         # After the worker ran out of memory with R rows, at most R - 1 run together; the
@@ -824,20 +825,30 @@ class SchedulerCore:
     def _swap_in(self) -> None:
         """While the batch has room, resume the first swapped sequence (spill order) whose
         blocks fit in the free blocks. When even the smallest does not fit, reclaim
-        cached prefix blocks, pass after pass, until it fits or a pass frees nothing."""
+        cached prefix blocks, pass after pass, until it fits or a pass frees nothing.
+        A sequence's own full blocks that the prefix cache still holds (its blocks were
+        cached when it was preempted) are reused, not counted and not reclaimed: only the
+        rest is read back."""
         assert self.blocks is not None
         if not self.config.spill_store:
             return
         while len(self._running) < self.max_batch:
-            ready = [s for s in self._swapped if s.spilled is not None and s.spilled.confirmed]
+            ready = [
+                (s, self._own_hits(s))
+                for s in self._swapped
+                if s.spilled is not None and s.spilled.confirmed
+            ]
             if not ready:
                 return
-            smallest = min(self.blocks.blocks_for(s.num_tokens) for s in ready)
+            needs = [self.blocks.blocks_for(s.num_tokens) - len(hits) for s, hits in ready]
             free = self.blocks.num_free_blocks
+            smallest = min(needs)
             if smallest > free:
+                keep = {b for need, (_, hits) in zip(needs, ready, strict=True)
+                        if need == smallest for b in hits}  # fmt: skip
                 was, reclaimed = free, 0
                 while free < smallest:
-                    got = self.blocks.reclaim(smallest - free)
+                    got = self.blocks.reclaim(smallest - free, keep)
                     if got == 0:
                         break
                     reclaimed += got
@@ -851,33 +862,52 @@ class SchedulerCore:
                         was,
                         free,
                     )
-            seq = next((s for s in ready if self.blocks.blocks_for(s.num_tokens) <= free), None)
-            if seq is None:
+            choice = next(
+                (entry for need, entry in zip(needs, ready, strict=True) if need <= free),
+                None,
+            )
+            if choice is None:
                 return
-            self._restore(seq)
+            self._restore(*choice)
 
-    def _restore(self, seq: Sequence) -> None:
+    def _own_hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks still holding a swapped sequence's leading full blocks."""
         assert self.blocks is not None and seq.spilled is not None
-        block_ids = self.blocks.allocate(seq.num_tokens)
+        hits = self.blocks.lookup(self._hashes_for_lookup(seq.token_ids, seq.block_hashes))
+        return hits[: seq.spilled.num_blocks]
+
+    def _restore(self, seq: Sequence, hits: list[int]) -> None:
+        """Gives a swapped sequence its blocks back: `hits` as they are, the rest read
+        back from its spill (nothing at all when the cache held every block)."""
+        assert self.blocks is not None and seq.spilled is not None
+        block_ids = self.blocks.allocate(seq.num_tokens, hits)
         assert block_ids is not None
         self._swapped.remove(seq)
+        spilled = seq.spilled
         seq.block_ids = block_ids
-        seq.num_computed_tokens = seq.spilled.num_tokens
-        restore = KVRestore(
-            seq_id=seq.request_id,
-            spill_id=seq.spilled.spill_id,
-            block_ids=block_ids[: seq.spilled.num_blocks],
-        )
-        self._next_loads.append((seq, restore, 0))
-        seq.kv_pending = True
+        seq.num_computed_tokens = spilled.num_tokens
         seq.status = SequenceStatus.RUNNING
         self._running[seq.request_id] = seq
         self.swap_ins += 1
+        self.swap_in_cached_blocks += len(hits)
+        if len(hits) < spilled.num_blocks:
+            restore = KVRestore(
+                seq_id=seq.request_id,
+                spill_id=spilled.spill_id,
+                block_ids=block_ids[len(hits) : spilled.num_blocks],
+                first_block=len(hits),
+            )
+            self._next_loads.append((seq, restore, 0))
+            seq.kv_pending = True
+        else:  # the prefix cache held it all: the spill is not needed any more
+            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=spilled.spill_id))
+            seq.spilled = None
         log.info(
-            "swap-in: restored %s (seq_len=%d, blocks=%d)",
+            "swap-in: restored %s (seq_len=%d, blocks=%d, of which %d still cached)",
             seq.request_id,
             seq.num_tokens,
-            seq.spilled.num_blocks,
+            spilled.num_blocks,
+            len(hits),
         )
         self.observer.request_resumed(seq)
 

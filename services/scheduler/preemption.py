@@ -27,13 +27,13 @@ from shared.protocol import SpillStats
 Mode = Literal["spill", "recompute"]
 ConfiguredMode = Literal["auto", "spill", "recompute"]
 
-# Measured on the 2-core development machine (bench/spill.py): localhost Redis moved
-# ~0.6 GB/s of KV both ways with ~1 ms per pipelined round trip; a float32 SmolLM2-135M
-# prefills ~1,500 tokens/s. The EWMAs below replace them as soon as the system observes
-# its own figures.
-DEFAULT_KV_BANDWIDTH_BPS = 0.6e9
+# Measured on the 2-core development machine (bench/spill.py, DESIGN.md section 7): a
+# localhost Redis moved ~0.3 GB/s of KV (written and read back) with ~1 ms per pipelined
+# round trip; a float32 SmolLM2-135M prefills ~870 tokens/s. The EWMAs below replace
+# them as soon as the system observes its own figures.
+DEFAULT_KV_BANDWIDTH_BPS = 0.3e9
 DEFAULT_KV_LATENCY_S = 1e-3
-DEFAULT_PREFILL_TOKENS_PER_S = 1500.0
+DEFAULT_PREFILL_TOKENS_PER_S = 850.0
 EWMA_WEIGHT = 0.2
 # Steps with fewer tokens say little about prefill throughput (decode dominates them).
 MIN_PREFILL_SAMPLE_TOKENS = 64

@@ -111,18 +111,27 @@ class KVTransfer:
         )
 
     def restore(self, order: KVRestore) -> bool:
-        """False when the spill is gone, incomplete or unreadable (nothing is written)."""
+        """False when the spill is gone, incomplete or unreadable (nothing is written).
+        Reads only the groups holding blocks first_block.. of the spill."""
         start = self.timer()
-        groups = self._groups(order.block_ids)
-        keys = [self.keys.block_group(order.seq_id, order.spill_id, g) for g in range(len(groups))]
+        n = self.group_blocks
+        first, count = order.first_block, len(order.block_ids)
+        groups = range(first // n, (first + count - 1) // n + 1) if count else range(0)
+        keys = [self.keys.block_group(order.seq_id, order.spill_id, g) for g in groups]
         values = self._get_all(keys, order.seq_id)
         if values is None:
             return False
-        if [len(v) for v in values] != [len(b) * self.block_bytes for b in groups]:
-            log.warning("spill of %s does not match its blocks: recomputing", order.seq_id)
-            return False
-        for block_ids, value in zip(groups, values, strict=True):
-            self.kv.write_blocks(block_ids, self._from_bytes(value, len(block_ids)))
+        done = 0
+        for g, value in zip(groups, values, strict=True):
+            # The spill's blocks g*n .. in this value; those from `first` on are wanted.
+            lo = max(first - g * n, 0)
+            take = min(n - lo, count - done)
+            if len(value) % self.block_bytes or len(value) // self.block_bytes < lo + take:
+                log.warning("spill of %s does not match its blocks: recomputing", order.seq_id)
+                return False
+            data = self._from_bytes(value, len(value) // self.block_bytes)
+            self.kv.write_blocks(order.block_ids[done : done + take], data[:, :, lo : lo + take])
+            done += take
         num_bytes = sum(len(v) for v in values)
         self._count(num_bytes, start)
         self.counters.restored_bytes += num_bytes

@@ -115,6 +115,34 @@ def test_a_spilled_sequence_restored_into_other_blocks_continues_exactly(runner)
     assert d.generate(14) == expected
 
 
+def test_a_restore_past_blocks_still_cached_reads_only_the_rest(runner):
+    """The scheduler's prefix cache still held the first block: the restore starts at
+    block 1 of the spill (mid-group: groups hold two blocks here) and the sequence goes on
+    exactly, its first block where it always was."""
+    _reset(runner)
+    reference = Driver(runner, "ref", SAMPLED)
+    reference.start([0, 1, 2, 3])
+    expected = reference.generate(30)
+
+    d = Driver(runner, "s", SAMPLED)
+    d.start([4, 5, 6, 7])
+    d.generate(23)  # 42 tokens computed: three blocks, the third partial
+    spill = KVSpill(seq_id="s", spill_id=1, block_ids=[4, 5, 6])
+    result = runner.execute(d.plan(d.blocks, spills=[spill], finished_seq_ids=["s"]))
+    assert result.spills[0].ok and result.spills[0].num_keys == 2
+    other = Driver(runner, "other")
+    other.start([5, 6, 8, 9])  # overwrites the spilled blocks 5 and 6, not 4
+    other.generate(14)
+    runner.execute(other.plan(other.blocks, finished_seq_ids=["other"]))
+    d.blocks = [4, 10, 11, 12]
+    restore = KVRestore(seq_id="s", spill_id=1, block_ids=[10, 11], first_block=1)
+    d.run(
+        new_seqs=[NewSequence(seq_id="s", sampling=SAMPLED, block_ids=d.blocks)],
+        restores=[restore],
+    )
+    assert d.generate(6) == expected
+
+
 def test_restoring_what_the_store_lost_reports_the_sequence_lost(runner):
     _reset(runner)
     d = Driver(runner, "gone")

@@ -179,8 +179,9 @@ class FakeWorker:
             if self.store_down or data is None:
                 lost.add(restore.seq_id)
                 continue
-            assert len(data) == len(restore.block_ids), "restore into the wrong number of blocks"
-            for block_id, contents in zip(restore.block_ids, data, strict=True):
+            wanted = data[restore.first_block :]
+            assert len(wanted) == len(restore.block_ids), "restore into the wrong blocks"
+            for block_id, contents in zip(restore.block_ids, wanted, strict=True):
                 self._write_block(block_id, contents)
         for load in plan.prefix_loads:
             if self.store_down or any(b.block_hash not in self.tier for b in load.blocks):

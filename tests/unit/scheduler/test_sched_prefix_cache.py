@@ -63,6 +63,19 @@ def test_freed_hashed_blocks_stay_cached_until_reclaimed_least_recently_used_fir
     blocks.check_integrity([*fresh, *hit])
 
 
+def test_reclaim_passes_over_the_blocks_it_is_told_to_keep():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    a = blocks.allocate(16)
+    assert a is not None
+    blocks.commit(a, [1, 2, 3, 4])
+    blocks.free(a)  # eviction order: a[3], a[2], a[1], a[0]
+    assert blocks.reclaim(2, keep={a[3]}) == 2
+    assert blocks.lookup([1, 2, 3, 4]) == [a[0]] and blocks.num_cached_blocks == 2
+    assert blocks.reclaim(5, keep={a[0], a[3]}) == 0  # only kept ones are left
+    assert blocks.reclaim(5) == 2 and blocks.num_free_blocks == 4
+    blocks.check_integrity([])
+
+
 def test_a_block_whose_hash_is_cached_elsewhere_stays_unregistered():
     blocks = BlockManager(num_blocks=4, block_size=4)
     a = blocks.allocate(4)

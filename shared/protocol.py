@@ -256,6 +256,8 @@ class Heartbeat(Message):
     info: WorkerInfo
     num_steps: int = 0
     scheduler_id: str = ""  # the scheduler the worker belongs to ("" while it has none)
+    # SIGTERM: the worker stops once its sequences are done (or after drain_timeout_s).
+    draining: bool = False
 
 
 class NewSequence(Message):

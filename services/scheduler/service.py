@@ -22,9 +22,11 @@ and sched.<id>.register one chosen scheduler. Everything it sends names it as th
 A registration is validated and its worker probed before the core ever sees it.
 
 SIGTERM drains: new submits get 503, running requests may finish for drain_timeout_s,
-the rest end with "abort". A tick loop that died takes the process down (exit code 1),
-so that a supervisor restarts it, rather than leaving a scheduler that answers health
-checks and serves nobody.
+the rest end with "abort". The same happens while the worker it drives drains (its
+heartbeat says so): then the scheduler goes on, and serves again once a worker is back.
+A tick loop that died takes the process down (exit code 1), so that a supervisor
+restarts it, rather than leaving a scheduler that answers health checks and serves
+nobody.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from services.scheduler.step_timing import StepTimings
 from services.scheduler.tracing import SpanObserver
 from shared import subjects
 from shared.beacon import Beacon
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, sender_of
 from shared.clock import Clock, MonotonicClock
 from shared.config import Settings
 from shared.leases import StallGuard
@@ -88,6 +90,9 @@ MAX_LOST_STEPS = 3
 # How long a registering worker has to answer the probe of its step subject.
 PROBE_TIMEOUT_S = 2.0
 STOPPING = ErrorInfo(status=503, message="the scheduler is stopping", code="shutting_down")
+WORKER_STOPPING = ErrorInfo(
+    status=503, message="the scheduler's worker is stopping", code="shutting_down"
+)
 SPILL_POLL_S = 0.5
 SPILL_STATS_TIMEOUT_S = 1.0
 # A prefix-tier lookup delays the submit reply: it is skipped when the store is slow.
@@ -142,6 +147,8 @@ class SchedulerService:
             bus, subjects.SCHED_HEARTBEAT, self._lease, settings.scheduler_lease_interval_s
         )
         self._draining = False
+        # The worker we drive drains (SIGTERM): which one, until when its requests may run.
+        self._worker_drain: tuple[tuple[str, int], float] | None = None
         # After our connection came back with steps in flight: a request or reply may be
         # lost, so the worker is re-attached (its sequences recomputed) once it is back.
         self._resync_worker = False
@@ -236,6 +243,8 @@ class SchedulerService:
         self.tracer.bind(req.request_id, ctx)
         if self._draining:
             error: ErrorInfo | None = STOPPING
+        elif self._worker_draining():
+            error = WORKER_STOPPING
         else:
             error = self.core.add_request(req, await self._tier_lookup(req))
         if error is not None:
@@ -336,10 +345,40 @@ class SchedulerService:
         if mine and self._resync_worker and self._attached and worker_id == self._attached[0]:
             self._resync_after_outage()
             changed = True
+        if mine and beat.draining and sender_of(raw) == worker_id:
+            self._worker_drains(worker_id)
         if changed:
             self._workers_changed()
 
     # --- workers --------------------------------------------------------------------
+
+    def _worker_drains(self, worker_id: str) -> None:
+        if self._attached is None or self._attached[0] != worker_id or self._worker_draining():
+            return
+        deadline = self.clock.now() + self.settings.drain_timeout_s
+        self._worker_drain = (self._attached, deadline)
+        log.info(
+            "worker %s drains: no new requests; %d running may finish for %gs",
+            worker_id,
+            len(self._gateway_of),
+            self.settings.drain_timeout_s,
+        )
+        self.lease.kick()  # gateways stop routing to us now
+
+    def _worker_draining(self) -> bool:
+        return self._worker_drain is not None and self._worker_drain[0] == self._attached
+
+    def _end_worker_drain(self) -> None:
+        """The draining worker's time is up: what still runs ends with "abort" (once)."""
+        if not self._worker_draining() or not self._gateway_of:
+            return
+        assert self._worker_drain is not None
+        if self.clock.now() < self._worker_drain[1]:
+            return
+        log.warning("worker drains: aborting %d requests still running", len(self._gateway_of))
+        self.core.abort(list(self._gateway_of))
+        self._worker_drain = (self._worker_drain[0], float("inf"))
+        self._wake.set()
 
     def _on_reconnected(self) -> None:
         """Our connection was down: the workers' silence meanwhile says nothing, and a step
@@ -373,7 +412,7 @@ class SchedulerService:
             num_running=self.core.num_running,
             num_waiting=self.core.num_waiting,
             kv_usage=self.core.kv_usage,
-            draining=self._draining,
+            draining=self._draining or self._worker_draining(),
             spill_status=spill_status(self.config.preemption_mode, self._spill_stats),
             preemption_mode=self.config.preemption_mode,
         )
@@ -410,6 +449,7 @@ class SchedulerService:
                 continue
             if not self.bus.is_connected:
                 continue  # nobody can reach us: silence is no sign of death
+            self._end_worker_drain()
             dropped = self.registry.expire()
             if not dropped:
                 continue

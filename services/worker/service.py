@@ -10,6 +10,10 @@
     worker.discover      a new scheduler asks: only a worker without a live scheduler
                          registers again, so a stream of these disturbs nothing
 
+SIGTERM drains: the next heartbeat says `draining`, its scheduler takes no new requests
+and aborts what still runs after drain_timeout_s, and the worker steps on until it holds
+no sequence (or its scheduler is gone, or that time and a grace second passed).
+
 A worker belongs to the scheduler that took its registration and refuses every plan sent
 by anyone else (the `Spillway-Sender` header); a plan that changes nothing, the
 scheduler's probe at registration, is answered for anyone.
@@ -61,6 +65,10 @@ log = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 5.0
 REGISTER_RETRY_S = 0.5
 FIRST_LEASE_WAIT_S = 1.0
+# Draining ends once no plan came for this long with no sequence held (a plan in flight
+# when the last sequence went may still bring one), or this long after drain_timeout_s.
+DRAIN_QUIET_S = 0.3
+DRAIN_GRACE_S = 1.0
 
 
 async def serve(
@@ -89,6 +97,7 @@ async def serve(
                 executor,
                 settings.heartbeat_interval_s,
                 settings.scheduler_timeout_s,
+                settings.drain_timeout_s,
             )
             await service.run(stop)
         finally:
@@ -129,6 +138,7 @@ class WorkerService:
         executor: ThreadPoolExecutor,
         heartbeat_interval_s: float,
         scheduler_timeout_s: float = 5.0,
+        drain_timeout_s: float = 10.0,
     ) -> None:
         self.bus = bus
         self.tel = tel
@@ -142,6 +152,10 @@ class WorkerService:
         self.heartbeat = Beacon(bus, subjects.WORKER_HEARTBEAT, self._beat, heartbeat_interval_s)
         self._registering: asyncio.Task[None] | None = None
         self._heard_lease = asyncio.Event()
+        self.clock = clock
+        self.drain_timeout_s = drain_timeout_s
+        self._draining = False
+        self._last_step_at = float("-inf")
 
     async def run(self, stop: asyncio.Event) -> None:
         step_sub = await self.bus.serve(
@@ -164,6 +178,7 @@ class WorkerService:
         )
         try:
             await stop.wait()
+            await self._drain()
         finally:
             await self.heartbeat.stop()
             tasks = [t for t in (watch, self._registering) if t is not None]
@@ -173,6 +188,35 @@ class WorkerService:
             for sub in (step_sub, discover_sub, lease_sub):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+    async def _drain(self) -> None:
+        """SIGTERM: says so in a heartbeat at once (its scheduler takes no new requests
+        and ends, with "abort", those still running after drain_timeout_s) and keeps
+        stepping until it holds no sequence and no plan came for a moment, or until the
+        scheduler had its time (a grace second past drain_timeout_s)."""
+        if self.ownership.owner is None:
+            return
+        self._draining = True
+        self.heartbeat.kick()
+        log.info("draining: %d sequence(s) held", len(self.runner.sequences))
+        deadline = self.clock.now() + self.drain_timeout_s + DRAIN_GRACE_S
+        while self.clock.now() < deadline:
+            idle = self.clock.now() - self._last_step_at >= DRAIN_QUIET_S
+            if (not self.runner.sequences and idle) or self._owner_gone():
+                return
+            await asyncio.sleep(0.05)
+        log.warning("draining: stopping with %d sequence(s) held", len(self.runner.sequences))
+
+    def _owner_gone(self) -> bool:
+        """Our scheduler stopped (its lease lapsed) or dropped us: nobody will finish or
+        forget the sequences we hold."""
+        owner = self.ownership.owner
+        lease = self.leases.get(owner) if owner else None
+        return (
+            lease is None
+            or not self.leases.is_live(lease.scheduler_id)
+            or self.info.worker_id not in lease.worker_ids
+        )
 
     # --- registration and heartbeats -------------------------------------------------
 
@@ -240,7 +284,7 @@ class WorkerService:
                 continue  # nobody can reach us: the leases' silence is ours
             self.leases.lapse()
             why = self.ownership.why_register(self.leases)
-            if why is not None:
+            if why is not None and not self._draining:  # a draining worker joins no one
                 self._register(why)
 
     def _beat(self) -> Heartbeat:
@@ -248,6 +292,7 @@ class WorkerService:
             info=self.info,
             num_steps=self.runner.num_steps,
             scheduler_id=self.ownership.owner or "",
+            draining=self._draining,
         )
 
     # --- steps -------------------------------------------------------------------------
@@ -276,6 +321,7 @@ class WorkerService:
                 code="not_my_scheduler",
             )
             return StepResult(step_id=plan.step_id, error=error)
+        self._last_step_at = self.clock.now()
         loop = asyncio.get_running_loop()
         kv_start_ns = time.time_ns()
         result = await loop.run_in_executor(self.executor, self.runner.execute, plan)

@@ -159,5 +159,8 @@ def start_faults_system(model_dir, nats_url: str, redis_url: str) -> System:
         "--block-size", "32",
         "--max-batch", "2",
         "--dtype", "float32",
-        env={"SPILLWAY_DRAIN_TIMEOUT_S": "2"},
+        # A restarted service comes back only after the dead one's heartbeats lapsed
+        # (worker_timeout_s is 2): a worker that registers sooner takes the dead one's
+        # requests over (recomputed), and these tests replay the single-worker outcome.
+        env={"SPILLWAY_DRAIN_TIMEOUT_S": "2", "SPILLWAY_RESTART_BACKOFF_S": "3"},
     )  # fmt: skip

@@ -158,7 +158,7 @@ async def test_the_only_worker_killed_ends_every_request_then_comes_back(faults_
             os.kill(faults_system.service_pids()["worker"], signal.SIGKILL)
             killed = time.monotonic()
             _, pending = await asyncio.wait(tasks, timeout=END_S)
-            assert not pending, "a request outlived its worker"
+            assert not pending, f"a request outlived its worker:\n{faults_system.tail(120)}"
             stream, over_nats, plain = (t.result() for t in tasks)
             assert stream[-1] == "[DONE]" and stream_error(stream)["code"] == "no_worker"
             assert over_nats[-1].headers["Spillway-Error"] == "503"
@@ -172,6 +172,41 @@ async def test_the_only_worker_killed_ends_every_request_then_comes_back(faults_
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         await nc.close()
+
+
+async def test_the_worker_sigtermed_drains_then_comes_back(faults_system):
+    """SIGTERM to the worker alone (a rolling restart): it steps on while its scheduler
+    refuses new requests (503, Retry-After) and gives the running stream the drain time
+    (SPILLWAY_DRAIN_TIMEOUT_S=2 here), which then ends with "abort" and [DONE], never an
+    error; the worker exits 0 and the supervisor starts it again."""
+    async with httpx.AsyncClient(base_url=faults_system.url, timeout=120) as client:
+        await _until_health(client, 200, RECOVERY_S)
+        first = asyncio.Event()
+        task = asyncio.ensure_future(sse_events(client, COMP, LONG, first))
+        await _until_streaming(client, [first], [task])
+        os.kill(faults_system.service_pids()["worker"], signal.SIGTERM)
+        signalled = time.monotonic()
+
+        async def draining() -> bool:
+            schedulers = (await _health(client)).json().get("schedulers", [])
+            return any(s["draining"] for s in schedulers)
+
+        while not await draining():
+            assert time.monotonic() - signalled < 5, "the scheduler never heard the drain"
+            await asyncio.sleep(0.05)
+        refused = await client.post(COMP, json={"prompt": "Too late", "max_tokens": 4})
+        assert refused.status_code == 503 and refused.headers.get("retry-after")
+
+        events = await asyncio.wait_for(task, END_S)
+        ended = time.monotonic() - signalled
+        assert events[-1] == "[DONE]" and stream_error(events) is None
+        assert stream_finish(events) == "abort"
+        assert ended >= 1.0, f"the stream ended {ended:.1f}s after SIGTERM: no drain"
+
+        await _until_health(client, 200, RECOVERY_S)
+        assert "worker exited with code 0; restarting it" in _log(faults_system)
+        r = await client.post(COMP, json={"prompt": "Back", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
 async def test_the_scheduler_killed_mid_run_ends_what_ran_and_replays_what_waited(

@@ -127,7 +127,9 @@ def permissions(user: str, namespace: str = "") -> Permissions:
 
 
 def new_passwords() -> dict[str, str]:
-    return {user: secrets.token_urlsafe(24) for user in (*SERVICES, CLIENT_USER)}
+    # Led by a letter: nats-server reads an unquoted `$VAR` password as a config value,
+    # so one like "12k34" or "8e6..." would parse as a number (or fail) instead.
+    return {user: "p" + secrets.token_urlsafe(24) for user in (*SERVICES, CLIENT_USER)}
 
 
 def authorization_block(passwords: dict[str, str], namespace: str = "") -> str:

@@ -98,3 +98,14 @@ def test_the_written_config_is_one_nats_server_accepts(tmp_path):
 def test_infra_nats_conf_holds_the_generated_users():
     passwords = {u: f"$SPILLWAY_NATS_{u.upper()}_PASSWORD" for u in (*SERVICES, CLIENT_USER)}
     assert authorization_block(passwords) in (ROOT / "infra" / "nats.conf").read_text()
+
+
+def test_generated_passwords_are_strings_to_nats_server_even_when_read_unquoted():
+    """infra/nats.conf reads each password as `$VAR`: one led by a digit could parse as a
+    number; every generated one is led by a letter and unique."""
+    seen = set()
+    for _ in range(200):
+        for password in new_passwords().values():
+            assert password[0].isalpha() and len(password) >= 24
+            seen.add(password)
+    assert len(seen) == 200 * len(new_passwords())

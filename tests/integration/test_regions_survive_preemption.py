@@ -4,9 +4,9 @@ pressure, and every sequence's tokens equal those of a run without pressure.
 
 The sequences start inside a think block and sample at temperature 1 there (adaptive
 sampling), greedily outside it: a sequence that came back in the wrong region would decode
-greedily and leave the tokens it had without preemption. (Spilled sequences come back the
-same way, as a NewSequence with their tokens; until spilling exists, victims are
-recomputed.)
+greedily and leave the tokens it had without preemption. Victims are recomputed, or
+spilled to a real Redis and swapped in (their KV read back, their region rebuilt from
+their tokens).
 """
 
 from __future__ import annotations
@@ -29,11 +29,15 @@ def think_dir(tmp_path_factory):
     return save_think_llama(tmp_path_factory.mktemp("think"))
 
 
-def test_a_sequence_preempted_inside_a_think_block_continues_in_it(think_dir):
+@pytest.mark.parametrize("mode", ["recompute", "spill"])
+def test_a_sequence_preempted_inside_a_think_block_continues_in_it(think_dir, redis_url, mode):
     roomy, roomy_core = _serve_all(think_dir, kv_blocks=64, sampling=THINKING)
-    tight, tight_core = _serve_all(think_dir, kv_blocks=10, sampling=THINKING)
+    spill_to = redis_url if mode == "spill" else None
+    tight, tight_core = _serve_all(think_dir, kv_blocks=10, sampling=THINKING, spill_to=spill_to)
     assert roomy_core.preemptions["recompute"] == 0
-    assert tight_core.preemptions["recompute"] > 0
+    assert tight_core.preemptions[mode] > 0
+    if mode == "spill":
+        assert tight_core.swap_ins == tight_core.preemptions["spill"]
     # </think> never came, so every victim was inside its block.
     assert all(THINK_END_ID not in tokens for tokens in roomy.values())
     assert all(len(tokens) == NEW_TOKENS for tokens in roomy.values())

@@ -1,16 +1,22 @@
 """The real scheduler core driving the real model runner, plan by plan, in one process:
-chunked prefill, continuous batching and preemption by recompute under KV pressure must
-leave every sequence's tokens exactly as they are without pressure (greedy and seeded)."""
+chunked prefill, continuous batching and preemption (by recompute, or spilled to a real
+Redis and swapped in) under KV pressure must leave every sequence's tokens exactly as they
+are without pressure (greedy and seeded)."""
 
 from __future__ import annotations
+
+import uuid
+from dataclasses import replace
 
 import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
+from shared.spill_keys import SpillKeys
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(6)]
@@ -22,10 +28,21 @@ def model_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
-def _serve_all(model_dir, kv_blocks: int, sampling: SamplingParams) -> tuple[dict, SchedulerCore]:
+def _serve_all(
+    model_dir, kv_blocks: int, sampling: SamplingParams, spill_to: str | None = None
+) -> tuple[dict, SchedulerCore]:
+    """Every prompt to its end; with `spill_to` (a Redis URL) victims are spilled there by
+    the runner itself and swapped in, instead of recomputed."""
     runner = tiny_runner(model_dir, kv_blocks=kv_blocks)
-    core = SchedulerCore(FakeClock(), SchedulerConfig(max_batch=6, max_num_batched_tokens=24))
+    config = SchedulerConfig(max_batch=6, max_num_batched_tokens=24)
+    if spill_to is not None:
+        config = replace(config, preemption_mode="spill", spill_store=True)
+        store = connect_kv_store(spill_to, 2.0)
+        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
+    core = SchedulerCore(FakeClock(), config)
     core.attach_worker(worker_info("w", "tiny", runner))
+    if spill_to is not None:
+        core.spill_store_reported(True, 1 << 40)
     for i, prompt in enumerate(PROMPTS):
         error = core.add_request(
             SubmitRequest(
@@ -56,7 +73,7 @@ def _serve_all(model_dir, kv_blocks: int, sampling: SamplingParams) -> tuple[dic
         if len(finished) == len(PROMPTS):
             break
     assert {d.finish_reason for d in finished.values()} == {"length"}
-    assert core.kv_usage == 0.0
+    assert core.kv_usage == 0.0 and core.num_swapped == 0
     return outputs, core
 
 
@@ -73,4 +90,15 @@ def test_preempted_sequences_resume_with_the_same_tokens(model_dir, sampling):
     assert roomy_core.preemptions["recompute"] == 0
     assert tight_core.preemptions["recompute"] > 0
     assert all(len(tokens) == NEW_TOKENS for tokens in roomy.values())
+    assert tight == roomy
+
+
+def test_spilled_sequences_swap_in_with_the_same_tokens(model_dir, redis_url):
+    """The same pressure, victims spilled to Redis by the runner and read back (the part
+    the prefix cache lost): every token as without pressure."""
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    roomy, _ = _serve_all(model_dir, kv_blocks=64, sampling=sampling)
+    tight, core = _serve_all(model_dir, kv_blocks=10, sampling=sampling, spill_to=redis_url)
+    assert core.preemptions["spill"] > 0 and core.preemptions["recompute"] == 0
+    assert core.swap_ins == core.preemptions["spill"] and core.spill_failures == 0
     assert tight == roomy

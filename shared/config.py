@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.protocol import RegionName, RegionSampling
@@ -32,17 +32,15 @@ _DEFAULT_REGION_SAMPLING: dict[RegionName, RegionSampling] = {
 MarkerName = Literal["think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end"]
 
 
-def _env(*names: str) -> AliasChoices:
-    return AliasChoices(*names)
-
-
 class Settings(BaseSettings):
+    # SPILLWAY_<FIELD> for every field; the aliases below are the ecosystem's own names.
+    # Only those: a stray MODEL or API_KEY in a container's environment configures nothing.
     model_config = SettingsConfigDict(env_prefix="SPILLWAY_", extra="ignore", populate_by_name=True)
 
     # --- the contract's options (CONTRACT section 1) ---
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    model: str = Field(default=DEFAULT_MODEL, validation_alias=_env("model", "SPILLWAY_MODEL"))
+    model: str = DEFAULT_MODEL
     workers: int = Field(default=1, ge=1)
     kv_blocks: int | None = Field(default=None, ge=1)
     block_size: int = Field(default=16, ge=1)
@@ -51,14 +49,10 @@ class Settings(BaseSettings):
     preemption_mode: PreemptionMode = "auto"
     prefix_cache: bool = True
     namespace: str = ""
-    api_key: str | None = Field(default=None, validation_alias=_env("api_key", "SPILLWAY_API_KEY"))
-    nats_url: str = Field(default=DEFAULT_NATS_URL, validation_alias=_env("nats_url", "NATS_URL"))
-    redis_url: str = Field(
-        default=DEFAULT_REDIS_URL, validation_alias=_env("redis_url", "REDIS_URL")
-    )
-    otlp_endpoint: str | None = Field(
-        default=None, validation_alias=_env("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT")
-    )
+    api_key: str | None = None
+    nats_url: str = Field(default=DEFAULT_NATS_URL, validation_alias="NATS_URL")
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias="REDIS_URL")
+    otlp_endpoint: str | None = Field(default=None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT")
 
     # --- the project's own knobs ---
     attention_backend: AttentionBackend = "auto"

@@ -75,15 +75,13 @@ def env_of(c: Manifest) -> dict[str, Manifest]:
 
 
 def setting_env_names() -> set[str]:
-    """The environment variables Settings reads: SPILLWAY_<NAME>, or a field's documented
-    aliases (NATS_URL, REDIS_URL, SPILLWAY_MODEL, ...)."""
+    """The environment variables Settings reads: SPILLWAY_<NAME>, or a field's one
+    ecosystem alias (NATS_URL, REDIS_URL, OTEL_EXPORTER_OTLP_ENDPOINT)."""
     names = set()
     for field, info in Settings.model_fields.items():
         alias = info.validation_alias
-        if alias is None:
-            names.add(f"SPILLWAY_{field.upper()}")
-        else:
-            names |= {c for c in alias.choices if isinstance(c, str) and c.isupper()}
+        assert alias is None or isinstance(alias, str), f"{field}: one alias at most"
+        names.add(alias or f"SPILLWAY_{field.upper()}")
     return names
 
 

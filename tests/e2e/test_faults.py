@@ -72,6 +72,18 @@ async def _until_streaming(client: httpx.AsyncClient, first, tasks) -> None:
     assert not ended, f"a request ended before the fault: {ended}"
 
 
+async def _two_long_streams(client: httpx.AsyncClient, nc) -> list[asyncio.Task]:
+    """A long SSE stream and a long NATS stream, once both produce text (--max-batch 2:
+    they fill the batch)."""
+    first = [asyncio.Event(), asyncio.Event()]
+    tasks = [
+        asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
+        asyncio.ensure_future(nats_stream(nc, f"{NS}.llm.generate", LONG, first[1])),
+    ]
+    await _until_streaming(client, first, tasks)
+    return tasks
+
+
 async def _until_waiting(client: httpx.AsyncClient, n: int) -> None:
     """Until the scheduler holds exactly `n` requests waiting their turn."""
 
@@ -145,12 +157,7 @@ async def test_the_only_worker_killed_ends_every_request_then_comes_back(faults_
     try:
         async with httpx.AsyncClient(base_url=faults_system.url, timeout=120) as client:
             await _until_health(client, 200, RECOVERY_S)
-            first = [asyncio.Event(), asyncio.Event()]
-            tasks = [
-                asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
-                asyncio.ensure_future(nats_stream(nc, f"{NS}.llm.generate", LONG, first[1])),
-            ]
-            await _until_streaming(client, first, tasks)
+            tasks = await _two_long_streams(client, nc)
             # Sent only now (--max-batch 2), so that it is the one waiting its turn.
             plain_body = {**LONG, "prompt": "Waiting for its turn"}
             tasks.append(asyncio.ensure_future(client.post(COMP, json=plain_body)))
@@ -217,12 +224,7 @@ async def test_the_scheduler_killed_mid_run_ends_what_ran_and_replays_what_waite
     try:
         async with httpx.AsyncClient(base_url=faults_system.url, timeout=120) as client:
             await _until_health(client, 200, RECOVERY_S)
-            first = [asyncio.Event(), asyncio.Event()]
-            running = [
-                asyncio.ensure_future(sse_events(client, COMP, LONG, first[0])),
-                asyncio.ensure_future(nats_stream(nc, f"{NS}.llm.generate", LONG, first[1])),
-            ]
-            await _until_streaming(client, first, running)
+            running = await _two_long_streams(client, nc)
             # --max-batch 2: these wait their turn behind the two running ones.
             prompts = [f"Replay me {i}:" for i in range(4)]
             waiting = [

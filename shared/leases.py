@@ -93,13 +93,17 @@ class LeaseBook:
         for heard in self._heard.values():
             heard.at = now
 
-    def pick_for_request(self, exclude: frozenset[str] = frozenset()) -> SchedulerLease | None:
-        """The least busy live scheduler that drives a worker and is not draining."""
-        ready = [
+    def ready_for_request(self, exclude: frozenset[str] = frozenset()) -> list[SchedulerLease]:
+        """The live schedulers that drive a worker and are not draining."""
+        return [
             lease
             for lease in self.live()
             if lease.worker_id and not lease.draining and lease.scheduler_id not in exclude
         ]
+
+    def pick_for_request(self, exclude: frozenset[str] = frozenset()) -> SchedulerLease | None:
+        """The least busy of those."""
+        ready = self.ready_for_request(exclude)
         return self._least(ready, lambda lease: lease.num_running + lease.num_waiting)
 
     def pick_for_worker(self) -> SchedulerLease | None:

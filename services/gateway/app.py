@@ -132,7 +132,13 @@ def health_body(api: GatewayApi) -> dict[str, Any]:
         "status": "ok" if serving and not engine.draining else "unavailable",
         "workers": len({lease.worker_id for lease in serving}),
         "schedulers": [
-            {"id": lease.scheduler_id, "worker": lease.worker_id, "draining": lease.draining}
+            {
+                "id": lease.scheduler_id,
+                "worker": lease.worker_id,
+                "draining": lease.draining,
+                "running": lease.num_running,
+                "waiting": lease.num_waiting,
+            }
             for lease in leases
         ],
         "running": sum(lease.num_running for lease in leases),

@@ -352,7 +352,8 @@ class GatewayEngine:
         for rid in ids:
             self._routes[rid] = run
         self._track(run, aliases or [])
-        target = self.schedulers.pick()  # one scheduler for all choices: they share a prompt
+        # One scheduler for all choices: they share a prompt.
+        target = self.schedulers.pick(prompt=prepared.choice_prompt(0))
         try:
             await asyncio.gather(*(self._submit_one(run, i, target) for i in range(len(ids))))
         except BaseException:
@@ -381,7 +382,8 @@ class GatewayEngine:
             deadline = min(deadline, run.deadline_at)
         while True:
             try:
-                await self._submit_one(run, index, self.schedulers.pick(exclude))
+                prompt = run.prepared.choice_prompt(index)
+                await self._submit_one(run, index, self.schedulers.pick(exclude, prompt))
                 log.info("request %s runs again as %s", old_id, new_id)
                 return
             except ApiError as e:
@@ -419,7 +421,7 @@ class GatewayEngine:
                 raise _unavailable(e.info) from e
             if reply.ok:
                 run.scheduler_ids[index] = reply.scheduler_id
-                self.schedulers.note(reply.scheduler_id)
+                self.schedulers.note(reply.scheduler_id, request.prompt_token_ids)
                 return
             error = reply.error or ErrorInfo(status=503, message="the scheduler refused it")
             if attempt < len(subjects) and error.status == 503:

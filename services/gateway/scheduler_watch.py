@@ -1,9 +1,11 @@
 """The gateway's view of the schedulers: their leases on sched.heartbeat, and what to do
 when one goes quiet.
 
-    pick()                 where a new request goes: the least busy live scheduler that
-                           drives a worker and is not draining
-    note(scheduler_id)     a scheduler took one of our requests (its lease may not have
+    pick(prompt)           where a new request goes: among the live schedulers that drive
+                           a worker and are not draining, the one that took a prompt
+                           sharing the longest prefix with this one, unless it is much
+                           busier than the least busy (affinity.py); else the least busy
+    note(id, prompt)       a scheduler took one of our requests (its lease may not have
                            reached us yet: it is watched from now on all the same)
     on_gone(id, reason)    called once when a scheduler holding our requests may have
                            lost them for us:
@@ -22,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.gateway.affinity import PrefixAffinity
 from shared.bus import Bus
 from shared.clock import Clock
 from shared.leases import LeaseBook, StallGuard
@@ -50,6 +53,7 @@ class SchedulerWatch:
     ) -> None:
         self.bus = bus
         self.book = LeaseBook(clock, timeout_s)
+        self.affinity = PrefixAffinity(rng=self.book.rng)
         self._on_gone = on_gone
         self._watched: set[str] = set()  # schedulers that hold (or held) our requests
         self._unconfirmed: set[str] = set()  # watched, not heard since our reconnect
@@ -73,15 +77,17 @@ class SchedulerWatch:
 
     # --- queries -----------------------------------------------------------------------
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> str | None:
-        lease = self.book.pick_for_request(exclude)
+    def pick(self, exclude: frozenset[str] = frozenset(), prompt: Sequence[int] = ()) -> str | None:
+        lease = self.affinity.choose(prompt, self.book.ready_for_request(exclude))
         return lease.scheduler_id if lease is not None else None
 
     def live(self) -> list[SchedulerLease]:
         """The schedulers heard within the timeout (none while we cannot reach NATS)."""
         return self.book.live() if self.bus.is_connected else []
 
-    def note(self, scheduler_id: str) -> None:
+    def note(self, scheduler_id: str, prompt: Sequence[int] = ()) -> None:
+        if scheduler_id:
+            self.affinity.record(prompt, scheduler_id)
         if scheduler_id and scheduler_id not in self._watched:
             self._watched.add(scheduler_id)
             self.book.expect(scheduler_id)
@@ -125,6 +131,8 @@ class SchedulerWatch:
                     self._gone(scheduler_id, "lost")
 
     def _gone(self, scheduler_id: str, reason: GoneReason) -> None:
+        if reason == "lost":
+            self.affinity.forget(scheduler_id)  # its prefix cache went with it
         try:
             self._on_gone(scheduler_id, reason)
         except Exception:  # the watch must outlive any bug in a listener

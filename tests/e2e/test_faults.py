@@ -94,6 +94,19 @@ async def _until_waiting(client: httpx.AsyncClient, n: int) -> None:
     await asyncio.wait_for(poll(), 30)
 
 
+async def _until_load(client: httpx.AsyncClient, n: int) -> None:
+    """Until the schedulers' leases, as the gateway hears them, hold `n` requests."""
+
+    async def poll():
+        while True:
+            body = (await _health(client)).json()
+            if body.get("running", 0) + body.get("waiting", 0) == n:
+                return
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(poll(), 30)
+
+
 async def _generate(nc, body: dict):
     return await nc.request(f"{NS}.llm.generate", json.dumps(body).encode(), timeout=120)
 
@@ -138,6 +151,23 @@ async def test_two_systems_share_a_namespace_without_cross_talk(
             ]
             runs += [_generate(nc, body) for _ in range(2)]
             results = await asyncio.wait_for(asyncio.gather(*runs), RECOVERY_S)
+
+            # Prefix affinity: streams sharing a long prefix all go where the first went
+            # (with --max-batch 2 the third waits there), though by load alone the second
+            # would go to the idle scheduler.
+            shared = "The river authority's quarterly report on the northern dams says " * 12
+            streams: list[asyncio.Task] = []
+            for i in range(3):
+                body = {**LONG, "prompt": f"{shared}Question {i}:"}
+                streams.append(asyncio.ensure_future(sse_events(one, COMP, body)))
+                await _until_load(one, i + 1)
+            loads = sorted(
+                s["running"] + s["waiting"] for s in (await _health(one)).json()["schedulers"]
+            )
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            assert loads == [0, 3], loads
         for r in results[:6]:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 32
         texts = {r.json()["choices"][0]["text"] for r in results[:6]}

@@ -215,7 +215,13 @@ async def test_health_follows_the_worker_the_scheduler_drives(system):
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "ok" and body["workers"] == 1
-    assert body["schedulers"] == [{"id": "double", "worker": "w-double", "draining": False}]
+    [entry] = body["schedulers"]
+    assert {k: entry[k] for k in ("id", "worker", "draining")} == {
+        "id": "double",
+        "worker": "w-double",
+        "draining": False,
+    }
+    assert entry["running"] == len(system.scheduler.active) == body["running"]
     system.scheduler.num_workers = 0
     try:
         r = await _health_until(system.client, 503)

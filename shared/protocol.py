@@ -178,6 +178,8 @@ class SchedulerStats(Message):
     num_kv_blocks: int = 0
     max_model_len: int = 0
     preemptions: dict[str, int] = Field(default_factory=dict)
+    # Requests carried over (recomputed or swapped in) to a worker that replaced a lost one.
+    migrations: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
     num_steps: int = 0

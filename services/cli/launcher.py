@@ -134,8 +134,15 @@ class ServiceGroup:
         self.lines: list[str] = []
 
     def start(
-        self, service: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+        self,
+        service: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 300,
+        name: str | None = None,
     ) -> Child:
+        """Starts `service` and waits until it is ready; `name` (default: the service)
+        is what stop() knows it by, so that two workers can run side by side."""
         child = Child(
             service,
             [*self.common, *args],
@@ -148,7 +155,7 @@ class ServiceGroup:
             if not child.alive or time.monotonic() > deadline:
                 child.kill()
                 raise RuntimeError(f"{service} did not get ready:\n{self.tail()}")
-        self.children[service] = child
+        self.children[name or service] = child
         return child
 
     @property

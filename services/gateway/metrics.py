@@ -83,6 +83,11 @@ class SchedulerStatsCollector(Collector):
             preemptions.add_metric([mode], s.preemptions.get(mode, 0))
         yield preemptions
         yield CounterMetricFamily(
+            "spillway_migrations",
+            "Requests carried over to a worker that took over from a lost one",
+            value=s.migrations,
+        )
+        yield CounterMetricFamily(
             "spillway_prefix_cache_hits",
             "Prompt tokens found in the prefix cache",
             value=s.prefix_cache_hit_tokens,

@@ -121,6 +121,7 @@ class SchedulerCore:
         self.spill_failures = 0
         self.swap_ins = 0
         self.swap_in_cached_blocks = 0  # blocks a swap-in found still cached (not read)
+        self.migrations = 0  # requests carried over to a worker that replaced a lost one
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         # After the worker ran out of memory with R rows, at most R - 1 run together; the
@@ -137,6 +138,8 @@ class SchedulerCore:
         with an error."""
         assert not self._inflight, "attach_worker with steps in flight"
         old_layout = self.worker.kv_layout if self.worker is not None else None
+        # Another worker takes over from one that was lost (not the same one back).
+        takeover = self.worker is not None and self.worker.worker_id != info.worker_id
         self._drop_pending_orders()
         for seq in self._finishing:
             self._forget_worker_state(seq)
@@ -169,6 +172,8 @@ class SchedulerCore:
                     ),
                 )
         self._retire_finished()
+        if takeover:
+            self.migrations += sum(1 for seq in self._requests.values() if not seq.is_finished)
         return self._take_news()
 
     def detach_worker(self, error: ErrorInfo = NO_WORKER) -> list[RequestDelta]:

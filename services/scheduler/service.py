@@ -288,6 +288,7 @@ class SchedulerService:
             num_cached_blocks=core.blocks.num_cached_blocks if core.blocks is not None else 0,
             max_model_len=core.worker.max_model_len if core.worker is not None else 0,
             preemptions=dict(core.preemptions),
+            migrations=core.migrations,
             prefix_cache_hit_tokens=core.prefix_hit_tokens,
             prefix_cache_query_tokens=core.prefix_query_tokens,
             num_steps=core.num_steps,

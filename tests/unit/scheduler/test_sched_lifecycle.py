@@ -159,7 +159,9 @@ def test_new_worker_recomputes_every_sequence_of_the_old_one():
     outcomes: dict[str, Outcome] = {}
     for _ in range(3):
         collect(outcomes, tick(core, old)[1])
+    assert core.migrations == 0
     assert core.attach_worker(worker_info(num_kv_blocks=32, block_size=8, worker_id="w2")) == []
+    assert core.migrations == 2  # both requests carried over to the new worker
     core.check_integrity()
     new = FakeWorker(block_size=8)
     plan, deltas = tick(core, new)
@@ -199,3 +201,11 @@ def test_next_deadline_is_the_earliest_pending_one():
     core.abort(["soon"])
     core.end_tick()
     assert core.next_deadline() == clock.now() + 0.5
+
+
+def test_the_same_worker_taken_afresh_is_no_migration():
+    core, _ = make_core(block_size=4)
+    submit(core, "a", max_tokens=8)
+    tick(core, FakeWorker(block_size=4))
+    core.attach_worker(worker_info())  # w1 again, after a resync: recomputed, not moved
+    assert core.migrations == 0 and core.has_work()

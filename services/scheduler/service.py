@@ -80,6 +80,7 @@ from shared.protocol import (
     WorkerInfo,
 )
 from shared.telemetry import Telemetry
+from shared.waiting import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,10 @@ class SchedulerService:
             await asyncio.wait({ticks}, timeout=STOP_GRACE_S)
             for task in (ticks, *side):
                 task.cancel()
-            await asyncio.gather(ticks, *side, return_exceptions=True)
+            # Bounded: a task that swallowed its cancellation must not keep us alive.
+            _, stuck = await asyncio.wait({ticks, *side}, timeout=STOP_GRACE_S)
+            for task in stuck:
+                log.warning("stopping without waiting for %s", task.get_name())
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -475,6 +479,7 @@ class SchedulerService:
                 pass
             except Exception:  # never let the watcher die: auto mode would stop spilling
                 log.exception("spill store poll failed")
+            raise_if_cancelled()  # the request's wait_for may have swallowed it
             self._spill_stats = stats
             if stats is None:
                 self.core.spill_store_reported(False, 0)

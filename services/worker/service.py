@@ -57,7 +57,7 @@ from shared.protocol import (
     decode,
 )
 from shared.telemetry import Telemetry, extract
-from shared.waiting import wait_event
+from shared.waiting import raise_if_cancelled, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,7 @@ class WorkerService:
                     subject, self.info, RegisterReply, REGISTER_TIMEOUT_S
                 )
             except BusError as e:
+                raise_if_cancelled()  # the request's wait_for may have swallowed it
                 attempts += 1
                 if attempts == 1 or attempts % 20 == 0:
                     log.info("registration not answered yet (%s); retrying", e.info.message)

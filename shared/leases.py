@@ -2,19 +2,37 @@
 injected).
 
 Every scheduler publishes a `SchedulerLease` on sched.heartbeat each lease interval. A
-gateway routes new requests to the least busy live scheduler that drives a worker and
-ends the requests of one whose lease lapsed; a worker registers with a live scheduler,
-preferring one that drives no worker yet, and registers elsewhere when its own lapses.
+gateway routes new requests among the live schedulers that drive a worker (by prefix
+affinity, then load: services/gateway/affinity.py) and ends the requests of one whose
+lease lapsed; a worker registers with a live scheduler, preferring one that drives no
+worker yet, and registers elsewhere when its own lapses.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared.clock import Clock
 from shared.protocol import SchedulerLease
 from shared.subjects import is_token
+
+
+def load_of(lease: SchedulerLease) -> int:
+    """How busy a scheduler is: requests running and waiting."""
+    return lease.num_running + lease.num_waiting
+
+
+def least(
+    leases: Sequence[SchedulerLease], key: Callable[[SchedulerLease], Any], rng: random.Random
+) -> SchedulerLease | None:
+    """The lease with the smallest `key`; ties broken at random."""
+    if not leases:
+        return None
+    best = min(key(lease) for lease in leases)
+    return rng.choice([lease for lease in leases if key(lease) == best])
 
 
 @dataclass
@@ -103,19 +121,12 @@ class LeaseBook:
 
     def pick_for_request(self, exclude: frozenset[str] = frozenset()) -> SchedulerLease | None:
         """The least busy of those."""
-        ready = self.ready_for_request(exclude)
-        return self._least(ready, lambda lease: lease.num_running + lease.num_waiting)
+        return least(self.ready_for_request(exclude), load_of, self.rng)
 
     def pick_for_worker(self) -> SchedulerLease | None:
         """A live scheduler for a worker to join: one without a worker first, then the one
         with the fewest workers, so that the systems sharing a namespace each drive one."""
         open_ = [lease for lease in self.live() if not lease.draining]
-        return self._least(
-            open_, lambda lease: (lease.worker_id is not None, len(lease.worker_ids))
+        return least(
+            open_, lambda lease: (lease.worker_id is not None, len(lease.worker_ids)), self.rng
         )
-
-    def _least(self, leases: list[SchedulerLease], key) -> SchedulerLease | None:
-        if not leases:
-            return None
-        best = min(key(lease) for lease in leases)
-        return self.rng.choice([lease for lease in leases if key(lease) == best])

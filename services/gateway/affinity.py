@@ -19,16 +19,13 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from shared.leases import least, load_of
 from shared.protocol import SchedulerLease
 
 WINDOW_TOKENS = 32  # the granularity of a remembered prefix
 MAX_WINDOWS = 64  # prefixes longer than 2,048 tokens are told apart by their first 2,048
 CAPACITY = 8192  # windows remembered, least recently used forgotten first
 SLACK = 8  # requests: how much busier the affine scheduler may be than the least busy
-
-
-def load_of(lease: SchedulerLease) -> int:
-    return lease.num_running + lease.num_waiting
 
 
 class PrefixAffinity:
@@ -63,16 +60,16 @@ class PrefixAffinity:
         self, token_ids: Sequence[int], leases: Sequence[SchedulerLease]
     ) -> SchedulerLease | None:
         """The scheduler for this prompt among `leases` (those that may take it)."""
-        if not leases:
+        fallback = least(leases, load_of, self.rng)
+        if fallback is None:
             return None
-        least = min(load_of(lease) for lease in leases)
         by_id = {lease.scheduler_id: lease for lease in leases}
         for key in reversed(self.keys(token_ids)):
             owner = by_id.get(self._owner.get(key, ""))
-            if owner is not None and load_of(owner) <= least + self.slack:
+            if owner is not None and load_of(owner) <= load_of(fallback) + self.slack:
                 self.hits += 1
                 return owner
-        return self.rng.choice([lease for lease in leases if load_of(lease) == least])
+        return fallback
 
     def record(self, token_ids: Sequence[int], scheduler_id: str) -> None:
         """`scheduler_id` took this prompt: its prefixes are found there from now on."""

@@ -867,6 +867,7 @@ class SchedulerCore:
                         was,
                         free,
                     )
+                    continue  # other sequences' hits may have gone: look again
             choice = next(
                 (entry for need, entry in zip(needs, ready, strict=True) if need <= free),
                 None,

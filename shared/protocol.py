@@ -166,6 +166,21 @@ class PhaseHistogram(Message):
     sum: float = 0.0
 
 
+class WorkerLoad(Message):
+    """One worker a scheduler drives, in its stats: where its sequences and hits are."""
+
+    worker_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_live: int = 0  # sequences placed there and not finished, in any state
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    prefix_cache_hit_tokens: int = 0
+    migrations: int = 0  # requests moved onto it from a lost worker
+    num_steps: int = 0
+    draining: bool = False
+
+
 class SchedulerStats(Message):
     """sched.stats reply: health and the gauges / counters the gateway exports."""
 
@@ -199,7 +214,8 @@ class SchedulerStats(Message):
     # The spill store's last answer (None: none yet, or it does not answer).
     spill_store: SpillStats | None = None
     scheduler_id: str = ""
-    worker_id: str | None = None  # the worker it drives (num_workers counts registrations)
+    worker_id: str | None = None  # the first worker it drives (num_workers counts registrations)
+    workers: list[WorkerLoad] = Field(default_factory=list)  # every worker it drives
 
 
 class SchedulerLease(Message):

@@ -89,6 +89,10 @@ class System:
                     pids[s] = pid
         return pids
 
+    def worker_pids(self) -> list[int]:
+        """Every worker process (`--workers N` starts N)."""
+        return [pid for pid in _children(self.proc.pid) if " serve worker " in f"{_cmdline(pid)} "]
+
     def all_descendants(self) -> list[int]:
         out, todo = [], [self.proc.pid]
         while todo:

@@ -13,7 +13,10 @@ with finish_reason "abort"; then every child stops and the exit code is 0.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -78,9 +81,38 @@ def service_environment(service: str, servers: list[ServerProcess]) -> dict[str,
     )
 
 
-def check_supported(settings: Settings) -> None:
-    if settings.workers > 1:
-        raise StartupError("--workers above 1 is not available yet: run one worker per system")
+def worker_launches(
+    settings: Settings, num_cpus: int, gpus: list[str]
+) -> list[tuple[list[str], dict[str, str]]]:
+    """`--workers N`: the extra arguments and environment of each of N worker processes,
+    each with its own KV pool. Without --threads they share the cores between them (N
+    workers each spinning on every core would only fight); on a machine with several GPUs
+    each gets one, in turn."""
+    n = settings.workers
+    extra: list[str] = []
+    if settings.threads is None and n > 1:
+        extra = ["--threads", str(max(1, num_cpus // n))]
+    launches = []
+    for i in range(n):
+        env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if n > 1 and len(gpus) > 1 else {}
+        launches.append((extra, env))
+    return launches
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may use (CUDA_VISIBLE_DEVICES, else nvidia-smi's list)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d for d in listed.split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
 def wait_healthy(url: str, children: list[Child], stop: threading.Event, timeout: float) -> None:
@@ -146,10 +178,18 @@ def up(settings: Settings) -> int:
     children: list[Child] = []
     code = 0
     try:
-        check_supported(settings)
         settings, servers = ensure_servers(settings)
         args = as_arguments(settings)
-        children += [Child(s, args, service_environment(s, servers), _emit) for s in START_ORDER]
+        for s in START_ORDER:
+            env = service_environment(s, servers)
+            if s == "worker":
+                cpus = len(os.sched_getaffinity(0))
+                children += [
+                    Child(s, [*args, *extra], {**env, **own}, _emit)
+                    for extra, own in worker_launches(settings, cpus, visible_gpus())
+                ]
+            else:
+                children.append(Child(s, args, env, _emit))
         wait_ready(children, stop, STARTUP_TIMEOUT_S)
         if not stop.is_set():
             gateway = next(c for c in children if c.service == "gateway")

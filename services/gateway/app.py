@@ -39,6 +39,7 @@ from services.gateway.metrics import GatewayMetrics, spill_health
 from services.gateway.openapi import openapi_document
 from services.gateway.validation import Kind
 from shared.clock import Clock, MonotonicClock
+from shared.protocol import SchedulerLease
 from shared.telemetry import extract, inject
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,13 @@ def create_app(
     return TracingMiddleware(ApiKeyMiddleware(app, api_key), tracer)
 
 
+def _driven(lease: SchedulerLease) -> list[str]:
+    """The workers a scheduler drives (an older lease names only its first)."""
+    if lease.worker_ids:
+        return list(lease.worker_ids)
+    return [lease.worker_id] if lease.worker_id else []
+
+
 def health_body(api: GatewayApi) -> dict[str, Any]:
     """What /health says: "ok" while some live scheduler drives a worker, by the leases."""
     engine = api.engine
@@ -130,11 +138,12 @@ def health_body(api: GatewayApi) -> dict[str, Any]:
     serving = [lease for lease in leases if lease.worker_id and not lease.draining]
     body: dict[str, Any] = {
         "status": "ok" if serving and not engine.draining else "unavailable",
-        "workers": len({lease.worker_id for lease in serving}),
+        "workers": len({w for lease in serving for w in _driven(lease)}),
         "schedulers": [
             {
                 "id": lease.scheduler_id,
                 "worker": lease.worker_id,
+                "workers": _driven(lease),
                 "draining": lease.draining,
                 "running": lease.num_running,
                 "waiting": lease.num_waiting,

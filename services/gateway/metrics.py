@@ -84,7 +84,7 @@ class SchedulerStatsCollector(Collector):
         yield preemptions
         yield CounterMetricFamily(
             "spillway_migrations",
-            "Requests carried over to a worker that took over from a lost one",
+            "Requests moved to another worker when theirs was lost or drained",
             value=s.migrations,
         )
         yield CounterMetricFamily(
@@ -102,6 +102,7 @@ class SchedulerStatsCollector(Collector):
             "KV blocks kept by the prefix cache",
             s.num_cached_blocks,
         )
+        yield from _worker_metrics(s)
         yield from _phase_histograms(s)
         yield from _spill_store_metrics(s)
 
@@ -118,6 +119,29 @@ def spill_health(leases: Sequence[SchedulerLease]) -> dict[str, object]:
     if status == "degraded":
         body["reason"] = "redis is unavailable: victims are recomputed, not spilled"
     return body
+
+
+def _worker_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    """Per worker the scheduler drives: where requests were placed and what hit there."""
+    live = GaugeMetricFamily(
+        "spillway_worker_requests", "Unfinished requests placed on each worker", labels=["worker"]
+    )
+    usage = GaugeMetricFamily(
+        "spillway_worker_kv_cache_usage_ratio", "Fraction of each worker's KV blocks in use",
+        labels=["worker"],
+    )  # fmt: skip
+    hits = CounterMetricFamily(
+        "spillway_worker_prefix_cache_hits",
+        "Prompt tokens found in each worker's prefix cache",
+        labels=["worker"],
+    )
+    steps = CounterMetricFamily("spillway_worker_steps", "Steps each worker ran", labels=["worker"])
+    for w in stats.workers:
+        live.add_metric([w.worker_id], w.num_live)
+        usage.add_metric([w.worker_id], w.kv_usage)
+        hits.add_metric([w.worker_id], w.prefix_cache_hit_tokens)
+        steps.add_metric([w.worker_id], w.num_steps)
+    yield from (live, usage, hits, steps)
 
 
 def _phase_histograms(stats: SchedulerStats) -> Iterator[Metric]:

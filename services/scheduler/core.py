@@ -36,7 +36,7 @@ import heapq
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from services.scheduler.admission import admission_error, invalid_request
 from services.scheduler.block_manager import BlockManager
@@ -86,7 +86,11 @@ def kv_exhausted(seq: Sequence, num_blocks: int) -> ErrorInfo:
 
 class SchedulerCore:
     def __init__(
-        self, clock: Clock, config: SchedulerConfig, observer: SchedulerObserver | None = None
+        self,
+        clock: Clock,
+        config: SchedulerConfig,
+        observer: SchedulerObserver | None = None,
+        arrivals: Iterator[int] | None = None,
     ) -> None:
         self.clock = clock
         self.config = config
@@ -114,14 +118,18 @@ class SchedulerCore:
         # Hashes recently written to the shared tier (not written again while here).
         self._tier_stored: OrderedDict[int, None] = OrderedDict()
         self._news: dict[str, RequestDelta] = {}
-        self._arrivals = itertools.count()
+        # Shared by the cores of one scheduler (one per worker), so that a sequence moved
+        # between them keeps its place among theirs.
+        self._arrivals = arrivals if arrivals is not None else itertools.count()
         self._step_ids = itertools.count(1)
         self.num_steps = 0
         self.preemptions = {"recompute": 0, "spill": 0}
         self.spill_failures = 0
         self.swap_ins = 0
         self.swap_in_cached_blocks = 0  # blocks a swap-in found still cached (not read)
-        self.migrations = 0  # requests carried over to a worker that replaced a lost one
+        # Requests carried over to this core's worker from a lost one (a worker that
+        # replaced it, or another worker of this scheduler).
+        self.migrations = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         # After the worker ran out of memory with R rows, at most R - 1 run together; the
@@ -189,6 +197,106 @@ class SchedulerCore:
         self.worker = None
         self.blocks = None
         return self._take_news()
+
+    def evacuate(self) -> list[Sequence]:
+        """The worker is gone (no step of it in flight) and other workers take its
+        requests: every unfinished sequence leaves this core, holding nothing of this
+        worker: a swapped one keeps its confirmed spill (any worker with the same KV
+        layout reads it back), the others keep their tokens and are recomputed where they
+        land. Finished ones retire here (their ends went out already)."""
+        assert not self._inflight, "evacuate with steps in flight"
+        self._drop_pending_orders()
+        leaving = [seq for seq in self._requests.values() if not seq.is_finished]
+        for seq in leaving:
+            if seq.status is SequenceStatus.RUNNING:
+                del self._running[seq.request_id]
+                seq.status = SequenceStatus.PREEMPTED
+            elif seq.status is SequenceStatus.WAITING:
+                self._waiting.remove(seq.request_id)
+            elif seq.status is SequenceStatus.SWAPPED:
+                self._swapped.remove(seq)
+            else:
+                self._preempted.remove(seq.request_id)
+            self._bump_epoch(seq)
+            self._forget_worker_state(seq)
+            seq.kv_pending = False
+            if seq.spilled is not None and not seq.spilled.confirmed:
+                self._spill_drops.append(
+                    SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id)
+                )
+                seq.spilled = None
+                seq.status = SequenceStatus.PREEMPTED
+            if seq.state_slot is not None:
+                self._slots.release(seq.state_slot)
+                seq.state_slot = None
+            del self._requests[seq.request_id]
+        for seq in self._finishing:
+            self._forget_worker_state(seq)
+        self._retire_finished()
+        self._worker_must_forget.clear()
+        self.worker = None
+        self.blocks = None
+        return leaving
+
+    def adopt(self, seqs: Iterable[Sequence], kv_layout: str) -> list[RequestDelta]:
+        """Takes sequences another core evacuated (their worker, of layout `kv_layout`,
+        is gone): a waiting one waits here, a swapped one is swapped in from its spill
+        when this worker reads the same layout, every other is recomputed from its prompt
+        and the tokens it has (its full blocks may be in this worker's prefix cache).
+        Returns the news (those too long for this worker end with an error)."""
+        assert self.worker is not None and self.blocks is not None
+        same_layout = kv_layout == self.worker.kv_layout
+        for seq in seqs:
+            self._requests[seq.request_id] = seq
+            if seq.deadline_s is not None:
+                heapq.heappush(self._deadlines, (seq.deadline_s, seq.arrival_index, seq.request_id))
+            if not same_layout:
+                seq.block_hashes.clear()
+                seq.tier_hashes.clear()
+            if seq.status is SequenceStatus.WAITING:
+                self._waiting.push(seq)
+            else:
+                self.migrations += 1
+                seq.state_slot = self._slots.take()
+                if seq.status is SequenceStatus.SWAPPED and same_layout:
+                    self._swapped.append(seq)
+                else:
+                    if seq.spilled is not None:
+                        self._spill_drops.append(
+                            SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id)
+                        )
+                        seq.spilled = None
+                    self._requeue_for_recompute(seq)
+            if not self._fits_worker(seq.num_tokens):
+                self._finish(
+                    seq,
+                    "error",
+                    invalid_request(
+                        f"request {seq.request_id} has {seq.num_tokens} tokens, too many "
+                        f"for worker {self.worker.worker_id}",
+                        code="context_length_exceeded",
+                    ),
+                )
+        return self._take_news()
+
+    def placement(self, token_ids: list[int]) -> tuple[int, int, int]:
+        """What a placement decision needs of this worker for a sequence of these
+        tokens: the blocks it needs here (with room for its next token), how many of its
+        leading full blocks this worker's prefix cache holds, and the blocks the worker
+        could still give out once every queued sequence got its own (negative: it is
+        short already)."""
+        if self.blocks is None:
+            return 0, 0, 0
+        needed = self.blocks.blocks_for(len(token_ids) + 1)
+        hits = len(self.blocks.lookup(self._hashes_for_lookup(token_ids, [])))
+        queued = [*self._waiting, *self._preempted, *self._swapped]
+        wanted = sum(self.blocks.blocks_for(seq.num_tokens) for seq in queued)
+        return needed, hits, self.blocks.num_available_blocks - wanted
+
+    @property
+    def num_live(self) -> int:
+        """Sequences here that have not finished (in any place)."""
+        return sum(1 for seq in self._requests.values() if not seq.is_finished)
 
     # --- ingest ---------------------------------------------------------------------
 

@@ -146,5 +146,9 @@ class WorkerRegistry:
             del self._workers[worker.info.worker_id]
         return [w.info for w in dropped]
 
-    def active(self) -> RegisteredWorker | None:
-        return next(iter(self._workers.values()), None)
+    def workers(self) -> list[RegisteredWorker]:
+        """Every registered worker, in registration order."""
+        return list(self._workers.values())
+
+    def get(self, worker_id: str) -> RegisteredWorker | None:
+        return self._workers.get(worker_id)

@@ -1,55 +1,56 @@
-"""The scheduler service: the NATS shell around SchedulerCore (the only file on the bus).
+"""The scheduler service: the NATS shell around the scheduler cores (the only file on
+the bus besides the lanes it runs).
 
-Handlers apply submits and aborts to the core at once (the core accepts them while steps
-are in flight); worker registrations change the core only when no step is in flight. The
-tick loop keeps up to two steps in flight when running ahead (one otherwise):
+It drives every worker registered with it, each through a lane (services/scheduler/lane.py:
+one core, one pipeline, one tick loop per worker; the lanes step their workers
+concurrently). Handlers apply submits and aborts to the cores at once (a core accepts
+them while steps are in flight): a submit is placed on one worker (placement.py: the
+longest prefix-cache hit where there is room, then the most free blocks), and its shared
+tier lookup is made on that worker's behalf. Worker registrations start lanes; a worker
+that stops (its heartbeats lapse, or it drained to the end) has its requests moved to
+the other lanes: swapped ones are swapped in from their spills, the others recomputed
+from their prompt and the tokens they have. With no other worker, they end with an error.
 
-    fill: schedule -> worker.<id>.step (request/reply, not awaited)   [while room]
-    take the oldest step's result -> update_from_output
-    end of tick: sweep_deadlines -> drain (if a finished sequence is in flight)
-                 -> finish_tick (store finished, retire, swap-in, resume)
-    -> one DeltaBatch per gateway on gateway.<id>.deltas; spill.drop for spills no
-       longer needed
-
-With nothing to do, it waits on an event that submit, abort and register set. A side task
-asks the spill store for its health every half second (auto mode spills only to a healthy
-store with room).
+With nothing to do, a lane waits on an event that submit, abort and register set. A side
+task asks the spill store for its health every half second (auto mode spills only to a
+healthy store with room).
 
 Several schedulers may share a namespace. Each has an id and publishes its lease on
 sched.heartbeat (what it drives, how busy it is, whether it drains, how spilling goes);
 sched.submit and worker.register reach one scheduler of the queue group, sched.<id>.submit
 and sched.<id>.register one chosen scheduler. Everything it sends names it as the sender.
-A registration is validated and its worker probed before the core ever sees it.
+A registration is validated and its worker probed before a core ever sees it.
 
 SIGTERM drains: new submits get 503, running requests may finish for drain_timeout_s,
-the rest end with "abort". The same happens while the worker it drives drains (its
-heartbeat says so): then the scheduler goes on, and serves again once a worker is back.
-A tick loop that died takes the process down (exit code 1), so that a supervisor
-restarts it, rather than leaving a scheduler that answers health checks and serves
-nobody.
+the rest end with "abort". A worker that drains (its heartbeat says so) gets no new
+requests; when its time is up, what still runs there moves to the other workers, or ends
+with "abort" when there is none. A lane loop that died takes the process down (exit code
+1), so that a supervisor restarts it, rather than leaving a scheduler that answers health
+checks and serves nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-import time
 import uuid
-from collections import deque
-from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import NO_WORKER, SchedulerCore
 from services.scheduler.deltas import merge_deltas
+from services.scheduler.lane import Lane
 from services.scheduler.phase_stats import PhaseStats
+from services.scheduler.placement import Candidate, place
 from services.scheduler.preemption import spill_status
 from services.scheduler.prefix_hash import hash_hex
-from services.scheduler.registry import WorkerRegistry, registration_error
+from services.scheduler.registry import RegisteredWorker, WorkerRegistry, registration_error
+from services.scheduler.sequence import Sequence
 from services.scheduler.step_timing import StepTimings
 from services.scheduler.tracing import SpanObserver
 from shared import subjects
@@ -71,6 +72,7 @@ from shared.protocol import (
     SchedulerLease,
     SchedulerStats,
     SpillDrop,
+    SpillRef,
     SpillStats,
     StatsRequest,
     StepPlan,
@@ -78,6 +80,7 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
     WorkerInfo,
+    WorkerLoad,
 )
 from shared.telemetry import Telemetry
 from shared.waiting import raise_if_cancelled
@@ -85,26 +88,16 @@ from shared.waiting import raise_if_cancelled
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
-# Steps in a row that may get lost on the bus (and be planned again) before the requests
-# in the next lost one end with the bus's error.
-MAX_LOST_STEPS = 3
 # How long a registering worker has to answer the probe of its step subject.
 PROBE_TIMEOUT_S = 2.0
 STOPPING = ErrorInfo(status=503, message="the scheduler is stopping", code="shutting_down")
 WORKER_STOPPING = ErrorInfo(
-    status=503, message="the scheduler's worker is stopping", code="shutting_down"
+    status=503, message="the scheduler's workers are stopping", code="shutting_down"
 )
 SPILL_POLL_S = 0.5
 SPILL_STATS_TIMEOUT_S = 1.0
 # A prefix-tier lookup delays the submit reply: it is skipped when the store is slow.
 TIER_LOOKUP_TIMEOUT_S = 0.25
-
-
-@dataclass
-class _Step:
-    plan: StepPlan
-    sent_at: float
-    reply: asyncio.Future[StepResult]
 
 
 def new_scheduler_id(settings: Settings) -> str:
@@ -142,27 +135,27 @@ class SchedulerService:
         self.phases = PhaseStats()
         self.tracer = SpanObserver(tel, clock, self._model_id, on_phase=self.phases.observe)
         self.config = SchedulerConfig.from_settings(settings)
-        self.core = SchedulerCore(clock, self.config, self.tracer)
         self.registry = WorkerRegistry(clock, settings.worker_timeout_s, self.scheduler_id)
         self.lease = Beacon(
             bus, subjects.SCHED_HEARTBEAT, self._lease, settings.scheduler_lease_interval_s
         )
-        self._draining = False
-        # The worker we drive drains (SIGTERM): which one, until when its requests may run.
-        self._worker_drain: tuple[tuple[str, int], float] | None = None
-        # After our connection came back with steps in flight: a request or reply may be
-        # lost, so the worker is re-attached (its sequences recomputed) once it is back.
-        self._resync_worker = False
         self.timings = StepTimings()
-        self._wake = asyncio.Event()
-        self._attached: tuple[str, int] | None = None  # (worker id, registration generation)
+        self.step_timeout_s = settings.step_timeout_s
+        self.worker_timeout_s = settings.worker_timeout_s
+        self.debug_invariants = settings.debug_invariants
+        self.stopping = False
+        self.lanes: dict[str, Lane] = {}  # worker id -> its lane, registration order
+        # Workers that drained to the end: no lane again until they register anew.
+        self._retired: set[tuple[str, int]] = set()
+        # One arrival order for every core, so that a moved sequence keeps its rank.
+        self._arrivals = itertools.count()
+        self._draining = False
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id, until its finish
-        self._pending: list[RequestDelta] = []  # news made outside a tick
-        self._inflight: deque[_Step] = deque()  # oldest first
-        self._last_result_at: float | None = None
+        self._pending: list[RequestDelta] = []  # news made outside every lane
+        self._lanes_died = asyncio.Event()
         self._spill_stats: SpillStats | None = None
-        self._lost_steps = 0  # steps in a row that got no answer from the bus
-        self._stopping = False
+        # Counters of lanes that ended, so that the totals never go back.
+        self._ended = _EndedLanes()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.bus.events.reconnected.append(self._on_reconnected)
@@ -175,56 +168,65 @@ class SchedulerService:
             f"id={self.scheduler_id} namespace={self.settings.namespace or '-'} "
             f"preemption={self.config.preemption_mode} run_ahead={self.config.run_ahead}",
         )
-        ticks = asyncio.create_task(self._tick_loop(), name="scheduler-ticks")
         side = [asyncio.create_task(self._expire_workers(), name="scheduler-expiry")]
         if self.config.spill_store:
             side.append(asyncio.create_task(self._watch_spill_store(), name="scheduler-spill"))
         stopped = asyncio.ensure_future(stop.wait())
+        died = asyncio.ensure_future(self._lanes_died.wait())
         try:
-            await asyncio.wait({stopped, ticks}, return_when=asyncio.FIRST_COMPLETED)
-            if not ticks.done():
-                await self._drain_requests(ticks)
+            await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+            if not died.done():
+                await self._drain_requests()
         finally:
             stopped.cancel()
+            died.cancel()
             await self.lease.stop()
-            # The tick in progress may finish (and publish its news); a step that takes
+            # The ticks in progress may finish (and publish their news); a step that takes
             # longer is abandoned.
-            self._stopping = True
-            self._wake.set()
-            await asyncio.wait({ticks}, timeout=STOP_GRACE_S)
-            for task in (ticks, *side):
+            self.stopping = True
+            lanes = list(self.lanes.values())
+            for lane in lanes:
+                lane.wake.set()
+            ticks = {lane.task for lane in lanes if lane.task is not None}
+            if ticks:
+                await asyncio.wait(ticks, timeout=STOP_GRACE_S)
+            for task in (*ticks, *side):
                 task.cancel()
             # Bounded: a task that swallowed its cancellation must not keep us alive.
-            _, stuck = await asyncio.wait({ticks, *side}, timeout=STOP_GRACE_S)
-            for task in stuck:
-                log.warning("stopping without waiting for %s", task.get_name())
+            if ticks or side:
+                _, stuck = await asyncio.wait({*ticks, *side}, timeout=STOP_GRACE_S)
+                for task in stuck:
+                    log.warning("stopping without waiting for %s", task.get_name())
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             # Every request still here gets its end, so no gateway waits for it forever.
             with contextlib.suppress(Exception):
-                self._void_inflight()
-                await self._publish([*self._take_pending(), *self.core.detach_worker(STOPPING)])
-                await self._publish_spill_drops()
-        if ticks.done() and not ticks.cancelled() and ticks.exception() is not None:
-            raise RuntimeError("the scheduler's tick loop stopped") from ticks.exception()
+                for lane in lanes:
+                    lane.void_inflight()
+                    news = lane.take_pending() + lane.core.detach_worker(STOPPING)
+                    await self.publish(news, lane.core)
+                await self._publish(self._take_pending())
+        if self._lanes_died.is_set():
+            raise RuntimeError("the scheduler's tick loop stopped (a worker's lane)")
 
-    async def _drain_requests(self, ticks: asyncio.Task[None]) -> None:
+    async def _drain_requests(self) -> None:
         """Takes no new requests, lets the running ones finish for drain_timeout_s, then
-        aborts the rest and lets the tick loop publish their ends."""
+        aborts the rest and lets the lanes publish their ends."""
         self._draining = True
         # Said at once, not at the next interval: gateways stop routing to us now.
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.SCHED_HEARTBEAT, self._lease())
         deadline = self.clock.now() + self.settings.drain_timeout_s
-        while self._gateway_of and self.clock.now() < deadline and not ticks.done():
+        while self._gateway_of and self.clock.now() < deadline and not self._lanes_died.is_set():
             await asyncio.sleep(0.05)
         if self._gateway_of:
             log.warning("draining: aborting %d requests still running", len(self._gateway_of))
-            self.core.abort(list(self._gateway_of))
-            self._wake.set()
+            self._abort(list(self._gateway_of))
             deadline = self.clock.now() + STOP_GRACE_S
-            while self._gateway_of and self.clock.now() < deadline and not ticks.done():
+            while (
+                self._gateway_of and self.clock.now() < deadline and not self._lanes_died.is_set()
+            ):
                 await asyncio.sleep(0.02)
 
     async def _subscribe(self) -> list[Subscription]:
@@ -245,25 +247,56 @@ class SchedulerService:
 
     async def _on_submit(self, req: SubmitRequest, ctx: Context, raw: Msg) -> SubmitReply:
         self.tracer.bind(req.request_id, ctx)
-        if self._draining:
-            error: ErrorInfo | None = STOPPING
-        elif self._worker_draining():
-            error = WORKER_STOPPING
-        else:
-            error = self.core.add_request(req, await self._tier_lookup(req))
+        error = self._refusal()
+        if error is None:
+            error = await self._add(req)
         if error is not None:
             self.tracer.rejected(req, ctx, error)
             return SubmitReply(ok=False, error=error, scheduler_id=self.scheduler_id)
         self._gateway_of[req.request_id] = req.gateway_id
-        self._wake.set()
         return SubmitReply(scheduler_id=self.scheduler_id)
 
-    async def _tier_lookup(self, req: SubmitRequest) -> list[int] | None:
+    async def _add(self, req: SubmitRequest) -> ErrorInfo | None:
+        """Places the request on a worker and queues it there, or says why not."""
+        holder = next((la for la in self.lanes.values() if la.core.sequence(req.request_id)), None)
+        if holder is not None:
+            return holder.core.add_request(req)  # its core names the duplicate
+        lane = self._place(req.prompt_token_ids)
+        tier = await self._tier_lookup(lane.core, req)
+        if not lane.accepting or self.lanes.get(lane.worker_id) is not lane:
+            error = self._refusal()  # it left while the tier was asked
+            if error is not None:
+                return error
+            lane, tier = self._place(req.prompt_token_ids), None
+        error = lane.core.add_request(req, tier)
+        if error is None:
+            lane.wake.set()
+        return error
+
+    def _refusal(self) -> ErrorInfo | None:
+        if self._draining:
+            return STOPPING
+        if any(lane.accepting for lane in self.lanes.values()):
+            return None
+        return WORKER_STOPPING if self.lanes else NO_WORKER
+
+    def _place(self, token_ids: list[int]) -> Lane:
+        """The accepting lane a sequence of these tokens goes to (placement.py)."""
+        lanes = [lane for lane in self.lanes.values() if lane.accepting]
+        candidates = [
+            Candidate(lane.worker_id, *lane.core.placement(token_ids), lane.core.num_live,
+                      lane.core.max_batch)
+            for lane in lanes
+        ]  # fmt: skip
+        chosen = place(candidates)
+        return next(lane for lane in lanes if lane.worker_id == chosen)
+
+    async def _tier_lookup(self, core: SchedulerCore, req: SubmitRequest) -> list[int] | None:
         """The prompt's block hashes the shared prefix tier holds beyond the local cache
         (asked of the spill store; nothing when it is off, slow or down)."""
         if not self.config.prefix_tier or not (self._spill_stats and self._spill_stats.redis_ok):
             return None
-        hashes = self.core.prefix_lookup_hashes(req.prompt_token_ids)
+        hashes = core.prefix_lookup_hashes(req.prompt_token_ids)
         if not hashes:
             return None
         lookup = PrefixLookup(block_hashes=[hash_hex(h) for h in hashes])
@@ -276,26 +309,39 @@ class SchedulerService:
         return hashes[: reply.num_hits]
 
     async def _on_abort(self, req: AbortRequest, ctx: Context, raw: Msg) -> None:
-        self.core.abort(req.request_ids)
-        self._wake.set()
+        self._abort(req.request_ids)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for lane in self.lanes.values():
+            lane.core.abort(request_ids)
+            lane.wake.set()
 
     async def _on_stats(self, req: StatsRequest, ctx: Context, raw: Msg) -> SchedulerStats:
-        core = self.core
+        cores = [lane.core for lane in self.lanes.values()]
+        ended = self._ended
+        preemptions = dict(ended.preemptions)
+        for core in cores:
+            for mode, n in core.preemptions.items():
+                preemptions[mode] = preemptions.get(mode, 0) + n
+        num_blocks = sum(c.blocks.num_blocks for c in cores if c.blocks is not None)
+        used = sum(c.kv_usage * c.blocks.num_blocks for c in cores if c.blocks is not None)
+        first = next(iter(self.lanes), None)
         return SchedulerStats(
             num_workers=len(self.registry),
-            num_running=core.num_running,
-            num_waiting=core.num_waiting,
-            num_swapped=core.num_swapped,
-            num_preempted=core.num_preempted,
-            kv_usage=core.kv_usage,
-            num_kv_blocks=core.blocks.num_blocks if core.blocks is not None else 0,
-            num_cached_blocks=core.blocks.num_cached_blocks if core.blocks is not None else 0,
-            max_model_len=core.worker.max_model_len if core.worker is not None else 0,
-            preemptions=dict(core.preemptions),
-            migrations=core.migrations,
-            prefix_cache_hit_tokens=core.prefix_hit_tokens,
-            prefix_cache_query_tokens=core.prefix_query_tokens,
-            num_steps=core.num_steps,
+            num_running=sum(c.num_running for c in cores),
+            num_waiting=sum(c.num_waiting for c in cores),
+            num_swapped=sum(c.num_swapped for c in cores),
+            num_preempted=sum(c.num_preempted for c in cores),
+            kv_usage=used / num_blocks if num_blocks else 0.0,
+            num_kv_blocks=num_blocks,
+            num_cached_blocks=sum(c.blocks.num_cached_blocks for c in cores if c.blocks),
+            max_model_len=max((c.worker.max_model_len for c in cores if c.worker), default=0),
+            preemptions=preemptions,
+            migrations=ended.migrations + sum(c.migrations for c in cores),
+            prefix_cache_hit_tokens=ended.hit_tokens + sum(c.prefix_hit_tokens for c in cores),
+            prefix_cache_query_tokens=ended.query_tokens
+            + sum(c.prefix_query_tokens for c in cores),
+            num_steps=ended.steps + sum(c.num_steps for c in cores),
             step_bookkeeping_s=self.timings.bookkeeping_s.median(),
             step_bus_s=self.timings.bus_s.median(),
             step_forward_s=self.timings.forward_s.median(),
@@ -305,7 +351,8 @@ class SchedulerService:
             phases=self.phases.snapshot(),
             spill_store=self._spill_stats,
             scheduler_id=self.scheduler_id,
-            worker_id=self._attached[0] if self._attached is not None else None,
+            worker_id=first,
+            workers=[_load_of(lane) for lane in self.lanes.values()],
         )
 
     async def _on_register(self, info: WorkerInfo, ctx: Context, raw: Msg) -> RegisterReply:
@@ -347,102 +394,161 @@ class SchedulerService:
             changed = True
         elif changed:
             log.info("worker %s registered again by its heartbeat", worker_id)
-        if mine and self._resync_worker and self._attached and worker_id == self._attached[0]:
-            self._resync_after_outage()
-            changed = True
-        if mine and beat.draining and sender_of(raw) == worker_id:
-            self._worker_drains(worker_id)
+        lane = self.lanes.get(worker_id)
+        if mine and lane is not None:
+            lane.heard.set()
+            if lane.resync:
+                self._resync_after_outage(lane)
+            if beat.draining and sender_of(raw) == worker_id:
+                self._worker_drains(lane)
         if changed:
             self._workers_changed()
 
     # --- workers --------------------------------------------------------------------
 
-    def _worker_drains(self, worker_id: str) -> None:
-        if self._attached is None or self._attached[0] != worker_id or self._worker_draining():
+    def current(self, worker_id: str) -> RegisteredWorker | None:
+        """The worker's registration now (None: not registered, or drained to the end)."""
+        worker = self.registry.get(worker_id)
+        return None if worker is None or worker.key in self._retired else worker
+
+    def _worker_drains(self, lane: Lane) -> None:
+        if lane.drain_deadline is not None:
             return
-        deadline = self.clock.now() + self.settings.drain_timeout_s
-        self._worker_drain = (self._attached, deadline)
+        lane.drain_deadline = self.clock.now() + self.settings.drain_timeout_s
         log.info(
-            "worker %s drains: no new requests; %d running may finish for %gs",
-            worker_id,
-            len(self._gateway_of),
+            "worker %s drains: no new requests; %d there may finish for %gs",
+            lane.worker_id,
+            lane.core.num_live,
             self.settings.drain_timeout_s,
         )
-        self.lease.kick()  # gateways stop routing to us now
+        self.lease.kick()  # gateways stop routing to us now when it was the last
 
-    def _worker_draining(self) -> bool:
-        return self._worker_drain is not None and self._worker_drain[0] == self._attached
-
-    def _end_worker_drain(self) -> None:
-        """The draining worker's time is up: what still runs ends with "abort" (once)."""
-        if not self._worker_draining() or not self._gateway_of:
-            return
-        assert self._worker_drain is not None
-        if self.clock.now() < self._worker_drain[1]:
-            return
-        log.warning("worker drains: aborting %d requests still running", len(self._gateway_of))
-        self.core.abort(list(self._gateway_of))
-        self._worker_drain = (self._worker_drain[0], float("inf"))
-        self._wake.set()
+    def _end_worker_drains(self) -> None:
+        """A draining worker's time is up: what still runs there moves to the other
+        workers (it leaves), or ends with "abort" (once) when there is none."""
+        now = self.clock.now()
+        for lane in list(self.lanes.values()):
+            if lane.drain_deadline is None or now < lane.drain_deadline or lane.leaving:
+                continue
+            others = [o for o in self.lanes.values() if o is not lane and o.accepting]
+            if others:
+                log.warning("worker %s drained: its requests move on", lane.worker_id)
+                self._retired.add(lane.key)
+                lane.leaving = True
+            elif lane.core.num_live:
+                log.warning("worker drains: aborting %d requests still running", lane.core.num_live)
+                lane.core.abort([r for r in self._gateway_of if lane.core.sequence(r)])
+                lane.drain_deadline = float("inf")
+            lane.wake.set()
 
     def _on_reconnected(self) -> None:
         """Our connection was down: the workers' silence meanwhile says nothing, and a step
         in flight may have lost its request or its reply."""
         self.registry.touch_all()
-        if self._inflight:
-            self._resync_worker = True
+        for lane in self.lanes.values():
+            if lane.inflight:
+                lane.resync = True
         self.lease.kick()
 
-    def _resync_after_outage(self) -> None:
-        """The driven worker is back: re-attach it (its sequences are recomputed, their
-        tokens kept) and stop waiting for the steps that got lost."""
-        self._resync_worker = False
-        assert self._attached is not None
-        worker_id = self._attached[0]
-        log.warning("worker %s: step state unknown after the outage; recomputing", worker_id)
-        self.registry.renew_generation(worker_id)
-        self._cancel_inflight()  # the tick loop re-plans on the re-attached worker
-
-    def _cancel_inflight(self) -> None:
-        for step in self._inflight:
-            step.reply.cancel()
+    def _resync_after_outage(self, lane: Lane) -> None:
+        """The worker is back: re-attach it (its sequences are recomputed, their tokens
+        kept) and stop waiting for the steps that got lost."""
+        lane.resync = False
+        log.warning("worker %s: step state unknown after the outage; recomputing", lane.worker_id)
+        self.registry.renew_generation(lane.worker_id)
+        lane.cancel_inflight()  # the lane re-plans on the re-attached worker
+        lane.wake.set()
 
     def _lease(self) -> SchedulerLease:
+        cores = [lane.core for lane in self.lanes.values()]
+        num_blocks = sum(c.blocks.num_blocks for c in cores if c.blocks is not None)
+        used = sum(c.kv_usage * c.blocks.num_blocks for c in cores if c.blocks is not None)
+        workers_draining = bool(self.lanes) and not any(
+            lane.accepting for lane in self.lanes.values()
+        )
         return SchedulerLease(
             scheduler_id=self.scheduler_id,
             interval_s=self.settings.scheduler_lease_interval_s,
             boot_id=self.boot_id,
-            worker_id=self._attached[0] if self._attached is not None else None,
+            worker_id=next(iter(self.lanes), None),
             worker_ids=self.registry.worker_ids(),
-            num_running=self.core.num_running,
-            num_waiting=self.core.num_waiting,
-            kv_usage=self.core.kv_usage,
-            draining=self._draining or self._worker_draining(),
+            num_running=sum(c.num_running for c in cores),
+            num_waiting=sum(c.num_waiting for c in cores),
+            kv_usage=used / num_blocks if num_blocks else 0.0,
+            draining=self._draining or workers_draining,
             spill_status=spill_status(self.config.preemption_mode, self._spill_stats),
             preemption_mode=self.config.preemption_mode,
         )
 
     def _workers_changed(self) -> None:
-        # With no step in flight the core can follow at once (a submit right after a
-        # worker registered must find it); otherwise the tick loop follows after them.
-        if not self._inflight:
-            self._reconcile_workers()
-        self._wake.set()
+        """Starts a lane for each new worker; a lane whose worker left is dropped (it
+        evacuates); one whose worker registered anew follows between its steps."""
+        for worker in self.registry.workers():
+            worker_id = worker.info.worker_id
+            if worker_id in self.lanes or worker.key in self._retired:
+                continue
+            core = SchedulerCore(self.clock, self.config, self.tracer, self._arrivals)
+            core.spill_store_reported(*self._spill_room())
+            lane = Lane(self, worker, core)
+            self.lanes[worker_id] = lane
+            lane.task = asyncio.create_task(self._run_lane(lane), name=f"lane-{worker_id}")
+            log.info("driving worker %s (%d in all)", worker_id, len(self.lanes))
+            self.lease.kick()
+        for lane in self.lanes.values():
+            if lane.worker_id not in self.registry:
+                lane.drop()
+            else:
+                lane.wake.set()
 
-    def _reconcile_workers(self) -> None:
-        """Points the core at the registry's active worker (or at none)."""
-        active = self.registry.active()
-        key = active.key if active is not None else None
-        if key == self._attached:
-            return
-        if active is None:
-            log.warning("no worker left: ending every request")
-            self._pending += self.core.detach_worker()
+    async def _run_lane(self, lane: Lane) -> None:
+        try:
+            await lane.run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("the lane of worker %s stopped", lane.worker_id)
+            self._lanes_died.set()
+            raise
+
+    async def evacuate(self, lane: Lane) -> None:
+        """The lane's worker is gone (or drained): its requests move to the other
+        workers, or end with an error when there is none. The lane ends."""
+        if self.lanes.get(lane.worker_id) is lane:
+            del self.lanes[lane.worker_id]
+        self._ended.add(lane.core)
+        core = lane.core
+        others = [o for o in self.lanes.values() if o.accepting]
+        if not others:
+            log.warning("worker %s lost and no other: ending its requests", lane.worker_id)
+            self._pending += lane.take_pending() + core.detach_worker()
         else:
-            log.info("driving worker %s", active.info.worker_id)
-            self._pending += self.core.attach_worker(active.info)
-        self._attached = key
+            layout = core.worker.kv_layout if core.worker is not None else ""
+            self._pending += lane.take_pending()
+            seqs = core.evacuate()
+            self._migrate(seqs, layout, lane.worker_id)
         self.lease.kick()
+        # A new registration of the same worker gets a lane of its own.
+        self._workers_changed()
+        await self.publish([], core)
+
+    def _migrate(self, seqs: list[Sequence], layout: str, from_worker: str) -> None:
+        moved: dict[str, int] = {}
+        swapped = 0
+        for seq in seqs:
+            target = self._place(seq.token_ids)
+            swapped += seq.spilled is not None
+            target.pending += target.core.adopt([seq], layout)
+            target.wake.set()
+            moved[target.worker_id] = moved.get(target.worker_id, 0) + 1
+        if seqs:
+            log.warning(
+                "worker %s lost: %d request(s) moved (%s), %d to swap in from their spills, "
+                "the rest recomputed",
+                from_worker,
+                len(seqs),
+                ", ".join(f"{n} to {w}" for w, n in moved.items()),
+                swapped,
+            )
 
     async def _expire_workers(self) -> None:
         interval = min(0.25, self.settings.worker_timeout_s / 4)
@@ -454,21 +560,21 @@ class SchedulerService:
                 continue
             if not self.bus.is_connected:
                 continue  # nobody can reach us: silence is no sign of death
-            self._end_worker_drain()
+            self._end_worker_drains()
             dropped = self.registry.expire()
-            if not dropped:
-                continue
             for info in dropped:
                 log.warning("worker %s missed its heartbeats: dropped", info.worker_id)
-            if self._attached is not None and self._attached[0] in {w.worker_id for w in dropped}:
-                if self._inflight:
-                    self._cancel_inflight()  # the tick loop re-plans without that worker
-                else:
-                    self._reconcile_workers()
-            self._wake.set()
+            if dropped:
+                self._workers_changed()
+
+    def _spill_room(self) -> tuple[bool, int]:
+        stats = self._spill_stats
+        if stats is None:
+            return False, 0
+        return stats.redis_ok, max(0, stats.capacity_bytes - stats.used_bytes)
 
     async def _watch_spill_store(self) -> None:
-        """Keeps the core's view of the spill store fresh (health and room)."""
+        """Keeps the cores' view of the spill store fresh (health and room)."""
         while True:
             stats: SpillStats | None = None
             try:
@@ -481,169 +587,25 @@ class SchedulerService:
                 log.exception("spill store poll failed")
             raise_if_cancelled()  # the request's wait_for may have swallowed it
             self._spill_stats = stats
-            if stats is None:
-                self.core.spill_store_reported(False, 0)
-            else:
-                room = max(0, stats.capacity_bytes - stats.used_bytes)
-                self.core.spill_store_reported(stats.redis_ok, room)
+            for lane in self.lanes.values():
+                lane.core.spill_store_reported(*self._spill_room())
             await asyncio.sleep(SPILL_POLL_S)
 
     def _model_id(self) -> str:
-        return self.core.worker.model_id if self.core.worker is not None else ""
+        worker = next((lane.core.worker for lane in self.lanes.values()), None)
+        return worker.model_id if worker is not None else ""
 
-    # --- the tick loop --------------------------------------------------------------
-
-    async def _tick_loop(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
-            try:
-                if not self._inflight:
-                    self._reconcile_workers()
-                progressed = await self._tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug in one tick must not stop the service
-                log.exception("scheduler tick failed")
-                self._void_inflight()
-                progressed = False
-            if not progressed:
-                await self._idle()
-
-    async def _idle(self) -> None:
-        """Waits for news; wakes by itself when a waiting request's deadline falls due, so
-        it times out on time even when no other event comes."""
-        self._last_result_at = None
-        deadline = self.core.next_deadline()
-        if deadline is None:
-            await self._wake.wait()
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - self.clock.now()))
-
-    async def _tick(self) -> bool:
-        """One tick: fill the pipeline, apply the oldest step's result, run the end-of-tick
-        phases. True when a step's result was applied (there may be more to do at once)."""
-        self.tracer.start_tick()
-        started = time.perf_counter()
-        self._fill_pipeline()
-        bookkeeping = time.perf_counter() - started
-        deltas = self._take_pending()
-        if not self._inflight:
-            deltas += self.core.end_tick()
-            self.tracer.end_tick({"spillway.step.rows": 0})
-            await self._publish(deltas)
-            await self._publish_spill_drops()
-            return False
-        step = self._inflight[0]
-        result = await self._result_of(step)
-        received = time.perf_counter()
-        started = received
-        rows = len(step.plan.rows)
-        deltas += self._apply(result)
-        deltas += self.core.sweep_deadlines()
-        if self.core.must_drain():
-            deltas += await self._drain_pipeline()
-        deltas += self.core.finish_tick()
-        bookkeeping += time.perf_counter() - started
-        if result is not None and result.error is None:
-            self._record_timings(step, result, received, bookkeeping)
-        if self.settings.debug_invariants:
-            self.core.check_integrity()
-        self.tracer.end_tick({"spillway.step.rows": rows})
-        await self._publish(deltas)
-        await self._publish_spill_drops()
-        return True
-
-    def _fill_pipeline(self) -> None:
-        """Plans and sends steps while the pipeline has room (two with run-ahead)."""
-        depth = 2 if self.config.run_ahead else 1
-        while (
-            self._attached is not None
-            and len(self._inflight) < depth
-            and self.core.can_schedule()
-            and not self._stopping
-        ):
-            plan = self.core.schedule()
-            if plan is None:
-                return
-            subject = subjects.worker_step(self._attached[0])
-            reply = asyncio.ensure_future(
-                self.bus.request(subject, plan, StepResult, timeout=self.settings.step_timeout_s)
-            )
-            reply.add_done_callback(_retrieve)
-            self._inflight.append(_Step(plan, time.perf_counter(), reply))
-
-    async def _result_of(self, step: _Step) -> StepResult | None:
-        """The step's result; an error result when it failed; None when its worker was
-        dropped while it ran, or when the step got lost on the bus (no responder, no
-        answer in time: the worker may be reconnecting), in which case the step is planned
-        again, a few times at most before its requests end with the error."""
-        await asyncio.wait({step.reply})
-        if step.reply.cancelled():
-            return None
-        try:
-            result = step.reply.result()
-        except BusError as e:
-            if e.info.status in (503, 504) and self._lost_steps < MAX_LOST_STEPS:
-                self._lost_steps += 1
-                log.warning(
-                    "step %d lost (%s): planning it again", step.plan.step_id, e.info.message
-                )
-                return None
-            return StepResult(step_id=step.plan.step_id, error=e.info)
-        self._lost_steps = 0
-        return result
-
-    def _apply(self, result: StepResult | None) -> list[RequestDelta]:
-        """Applies the oldest step's result (it leaves the pipeline). A failed step voids
-        the steps after it (they ran on sequences it did not advance); a worker gone
-        voids everything and the core follows the registry."""
-        step = self._inflight.popleft()
-        if result is None:
-            self.core.void_step(step.plan)
-            self._void_inflight()
-            self._reconcile_workers()
-            return self._take_pending()
-        if result.error is not None:
-            log.warning("step %d failed: %s", step.plan.step_id, result.error.message)
-        deltas = self.core.update_from_output(step.plan, result)
-        if result.error is not None:
-            self._void_inflight()
-        return deltas
-
-    async def _drain_pipeline(self) -> list[RequestDelta]:
-        """Phase 2: applies every step in flight (a finished sequence's blocks may still
-        be written by one); their rows for finished sequences are over-runs, discarded."""
-        start = self.clock.now()
-        deltas: list[RequestDelta] = []
-        while self._inflight:
-            deltas += self._apply(await self._result_of(self._inflight[0]))
-        self.tracer.phase_timed("drain", start, self.clock.now())
-        return deltas
-
-    def _void_inflight(self) -> None:
-        """Every step in flight stops counting (the worker still runs them, in order,
-        before anything sent later)."""
-        while self._inflight:
-            step = self._inflight.popleft()
-            self.core.void_step(step.plan)
-
-    def _record_timings(
-        self, step: _Step, result: StepResult, received: float, bookkeeping: float
-    ) -> None:
-        # With a step queued behind another, the round trip includes the wait for it:
-        # the bus share is only meaningful from when the worker could start this one.
-        began = max(step.sent_at, self._last_result_at or step.sent_at)
-        self.timings.add(bookkeeping, received - began, result.forward_s)
-        if self._last_result_at is not None:
-            self.timings.overhead_s.add(
-                max(0.0, received - self._last_result_at - result.forward_s)
-            )
-        self._last_result_at = received
+    # --- news -----------------------------------------------------------------------
 
     def _take_pending(self) -> list[RequestDelta]:
         pending, self._pending = self._pending, []
         return pending
+
+    async def publish(self, deltas: list[RequestDelta], core: SchedulerCore) -> None:
+        """A lane's news of one tick (and whatever waited outside every lane), then the
+        spills its core no longer needs."""
+        await self._publish(self._take_pending() + deltas)
+        await self._publish_spill_drops(core.take_spill_drops())
 
     async def _publish(self, deltas: list[RequestDelta]) -> None:
         """One DeltaBatch per gateway holding every request of that gateway with news."""
@@ -658,13 +620,41 @@ class SchedulerService:
         for gateway_id, batch in by_gateway.items():
             await self.bus.publish(subjects.gateway_deltas(gateway_id), DeltaBatch(deltas=batch))
 
-    async def _publish_spill_drops(self) -> None:
-        drops = self.core.take_spill_drops()
+    async def _publish_spill_drops(self, drops: list[SpillRef]) -> None:
         if drops:
             await self.bus.publish(subjects.SPILL_DROP, SpillDrop(spills=drops))
 
 
-def _retrieve(future: asyncio.Future[StepResult]) -> None:
-    """A voided step's reply is never awaited: take its exception so none is logged."""
-    if not future.cancelled():
-        future.exception()
+class _EndedLanes:
+    """The counters of cores whose worker left, kept in the scheduler's totals."""
+
+    def __init__(self) -> None:
+        self.preemptions: dict[str, int] = {}
+        self.migrations = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.steps = 0
+
+    def add(self, core: SchedulerCore) -> None:
+        for mode, n in core.preemptions.items():
+            self.preemptions[mode] = self.preemptions.get(mode, 0) + n
+        self.migrations += core.migrations
+        self.hit_tokens += core.prefix_hit_tokens
+        self.query_tokens += core.prefix_query_tokens
+        self.steps += core.num_steps
+
+
+def _load_of(lane: Lane) -> WorkerLoad:
+    core = lane.core
+    return WorkerLoad(
+        worker_id=lane.worker_id,
+        num_running=core.num_running,
+        num_waiting=core.num_waiting,
+        num_live=core.num_live,
+        kv_usage=core.kv_usage,
+        num_kv_blocks=core.blocks.num_blocks if core.blocks is not None else 0,
+        prefix_cache_hit_tokens=core.prefix_hit_tokens,
+        migrations=core.migrations,
+        num_steps=core.num_steps,
+        draining=not lane.accepting,
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -53,7 +54,8 @@ class SpanObserver:
         self._epoch_ns_at_zero = time.time_ns() - int(clock.now() * 1e9)
         self._parents: dict[str, Context] = {}
         self._spans: dict[str, _RequestSpans] = {}
-        self._tick: Span | None = None
+        # The tick in progress, per asyncio task: each worker's lane ticks in its own.
+        self._tick: ContextVar[Span | None] = ContextVar(f"tick-{id(self)}", default=None)
 
     # --- called by the shell --------------------------------------------------------
 
@@ -70,15 +72,17 @@ class SpanObserver:
         span.set_attribute("error.type", str(error.status))
         span.end()
 
-    def start_tick(self) -> None:
+    def start_tick(self, worker_id: str = "") -> None:
         if self.tel.exporting:
-            self._tick = self.tracer.start_span("scheduler.tick")
+            attributes = {"spillway.worker.id": worker_id} if worker_id else None
+            self._tick.set(self.tracer.start_span("scheduler.tick", attributes=attributes))
 
     def end_tick(self, attributes: dict[str, int]) -> None:
-        if self._tick is not None:
-            self._tick.set_attributes(attributes)
-            self._tick.end()
-            self._tick = None
+        tick = self._tick.get()
+        if tick is not None:
+            tick.set_attributes(attributes)
+            tick.end()
+            self._tick.set(None)
 
     # --- SchedulerObserver ----------------------------------------------------------
 
@@ -191,11 +195,12 @@ class SpanObserver:
     def phase_timed(self, phase: Phase, start_s: float, end_s: float) -> None:
         if self.on_phase is not None:
             self.on_phase(phase, end_s - start_s)
-        if self._tick is None:
+        tick = self._tick.get()
+        if tick is None:
             return
         span = self.tracer.start_span(
             f"scheduler.{phase}",
-            context=trace.set_span_in_context(self._tick),
+            context=trace.set_span_in_context(tick),
             start_time=self._epoch_ns(start_s),
         )
         span.end(end_time=self._epoch_ns(end_s))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,16 +46,53 @@ def generate(url: str, prompt: list[int], max_tokens: int, timeout: float = 600)
     body = r.json()
     logprobs = body["choices"][0]["logprobs"]
     tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
-    gaps = []
-    for top in logprobs["top_logprobs"]:
-        values = sorted(top.values(), reverse=True)
-        gaps.append(values[0] - values[1] if len(values) > 1 else float("inf"))
+    gaps = [_gap(top) for top in logprobs["top_logprobs"]]
     return Generation(
         tokens,
         gaps,
         body["choices"][0]["finish_reason"],
         body["usage"]["prompt_tokens_details"]["cached_tokens"],
     )
+
+
+def stream_generate(
+    url: str, prompt: list[int], max_tokens: int, timeout: float = 600
+) -> Generation:
+    """The same request streamed: tokens as the chunks bring them (a gap or a repeat
+    shows as a different sequence)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens: list[int] = []
+    gaps: list[float] = []
+    finish, cached = "", 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for choice in chunk["choices"]:
+                logprobs = choice.get("logprobs") or {}
+                tokens += [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens", [])]
+                gaps += [_gap(top) for top in logprobs.get("top_logprobs", [])]
+                finish = choice.get("finish_reason") or finish
+    return Generation(tokens, gaps, finish, cached)
+
+
+def _gap(top: dict[str, float]) -> float:
+    values = sorted(top.values(), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else float("inf")
 
 
 def generate_all(url: str, prompts: list[list[int]], max_tokens: int) -> list[Generation]:

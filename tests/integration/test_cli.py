@@ -42,16 +42,14 @@ def test_invalid_option_value_is_a_clear_error():
     assert "block size must be a power of two" in r.stderr
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--workers", "2"], "--workers above 1 is not available yet"),
-    ],
-)
-def test_unavailable_options_say_so(args, message):
-    r = _run("up", *args)
-    assert r.returncode == 1
-    assert message in r.stderr
+def test_several_workers_share_the_cores_and_take_one_gpu_each():
+    one = up_module.worker_launches(load_settings(workers=1), 16, ["0", "1"])
+    assert one == [([], {})]
+    two = up_module.worker_launches(load_settings(workers=2), 16, [])
+    assert two == [(["--threads", "8"], {})] * 2
+    pinned = up_module.worker_launches(load_settings(workers=3, threads=2), 2, ["0", "1"])
+    assert [extra for extra, _ in pinned] == [[], [], []]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in pinned] == ["0", "1", "0"]
 
 
 def test_private_servers_start_when_the_default_urls_do_not_answer(monkeypatch):

@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from services.scheduler import service as scheduler_service
+from services.scheduler import lane as lane_module
 from services.scheduler.service import serve
 from shared import subjects
 from shared.bus import Bus, BusError
@@ -209,9 +209,14 @@ async def test_a_dead_tick_loop_takes_the_scheduler_down(nats_url):
     async def broken(self) -> None:
         raise RuntimeError("a bug outside the tick's guard")
 
-    with mock.patch.object(scheduler_service.SchedulerService, "_idle", broken):
+    with mock.patch.object(lane_module.Lane, "_idle", broken):
         stop, task = await _start_scheduler(settings, "s1")
+        worker = ScriptedWorker(nats_url, namespace)
+        # Its lane starts with its registration (whose reply may not make it out).
+        starting = asyncio.create_task(worker.start())
         with pytest.raises(RuntimeError, match="tick loop stopped"):
             await asyncio.wait_for(task, WAIT_S)
+    starting.cancel()
+    await worker.stop()
     stop.set()
     await gateway.bus.close()

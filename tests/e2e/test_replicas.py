@@ -1,0 +1,130 @@
+"""Two schedulers and two gateways on one namespace (replicas of one deployment), each
+scheduler with a worker. A load spreads over both; one scheduler killed mid-run: its
+requests that had produced nothing complete on the other, the ones that had output end
+with a clear error, none hangs, and its worker joins the other scheduler, which then
+drives both workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+
+from services.cli.launcher import ServiceGroup, wait_until
+from tests.clients import sse_events, stream_error, stream_finish, until
+
+pytestmark = pytest.mark.slow
+
+COMP = "/v1/completions"
+NEW_TOKENS = 700
+RECOVERY_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def replicas(long_tiny_model_dir, nats_url, redis_url):
+    group = ServiceGroup(
+        "--model", str(long_tiny_model_dir),
+        "--namespace", "replicas",
+        "--nats-url", nats_url,
+        "--redis-url", redis_url,
+        "--kv-blocks", "400",
+        "--block-size", "32",
+        "--max-batch", "2",
+        "--dtype", "float32",
+        "--threads", "1",
+    )  # fmt: skip
+    try:
+        group.start("spillstore")
+        group.start("gateway", "--port", "0", name="gateway")
+        group.start("gateway", "--port", "0", name="gateway-b")
+        # One at a time: a worker joins the scheduler that drives none yet.
+        for n, side in enumerate("ab", start=1):
+            group.start("scheduler", name=f"scheduler-{side}")
+            group.start("worker", name=f"worker-{side}")
+            assert wait_until(lambda n=n: len(_drivers(group)) == n, 60), group.tail()
+        yield group
+    finally:
+        group.stop_all()
+
+
+def _url(group: ServiceGroup, name: str) -> str:
+    return group.children[name].ready_detail.split()[0]
+
+
+def _health(group: ServiceGroup, name: str = "gateway") -> dict:
+    try:
+        return httpx.get(f"{_url(group, name)}/health", timeout=10).json()
+    except (KeyError, httpx.HTTPError):
+        return {}
+
+
+def _drivers(group: ServiceGroup) -> dict[str, list[str]]:
+    """Scheduler id -> the workers it drives, as the schedulers' leases say."""
+    out = {}
+    for name in ("scheduler-a", "scheduler-b"):
+        child = group.children.get(name)
+        if child is None or not child.alive:
+            continue
+        scheduler_id = child.ready_detail.split()[0].removeprefix("id=")
+        out[scheduler_id] = []
+    for s in _health(group).get("schedulers", []):
+        if s["id"] in out:
+            out[s["id"]] = s["workers"]
+    return {s: w for s, w in out.items() if w}
+
+
+async def test_load_spreads_and_a_killed_schedulers_work_moves_or_ends_clearly(replicas):
+    urls = [_url(replicas, "gateway"), _url(replicas, "gateway-b")]
+    assert wait_until(lambda: len(_drivers(replicas)) == 2, 60), replicas.tail()
+    body = {"max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}
+    clients = [httpx.AsyncClient(base_url=u, timeout=RECOVERY_S) for u in urls]
+    try:
+        # 8 streams through both gateways: 4 per scheduler by load, 2 running and 2
+        # waiting on each (--max-batch 2).
+        streams = [
+            asyncio.ensure_future(
+                sse_events(clients[i % 2], COMP, {**body, "prompt": f"Stream {i} counts:"})
+            )
+            for i in range(8)
+        ]
+
+        def spread() -> list[dict]:
+            schedulers = _health(replicas).get("schedulers", [])
+            busy = [s for s in schedulers if s["running"] == 2 and s["waiting"] == 2]
+            return schedulers if len(busy) == 2 else []
+
+        schedulers = await until(spread, 60)
+        victim = schedulers[0]["id"]
+        survivor = schedulers[1]["id"]
+        name = next(
+            n
+            for n in ("scheduler-a", "scheduler-b")
+            if replicas.children[n].ready_detail.startswith(f"id={victim} ")
+        )
+        os.kill(replicas.children[name].proc.pid, signal.SIGKILL)
+
+        # The victim's running streams hear their end soon; the rest finish later.
+        _, pending = await asyncio.wait(streams, timeout=RECOVERY_S)
+        assert not pending, "a stream never ended"
+        results = [t.result() for t in streams]
+        ended = [r for r in results if stream_error(r)]
+        finished = [r for r in results if stream_finish(r) == "length"]
+        # The victim's two running streams end with a clear error; its two waiting ones
+        # ran again on the survivor, as did everything of the survivor's own.
+        assert len(ended) == 2 and len(finished) == 6, [stream_error(r) for r in results]
+        for events in ended:
+            assert events[-1] == "[DONE]" and stream_error(events)["code"] == "scheduler_lost"
+        # Its worker joined the survivor, which drives both now.
+        drivers = await until(
+            lambda: (d := _drivers(replicas)).get(survivor) and len(d[survivor]) == 2 and d,
+            30,
+        )
+        assert list(drivers) == [survivor]
+        after = await clients[0].post(COMP, json={**body, "prompt": "After:", "max_tokens": 8})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
+    finally:
+        for client in clients:
+            await client.aclose()

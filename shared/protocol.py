@@ -31,6 +31,11 @@ def decode(model: type[M], data: bytes) -> M:
     return model.model_validate_json(data)
 
 
+# A request a draining scheduler gives back before it produced anything (an error delta
+# with this code): the gateway submits it again to another scheduler.
+HANDED_BACK_CODE = "handed_back"
+
+
 class ErrorInfo(Message):
     """An error that travels between services; the gateway turns it into an OpenAI body."""
 
@@ -206,6 +211,8 @@ class SchedulerStats(Message):
     step_forward_s: float | None = None
     # Median time between back-to-back step results that the worker spent not computing.
     step_overhead_s: float | None = None
+    # Of all steps' time so far, the share the workers spent on spill-store I/O.
+    step_kv_io_share: float | None = None
     num_cached_blocks: int = 0  # blocks kept by the prefix cache, evictable
     preemption_mode: str = "auto"
     run_ahead: bool = False

@@ -98,6 +98,9 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 ns(SCHED_STATS),
                 ns(WORKER_REGISTER),
                 ns(WORKER_HEARTBEAT),
+                # The other replicas' leases: a draining one hands back only what one of
+                # them can take.
+                ns(SCHED_HEARTBEAT),
                 own_inbox,
             ),
         )

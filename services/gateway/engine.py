@@ -14,7 +14,8 @@ that scheduler's deltas count for it (`Spillway-Sender`). When that scheduler is
 (its lease lapsed) or our own bus connection was down (its news may be lost), a choice
 that has produced nothing yet is submitted again, to a live scheduler, for up to
 replay_timeout_s; one that has produced tokens ends with a clear 503 error: the client
-never waits for news that cannot come.
+never waits for news that cannot come. A draining scheduler hands back what has produced
+nothing (an error delta coded `handed_back`): it runs again on another scheduler too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from services.gateway.validation import PreparedRequest
 from shared.bus import Bus, BusError, sender_of
 from shared.clock import Clock, MonotonicClock
 from shared.protocol import (
+    HANDED_BACK_CODE,
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
@@ -157,7 +159,13 @@ class RequestRun:
             i = self._index.get(delta.request_id)
             if i is None or self.outputs[i].finished:
                 continue
-            step = self._apply(i, delta, received_at)
+            if _handed_back(delta) and self.outputs[i].num_tokens == 0:
+                failed = await self._run_elsewhere(i)
+                if failed is None:
+                    continue
+                step = failed
+            else:
+                step = self._apply(i, delta, received_at)
             if step.finished:
                 await self._on_finished(step, abort=step.stop_matched or step.error is not None)
             if step.has_news:
@@ -208,6 +216,15 @@ class RequestRun:
             ended.append(step)
         return ended
 
+    async def _run_elsewhere(self, i: int) -> ChoiceStep | None:
+        """A draining scheduler gave the choice back before it produced anything: it runs
+        on another scheduler (None), or fails when none takes it."""
+        try:
+            await self._engine.replay(self, i, frozenset({self.scheduler_ids[i]}))
+            return None
+        except ApiError as e:
+            return self.outputs[i].fail(ErrorInfo(status=e.status, message=e.message, code=e.code))
+
     def move(self, index: int, request_id: str) -> str:
         """Choice `index` runs under a new request id from now on; returns the old one."""
         old = self.request_ids[index]
@@ -243,6 +260,12 @@ class RequestRun:
         if unfinished:
             await self._engine.abort([self.request_ids[o.index] for o in unfinished])
         self._engine.forget(self)
+
+
+def _handed_back(delta: RequestDelta) -> bool:
+    return (
+        delta.error is not None and delta.error.code == HANDED_BACK_CODE and not (delta.token_ids)
+    )
 
 
 class GatewayEngine:

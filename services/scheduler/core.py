@@ -190,12 +190,7 @@ class SchedulerCore:
         self._drop_pending_orders()
         for seq in list(self._requests.values()):
             self._finish(seq, "error", error)
-        for seq in self._finishing:
-            self._forget_worker_state(seq)
-        self._retire_finished()
-        self._worker_must_forget.clear()
-        self.worker = None
-        self.blocks = None
+        self._let_worker_go()
         return self._take_news()
 
     def evacuate(self) -> list[Sequence]:
@@ -208,15 +203,9 @@ class SchedulerCore:
         self._drop_pending_orders()
         leaving = [seq for seq in self._requests.values() if not seq.is_finished]
         for seq in leaving:
+            self._unplace(seq)
             if seq.status is SequenceStatus.RUNNING:
-                del self._running[seq.request_id]
-                seq.status = SequenceStatus.PREEMPTED
-            elif seq.status is SequenceStatus.WAITING:
-                self._waiting.remove(seq.request_id)
-            elif seq.status is SequenceStatus.SWAPPED:
-                self._swapped.remove(seq)
-            else:
-                self._preempted.remove(seq.request_id)
+                seq.status = SequenceStatus.PREEMPTED  # its KV stays with the lost worker
             self._bump_epoch(seq)
             self._forget_worker_state(seq)
             seq.kv_pending = False
@@ -230,13 +219,17 @@ class SchedulerCore:
                 self._slots.release(seq.state_slot)
                 seq.state_slot = None
             del self._requests[seq.request_id]
+        self._let_worker_go()
+        return leaving
+
+    def _let_worker_go(self) -> None:
+        """The last of a gone worker: finished sequences retire, nothing is left to tell it."""
         for seq in self._finishing:
             self._forget_worker_state(seq)
         self._retire_finished()
         self._worker_must_forget.clear()
         self.worker = None
         self.blocks = None
-        return leaving
 
     def adopt(self, seqs: Iterable[Sequence], kv_layout: str) -> list[RequestDelta]:
         """Takes sequences another core evacuated (their worker, of layout `kv_layout`,
@@ -277,6 +270,15 @@ class SchedulerCore:
                         code="context_length_exceeded",
                     ),
                 )
+        return self._take_news()
+
+    def hand_back(self, error: ErrorInfo) -> list[RequestDelta]:
+        """Ends, with `error`, every request that has produced no token yet (waiting,
+        or still in its prefill): the gateway runs them again on another scheduler. What
+        has produced tokens stays."""
+        for seq in list(self._requests.values()):
+            if not seq.is_finished and seq.num_output_tokens == 0:
+                self._finish(seq, "error", error)
         return self._take_news()
 
     def placement(self, token_ids: list[int]) -> tuple[int, int, int]:
@@ -1154,14 +1156,7 @@ class SchedulerCore:
         """Sets the final delta; the sequence keeps its blocks until retirement."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            del self._running[seq.request_id]
-        elif seq.status is SequenceStatus.WAITING:
-            self._waiting.remove(seq.request_id)
-        elif seq.status is SequenceStatus.SWAPPED:
-            self._swapped.remove(seq)
-        else:
-            self._preempted.remove(seq.request_id)
+        self._unplace(seq)
         if seq.spilled is not None:
             self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
             seq.spilled = None
@@ -1173,6 +1168,17 @@ class SchedulerCore:
         delta.error = error
         self._finishing.append(seq)
         self.observer.request_finished(seq)
+
+    def _unplace(self, seq: Sequence) -> None:
+        """Takes an unfinished sequence out of the queue or batch its status names."""
+        if seq.status is SequenceStatus.RUNNING:
+            del self._running[seq.request_id]
+        elif seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq.request_id)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self._swapped.remove(seq)
+        else:
+            self._preempted.remove(seq.request_id)
 
     def _store_finished(self) -> None:
         """The full blocks of finished sequences go to the shared prefix tier (written by

@@ -279,7 +279,7 @@ class Lane:
         # the bus share is only meaningful from when the worker could start this one.
         began = max(step.sent_at, self._last_result_at or step.sent_at)
         timings = self.host.timings
-        timings.add(bookkeeping, received - began, result.forward_s)
+        timings.add(bookkeeping, received - began, result.forward_s, result.kv_io_s)
         if self._last_result_at is not None:
             timings.overhead_s.add(max(0.0, received - self._last_result_at - result.forward_s))
         self._last_result_at = received

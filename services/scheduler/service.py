@@ -58,9 +58,10 @@ from shared.beacon import Beacon
 from shared.bus import Bus, BusError, sender_of
 from shared.clock import Clock, MonotonicClock
 from shared.config import Settings
-from shared.leases import StallGuard
+from shared.leases import LeaseBook, StallGuard
 from shared.lifecycle import announce_ready
 from shared.protocol import (
+    HANDED_BACK_CODE,
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
@@ -91,6 +92,12 @@ STOP_GRACE_S = 1.0
 # How long a registering worker has to answer the probe of its step subject.
 PROBE_TIMEOUT_S = 2.0
 STOPPING = ErrorInfo(status=503, message="the scheduler is stopping", code="shutting_down")
+# A draining scheduler's requests with no output yet: gateways run them elsewhere.
+HANDED_BACK = ErrorInfo(
+    status=503,
+    message="the scheduler is stopping before this request started: run it elsewhere",
+    code=HANDED_BACK_CODE,
+)
 WORKER_STOPPING = ErrorInfo(
     status=503, message="the scheduler's workers are stopping", code="shutting_down"
 )
@@ -139,6 +146,7 @@ class SchedulerService:
         self.lease = Beacon(
             bus, subjects.SCHED_HEARTBEAT, self._lease, settings.scheduler_lease_interval_s
         )
+        self.replicas = LeaseBook(clock, settings.scheduler_timeout_s)  # the others' leases
         self.timings = StepTimings()
         self.step_timeout_s = settings.step_timeout_s
         self.worker_timeout_s = settings.worker_timeout_s
@@ -217,6 +225,12 @@ class SchedulerService:
         # Said at once, not at the next interval: gateways stop routing to us now.
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.SCHED_HEARTBEAT, self._lease())
+        # What has not started goes back to the gateways, which place it on another
+        # replica at once (scaling a scheduler down loses nothing that waited).
+        if self._replica_can_serve():
+            for lane in self.lanes.values():
+                lane.pending += lane.core.hand_back(HANDED_BACK)
+                lane.wake.set()
         deadline = self.clock.now() + self.settings.drain_timeout_s
         while self._gateway_of and self.clock.now() < deadline and not self._lanes_died.is_set():
             await asyncio.sleep(0.05)
@@ -241,6 +255,7 @@ class SchedulerService:
             await serve(subjects.WORKER_REGISTER, WorkerInfo, self._on_register, queue=queue),
             await serve(subjects.sched_register(mine), WorkerInfo, self._on_register),
             await serve(subjects.WORKER_HEARTBEAT, Heartbeat, self._on_heartbeat),
+            await serve(subjects.SCHED_HEARTBEAT, SchedulerLease, self._on_lease),
         ]
 
     # --- handlers -------------------------------------------------------------------
@@ -308,6 +323,17 @@ class SchedulerService:
             return None
         return hashes[: reply.num_hits]
 
+    async def _on_lease(self, lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
+        if lease.scheduler_id != self.scheduler_id:
+            self.replicas.observe(lease)
+
+    def _replica_can_serve(self) -> bool:
+        """Another live scheduler of this namespace drives a worker and takes requests."""
+        return any(
+            lease.worker_id and not lease.draining and lease.scheduler_id != self.scheduler_id
+            for lease in self.replicas.live()
+        )
+
     async def _on_abort(self, req: AbortRequest, ctx: Context, raw: Msg) -> None:
         self._abort(req.request_ids)
 
@@ -346,6 +372,7 @@ class SchedulerService:
             step_bus_s=self.timings.bus_s.median(),
             step_forward_s=self.timings.forward_s.median(),
             step_overhead_s=self.timings.overhead_s.median(),
+            step_kv_io_share=self.timings.kv_io_share,
             preemption_mode=self.config.preemption_mode,
             run_ahead=self.config.run_ahead,
             phases=self.phases.snapshot(),

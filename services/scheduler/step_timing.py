@@ -27,7 +27,20 @@ class StepTimings:
         # computing (bus, codec, scheduler bookkeeping): what run-ahead hides.
         self.overhead_s = RollingMedian(window)
 
-    def add(self, bookkeeping_s: float, round_trip_s: float, forward_s: float) -> None:
+        # Totals over every step: the share of the steps' time the workers spent moving
+        # KV to and from the spill store (spills, swap-ins, prefix-tier reads and writes).
+        self.kv_io_total_s = 0.0
+        self.step_total_s = 0.0
+
+    @property
+    def kv_io_share(self) -> float | None:
+        return self.kv_io_total_s / self.step_total_s if self.step_total_s else None
+
+    def add(
+        self, bookkeeping_s: float, round_trip_s: float, forward_s: float, kv_io_s: float = 0.0
+    ) -> None:
+        self.kv_io_total_s += kv_io_s
+        self.step_total_s += bookkeeping_s + round_trip_s
         self.bookkeeping_s.add(bookkeeping_s)
-        self.bus_s.add(max(0.0, round_trip_s - forward_s))
+        self.bus_s.add(max(0.0, round_trip_s - forward_s - kv_io_s))
         self.forward_s.add(forward_s)

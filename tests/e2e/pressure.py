@@ -29,19 +29,20 @@ class Generation:
     cached_tokens: int
 
 
+def _greedy(prompt: list[int], max_tokens: int) -> dict:
+    """A greedy completion with its top-2 logprobs (to tell near ties)."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
+
+
 def generate(url: str, prompt: list[int], max_tokens: int, timeout: float = 600) -> Generation:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "logprobs": 2,
-            "return_tokens_as_token_ids": True,
-        },
-        timeout=timeout,
-    )
+    r = httpx.post(f"{url}/v1/completions", json=_greedy(prompt, max_tokens), timeout=timeout)
     assert r.status_code == 200, r.text
     body = r.json()
     logprobs = body["choices"][0]["logprobs"]
@@ -61,12 +62,7 @@ def stream_generate(
     """The same request streamed: tokens as the chunks bring them (a gap or a repeat
     shows as a different sequence)."""
     body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 2,
-        "return_tokens_as_token_ids": True,
+        **_greedy(prompt, max_tokens),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

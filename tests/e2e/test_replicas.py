@@ -19,7 +19,7 @@ from tests.clients import sse_events, stream_error, stream_finish, until
 pytestmark = pytest.mark.slow
 
 COMP = "/v1/completions"
-NEW_TOKENS = 700
+NEW_TOKENS = 1500  # nothing finishes while the streams are being started
 RECOVERY_S = 180.0
 
 
@@ -64,9 +64,8 @@ def _health(group: ServiceGroup, name: str = "gateway") -> dict:
 def _drivers(group: ServiceGroup) -> dict[str, list[str]]:
     """Scheduler id -> the workers it drives, as the schedulers' leases say."""
     out = {}
-    for name in ("scheduler-a", "scheduler-b"):
-        child = group.children.get(name)
-        if child is None or not child.alive:
+    for name, child in group.children.items():
+        if not name.startswith("scheduler") or not child.alive:
             continue
         scheduler_id = child.ready_detail.split()[0].removeprefix("id=")
         out[scheduler_id] = []
@@ -76,27 +75,40 @@ def _drivers(group: ServiceGroup) -> dict[str, list[str]]:
     return {s: w for s, w in out.items() if w}
 
 
+async def _one_by_one(group, clients, body: dict, word: str, n: int) -> list[asyncio.Future]:
+    """Streams started one at a time, each once the leases show the one before (so that
+    each goes to the least busy scheduler as it is then)."""
+    streams: list[asyncio.Future] = []
+    for i in range(n):
+        prompt = f"{word} {i} counts:"
+        streams.append(
+            asyncio.ensure_future(sse_events(clients[i % 2], COMP, {**body, "prompt": prompt}))
+        )
+
+        def held(i=i) -> bool:
+            schedulers = _health(group).get("schedulers", [])
+            return sum(s["running"] + s["waiting"] for s in schedulers) >= i + 1
+
+        await until(held, 30)
+    return streams
+
+
 async def test_load_spreads_and_a_killed_schedulers_work_moves_or_ends_clearly(replicas):
     urls = [_url(replicas, "gateway"), _url(replicas, "gateway-b")]
     assert wait_until(lambda: len(_drivers(replicas)) == 2, 60), replicas.tail()
     body = {"max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}
     clients = [httpx.AsyncClient(base_url=u, timeout=RECOVERY_S) for u in urls]
     try:
-        # 8 streams through both gateways: 4 per scheduler by load, 2 running and 2
-        # waiting on each (--max-batch 2).
-        streams = [
-            asyncio.ensure_future(
-                sse_events(clients[i % 2], COMP, {**body, "prompt": f"Stream {i} counts:"})
-            )
-            for i in range(8)
-        ]
+        # 8 streams through both gateways, one after the other: 4 per scheduler by load,
+        # 2 running and 2 waiting on each (--max-batch 2).
+        streams = await _one_by_one(replicas, clients, body, "Stream", 8)
 
         def spread() -> list[dict]:
             schedulers = _health(replicas).get("schedulers", [])
             busy = [s for s in schedulers if s["running"] == 2 and s["waiting"] == 2]
             return schedulers if len(busy) == 2 else []
 
-        schedulers = await until(spread, 60)
+        schedulers = await until(spread, 10)
         victim = schedulers[0]["id"]
         survivor = schedulers[1]["id"]
         name = next(
@@ -125,6 +137,45 @@ async def test_load_spreads_and_a_killed_schedulers_work_moves_or_ends_clearly(r
         assert list(drivers) == [survivor]
         after = await clients[0].post(COMP, json={**body, "prompt": "After:", "max_tokens": 8})
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def test_a_replica_scaled_up_takes_load_and_scaled_down_loses_nothing(replicas):
+    """After the kill above one scheduler drives both workers. A third scheduler and
+    worker join (scale up) and take requests; SIGTERM to that scheduler (scale down): what
+    it runs finishes there, what waited goes back to the gateways and runs on the other,
+    and every stream ends with all its tokens."""
+    # Its drain timeout lets what it runs finish.
+    replicas.start("scheduler", name="scheduler-c", env={"SPILLWAY_DRAIN_TIMEOUT_S": "300"})
+    replicas.start("worker", name="worker-c")
+    new = replicas.children["scheduler-c"].ready_detail.split()[0].removeprefix("id=")
+    assert wait_until(lambda: len(_drivers(replicas)) == 2, 60), replicas.tail()
+    urls = [_url(replicas, "gateway"), _url(replicas, "gateway-b")]
+    body = {"max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}
+    clients = [httpx.AsyncClient(base_url=u, timeout=RECOVERY_S) for u in urls]
+    try:
+        streams = await _one_by_one(replicas, clients, body, "Scale", 10)
+
+        def new_one_waits() -> bool:
+            schedulers = _health(replicas).get("schedulers", [])
+            return any(s["id"] == new and s["waiting"] > 0 for s in schedulers)
+
+        await until(new_one_waits, 60)
+        stopping = asyncio.ensure_future(
+            asyncio.to_thread(replicas.stop, "scheduler-c", signal.SIGTERM, 300)
+        )
+        _, pending = await asyncio.wait(streams, timeout=RECOVERY_S)
+        assert not pending, "a stream never ended"
+        assert await stopping == 0, replicas.tail()
+        results = [t.result() for t in streams]
+        assert all(stream_finish(r) == "length" for r in results), [
+            stream_error(r) for r in results
+        ]
+        assert "runs again as" in replicas.tail(20_000)  # what waited was handed back
+        # Its worker joined the one left.
+        assert await until(lambda: len(_drivers(replicas)) == 1, 30)
     finally:
         for client in clients:
             await client.aclose()

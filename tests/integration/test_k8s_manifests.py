@@ -215,13 +215,14 @@ async def test_gateway_replicas_sit_behind_a_service_with_probes_on_paths_it_ser
         assert (await client.get(liveness)).status_code == 200
 
 
-def test_workers_request_a_gpu_and_pair_with_schedulers():
+def test_workers_request_a_gpu_and_every_scheduler_gets_some():
     worker = find("Deployment", "worker")
     c = container(worker)
     assert c["image"] == "spillway:cuda"  # infra/Dockerfile.cuda
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
-    # One scheduler drives one worker (several workers per scheduler: not built yet).
-    assert worker["spec"]["replicas"] == find("Deployment", "scheduler")["spec"]["replicas"]
+    # Replicas of the scheduler are fault domains, each driving workers of its own.
+    schedulers = find("Deployment", "scheduler")["spec"]["replicas"]
+    assert schedulers >= 2 and worker["spec"]["replicas"] >= schedulers
     assert worker["spec"]["strategy"]["type"] == "Recreate"  # the GPU is freed first
     for service in ("gateway", "scheduler", "spillstore"):
         assert container(find("Deployment", service))["image"] == "spillway:cpu"

@@ -93,7 +93,10 @@ def bench_main(args: argparse.Namespace) -> int:
     print(summary_table(f"spillway bench: {url}", ours))
     if split:
         print("median step (scheduler's view): " + ", ".join(
-            f"{k} {v * 1e3:.1f} ms" for k, v in split.items() if v is not None))  # fmt: skip
+            f"{k} {v * 1e3:.1f} ms" for k, v in split.items()
+            if v is not None and k != "spill_store_share"))  # fmt: skip
+        if split.get("spill_store_share"):
+            print(f"spill store I/O: {split['spill_store_share']:.1%} of the steps' time")
     report: dict[str, Any] = {
         "workload": asdict(workload),
         "url": url,
@@ -173,6 +176,7 @@ async def step_split(nats_url: str, namespace: str) -> dict[str, float | None] |
         "forward": stats.step_forward_s,
         "scheduler_bookkeeping": stats.step_bookkeeping_s,
         "bus": stats.step_bus_s,
+        "spill_store_share": stats.step_kv_io_share,
     }
 
 

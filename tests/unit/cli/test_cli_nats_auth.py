@@ -47,7 +47,8 @@ USES = {
     "scheduler": (
         ["ns.gateway.g1.deltas", "ns.worker.w1.step", "ns.worker.discover", "ns.sched.heartbeat"],
         ["ns.sched.submit", "ns.sched.s1.submit", "ns.sched.s1.register", "ns.sched.abort",
-         "ns.sched.stats", "ns.worker.register", "ns.worker.heartbeat", "_INBOX_scheduler.x.1"],
+         "ns.sched.stats", "ns.worker.register", "ns.worker.heartbeat", "ns.sched.heartbeat",
+         "_INBOX_scheduler.x.1"],
     ),
     "worker": (
         ["ns.worker.register", "ns.sched.s1.register", "ns.worker.heartbeat"],

@@ -43,15 +43,21 @@ def _geometry(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in ("num_kv_blocks", "max_model_len")}
 
 
-def test_a_lost_workers_sequences_finish_on_another_with_undisturbed_tokens():
+def _under_pressure() -> tuple[SchedulerCore, SchedulerCore, FakeWorker, dict[str, Outcome]]:
+    """Six requests on worker a until KV pressure has spilled some; b is the other."""
     a, b, worker_a, worker_b = _pair(
         num_kv_blocks=14, spill_store=True, preemption_mode="spill", max_batch=6
     )
     for i in range(6):
         submit(a, f"r{i}", prompt_len=5 + i, max_tokens=NEW_TOKENS)
     outcomes: dict[str, Outcome] = {}
-    while a.num_swapped == 0 or a.num_running < 2:  # KV pressure: some spilled
+    while a.num_swapped == 0 or a.num_running < 2:
         collect(outcomes, tick(a, worker_a)[1])
+    return a, b, worker_b, outcomes
+
+
+def test_a_lost_workers_sequences_finish_on_another_with_undisturbed_tokens():
+    a, b, worker_b, outcomes = _under_pressure()
     statuses = {s: a.sequence(s).status for s in outcomes}  # type: ignore[union-attr]
     assert SequenceStatus.SWAPPED in statuses.values()
     moved = a.evacuate()
@@ -75,14 +81,7 @@ def test_a_lost_workers_sequences_finish_on_another_with_undisturbed_tokens():
 
 
 def test_a_layout_the_new_worker_cannot_read_means_recompute():
-    a, b, worker_a, worker_b = _pair(
-        num_kv_blocks=14, spill_store=True, preemption_mode="spill", max_batch=6
-    )
-    for i in range(6):
-        submit(a, f"r{i}", prompt_len=5 + i, max_tokens=NEW_TOKENS)
-    outcomes: dict[str, Outcome] = {}
-    while a.num_swapped == 0:
-        collect(outcomes, tick(a, worker_a)[1])
+    a, b, worker_b, outcomes = _under_pressure()
     moved = a.evacuate()
     b.adopt(moved, kv_layout="another model/bfloat16")
     assert b.num_swapped == 0

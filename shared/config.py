@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     # A worker silent this long is dropped (health turns 503 within 5 s of its death).
     worker_timeout_s: float = Field(default=2.0, gt=0)
     step_timeout_s: float = Field(default=120.0, gt=0)
+    # A worker whose step has not come back within max(this, 20x the time its tokens
+    # should take at the observed prefill rate) is hung, heartbeats or not: its scheduler
+    # gives it up and moves its requests to its other workers.
+    step_hang_s: float = Field(default=10.0, gt=0)
     # Ctrl-C: how long running requests may take to finish before children are stopped.
     drain_timeout_s: float = Field(default=10.0, ge=0)
     # A scheduler publishes its lease this often; one silent for scheduler_timeout_s is

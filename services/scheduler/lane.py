@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # Steps in a row that may get lost on the bus (and be planned again) before the requests
 # in the next lost one end with the bus's error.
 MAX_LOST_STEPS = 3
+# A step slower than this many times what its tokens should take is hung (see step_hang_s).
+HANG_FACTOR = 20.0
 SIGN_OF_LIFE_POLL_S = 0.05
 
 
@@ -58,10 +60,13 @@ class LaneHost(Protocol):
     timings: StepTimings
     stopping: bool
     step_timeout_s: float
+    step_hang_s: float
     worker_timeout_s: float
     debug_invariants: bool
 
     def current(self, worker_id: str) -> RegisteredWorker | None: ...
+
+    def give_up(self, lane: Lane) -> bool: ...
 
     async def evacuate(self, lane: Lane) -> None: ...
 
@@ -204,7 +209,17 @@ class Lane:
         answer in time), in which case the step is planned again once the worker is heard
         from (a worker that is dead is dropped by then, and its requests move), a few
         times at most before its requests end with the error."""
-        await asyncio.wait({step.reply})
+        while not (await asyncio.wait({step.reply}, timeout=self._hang_limit(step)))[0]:
+            if self.host.give_up(self):
+                log.warning(
+                    "worker %s: step %d has not come back in %.1f s: the worker is hung, "
+                    "giving it up",
+                    self.worker_id,
+                    step.plan.step_id,
+                    time.perf_counter() - step.sent_at,
+                )
+                return None
+            await asyncio.wait({step.reply}, timeout=self.host.step_hang_s)
         if step.reply.cancelled():
             return None
         try:
@@ -223,6 +238,16 @@ class Lane:
             return StepResult(step_id=step.plan.step_id, error=e.info)
         self._lost_steps = 0
         return result
+
+    def oldest_sent_at(self) -> float:
+        return self.inflight[0].sent_at if self.inflight else float("inf")
+
+    def _hang_limit(self, step: _Step) -> float:
+        """Seconds from now until the step counts as hung (see step_hang_s)."""
+        tokens = sum(len(row.token_ids) or 1 for row in step.plan.rows)
+        expected = tokens / self.core.policy.prefill_tokens_per_s
+        limit = max(self.host.step_hang_s, HANG_FACTOR * expected)
+        return max(0.0, step.sent_at + limit - time.perf_counter())
 
     async def _sign_of_life(self) -> None:
         """Waits for the worker's next heartbeat, or for its drop (at most a little longer

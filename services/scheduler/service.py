@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 
 from nats.aio.msg import Msg
@@ -149,12 +150,17 @@ class SchedulerService:
         self.replicas = LeaseBook(clock, settings.scheduler_timeout_s)  # the others' leases
         self.timings = StepTimings()
         self.step_timeout_s = settings.step_timeout_s
+        self.step_hang_s = settings.step_hang_s
         self.worker_timeout_s = settings.worker_timeout_s
         self.debug_invariants = settings.debug_invariants
         self.stopping = False
         self.lanes: dict[str, Lane] = {}  # worker id -> its lane, registration order
-        # Workers that drained to the end: no lane again until they register anew.
+        # Workers that drained to the end, or hung: no lane again until they register
+        # anew (or, hung, step again: their heartbeats count steps).
         self._retired: set[tuple[str, int]] = set()
+        self._hung: dict[str, int] = {}  # worker id -> its step count when given up
+        self._steps_seen: dict[str, int] = {}  # worker id -> its last heartbeat's count
+        self._reconnected_at = float("-inf")  # perf_counter time of our last reconnection
         # One arrival order for every core, so that a moved sequence keeps its rank.
         self._arrivals = itertools.count()
         self._draining = False
@@ -421,6 +427,12 @@ class SchedulerService:
             changed = True
         elif changed:
             log.info("worker %s registered again by its heartbeat", worker_id)
+        self._steps_seen[worker_id] = beat.num_steps
+        if mine and self._hung.get(worker_id, beat.num_steps) < beat.num_steps:
+            log.info("worker %s steps again: driving it anew", worker_id)
+            del self._hung[worker_id]
+            self.registry.renew_generation(worker_id)
+            changed = True
         lane = self.lanes.get(worker_id)
         if mine and lane is not None:
             lane.heard.set()
@@ -437,6 +449,19 @@ class SchedulerService:
         """The worker's registration now (None: not registered, or drained to the end)."""
         worker = self.registry.get(worker_id)
         return None if worker is None or worker.key in self._retired else worker
+
+    def give_up(self, lane: Lane) -> bool:
+        """The lane's worker looks hung (a step never came back): its requests move, and
+        it gets no lane again until it registers anew (a restart) or its heartbeats show
+        it stepping again. False (nothing done) when our own connection was down since
+        the step went out: the bus, not the worker, may have lost it."""
+        if not self.bus.is_connected or self._reconnected_at >= lane.oldest_sent_at():
+            return False
+        self._retired.add(lane.key)
+        self._hung[lane.worker_id] = self._steps_seen.get(lane.worker_id, 0)
+        lane.drop()
+        self.lease.kick()
+        return True
 
     def _worker_drains(self, lane: Lane) -> None:
         if lane.drain_deadline is not None:
@@ -472,6 +497,7 @@ class SchedulerService:
         """Our connection was down: the workers' silence meanwhile says nothing, and a step
         in flight may have lost its request or its reply."""
         self.registry.touch_all()
+        self._reconnected_at = time.perf_counter()
         for lane in self.lanes.values():
             if lane.inflight:
                 lane.resync = True

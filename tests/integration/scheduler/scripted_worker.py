@@ -65,6 +65,7 @@ class ScriptedWorker:
         self.gate = asyncio.Event()  # steps wait for it; set = answer at once
         self.gate.set()
         self._silent = False
+        self.num_steps = 0  # steps answered (its heartbeats say how many)
         self._released = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.bus: Bus | None = None
@@ -108,7 +109,7 @@ class ScriptedWorker:
     async def _heartbeat(self) -> None:
         assert self.bus is not None
         while not self._silent:
-            beat = Heartbeat(info=self.info, scheduler_id=self.owner)
+            beat = Heartbeat(info=self.info, scheduler_id=self.owner, num_steps=self.num_steps)
             await self.bus.publish(subjects.WORKER_HEARTBEAT, beat)
             await asyncio.sleep(self.heartbeat_interval_s)
 
@@ -132,4 +133,5 @@ class ScriptedWorker:
             for r in plan.rows
             if r.sample
         ]
+        self.num_steps += 1
         return StepResult(step_id=plan.step_id, rows=rows, forward_s=0.001)

@@ -109,6 +109,7 @@ async def system(nats_url) -> AsyncIterator[System]:
         namespace=namespace,
         worker_timeout_s=0.6,
         step_timeout_s=3.0,
+        step_hang_s=1.0,
         max_num_batched_tokens=64,
         debug_invariants=True,
     )
@@ -230,3 +231,29 @@ async def test_request_of_a_dropped_worker_is_recomputed_on_the_one_that_remains
     assert gateway.tokens_of("moved") == [scripted_token("moved", i) for i in range(12)]
     recompute = next(r for p in standby.plans for r in p.rows if r.seq_id == "moved")
     assert recompute.start_pos == 0 and len(recompute.token_ids) > 5
+
+
+async def test_a_worker_whose_step_hangs_while_it_heartbeats_is_given_up(system):
+    """Its heartbeats say it lives, but its step never comes back: within step_hang_s the
+    scheduler gives it up and the request finishes on the other worker, whole."""
+    gateway, first = system.gateway, system.worker
+    other = ScriptedWorker(system.nats_url, system.namespace, worker_id="w2")
+    await other.start()
+    await _until_stats(gateway, lambda s: len(s.workers) == 2)
+    first.step_delay_s = other.step_delay_s = 0.01
+    for i in range(2):  # one lands on each worker (the most room)
+        assert (await gateway.submit(f"r{i}", max_tokens=12)).ok
+    await gateway.wait_for(lambda: all(len(gateway.tokens_of(f"r{i}")) >= 2 for i in range(2)))
+    first.gate.clear()  # its steps hang from now on; its heartbeats go on
+    await gateway.wait_finished("r0", "r1")
+    for i in range(2):
+        assert gateway.finish_of(f"r{i}").finish_reason == "length"  # type: ignore[union-attr]
+        assert gateway.tokens_of(f"r{i}") == [scripted_token(f"r{i}", j) for j in range(12)]
+    stats = await gateway.stats()
+    assert stats.migrations >= 1
+    assert [w.worker_id for w in stats.workers] == ["w2"]
+    first.gate.set()  # it comes back: its heartbeats count the step it finished
+    await _until_stats(gateway, lambda s: {w.worker_id for w in s.workers} == {"w1", "w2"})
+    assert (await gateway.submit("after", max_tokens=3)).ok
+    await gateway.wait_finished("after")
+    await other.stop()

@@ -29,7 +29,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_matvec, cpu_native
 from kernels._jit import interpreting
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
@@ -178,7 +178,8 @@ class TorchOps:
     Decode rows of a float32 CPU cache attend through the native kernel
     (`kernels.cpu_native`), which reads the paged cache in place instead of gathering it:
     `native` is those kernels, None for the pure torch path, or "auto" to build them (in
-    `native_dir`) where a C compiler is found.
+    `native_dir`) where a C compiler is found; "auto" also builds the few-row projections
+    (`kernels.cpu_matvec`) that decode steps of a few sequences take.
     """
 
     name = "torch"
@@ -194,7 +195,10 @@ class TorchOps:
         self.native = cpu_native.load(native_dir) if native == "auto" else native
         self.quantize = quantize
         self._decode_query_start: torch.Tensor | None = None  # [R + 1] int64: 0, 1, ..., R
-        self._linear = Int8Linear() if quantize == "int8" else PackedLinear()
+        matvec = cpu_matvec.load(native_dir) if native == "auto" else None
+        self._linear = (
+            Int8Linear(matvec=matvec) if quantize == "int8" else PackedLinear(matvec=matvec)
+        )
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()

@@ -219,8 +219,8 @@ def _forgetter(
 
 
 def _version(t: torch.Tensor) -> int:
-    """The in-place version counter; inference tensors have none and count as never changed."""
-    try:
-        return t._version
-    except RuntimeError:
+    """The in-place version counter; inference tensors have none and count as never changed
+    (asked first: reading theirs raises, and an exception per projection call cost 14 us)."""
+    if t.is_inference():
         return -1
+    return t._version

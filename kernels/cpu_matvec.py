@@ -13,7 +13,10 @@ passive / spinning OpenMP waits (all int8 rows with the down projection in int8 
 A whole batch-1 decode step of that model (ModelRunner.execute, context 200) went from
 54-67 to 45 ms in float32 and from 59 to 43 ms with --quantize int8. The q8 path is also
 closer to float32 than fbgemm's per-call activation scale: over 100 decode steps, median
-relative logits error 0.016 against 0.040, argmax agreement 0.84 against 0.59.
+relative logits error 0.016 against 0.040, argmax agreement 0.84 against 0.59; perplexity
+of the bench text read one token per step (`quality.perplexity(..., chunk=1)`) 38.456
+against float32's 38.404 (+0.14%), where fbgemm's batch-1 path gave 39.663 (+3.3%).
+Prefill chunks (many rows) keep fbgemm: 42.19 at chunk=128.
 
 The library is built like `cpu_native`'s (cached per source and flags), with AVX-512 flags
 where this CPU has them; `features` says which kernels it holds, and callers keep oneDNN

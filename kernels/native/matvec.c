@@ -45,6 +45,20 @@ int matvec_features(void) {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* The same 64 bytes of the next four output rows, fetched while this four's are used (int8
+ * rows are only a few hundred bytes, each a new stream for the hardware prefetcher).
+ * Measured on the 2-core Xeon, SmolLM2-135M's 121 projections as int8 (weights streamed
+ * from memory, same results): 20.8 -> 15.3 ms; float32 rows, four times longer, gained
+ * nothing (48.5 ms either way), so they go without. Prefetches never fault, so the last
+ * rows may point past the weight. */
+#define prefetch_next_rows(p, k)                                                   \
+    do {                                                                           \
+        _mm_prefetch((const char *)((p) + 4 * (k)), _MM_HINT_T0);                  \
+        _mm_prefetch((const char *)((p) + 5 * (k)), _MM_HINT_T0);                  \
+        _mm_prefetch((const char *)((p) + 6 * (k)), _MM_HINT_T0);                  \
+        _mm_prefetch((const char *)((p) + 7 * (k)), _MM_HINT_T0);                  \
+    } while (0)
+
 #ifdef __AVX512F__
 /* Output rows j..j+3 of one input row a. */
 static inline void dot4_f32(const float *restrict a, const float *restrict w, int64_t k,
@@ -117,6 +131,7 @@ static inline void dot4_q8(const uint8_t *restrict xu, const float *restrict sx,
         const __m512i xv = _mm512_loadu_si512(xu + b * QB);
         const __m512 s = _mm512_set1_ps(sx[b]);
         const int8_t *wb = w + b * QB;
+        prefetch_next_rows(wb, k);
 #define BLOCK(f, r) \
     f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, xv, _mm512_loadu_si512(wb + (r) * k))), s, f)
         BLOCK(f0, 0);

@@ -91,32 +91,39 @@ class NativeKernels:
         return out
 
 
-_loaded: dict[Path, NativeKernels | None] = {}
+_loaded: dict[Path, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
 
 def load(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> NativeKernels | None:
     """The native kernels, built on first use; None where they cannot be built here."""
-    folder = Path(cache_dir).expanduser() / "native" / _build_key()
+    library = build(SOURCE, compile_flags(), cache_dir)
+    return None if library is None else NativeKernels(library)
+
+
+def build(source: Path, flags: list[str], cache_dir: str | Path) -> ctypes.CDLL | None:
+    """`source` built with `flags` into a shared library (once per source, flags and cache
+    folder, kept across processes) and loaded; None where it cannot be built here."""
+    folder = Path(cache_dir).expanduser() / "native" / _build_key(source, flags)
     with _lock:
         if folder not in _loaded:
-            _loaded[folder] = _build_and_load(folder)
+            _loaded[folder] = _build_and_load(folder, source, flags)
         return _loaded[folder]
 
 
-def _build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(compile_flags()).encode())
+def _build_key(source: Path, flags: list[str]) -> str:
+    h = hashlib.sha256(source.read_bytes())
+    h.update(" ".join(flags).encode())
     return h.hexdigest()[:16]
 
 
-def _build_and_load(folder: Path) -> NativeKernels | None:
-    library = folder / "libspillway_native.so"
+def _build_and_load(folder: Path, source: Path, flags: list[str]) -> ctypes.CDLL | None:
+    library = folder / "libspillway_native.so"  # the folder names the source and flags
     try:
         if not library.is_file():
             compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
             if compiler is None:
-                log.info("no C compiler: attention gathers the KV cache (torch path)")
+                log.info("no C compiler: native CPU kernels (%s) unavailable", source.name)
                 return None
             folder.mkdir(parents=True, exist_ok=True)
             # Built beside and renamed into place: a concurrent loader never sees half a file.
@@ -124,7 +131,7 @@ def _build_and_load(folder: Path) -> NativeKernels | None:
                 partial = Path(tmp.name)
             try:
                 subprocess.run(
-                    [compiler, *compile_flags(), str(SOURCE), "-o", str(partial), "-lm"],
+                    [compiler, *flags, str(source), "-o", str(partial), "-lm"],
                     check=True,
                     capture_output=True,
                     text=True,
@@ -133,8 +140,8 @@ def _build_and_load(folder: Path) -> NativeKernels | None:
                 partial.replace(library)
             finally:
                 partial.unlink(missing_ok=True)
-        return NativeKernels(ctypes.CDLL(str(library)))
+        return ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("native CPU kernels unavailable (%s): using the torch path", detail.strip())
+        log.warning("native CPU kernels (%s) unavailable (%s)", source.name, detail.strip())
         return None

@@ -18,7 +18,9 @@ hint of 16 or less made single-row calls several times slower. torch.compile's C
 template was slower still (2.5 against 2.0 ms for a 32-row gate_up projection).
 
 `linear` is the stateless fallback (and the CUDA path); `PackedLinear` holds the packed
-weights for one model.
+weights for one model. Products of a few rows (decode steps of a few sequences) go to the
+native kernels of `kernels.cpu_matvec` where they are built: they stream the weights
+faster than oneDNN and fbgemm do at that size.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_matvec import MatvecKernels, Q8Weight, quantize_q8
 
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
@@ -60,26 +64,59 @@ def onednn_packing_available() -> bool:
     return bool(torch.equal(y, torch.full((2, 8), 8.0)))
 
 
+class WeightCache:
+    """A derived form of each weight tensor (`make(weight)`), made on first use, found by
+    identity and dropped when that tensor is freed; a weight changed in place (its version
+    counter moves) is derived again."""
+
+    def __init__(self, make: Callable[[torch.Tensor], Any]) -> None:
+        self._make = make
+        # id(weight) -> (weight's weak reference, its version when derived, derived form)
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, Any]] = {}
+
+    def get(self, weight: torch.Tensor) -> Any:
+        key = id(weight)
+        version = _version(weight)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == version:
+            return entry[2]
+        derived = self._make(weight)
+        self._entries[key] = (weakref.ref(weight, _forgetter(self._entries, key)), version, derived)
+        return derived
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class PackedLinear:
-    """`linear` against weights packed once for oneDNN (CPU float32), other inputs unchanged.
+    """`linear` against weights packed once for oneDNN (CPU float32), other inputs unchanged;
+    a few rows through `matvec` (the native kernels) where given."""
 
-    Packed weights are kept per weight tensor, found by identity and dropped when that tensor
-    is freed; a weight changed in place (its version counter moves) is packed again.
-    """
-
-    def __init__(self, enabled: bool | None = None) -> None:
+    def __init__(self, enabled: bool | None = None, matvec: MatvecKernels | None = None) -> None:
         self.enabled = onednn_packing_available() if enabled is None else enabled
-        # id(weight) -> (weight's weak reference, its version when packed, packed weight)
-        self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int, Any]] = {}
+        self.matvec = matvec
+        self._packed = WeightCache(self._pack)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if not self._packable(x, weight, bias):
             return linear(x, weight, bias)
-        return self._apply(x, self._packed_weight(weight, bias), bias)  # [M, N]
+        if self.matvec is not None and self._few_rows(x, weight, bias):
+            return self._apply_few(x, weight, bias)
+        return self._apply(x, self._packed.get(weight), bias)  # [M, N]
 
-    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        assert self.matvec is not None
+        return self.matvec.fits_f32(x, weight, bias)
+
+    def _apply_few(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert self.matvec is not None
+        return self.matvec.linear_f32(x, weight, bias)
+
+    def _pack(self, weight: torch.Tensor) -> Any:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
     def _apply(self, x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
@@ -95,16 +132,6 @@ class PackedLinear:
             and x.dim() == 2
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
-
-    def _packed_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-        key = id(weight)
-        version = _version(weight)
-        entry = self._packed.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == version:
-            return entry[2]
-        packed = self._pack(weight, bias)
-        self._packed[key] = (weakref.ref(weight, _forgetter(self._packed, key)), version, packed)
-        return packed
 
     def __len__(self) -> int:
         return len(self._packed)
@@ -125,11 +152,16 @@ class Int8Linear(PackedLinear):
     projection, int8 against oneDNN float32: 3072x576 at 64 rows 1.5 vs 5.9, 576x1536 0.66
     vs 1.18, the 49152x576 lm_head 18.5 vs 28.7. Activations use 7 bits (`reduce_range`):
     AVX2's 8-bit multiply-add saturates its 16-bit sums otherwise.
+
+    A few rows go to the native VNNI kernel instead (`matvec`, where given and built), which
+    quantizes activations per block of 64 values rather than per call: exempt weights too
+    (their outliers cost only their own block), so a decode step reads int8 weights only.
     """
 
-    def __init__(self, enabled: bool | None = None) -> None:
-        super().__init__(int8_available() if enabled is None else enabled)
-        self._exact = PackedLinear()
+    def __init__(self, enabled: bool | None = None, matvec: MatvecKernels | None = None) -> None:
+        super().__init__(int8_available() if enabled is None else enabled, matvec)
+        self._exact = PackedLinear(matvec=matvec)
+        self._q8 = WeightCache(quantize_q8)
         # id(weight) -> its weak reference (tensors compare by value, so no WeakSet)
         self._exempt: dict[int, weakref.ref[torch.Tensor]] = {}
 
@@ -142,22 +174,35 @@ class Int8Linear(PackedLinear):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         ref = self._exempt.get(id(weight))
-        if ref is not None and ref() is weight:
+        exempt = ref is not None and ref() is weight
+        if exempt and not (self.matvec is not None and self._few_rows(x, weight, bias)):
             return self._exact(x, weight, bias)
         return super().__call__(x, weight, bias)
 
-    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        assert self.matvec is not None
+        return self.matvec.fits_q8(x, weight)
+
+    def _apply_few(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert self.matvec is not None
+        packed: Q8Weight = self._q8.get(weight)
+        return self.matvec.linear_q8(x, packed, bias)
+
+    def _pack(self, weight: torch.Tensor) -> Any:
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()  # [N]
         zero_points = torch.zeros(w.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated, still the way in
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-            return torch.ops.quantized.linear_prepack(q, bias)
+            return torch.ops.quantized.linear_prepack(q, None)
 
     def _apply(self, x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        # The bias was packed with the weight.
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, True)
+        y = torch.ops.quantized.linear_dynamic(x.contiguous(), packed, True)
+        # Added here, not packed: the packing is kept per weight, whatever the bias.
+        return y if bias is None else y.add_(bias)
 
 
 def _forgetter(
@@ -174,8 +219,8 @@ def _forgetter(
 
 
 def _version(t: torch.Tensor) -> int:
-    """The in-place version counter; inference tensors have none and count as never changed."""
-    try:
-        return t._version
-    except RuntimeError:
+    """The in-place version counter; inference tensors have none and count as never changed
+    (asked first: reading theirs raises, and an exception per projection call cost 14 us)."""
+    if t.is_inference():
         return -1
+    return t._version

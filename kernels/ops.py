@@ -28,15 +28,16 @@ from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
+import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels import cpu_decode_ops, cpu_matvec, cpu_native
 from kernels._jit import interpreting
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import Int8Linear, PackedLinear, linear
 from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rotary_factors, rotary_ref
+from kernels.rotary import heads_together, rotary_factors, rotary_ref
 
 Derived = TypeVar("Derived")
 # Weight quantizations of the CPU projections (`TorchOps(quantize=...)`).
@@ -116,6 +117,8 @@ class KernelOps(Protocol):
         sin_cache: torch.Tensor,
     ) -> None: ...
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 class LastDerived(Generic[Derived]):
     """What the last index tensors seen were turned into, kept while they stay the same.
@@ -178,7 +181,9 @@ class TorchOps:
     Decode rows of a float32 CPU cache attend through the native kernel
     (`kernels.cpu_native`), which reads the paged cache in place instead of gathering it:
     `native` is those kernels, None for the pure torch path, or "auto" to build them (in
-    `native_dir`) where a C compiler is found.
+    `native_dir`) where a C compiler is found; "auto" also builds the few-row projections
+    (`kernels.cpu_matvec`) and elementwise operations (`kernels.cpu_decode_ops`) that decode
+    steps of a few sequences take.
     """
 
     name = "torch"
@@ -194,7 +199,11 @@ class TorchOps:
         self.native = cpu_native.load(native_dir) if native == "auto" else native
         self.quantize = quantize
         self._decode_query_start: torch.Tensor | None = None  # [R + 1] int64: 0, 1, ..., R
-        self._linear = Int8Linear() if quantize == "int8" else PackedLinear()
+        matvec = cpu_matvec.load(native_dir) if native == "auto" else None
+        self.decode_ops = cpu_decode_ops.load(native_dir) if native == "auto" else None
+        self._linear = (
+            Int8Linear(matvec=matvec) if quantize == "int8" else PackedLinear(matvec=matvec)
+        )
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
@@ -219,6 +228,17 @@ class TorchOps:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Writes k, v [T, Hkv, D] into their cache slots; slots < 0 are skipped."""
+        if (
+            self.decode_ops is not None
+            and cpu_decode_ops.fits(k, v, k_cache, v_cache)
+            and k.stride(1) == v.stride(1) == k.shape[2]
+            and k.stride(2) == v.stride(2) == 1
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64
+        ):
+            self.decode_ops.store_kv(k, v, k_cache, v_cache, slot_mapping.contiguous())
+            return
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def paged_attention(
@@ -347,6 +367,9 @@ class TorchOps:
         *,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self._native_norm(x, weight):
+            assert self.decode_ops is not None
+            return self.decode_ops.add_rms_norm(None, x.contiguous(), weight, eps, out)
         return rms_norm_ref(x, weight, eps, out=out)
 
     def fused_add_rms_norm(
@@ -359,7 +382,18 @@ class TorchOps:
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual <- x + residual (in place); returns (rms_norm(residual), residual)."""
+        if self._native_norm(residual, weight) and residual.is_contiguous():
+            assert self.decode_ops is not None
+            return self.decode_ops.add_rms_norm(x, residual, weight, eps, out), residual
         return fused_add_rms_norm_ref(x, residual, weight, eps, out=out)
+
+    def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (
+            self.decode_ops is not None
+            and x.dim() == 2
+            and cpu_decode_ops.fits(x, weight)
+            and weight.is_contiguous()
+        )
 
     def rotary(
         self,
@@ -373,12 +407,33 @@ class TorchOps:
 
         cos_cache / sin_cache: [max_pos, D // 2] float32.
         """
+        if (
+            self.decode_ops is not None
+            and cpu_decode_ops.fits(q, k)
+            and q.shape[0] == k.shape[0]
+            and positions.dtype == torch.int64
+            and cos_cache.is_contiguous()
+            and sin_cache.is_contiguous()
+        ):
+            for heads in heads_together(q, k):
+                if heads.stride(2) != 1 or heads.stride(1) != heads.shape[2]:
+                    break
+            else:
+                for heads in heads_together(q, k):
+                    self.decode_ops.rotary(heads, positions.contiguous(), cos_cache, sin_cache)
+                return
         factors = self._rotary_factors.get(
             (positions,),
             (cos_cache, sin_cache),
             lambda: rotary_factors(positions, cos_cache, sin_cache),
         )
         rotary_ref(q, k, positions, cos_cache, sin_cache, factors=factors)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 I] (the fused gate and up projections) -> silu(gate) * up [T, I]."""
+        if self.decode_ops is not None and gate_up.dim() == 2 and cpu_decode_ops.fits(gate_up):
+            return self.decode_ops.silu_mul(gate_up)
+        return silu_mul_ref(gate_up)
 
 
 class TritonOps:
@@ -517,6 +572,14 @@ class TritonOps:
         cos_cache / sin_cache: [max_pos, D // 2] float32.
         """
         self._rotary.rotary(q, k, positions, cos_cache, sin_cache)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul_ref(gate_up)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def select_ops(

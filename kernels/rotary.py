@@ -150,14 +150,14 @@ def rotary_ref(
         return
     # In place with the same products and sums as above (bit-identical), over q and k
     # together when they are neighbours in one projection output: 2.7x faster at 32 tokens.
-    for t in _heads_together(q, k):
+    for t in heads_together(q, k):
         x1, x2 = t.chunk(2, dim=-1)  # [T, H, D/2] views
         x2_sin, x1_sin = x2 * sin, x1 * sin
         x1.mul_(cos).sub_(x2_sin)
         x2.mul_(cos).add_(x1_sin)
 
 
-def _heads_together(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+def heads_together(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
     """[q and k as one [T, Hq + Hkv, D] view] when k's heads directly follow q's in every
     row of one buffer (the fused qkv projection's layout); otherwise [q, k]."""
     tokens, q_heads, head_dim = q.shape

@@ -200,5 +200,4 @@ class LlamaModel:
 
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.ops.linear(F.silu(gate) * up, layer.down)  # [T, H]
+        return self.ops.linear(self.ops.silu_mul(gate_up), layer.down)  # [T, H]

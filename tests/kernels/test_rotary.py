@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.rotary import _heads_together, rope_cache, rotary_factors, rotary_ref
+from kernels.rotary import heads_together, rope_cache, rotary_factors, rotary_ref
 
 
 def _rotate_f64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -88,7 +88,7 @@ def test_reference_on_neighbouring_q_and_k_is_bit_identical_to_separate(tokens: 
     cos, sin = rope_cache(head_dim, 300, 100000.0)
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
-    assert len(_heads_together(q, k)) == 1
+    assert len(heads_together(q, k)) == 1
     want_q, want_k = (
         _rotate_as_llama(q, positions, cos, sin),
         _rotate_as_llama(k, positions, cos, sin),
@@ -102,7 +102,7 @@ def test_reference_on_neighbouring_q_and_k_is_bit_identical_to_separate(tokens: 
 def test_reference_on_separate_q_and_k_and_with_given_factors() -> None:
     q, k, positions = _inputs(5, 4, 2, 32, seed=3)
     cos, sin = rope_cache(32, 300, 10000.0)
-    assert len(_heads_together(q, k)) == 2  # separate tensors
+    assert len(heads_together(q, k)) == 2  # separate tensors
     want_q, want_k = (
         _rotate_as_llama(q, positions, cos, sin),
         _rotate_as_llama(k, positions, cos, sin),

@@ -1,0 +1,135 @@
+"""The elementwise operations of a few-row decode step in one native call each
+(`native/decode_ops.c`): norms, rotary, KV store and the SwiGLU gate.
+
+At one row the torch path dispatches some 25 small operators per layer for these (a few
+microseconds each, 750 per SmolLM2-135M step); one ctypes call per operation costs about
+as much as one of them. Results equal the torch path's up to float32 rounding (the norm's
+sum and SiLU's exponential are computed in another order / form); rotary and the KV store
+are exact. Callers check `fits` and keep the torch path for anything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_matvec, cpu_native
+
+SOURCE = Path(__file__).with_name("native") / "decode_ops.c"
+# The torch path's operator calls cost little per row beyond this many rows.
+MAX_ROWS = cpu_matvec.MAX_ROWS
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def compile_flags() -> list[str]:
+    # Rotary must round like the torch path: no a * b - c * d contracted into one FMA.
+    return [*cpu_matvec.compile_flags(), "-ffp-contract=off"]
+
+
+def fits(rows: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether `rows` holds at most MAX_ROWS rows (dimension 0) and it and `others` are
+    float32 CPU tensors."""
+    return rows.shape[0] <= MAX_ROWS and all(
+        t.dtype == torch.float32 and t.is_cpu for t in (rows, *others)
+    )
+
+
+class DecodeOps:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._norm = _fn(library.add_rms_norm, None, [_PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64])
+        self._rotary = _fn(
+            library.rotary, ctypes.c_int, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]
+        )
+        self._store = _fn(
+            library.store_kv,
+            ctypes.c_int,
+            [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+        )
+        self._silu_mul = _fn(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor | None,  # [T, H] or None: norm only
+        residual: torch.Tensor,  # [T, H], updated in place when x is given
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows, hidden = residual.shape
+        assert residual.is_contiguous() and weight.is_contiguous() and weight.numel() == hidden
+        if x is not None:
+            x = x.contiguous()
+            assert x.shape == residual.shape
+        target = out if out is not None and out.is_contiguous() else torch.empty_like(residual)
+        self._norm(
+            None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps,
+            target.data_ptr(), rows, hidden,
+        )  # fmt: skip
+        if out is not None and target is not out:
+            out.copy_(target)
+            return out
+        return target
+
+    def rotary(
+        self,
+        heads: torch.Tensor,  # [T, H, D], unit stride in D, heads D apart
+        positions: torch.Tensor,  # [T] int64
+        cos_table: torch.Tensor,  # [P, D / 2]
+        sin_table: torch.Tensor,
+    ) -> None:
+        tokens, nheads, d = heads.shape
+        assert heads.stride(2) == 1 and heads.stride(1) == d
+        assert positions.dtype == torch.int64 and positions.is_contiguous()
+        assert cos_table.is_contiguous() and sin_table.is_contiguous()
+        assert cos_table.shape == sin_table.shape and cos_table.shape[1] * 2 == d
+        code = self._rotary(
+            heads.data_ptr(), tokens, heads.stride(0), nheads, d, positions.data_ptr(),
+            cos_table.data_ptr(), sin_table.data_ptr(), cos_table.shape[0],
+        )  # fmt: skip
+        if code != 0:
+            raise IndexError(f"rotary: a position outside 0..{cos_table.shape[0] - 1}")
+
+    def store_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D], rows of Hkv * D contiguous values
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64
+    ) -> None:
+        tokens, kv_heads, d = k.shape
+        width = kv_heads * d
+        for t in (k, v):
+            assert t.shape == (tokens, kv_heads, d) and t.stride(2) == 1 and t.stride(1) == d
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.shape == v_cache.shape and k_cache.shape[2] * k_cache.shape[3] == width
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        code = self._store(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), tokens, width, num_slots,
+        )  # fmt: skip
+        if code != 0:
+            raise IndexError(f"store_kv: a slot past the cache's {num_slots}")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 I] (gate, then up) -> silu(gate) * up [T, I]."""
+        gate_up = gate_up.contiguous()
+        tokens, width = gate_up.shape
+        out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2)
+        return out
+
+
+def _fn(fn: ctypes._CFuncPtr, restype: type | None, argtypes: list) -> ctypes._CFuncPtr:
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+def load(cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR) -> DecodeOps | None:
+    """The operations, built on first use; None where they cannot be built here."""
+    library = cpu_native.build(SOURCE, compile_flags(), cache_dir)
+    return None if library is None else DecodeOps(library)

@@ -1,0 +1,111 @@
+/* The elementwise work of a decode step of a few rows, one call each (CPU, float32).
+ *
+ * At one row a layer's norms, rotary, KV store and SwiGLU gate are a few thousand floats
+ * each, and the torch path spends them as some 25 small operator calls per layer (a few
+ * microseconds of dispatch each, against well under one of arithmetic). These loops do the
+ * same arithmetic in one call per operation:
+ *
+ *   add_rms_norm  residual += x (unless x is NULL); out = residual * rsqrt(mean(r^2) + eps) * w
+ *   rotary        q and k heads rotated in place (rotate-half): x1 c - x2 s, x2 c + x1 s,
+ *                 the same products and differences as the torch path (built without
+ *                 contracting them into FMAs, so they round alike)
+ *   store_kv      k and v rows copied into their cache slots (slot < 0: skipped)
+ *   silu_mul      out = silu(gate) * up, gate and up the two halves of each input row
+ *
+ * Rows are contiguous unless a row stride is given; no threads (too little work to share).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void add_rms_norm(const float *x, float *residual, const float *w, float eps, float *out,
+                  int64_t rows, int64_t h) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * h;
+        if (x) {
+            const float *xr = x + r * h;
+#pragma omp simd
+            for (int64_t i = 0; i < h; i++) res[i] += xr[i];
+        }
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < h; i++) s += res[i] * res[i];
+        const float inv = 1.0f / sqrtf(s / (float)h + eps);
+        float *o = out + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; i++) o[i] = (res[i] * inv) * w[i];
+    }
+}
+
+/* heads [T] rows of `nheads` heads of `d` values at row stride `stride`. */
+/* Returns -1 (touching nothing) when a position is outside 0..max_pos-1. */
+int rotary(float *heads, int64_t tokens, int64_t stride, int64_t nheads, int64_t d,
+           const int64_t *positions, const float *cos_table, const float *sin_table,
+           int64_t max_pos) {
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
+        for (int64_t hd = 0; hd < nheads; hd++) {
+            float *x1 = heads + t * stride + hd * d, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                const float b_s = b * s[i], a_s = a * s[i];
+                x1[i] = a * c[i] - b_s;
+                x2[i] = b * c[i] + a_s;
+            }
+        }
+    }
+    return 0;
+}
+
+/* k, v: [T] rows of `width` floats at row strides k_stride, v_stride; caches: num_slots
+ * slots of `width` floats. Returns -1 (touching nothing) when a slot is past the cache. */
+int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+             float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens,
+             int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(float));
+        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(float));
+    }
+    return 0;
+}
+
+/* e^x for x <= 0 (the attention kernel's Cephes expf, within 1.5 float ulps; vectorizes). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } power = {.i = ((int32_t)n + 127) << 23};
+    return p * power.f;
+}
+
+/* gate_up [T, 2I] -> out [T, I]. silu(g) = g / (1 + e^-g), with e^-|g| only (no overflow):
+ * for g < 0, g e^g / (1 + e^g). */
+void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *g = gate_up + t * 2 * inter, *u = g + inter;
+        float *o = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float e = exp_nonpositive(-fabsf(g[i]));
+            const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = g[i] * sig * u[i];
+        }
+    }
+}

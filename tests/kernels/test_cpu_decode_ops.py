@@ -1,0 +1,115 @@
+"""The native decode-step elementwise operations against the torch path and float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_decode_ops
+from kernels.kv_store import store_kv_ref
+from kernels.ops import TorchOps
+from kernels.rmsnorm import fused_add_rms_norm_ref
+from kernels.rotary import rope_cache, rotary_ref
+
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory) -> cpu_decode_ops.DecodeOps:
+    kernels = cpu_decode_ops.load(tmp_path_factory.mktemp("decode_ops"))
+    if kernels is None:
+        pytest.skip("no C compiler here")
+    return kernels
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_add_rms_norm_matches_float64_and_updates_the_residual(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, residual, weight = (torch.randn(n, generator=g) for n in ((rows, 576), (rows, 576), 576))
+    want_residual = x.double() + residual.double()
+    want = want_residual * torch.rsqrt(want_residual.pow(2).mean(-1, keepdim=True) + EPS)
+    want = want * weight.double()
+    got = ops.add_rms_norm(x, residual, weight, EPS)
+    torch.testing.assert_close(residual.double(), want_residual, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    alone = ops.add_rms_norm(None, residual, weight, EPS)  # norm only: residual unchanged
+    torch.testing.assert_close(alone, got, rtol=0, atol=0)
+    torch.testing.assert_close(residual.double(), want_residual, rtol=0, atol=1e-6)
+
+
+def test_rotary_equals_the_torch_path_bit_for_bit(ops):
+    cos, sin = rope_cache(64, 300)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(2, (9 + 2 * 3) * 64, generator=g)
+    positions = torch.tensor([0, 257])
+    want = qkv.clone()
+    wq, wk = want[:, : 9 * 64].view(2, 9, 64), want[:, 9 * 64 : 12 * 64].view(2, 3, 64)
+    rotary_ref(wq, wk, positions, cos, sin)
+    q = qkv[:, : 9 * 64].view(2, 9, 64)
+    ops.rotary(q.as_strided((2, 12, 64), q.stride()), positions, cos, sin)  # q and k heads
+    assert torch.equal(qkv, want)  # v (the last 3 heads) untouched as well
+
+
+def test_rotary_refuses_a_position_past_the_table(ops):
+    cos, sin = rope_cache(64, 10)
+    heads = torch.zeros(1, 2, 64)
+    with pytest.raises(IndexError):
+        ops.rotary(heads, torch.tensor([10]), cos, sin)
+
+
+def test_store_kv_equals_the_torch_path_and_skips_negative_slots(ops):
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3, 5 * 32, generator=g)  # k and v as strided views of one buffer
+    k, v = qkv[:, 32:96].view(3, 2, 32), qkv[:, 96:].view(3, 2, 32)
+    slots = torch.tensor([5, -1, 17])
+    caches = [torch.zeros(2, 16, 2, 32) for _ in range(4)]
+    ops.store_kv(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError):
+        ops.store_kv(k, v, caches[0], caches[1], torch.tensor([5, 6, 32]))
+
+
+def test_silu_mul_matches_float64(ops):
+    g = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(2, 2 * 1536, generator=g) * 8  # far into both tails of SiLU
+    gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(ops.silu_mul(gate_up).double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_ops_take_the_native_path_for_few_rows_only(tmp_path, monkeypatch):
+    torch_ops = TorchOps(native_dir=tmp_path)
+    if torch_ops.decode_ops is None:
+        pytest.skip("no C compiler here")
+    torch_path: list[str] = []
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            torch_path.append(name)
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(f"kernels.ops.{name}", wrapper)
+
+    counted("fused_add_rms_norm_ref", fused_add_rms_norm_ref)
+    counted("store_kv_ref", store_kv_ref)
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, generator=g)
+    caches = [torch.zeros(8, 16, 2, 32) for _ in range(4)]  # more blocks than MAX_ROWS
+    for rows in (1, cpu_decode_ops.MAX_ROWS + 1):
+        torch_path.clear()
+        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+        ref_residual = residual.clone()
+        got, got_residual = torch_ops.fused_add_rms_norm(x, residual, weight, EPS)
+        want, want_residual = fused_add_rms_norm_ref(x, ref_residual, weight, EPS)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert got_residual is residual and torch.equal(residual, want_residual)
+        k, v = torch.randn(2, rows, 2, 32, generator=g)
+        slots = torch.arange(rows) * 3
+        torch_ops.store_kv(k, v, caches[0], caches[1], slots)
+        store_kv_ref(k, v, caches[2], caches[3], slots)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        native = rows <= cpu_decode_ops.MAX_ROWS
+        assert torch_path == ([] if native else ["fused_add_rms_norm_ref", "store_kv_ref"])

@@ -112,7 +112,10 @@ def build(source: Path, flags: list[str], cache_dir: str | Path) -> ctypes.CDLL 
 
 
 def _build_key(source: Path, flags: list[str]) -> str:
+    # The headers beside the source are part of it (a source may include any of them).
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.read_bytes())
     h.update(" ".join(flags).encode())
     return h.hexdigest()[:16]
 

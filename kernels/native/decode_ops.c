@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 void add_rms_norm(const float *x, float *residual, const float *w, float eps, float *out,
                   int64_t rows, int64_t h) {
     for (int64_t r = 0; r < rows; r++) {
@@ -74,25 +76,6 @@ int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
         memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(float));
     }
     return 0;
-}
-
-/* e^x for x <= 0 (the attention kernel's Cephes expf, within 1.5 float ulps; vectorizes). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } power = {.i = ((int32_t)n + 127) << 23};
-    return p * power.f;
 }
 
 /* gate_up [T, 2I] -> out [T, I]. silu(g) = g / (1 + e^-g), with e^-|g| only (no overflow):

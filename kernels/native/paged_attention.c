@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #define SERIAL_BELOW (1 << 18)
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -23,27 +25,6 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #pragma omp simd reduction(+ : s)
     for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
     return s;
-}
-
-/* exp(x) for x <= 0, within 1.5 float ulps (Cephes' expf: x = n ln2 + r with ln2 split
- * in two so that r is exact, e^r by a polynomial, 2^n set in the exponent bits); below
- * -87 it gives e^-87. Unlike libm's expf it vectorizes. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } power = {.i = ((int32_t)n + 127) << 23};
-    return p * power.f;
 }
 
 static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {

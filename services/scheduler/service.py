@@ -355,8 +355,7 @@ class SchedulerService:
         for core in cores:
             for mode, n in core.preemptions.items():
                 preemptions[mode] = preemptions.get(mode, 0) + n
-        num_blocks = sum(c.blocks.num_blocks for c in cores if c.blocks is not None)
-        used = sum(c.kv_usage * c.blocks.num_blocks for c in cores if c.blocks is not None)
+        num_blocks, kv_usage = _pooled_kv(cores)
         first = next(iter(self.lanes), None)
         return SchedulerStats(
             num_workers=len(self.registry),
@@ -364,7 +363,7 @@ class SchedulerService:
             num_waiting=sum(c.num_waiting for c in cores),
             num_swapped=sum(c.num_swapped for c in cores),
             num_preempted=sum(c.num_preempted for c in cores),
-            kv_usage=used / num_blocks if num_blocks else 0.0,
+            kv_usage=kv_usage,
             num_kv_blocks=num_blocks,
             num_cached_blocks=sum(c.blocks.num_cached_blocks for c in cores if c.blocks),
             max_model_len=max((c.worker.max_model_len for c in cores if c.worker), default=0),
@@ -514,8 +513,7 @@ class SchedulerService:
 
     def _lease(self) -> SchedulerLease:
         cores = [lane.core for lane in self.lanes.values()]
-        num_blocks = sum(c.blocks.num_blocks for c in cores if c.blocks is not None)
-        used = sum(c.kv_usage * c.blocks.num_blocks for c in cores if c.blocks is not None)
+        _, kv_usage = _pooled_kv(cores)
         workers_draining = bool(self.lanes) and not any(
             lane.accepting for lane in self.lanes.values()
         )
@@ -527,7 +525,7 @@ class SchedulerService:
             worker_ids=self.registry.worker_ids(),
             num_running=sum(c.num_running for c in cores),
             num_waiting=sum(c.num_waiting for c in cores),
-            kv_usage=used / num_blocks if num_blocks else 0.0,
+            kv_usage=kv_usage,
             draining=self._draining or workers_draining,
             spill_status=spill_status(self.config.preemption_mode, self._spill_stats),
             preemption_mode=self.config.preemption_mode,
@@ -695,6 +693,14 @@ class _EndedLanes:
         self.hit_tokens += core.prefix_hit_tokens
         self.query_tokens += core.prefix_query_tokens
         self.steps += core.num_steps
+
+
+def _pooled_kv(cores: list[SchedulerCore]) -> tuple[int, float]:
+    """Every worker's KV blocks together, and the fraction of them in use."""
+    attached = [c.blocks for c in cores if c.blocks is not None]
+    total = sum(b.num_blocks for b in attached)
+    used = sum(b.usage * b.num_blocks for b in attached)
+    return total, used / total if total else 0.0
 
 
 def _load_of(lane: Lane) -> WorkerLoad:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_matvec, cpu_native
+from kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "decode_ops.c"
 # The torch path's operator calls cost little per row beyond this many rows.
@@ -48,6 +49,11 @@ class DecodeOps:
             [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
         )
         self._silu_mul = _fn(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
+
+    def addresses(self) -> dict[str, int | None]:
+        """The operations' entry points, for native callers (`cpu_decode_layers`)."""
+        fns = {"add_rms_norm": self._norm, "rotary": self._rotary, "store_kv": self._store}
+        return {name: address_of(fn) for name, fn in {**fns, "silu_mul": self._silu_mul}.items()}
 
     def add_rms_norm(
         self,

@@ -26,6 +26,9 @@ and fbgemm for anything else.
 from __future__ import annotations
 
 import ctypes
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.cpu_info import cpu_flags
+from kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "matvec.c"
 HAS_F32, HAS_Q8 = 1, 2
@@ -41,8 +45,12 @@ Q8_BLOCK = 64
 # Rows up to which the native kernels beat oneDNN / fbgemm (they reread the weights from
 # cache for each row, where the others block over rows).
 MAX_ROWS = 4
-# A projection with fewer weight bytes runs on one thread (see matvec.c).
+# A projection with fewer weight bytes runs on one thread (see matvec.c). Which bound pays
+# depends on the CPU: on the 2-core Xeon the larger one (waking a sleeping thread cost more
+# than it saved), on a 2-core EPYC (AVX2) the smaller one (one int8 decode step's
+# projections 10.7 -> 6.9 ms). `MatvecKernels.tune` picks between them by timing.
 PARALLEL_MIN_BYTES = 1 << 21
+PARALLEL_MIN_BYTES_CHOICES = (1 << 21, 1 << 18)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -89,6 +97,24 @@ class MatvecKernels:
         q8.restype = ctypes.c_int
         q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
         self._f32, self._q8 = f32, q8
+        self.parallel_min_bytes = PARALLEL_MIN_BYTES
+
+    def tune(self, run: Callable[[], object], rounds: int = 5) -> int:
+        """Sets `parallel_min_bytes` to the choice under which `run` (a few-row pass over
+        the model's projections) is fastest: the median of `rounds` interleaved timings."""
+        times: dict[int, list[float]] = {c: [] for c in PARALLEL_MIN_BYTES_CHOICES}
+        for _ in range(rounds):
+            for choice, seconds in times.items():
+                self.parallel_min_bytes = choice
+                start = time.perf_counter()
+                run()
+                seconds.append(time.perf_counter() - start)
+        self.parallel_min_bytes = min(times, key=lambda c: statistics.median(times[c]))
+        return self.parallel_min_bytes
+
+    def addresses(self) -> dict[str, int | None]:
+        """The kernels' entry points, for native callers (`cpu_decode_layers`)."""
+        return {"linear_f32": address_of(self._f32), "linear_q8": address_of(self._q8)}
 
     def fits_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `linear_f32` takes this product (fast kernel built, few rows, float32)."""
@@ -122,7 +148,7 @@ class MatvecKernels:
         y = torch.empty(m, n, dtype=torch.float32)
         self._f32(
             x.data_ptr(), m, k, weight.data_ptr(), n,
-            None if bias is None else bias.data_ptr(), y.data_ptr(), PARALLEL_MIN_BYTES,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,
         )  # fmt: skip
         return y
 
@@ -136,7 +162,7 @@ class MatvecKernels:
         code = self._q8(
             x.data_ptr(), m, k, weight.q.data_ptr(), weight.scales.data_ptr(),
             weight.block_sums.data_ptr(), n, None if bias is None else bias.data_ptr(),
-            y.data_ptr(), PARALLEL_MIN_BYTES,
+            y.data_ptr(), self.parallel_min_bytes,
         )  # fmt: skip
         if code == -1:
             raise MemoryError("native int8 projection could not allocate its buffers")

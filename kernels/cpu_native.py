@@ -57,6 +57,10 @@ class NativeKernels:
         ]  # fmt: skip
         self._paged_attention = fn
 
+    def addresses(self) -> dict[str, int | None]:
+        """The kernels' entry points, for native callers (`cpu_decode_layers`)."""
+        return {"attention": address_of(self._paged_attention)}
+
     def paged_attention(
         self,
         q: torch.Tensor,  # [T, Hq, D] float32, unit stride in D
@@ -89,6 +93,11 @@ class NativeKernels:
         if code != 0:
             raise MemoryError("native paged attention could not allocate its buffers")
         return out
+
+
+def address_of(fn: ctypes._CFuncPtr) -> int | None:
+    """A loaded C function's address, to hand to other native code."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 _loaded: dict[Path, ctypes.CDLL | None] = {}

@@ -106,6 +106,18 @@ class PackedLinear:
             return self._apply_few(x, weight, bias)
         return self._apply(x, self._packed.get(weight), bias)  # [M, N]
 
+    def few_row_form(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | Q8Weight | None:
+        """The weight a call with these (few) rows hands the native kernel: the float32
+        weight itself, or its int8 form; None when such a call goes elsewhere."""
+        if self.matvec is None or not self._packable(x, weight, bias):
+            return None
+        return self._few_form(weight) if self._few_rows(x, weight, bias) else None
+
+    def _few_form(self, weight: torch.Tensor) -> torch.Tensor | Q8Weight:
+        return weight
+
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
         return self.matvec.fits_f32(x, weight, bias)
@@ -183,12 +195,14 @@ class Int8Linear(PackedLinear):
         assert self.matvec is not None
         return self.matvec.fits_q8(x, weight)
 
+    def _few_form(self, weight: torch.Tensor) -> Q8Weight:
+        return self._q8.get(weight)
+
     def _apply_few(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert self.matvec is not None
-        packed: Q8Weight = self._q8.get(weight)
-        return self.matvec.linear_q8(x, packed, bias)
+        return self.matvec.linear_q8(x, self._few_form(weight), bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
         w = weight.detach().float()

@@ -23,15 +23,16 @@ bfloat16 or float16, and attention accumulates in float32 on both backends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_ops, cpu_matvec, cpu_native
+from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native
 from kernels._jit import interpreting
+from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import Int8Linear, PackedLinear, linear
@@ -119,6 +120,25 @@ class KernelOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        layers: Sequence[LayerTensors],
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        geometry: Geometry,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All decoder layers of a decode step (one token per row) at once: (x, residual)
+        as the layer-by-layer loop leaves them, or None where this backend has no such path
+        for this step (then the caller loops)."""
+        ...
+
 
 class LastDerived(Generic[Derived]):
     """What the last index tensors seen were turned into, kept while they stay the same.
@@ -201,6 +221,11 @@ class TorchOps:
         self._decode_query_start: torch.Tensor | None = None  # [R + 1] int64: 0, 1, ..., R
         matvec = cpu_matvec.load(native_dir) if native == "auto" else None
         self.decode_ops = cpu_decode_ops.load(native_dir) if native == "auto" else None
+        self._decode_layers = (
+            cpu_decode_layers.load(matvec, self.decode_ops, self.native, native_dir)
+            if native == "auto"
+            else None
+        )
         self._linear = (
             Int8Linear(matvec=matvec) if quantize == "int8" else PackedLinear(matvec=matvec)
         )
@@ -213,6 +238,22 @@ class TorchOps:
     ) -> torch.Tensor:
         """x W^T + b; on the CPU against weights packed on first use (kernels.linear)."""
         return self._linear(x, weight, bias)
+
+    def tune_few_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
+        """Times a one-row pass over these projections under each threading choice of the
+        native few-row kernels and keeps the faster (`MatvecKernels.tune`); returns it, or
+        None where those kernels are not in use."""
+        matvec = self._linear.matvec
+        if matvec is None:
+            return None
+        rows = {w.shape[1]: torch.zeros(1, w.shape[1], dtype=w.dtype) for w in projections}
+
+        def one_row() -> None:
+            for weight in projections:
+                self.linear(rows[weight.shape[1]], weight)
+
+        with torch.inference_mode():
+            return matvec.tune(one_row)
 
     def keep_exact(self, weights: Iterable[torch.Tensor]) -> None:
         """Under a quantization: these projection weights stay float32."""
@@ -435,6 +476,29 @@ class TorchOps:
             return self.decode_ops.silu_mul(gate_up)
         return silu_mul_ref(gate_up)
 
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        layers: Sequence[LayerTensors],
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        geometry: Geometry,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A few rows through `cpu_decode_layers` (the same native kernels, called from one
+        C loop); None for anything else."""
+        if self._decode_layers is None or torch.is_grad_enabled():
+            return None
+        return self._decode_layers.run(
+            x, layers, self._linear, k_caches, v_caches, positions, slot_mapping,
+            block_tables, context_lens, cos_cache, sin_cache, geometry,
+        )  # fmt: skip
+
 
 class TritonOps:
     """The same operations as Triton kernels: the CUDA path."""
@@ -575,6 +639,10 @@ class TritonOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul_ref(gate_up)
+
+    def decode_layers(self, *args: object, **kwargs: object) -> None:
+        """No one-call layer loop on CUDA: a decode step there replays a CUDA graph."""
+        return None
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

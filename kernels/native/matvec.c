@@ -6,13 +6,16 @@
  * stream W in order, four output rows at a time (four independent accumulators hide the
  * FMA latency), and split the output rows between the OpenMP threads. Two weight forms:
  *
- *   linear_f32: float32 W [N, K] (AVX-512F);
+ *   linear_f32: float32 W [N, K] (AVX-512F, or AVX2 with FMA);
  *   linear_q8:  int8 W [N, K], one float32 scale per output row, and x quantized here to
  *               8 bits per block of QB values (one scale per block, like llama.cpp's Q8_0:
  *               an outlier costs only its own block the precision that one scale per row
- *               loses), multiplied with AVX-512 VNNI (u8 x s8 -> s32). x is stored as
- *               q + 128 (VNNI wants one unsigned operand); wsum, each block's weight sum
- *               per output row, takes the 128s back out.
+ *               loses). With AVX-512 VNNI (u8 x s8 -> s32) x is stored as q + 128 (VNNI
+ *               wants one unsigned operand) and wsum, each block's weight sum per output
+ *               row, takes the 128s back out. With AVX2 alone x stays signed and each
+ *               product is |x| * (w with x's sign) (maddubs, u8 x s8 -> s16 pairs): both
+ *               sides lie in -127..127, so a pair's sum (at most 2 * 127 * 127) never
+ *               saturates 16 bits, and wsum goes unused. Both give the same integer dots.
  *
  * x [M, K] and y [M, N] are contiguous float32; bias may be NULL. A projection under
  * `parallel_min_bytes` of weights runs on the calling thread alone: waking a sleeping
@@ -32,16 +35,34 @@
 
 enum { HAS_F32 = 1, HAS_Q8 = 2 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_VNNI 1
+#elif defined(__AVX2__)
+#define Q8_AVX2 1
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define F32_SIMD 1
+#endif
+
 int matvec_features(void) {
     int f = 0;
-#ifdef __AVX512F__
+#ifdef F32_SIMD
     f |= HAS_F32;
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
     f |= HAS_Q8;
 #endif
     return f;
 }
+
+#ifdef __AVX2__
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -78,6 +99,24 @@ static inline void dot4_f32(const float *restrict a, const float *restrict w, in
         for (int r = 0; r < 4; r++) s[r] += a[i] * w[r * k + i];
     for (int r = 0; r < 4; r++) out[r] = s[r];
 }
+#elif defined(F32_SIMD)
+/* The same with 8-wide vectors (AVX2 + FMA). */
+static inline void dot4_f32(const float *restrict a, const float *restrict w, int64_t k,
+                            float *restrict out) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        const __m256 av = _mm256_loadu_ps(a + i);
+        c0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + i), c0);
+        c1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + k + i), c1);
+        c2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + 2 * k + i), c2);
+        c3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + 3 * k + i), c3);
+    }
+    float s[4] = {hsum256(c0), hsum256(c1), hsum256(c2), hsum256(c3)};
+    for (; i < k; i++)
+        for (int r = 0; r < 4; r++) s[r] += a[i] * w[r * k + i];
+    for (int r = 0; r < 4; r++) out[r] = s[r];
+}
 #endif
 
 static inline float dot_f32(const float *restrict a, const float *restrict w, int64_t k) {
@@ -96,7 +135,7 @@ void linear_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
             const float *a = x + row * k;
             float *out = y + row * n;
             int64_t j = n0;
-#ifdef __AVX512F__
+#ifdef F32_SIMD
             for (; j + 4 <= n1; j += 4) dot4_f32(a, w + j * k, k, out + j);
 #endif
             for (; j < n1; j++) out[j] = dot_f32(a, w + j * k, k);
@@ -106,8 +145,14 @@ void linear_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* One row of x -> q + 128 per block of QB, scale amax / 127 per block (round to nearest). */
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
+/* One row of x -> q per block of QB (stored + 128 for VNNI), scale amax / 127 per block
+ * (round to nearest). */
+#ifdef Q8_VNNI
+#define X_OFFSET 128
+#else
+#define X_OFFSET 0
+#endif
 static void quantize_row(const float *x, int64_t k, uint8_t *xu, float *sx) {
     for (int64_t b = 0; b < k / QB; b++) {
         const float *p = x + b * QB;
@@ -115,10 +160,11 @@ static void quantize_row(const float *x, int64_t k, uint8_t *xu, float *sx) {
         for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(p[i]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         sx[b] = amax / 127.0f;
-        for (int i = 0; i < QB; i++) xu[b * QB + i] = (uint8_t)((int)lrintf(p[i] * inv) + 128);
+        for (int i = 0; i < QB; i++) xu[b * QB + i] = (uint8_t)((int)lrintf(p[i] * inv) + X_OFFSET);
     }
 }
 
+#ifdef Q8_VNNI
 /* Output rows j..j+3 (unscaled) of one quantized input row: per block, the 64 products go
  * into 16 int32 lanes, which are scaled by the block's x scale into float accumulators. */
 static inline void dot4_q8(const uint8_t *restrict xu, const float *restrict sx,
@@ -148,6 +194,45 @@ static inline void dot4_q8(const uint8_t *restrict xu, const float *restrict sx,
     out[2] = _mm512_reduce_add_ps(f2) - 128.0f * c[2];
     out[3] = _mm512_reduce_add_ps(f3) - 128.0f * c[3];
 }
+#endif
+
+#ifdef Q8_AVX2
+/* The same with AVX2 alone (x signed, wsum unused): per block, two 32-byte halves, each
+ * |x| * sign(w, x) summed in 16-bit pairs (maddubs), then in 32-bit lanes (madd); the halves
+ * are added as 32 bits, where two 16-bit sums could overflow. */
+static inline void dot4_q8(const uint8_t *restrict xu, const float *restrict sx,
+                           const int8_t *restrict w, const float *restrict wsum, int64_t k,
+                           float *restrict out) {
+    (void)wsum;
+    const int64_t nb = k / QB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xu + b * QB));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xu + b * QB + 32));
+        const __m256i a0 = _mm256_sign_epi8(x0, x0), a1 = _mm256_sign_epi8(x1, x1);
+        const __m256 s = _mm256_set1_ps(sx[b]);
+        const int8_t *wb = w + b * QB;
+        prefetch_next_rows(wb, k);
+#define HALF(a, x, p) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(p)), x)), ones)
+#define BLOCK(f, r)                                                                     \
+    f = _mm256_fmadd_ps(                                                                \
+        _mm256_cvtepi32_ps(_mm256_add_epi32(HALF(a0, x0, wb + (r) * k), HALF(a1, x1, wb + (r) * k + 32))), \
+        s, f)
+        BLOCK(f0, 0);
+        BLOCK(f1, 1);
+        BLOCK(f2, 2);
+        BLOCK(f3, 3);
+#undef BLOCK
+#undef HALF
+    }
+    out[0] = hsum256(f0);
+    out[1] = hsum256(f1);
+    out[2] = hsum256(f2);
+    out[3] = hsum256(f3);
+}
+#endif
 
 /* Returns 0, -1 when out of memory, -2 when K or N is not a multiple of QB or 4. */
 int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scales,
@@ -186,6 +271,6 @@ int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float
               int64_t parallel_min_bytes) {
     (void)x, (void)m, (void)k, (void)w, (void)scales, (void)wsum, (void)n, (void)bias, (void)y;
     (void)parallel_min_bytes;
-    return -3; /* not built with VNNI: matvec_features() says so */
+    return -3; /* not built with VNNI or AVX2: matvec_features() says so */
 }
 #endif

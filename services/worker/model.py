@@ -12,16 +12,20 @@ logits computed and no value read back to the host along the way.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_layers import Geometry
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
 from shared.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,30 +137,55 @@ class LlamaModel:
             for weight in projections:
                 x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 self.ops.linear(x, weight)
+        tune = getattr(self.ops, "tune_few_rows", None)
+        if tune is not None and self.device.type == "cpu":
+            choice = tune(projections)
+            if choice is not None:
+                log.info("few-row projections: one thread below %d KiB of weights", choice >> 10)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V to the cache. Reads nothing back to the host."""
         eps = self.config.rms_norm_eps
         x = F.embedding(batch.token_ids, self.weights.embed)  # [T, H]
-        residual = None
-        for layer, k_cache, v_cache in zip(
-            self.weights.layers, kv_cache.k, kv_cache.v, strict=True
-        ):
-            if residual is None:
-                residual = x
-                h = self.ops.rms_norm(x, layer.attn_norm, eps)
-            else:
-                h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
-            x = self._attention(h, layer, batch, k_cache, v_cache)
-            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
-            x = self._swiglu(h, layer)
+        at_once = self._decode_layers(x, batch, kv_cache) if batch.decode_only else None
+        x, residual = at_once if at_once is not None else self._layers(x, batch, kv_cache)
         # Only the last token of each sampling row needs the final norm and the lm_head.
         idx = batch.logits_indices
         if idx is not None:
             x, residual = x[idx], residual[idx]
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, eps)
         return self.ops.linear(h, self.weights.lm_head).float()  # [S, V]
+
+    def _layers(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers one by one: (x, residual) after the last."""
+        eps = self.config.rms_norm_eps
+        residual = x
+        for i, (layer, k_cache, v_cache) in enumerate(
+            zip(self.weights.layers, kv_cache.k, kv_cache.v, strict=True)
+        ):
+            if i == 0:
+                h = self.ops.rms_norm(x, layer.attn_norm, eps)
+            else:
+                h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
+            x = self._attention(h, layer, batch, k_cache, v_cache)
+            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
+            x = self._swiglu(h, layer)
+        return x, residual
+
+    def _decode_layers(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer of a decode step in one call where the backend has that path."""
+        c = self.config
+        geometry = Geometry(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
+        return self.ops.decode_layers(
+            x, self.weights.layers, kv_cache.k, kv_cache.v, batch.positions,
+            batch.slot_mapping, batch.block_tables, batch.context_lens, self.cos, self.sin,
+            geometry,
+        )  # fmt: skip
 
     def _attention(
         self,

@@ -14,7 +14,7 @@ from kernels.linear import Int8Linear, PackedLinear, int8_available, onednn_pack
 def matvec(tmp_path_factory) -> cpu_matvec.MatvecKernels:
     kernels = cpu_matvec.load(tmp_path_factory.mktemp("matvec"))
     if kernels is None:
-        pytest.skip("no compiler or no AVX-512 here: the native projections are not built")
+        pytest.skip("no compiler or no AVX2 here: the native projections are not built")
     return kernels
 
 
@@ -49,7 +49,7 @@ def test_f32_matches_float64(matvec, rows, with_bias, n, k):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_q8_is_its_quantization_exactly_and_close_to_float(matvec, rows, with_bias):
     if not matvec.features & HAS_Q8:
-        pytest.skip("int8 (VNNI) kernel not built")
+        pytest.skip("int8 kernel not built (needs VNNI or AVX2)")
     x, w, b = _problem(rows, 1028, 3 * Q8_BLOCK, seed=7 + rows)
     x[:, 5] *= 50.0  # an outlier: it must cost only its own block's precision
     bias = b if with_bias else None
@@ -70,7 +70,7 @@ def test_q8_is_its_quantization_exactly_and_close_to_float(matvec, rows, with_bi
 
 def test_q8_refuses_shapes_it_does_not_block(matvec):
     if not matvec.features & HAS_Q8:
-        pytest.skip("int8 (VNNI) kernel not built")
+        pytest.skip("int8 kernel not built (needs VNNI or AVX2)")
     assert not matvec.fits_q8(torch.ones(1, 72), torch.ones(8, 72))  # K not a block multiple
     assert not matvec.fits_q8(torch.ones(1, 64), torch.ones(6, 64))  # N not a multiple of 4
     assert not matvec.fits_q8(torch.ones(MAX_ROWS + 1, 64), torch.ones(8, 64))
@@ -91,7 +91,7 @@ def test_packed_linear_sends_few_rows_native_and_many_to_onednn(matvec):
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
 def test_int8_linear_quantizes_exempt_weights_only_for_few_rows(matvec):
     if not matvec.features & HAS_Q8:
-        pytest.skip("int8 (VNNI) kernel not built")
+        pytest.skip("int8 kernel not built (needs VNNI or AVX2)")
     x, w, _ = _problem(9, 96, 128, seed=11)
     int8 = Int8Linear(matvec=matvec)
     int8.exempt([w])
@@ -102,3 +102,19 @@ def test_int8_linear_quantizes_exempt_weights_only_for_few_rows(matvec):
     err = float((few.double() - want).norm() / want.norm())
     assert 1e-5 < err < 0.01
     torch.testing.assert_close(few, matvec.linear_q8(x[:1], quantize_q8(w), None))
+
+
+def test_tune_keeps_the_faster_threading_choice(matvec):
+    import time
+
+    from kernels.cpu_matvec import PARALLEL_MIN_BYTES_CHOICES
+
+    for fast in PARALLEL_MIN_BYTES_CHOICES:
+        seen = []
+
+        def run(fast=fast, seen=seen):
+            seen.append(matvec.parallel_min_bytes)
+            time.sleep(0.0 if matvec.parallel_min_bytes == fast else 0.005)
+
+        assert matvec.tune(run, rounds=3) == fast == matvec.parallel_min_bytes
+        assert sorted(set(seen)) == sorted(PARALLEL_MIN_BYTES_CHOICES)  # each one timed

@@ -1,0 +1,258 @@
+"""Every decoder layer of a few-row decode step in one native call (`native/decode_layers.c`).
+
+A batch-1 step of SmolLM2-135M makes some 330 calls from Python into the native kernels
+(121 projections, 60 norms, 30 each of rotary, KV store, attention and SwiGLU gate), each
+with its checks, views and allocations: measured on a 2-core EPYC (AVX2), about 8 of an
+int8 step's 18 ms went there, not into the kernels. Here the same kernels are called from
+one C loop, in the same order on the same buffers, so the results are the per-call path's
+to the bit (the tests hold them equal).
+
+`DecodeLayers.run` takes a step only when every piece would have gone native call by
+call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations and cache,
+and every projection's weight in the form the native few-row kernel takes (float32, or
+int8 under `--quantize int8`); otherwise it returns None and the caller loops in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from kernels import cpu_matvec, cpu_native
+from kernels.cpu_decode_ops import DecodeOps
+from kernels.cpu_matvec import MatvecKernels, Q8Weight
+from kernels.cpu_native import NativeKernels
+
+SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_FAILURES = {1: "a projection", 2: "rotary (a position outside the table)",
+             3: "the KV store (a slot past the cache)", 4: "attention (out of memory)"}  # fmt: skip
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _PTR) for name in (
+        "linear_f32", "linear_q8", "add_rms_norm", "rotary", "store_kv", "silu_mul", "attention",
+    )]  # fmt: skip
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("bias", _PTR),
+                ("n", _I64), ("k", _I64)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _PTR), ("ffn_norm", _PTR), ("qkv", _Projection),
+                ("o", _Projection), ("gate_up", _Projection), ("down", _Projection),
+                ("k_cache", _PTR), ("v_cache", _PTR)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *[(n, _I64) for n in ("rows", "hidden", "q_heads", "kv_heads", "head_dim", "inter",
+                              "block_size", "num_slots", "max_pos", "bt_stride",
+                              "parallel_min_bytes")],
+        ("eps", _F32), ("scale", _F32),
+        *[(n, _PTR) for n in ("positions", "slots", "query_start", "block_tables",
+                              "context_lens", "cos_table", "sin_table", "x", "residual", "h",
+                              "qkv", "attn", "gate_up", "act")],
+    ]  # fmt: skip
+
+
+class LayerTensors(Protocol):
+    """One layer's weights (`services.worker.loader.LayerWeights` has these)."""
+
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class FewRowLinear(Protocol):
+    """The projection path (`kernels.linear.PackedLinear` or `Int8Linear`)."""
+
+    def few_row_form(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | Q8Weight | None: ...
+
+
+@dataclass(frozen=True)
+class Geometry:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+@dataclass
+class _Prepared:
+    """The layer array of one (weights, caches) pair, and what keeps its pointers valid."""
+
+    layers: Sequence[LayerTensors]
+    k_caches: Sequence[torch.Tensor]
+    v_caches: Sequence[torch.Tensor]
+    array: ctypes.Array
+    keep: list[object]
+    inter: int
+
+
+class DecodeLayers:
+    def __init__(
+        self, library: ctypes.CDLL, matvec: MatvecKernels, ops: DecodeOps, native: NativeKernels
+    ) -> None:
+        fn = library.decode_layers
+        fn.restype = ctypes.c_int
+        pointer = ctypes.POINTER
+        fn.argtypes = [pointer(_Kernels), pointer(_Layer), _I64, pointer(_Step)]
+        self._run = fn
+        addresses = {**matvec.addresses(), **ops.addresses(), **native.addresses()}
+        self._kernels = _Kernels(**{name: addresses[name] for name, _ in _Kernels._fields_})
+        self._matvec = matvec
+        # what the kernels above belong to: their libraries stay loaded while this lives
+        self._owners = (ops, native)
+        self._prepared: _Prepared | None = None
+
+    def run(
+        self,
+        x: torch.Tensor,  # [R, H] float32: the embeddings of this step's tokens
+        layers: Sequence[LayerTensors],
+        linear: FewRowLinear,
+        k_caches: Sequence[torch.Tensor],  # per layer [NB, BS, Hkv, D]
+        v_caches: Sequence[torch.Tensor],
+        positions: torch.Tensor,  # [R] int64
+        slots: torch.Tensor,  # [R] int64
+        block_tables: torch.Tensor,  # [R, MB]
+        context_lens: torch.Tensor,  # [R]
+        cos_table: torch.Tensor,  # [P, D / 2]
+        sin_table: torch.Tensor,
+        geometry: Geometry,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, residual) after the last layer, as the per-call loop leaves them; None when
+        this step is not one the native few-row path takes (nothing has been touched)."""
+        rows, hidden = x.shape
+        g = geometry
+        if not self._fits(x, positions, slots, k_caches[0], cos_table, sin_table):
+            return None
+        prepared = self._prepare(x, layers, linear, k_caches, v_caches)
+        if prepared is None:
+            return None
+        qkv_width = (g.q_heads + 2 * g.kv_heads) * g.head_dim
+        residual = torch.empty_like(x)
+        out = x.clone()
+        bufs = [torch.empty(rows, w) for w in (hidden, qkv_width, g.q_heads * g.head_dim)]
+        bufs += [torch.empty(rows, 2 * prepared.inter), torch.empty(rows, prepared.inter)]
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        starts = torch.arange(rows + 1, dtype=torch.int64)
+        num_blocks, block_size = k_caches[0].shape[:2]
+        step = _Step(
+            rows, hidden, g.q_heads, g.kv_heads, g.head_dim, prepared.inter, block_size,
+            num_blocks * block_size, cos_table.shape[0], tables.stride(0),
+            self._matvec.parallel_min_bytes, g.eps, g.scale,
+            positions.data_ptr(), slots.data_ptr(), starts.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), out.data_ptr(),
+            residual.data_ptr(), *(b.data_ptr() for b in bufs),
+        )  # fmt: skip
+        code = self._run(
+            ctypes.byref(self._kernels), prepared.array, len(prepared.array), ctypes.byref(step)
+        )
+        if code != 0:
+            kind = _FAILURES.get(-code // 100 if code > -500 else 0, "a kernel")
+            raise RuntimeError(f"native decode layers: {kind} failed ({code})")
+        return out, residual
+
+    @staticmethod
+    def _fits(
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> bool:
+        return (
+            x.dim() == 2
+            and 0 < x.shape[0] <= cpu_matvec.MAX_ROWS
+            and x.dtype == k_cache.dtype == cos_table.dtype == torch.float32
+            and x.is_contiguous()
+            and all(t.device.type == "cpu" for t in (x, positions, slots, k_cache))
+            and positions.dtype == slots.dtype == torch.int64
+            and positions.is_contiguous()
+            and slots.is_contiguous()
+            and cos_table.is_contiguous()
+            and sin_table.is_contiguous()
+        )
+
+    def _prepare(
+        self,
+        x: torch.Tensor,
+        layers: Sequence[LayerTensors],
+        linear: FewRowLinear,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+    ) -> _Prepared | None:
+        """The layer array, built once per (weights, caches); None where a piece would not
+        go native call by call."""
+        p = self._prepared
+        same = p is not None and p.layers is layers and p.k_caches is k_caches
+        if same and p.v_caches is v_caches:
+            return p
+        keep: list[object] = []
+        array = (_Layer * len(layers))()
+        inter = layers[0].down.shape[1]
+        for entry, layer, k_cache, v_cache in zip(array, layers, k_caches, v_caches, strict=True):
+            caches_fit = all(
+                c.is_contiguous() and c.dtype == torch.float32 and c.shape == k_caches[0].shape
+                for c in (k_cache, v_cache)
+            )
+            norms_fit = all(
+                n.dtype == torch.float32 and n.is_contiguous()
+                for n in (layer.attn_norm, layer.ffn_norm)
+            )
+            if not (caches_fit and norms_fit and layer.down.shape[1] == inter):
+                return None
+            entry.attn_norm, entry.ffn_norm = layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr()
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            for name, weight, bias in (
+                ("qkv", layer.qkv, layer.qkv_bias), ("o", layer.o, None),
+                ("gate_up", layer.gate_up, None), ("down", layer.down, None),
+            ):  # fmt: skip
+                form = linear.few_row_form(x, weight, bias)  # x: only its rows and type count
+                if form is None:
+                    return None
+                setattr(entry, name, _projection(form, bias))
+                keep += [form, bias]
+        self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter)
+        return self._prepared
+
+
+def _projection(form: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> _Projection:
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(form, Q8Weight):
+        n, k = form.shape
+        ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
+        return _Projection(*ptrs, bias_ptr, n, k)
+    n, k = form.shape
+    return _Projection(form.data_ptr(), None, None, None, bias_ptr, n, k)
+
+
+def load(
+    matvec: MatvecKernels | None,
+    ops: DecodeOps | None,
+    native: NativeKernels | None,
+    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR,
+) -> DecodeLayers | None:
+    """The one-call layer loop over these kernels; None where any of them, or it, is not
+    built here."""
+    if matvec is None or ops is None or native is None:
+        return None
+    library = cpu_native.build(SOURCE, cpu_native.compile_flags(), cache_dir)
+    return None if library is None else DecodeLayers(library, matvec, ops, native)

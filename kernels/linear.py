@@ -165,7 +165,7 @@ class Int8Linear(PackedLinear):
     vs 1.18, the 49152x576 lm_head 18.5 vs 28.7. Activations use 7 bits (`reduce_range`):
     AVX2's 8-bit multiply-add saturates its 16-bit sums otherwise.
 
-    A few rows go to the native VNNI kernel instead (`matvec`, where given and built), which
+    A few rows go to the native int8 kernel instead (`matvec`, where given and built), which
     quantizes activations per block of 64 values rather than per call: exempt weights too
     (their outliers cost only their own block), so a decode step reads int8 weights only.
     """

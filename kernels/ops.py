@@ -23,7 +23,7 @@ bfloat16 or float16, and attention accumulates in float32 on both backends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -254,11 +254,6 @@ class TorchOps:
 
         with torch.inference_mode():
             return matvec.tune(one_row)
-
-    def keep_exact(self, weights: Iterable[torch.Tensor]) -> None:
-        """Under a quantization: these projection weights stay float32."""
-        if isinstance(self._linear, Int8Linear):
-            self._linear.exempt(weights)
 
     def store_kv(
         self,

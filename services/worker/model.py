@@ -112,12 +112,6 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        keep_exact = getattr(ops, "keep_exact", None)
-        if keep_exact is not None:
-            # The down projection's inputs (SiLU(gate) * up) have outliers that 8-bit
-            # activations lose: quantizing it alone raised SmolLM2-135M's perplexity of
-            # the bench text from 38.4 to 53.6, every other projection together to 41.
-            keep_exact(layer.down for layer in weights.layers)
 
     @property
     def device(self) -> torch.device:

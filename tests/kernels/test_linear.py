@@ -94,7 +94,7 @@ def test_packed_linear_falls_back_where_it_cannot_pack():
 
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_linear_is_close_to_float_and_exempt_weights_are_exact(with_bias):
+def test_int8_linear_is_close_to_float(with_bias):
     w, b = _weights(5, out_features=96, in_features=64)
     bias = b if with_bias else None
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
@@ -106,7 +106,20 @@ def test_int8_linear_is_close_to_float_and_exempt_weights_are_exact(with_bias):
     assert 1e-5 < err < 0.03  # quantized (not exact), yet close
     torch.testing.assert_close(int8(x, w, bias), got)  # packed once, reused
     assert len(int8) == 1
-    other, _ = _weights(6, out_features=96, in_features=64)
-    int8.exempt([other])
-    exact = int8(x, other)
-    torch.testing.assert_close(exact.double(), x.double() @ other.double().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
+def test_int8_linear_scales_each_row_so_one_rows_outlier_costs_the_others_nothing():
+    w, _ = _weights(7, out_features=64, in_features=64)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    loud = x.clone()
+    loud[0] *= 1000.0  # one token's activations three orders of magnitude larger
+    int8 = Int8Linear()
+    quiet_rows = int8(x, w)[1:]
+    beside_loud = int8(loud, w)[1:]
+    want = (x.double() @ w.double().T)[1:]
+    err = float((beside_loud.double() - want).norm() / want.norm())
+    assert err < 0.03  # with one scale per call these rows would round to almost nothing
+    torch.testing.assert_close(beside_loud, quiet_rows)  # the other rows never see it
+    zeros = int8(torch.zeros(2, 64), w)
+    assert torch.equal(zeros, torch.zeros(2, 64))  # an all-zero row divides by nothing

@@ -30,8 +30,13 @@ from kernels.cpu_native import NativeKernels
 
 SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_FAILURES = {1: "a projection", 2: "rotary (a position outside the table)",
-             3: "the KV store (a slot past the cache)", 4: "attention (out of memory)"}  # fmt: skip
+# decode_layers' return code // -100 -> what failed, raised as the per-call path raises it
+_FAILURES: dict[int, tuple[type[Exception], str]] = {
+    1: (RuntimeError, "a projection"),
+    2: (IndexError, "rotary: a position outside the table"),
+    3: (IndexError, "the KV store: a slot past the cache"),
+    4: (MemoryError, "attention: out of memory"),
+}
 
 
 class _Kernels(ctypes.Structure):
@@ -165,8 +170,8 @@ class DecodeLayers:
             ctypes.byref(self._kernels), prepared.array, len(prepared.array), ctypes.byref(step)
         )
         if code != 0:
-            kind = _FAILURES.get(-code // 100 if code > -500 else 0, "a kernel")
-            raise RuntimeError(f"native decode layers: {kind} failed ({code})")
+            error, what = _FAILURES.get(-code // 100, (RuntimeError, "a kernel"))
+            raise error(f"native decode layers: {what} ({code})")
         return out, residual
 
     @staticmethod

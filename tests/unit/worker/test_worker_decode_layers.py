@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_matvec
+from kernels.cpu_decode_layers import Geometry
 from kernels.ops import TorchOps
 from services.worker.kv_cache import KVCache
 from services.worker.model import LlamaModel
@@ -119,3 +120,18 @@ def test_more_rows_than_the_native_path_takes_loop_in_python(weights, monkeypatc
     )
     _steps(once, cpu_matvec.MAX_ROWS + 1)
     assert taken and all(r is None for r in taken)  # asked, declined, and the loop served
+
+
+@pytest.mark.parametrize(("position", "slot", "match"), [(300, 0, "position"), (3, 10**6, "slot")])
+def test_a_bad_position_or_slot_raises_as_the_layer_loop_does(weights, position, slot, match):
+    runner = _runner(weights, "none", at_once=True)
+    model, cache = runner.model, runner.kv_cache
+    x = torch.randn(1, CONFIG.hidden_size)
+    c = CONFIG
+    geometry = Geometry(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
+    with pytest.raises(IndexError, match=match), torch.inference_mode():
+        model.ops.decode_layers(
+            x, weights.layers, cache.k, cache.v, torch.tensor([position]), torch.tensor([slot]),
+            torch.zeros(1, 2, dtype=torch.int32), torch.tensor([position + 1], dtype=torch.int32),
+            model.cos, model.sin, geometry,
+        )  # fmt: skip

@@ -58,9 +58,10 @@ class ConnectionEvents:
         self.disconnected: list[Listener] = []
         self.reconnected: list[Listener] = []
         self.is_connected = True
+        self.closing = False  # we are closing it ourselves: nothing was lost
 
     async def _on_disconnected(self) -> None:
-        if self.is_connected:
+        if self.is_connected and not self.closing:
             log.warning("lost the connection to NATS; reconnecting")
         self.is_connected = False
         self._tell(self.disconnected)
@@ -307,6 +308,7 @@ class Bus:
     async def close(self) -> None:
         if self.nc.is_closed:
             return
+        self.events.closing = True
         try:
             await self.nc.drain()
         except Exception:  # already closing or disconnected: nothing left to flush

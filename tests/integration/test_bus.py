@@ -50,6 +50,14 @@ async def test_malformed_body_gets_error_reply_and_service_goes_on(nats_url):
     await client.close()
 
 
+async def test_closing_on_purpose_warns_of_no_lost_connection(nats_url, caplog):
+    bus = await Bus.connect(nats_url, "", "client")
+    with caplog.at_level("INFO", logger="shared.bus"):
+        await bus.close()
+    assert bus.nc.is_closed and not bus.events.is_connected  # the callback did run
+    assert not [r for r in caplog.records if "lost the connection" in r.getMessage()]
+
+
 async def test_request_without_responders_is_503(nats_url):
     client = await Bus.connect(nats_url, "", "client")
     with pytest.raises(BusError) as err:

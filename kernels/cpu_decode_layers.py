@@ -25,7 +25,7 @@ import torch
 
 from kernels import cpu_matvec, cpu_native
 from kernels.cpu_decode_ops import DecodeOps
-from kernels.cpu_matvec import MatvecKernels, Q8Weight
+from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight, MatvecKernels, Q8Weight
 from kernels.cpu_native import NativeKernels
 
 SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
@@ -41,13 +41,14 @@ _FAILURES: dict[int, tuple[type[Exception], str]] = {
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in (
-        "linear_f32", "linear_q8", "add_rms_norm", "rotary", "store_kv", "silu_mul", "attention",
+        "linear_f32", "linear_q8", "linear_blocks", "add_rms_norm", "rotary", "store_kv",
+        "silu_mul", "attention",
     )]  # fmt: skip
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("bias", _PTR),
-                ("n", _I64), ("k", _I64)]  # fmt: skip
+    _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("blocks", _PTR),
+                ("block_type", _I64), ("bias", _PTR), ("n", _I64), ("k", _I64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -85,7 +86,7 @@ class FewRowLinear(Protocol):
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | None: ...
+    ) -> torch.Tensor | Q8Weight | BlockWeight | None: ...
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,18 @@ class DecodeLayers:
         return self._prepared
 
 
-def _projection(form: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> _Projection:
+def _projection(
+    form: torch.Tensor | Q8Weight | BlockWeight, bias: torch.Tensor | None
+) -> _Projection:
     bias_ptr = None if bias is None else bias.data_ptr()
-    if isinstance(form, Q8Weight):
-        n, k = form.shape
-        ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
-        return _Projection(*ptrs, bias_ptr, n, k)
     n, k = form.shape
-    return _Projection(form.data_ptr(), None, None, None, bias_ptr, n, k)
+    if isinstance(form, Q8Weight):
+        ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
+        return _Projection(*ptrs, None, 0, bias_ptr, n, k)
+    if isinstance(form, BlockWeight):
+        kind = BLOCK_TYPES[form.kind]
+        return _Projection(None, None, None, None, form.data.data_ptr(), kind, bias_ptr, n, k)
+    return _Projection(form.data_ptr(), None, None, None, None, 0, bias_ptr, n, k)
 
 
 def load(

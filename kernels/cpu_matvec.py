@@ -46,7 +46,10 @@ from kernels.cpu_info import cpu_flags
 from kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "matvec.c"
-HAS_F32, HAS_Q8 = 1, 2
+HAS_F32, HAS_Q8, HAS_BLOCKS = 1, 2, 4
+# The model file's block formats `linear_blocks` reads (BLOCK_* in matvec.c).
+BLOCK_TYPES = {"q4_1": 0, "q8_0": 1}
+BLOCK_VALUES = 32
 # Activations are quantized per block of this many values (QB in matvec.c).
 Q8_BLOCK = 64
 # Rows up to which the native kernels beat oneDNN / fbgemm (they reread the weights from
@@ -93,6 +96,20 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:
     return Q8Weight(q, scales.contiguous(), sums.contiguous())
 
 
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight as the model file stores it: rows of GGUF blocks of 32 values, whose
+    float32 values are exactly the loaded float32 weight's."""
+
+    data: torch.Tensor  # [N, K / 32 * block bytes] uint8
+    kind: str  # a key of BLOCK_TYPES
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+
 class MatvecKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         library.matvec_features.restype = ctypes.c_int
@@ -103,7 +120,10 @@ class MatvecKernels:
         q8 = library.linear_q8
         q8.restype = ctypes.c_int
         q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
-        self._f32, self._q8 = f32, q8
+        blocks = library.linear_blocks_f32
+        blocks.restype = ctypes.c_int
+        blocks.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64]
+        self._f32, self._q8, self._blocks = f32, q8, blocks
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
 
     def tune(self, run: Callable[[], object], rounds: int = 5) -> int:
@@ -121,7 +141,11 @@ class MatvecKernels:
 
     def addresses(self) -> dict[str, int | None]:
         """The kernels' entry points, for native callers (`cpu_decode_layers`)."""
-        return {"linear_f32": address_of(self._f32), "linear_q8": address_of(self._q8)}
+        return {
+            "linear_f32": address_of(self._f32),
+            "linear_q8": address_of(self._q8),
+            "linear_blocks": address_of(self._blocks),
+        }
 
     def fits_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `linear_f32` takes this product (fast kernel built, few rows, float32)."""
@@ -145,6 +169,38 @@ class MatvecKernels:
             and k % Q8_BLOCK == 0
             and n % 4 == 0
         )
+
+    def fits_blocks(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
+        """Whether `linear_blocks` takes x against this block weight."""
+        n, k = weight.shape
+        return (
+            self.features & HAS_BLOCKS != 0
+            and x.dim() == 2
+            and 0 < x.shape[0] <= MAX_ROWS
+            and x.dtype == torch.float32
+            and x.shape[1] == k
+            and k % BLOCK_VALUES == 0
+            and n % 4 == 0
+            and weight.kind in BLOCK_TYPES
+            and weight.data.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        )
+
+    def linear_blocks(
+        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] against a weight in the model file's blocks (+ b) -> [M, N] float32,
+        the float32 weight's result."""
+        x = x.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        code = self._blocks(
+            x.data_ptr(), m, k, weight.data.data_ptr(), BLOCK_TYPES[weight.kind], n,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"native block projection refused {tuple(x.shape)} x {n} ({code})")
+        return y
 
     def linear_f32(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

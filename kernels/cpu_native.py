@@ -39,6 +39,8 @@ def compile_flags() -> list[str]:
     have = cpu_flags()
     if {"avx2", "fma"} <= have:
         flags += ["-mavx2", "-mfma"]
+    if "f16c" in have:
+        flags.append("-mf16c")
     return flags
 
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_matvec import MatvecKernels, Q8Weight, quantize_q8
+from kernels.cpu_matvec import BlockWeight, MatvecKernels, Q8Weight, quantize_q8
 
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
@@ -96,6 +96,14 @@ class PackedLinear:
         self.enabled = onednn_packing_available() if enabled is None else enabled
         self.matvec = matvec
         self._packed = WeightCache(self._pack)
+        # id(weight) -> (its weak reference, the model file's blocks of exactly its values)
+        self._blocks: dict[int, tuple[weakref.ref[torch.Tensor], BlockWeight]] = {}
+
+    def use_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
+        """Few-row products with these weights read their blocks instead (same results:
+        `cpu_matvec.linear_blocks` equals `linear_f32` on the float32 weight to the bit)."""
+        for weight, blocks in pairs:
+            self._blocks[id(weight)] = (weakref.ref(weight), blocks)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -113,9 +121,19 @@ class PackedLinear:
         weight itself, or its int8 form; None when such a call goes elsewhere."""
         if self.matvec is None or not self._packable(x, weight, bias):
             return None
-        return self._few_form(weight) if self._few_rows(x, weight, bias) else None
+        return self._few_form(x, weight, bias) if self._few_rows(x, weight, bias) else None
 
-    def _few_form(self, weight: torch.Tensor) -> torch.Tensor | Q8Weight:
+    def _few_form(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | Q8Weight | BlockWeight:
+        assert self.matvec is not None
+        entry = self._blocks.get(id(weight))
+        if (
+            entry is not None
+            and entry[0]() is weight
+            and self.matvec.fits_blocks(x, entry[1], bias)
+        ):
+            return entry[1]
         return weight
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -126,6 +144,9 @@ class PackedLinear:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert self.matvec is not None
+        form = self._few_form(x, weight, bias)
+        if isinstance(form, BlockWeight):
+            return self.matvec.linear_blocks(x, form, bias)
         return self.matvec.linear_f32(x, weight, bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
@@ -185,14 +206,16 @@ class Int8Linear(PackedLinear):
         assert self.matvec is not None
         return self.matvec.fits_q8(x, weight)
 
-    def _few_form(self, weight: torch.Tensor) -> Q8Weight:
+    def _few_form(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> Q8Weight:
         return self._q8.get(weight)
 
     def _apply_few(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert self.matvec is not None
-        return self.matvec.linear_q8(x, self._few_form(weight), bias)
+        return self.matvec.linear_q8(x, self._few_form(x, weight, bias), bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
         w = weight.detach().float()

@@ -23,7 +23,7 @@ bfloat16 or float16, and attention accumulates in float32 on both backends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native
 from kernels._jit import interpreting
 from kernels.cpu_decode_layers import Geometry, LayerTensors
+from kernels.cpu_matvec import BlockWeight
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import Int8Linear, PackedLinear, linear
@@ -238,6 +239,11 @@ class TorchOps:
     ) -> torch.Tensor:
         """x W^T + b; on the CPU against weights packed on first use (kernels.linear)."""
         return self._linear(x, weight, bias)
+
+    def use_source_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
+        """Float32 weights whose exact values the model file's blocks hold: few-row steps
+        read those (`PackedLinear.use_blocks`)."""
+        self._linear.use_blocks(pairs)
 
     def tune_few_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
         """Times a one-row pass over these projections under each threading choice of the

@@ -11,8 +11,8 @@
  * Per layer: h = norm(residual += x); qkv = h Wqkv^T; rotary on q and k together (they are
  * neighbours in each qkv row); k, v into their cache slots; attention over each row's
  * cached context; x = attn Wo^T; h = norm(residual += x); x = (silu(g) * u) Wdown^T with
- * [g u] = h Wgate_up^T. Layer 0 starts from residual = x. Each projection is float32 or
- * int8 (`Projection.q` set). On return x and residual hold the last layer's output.
+ * [g u] = h Wgate_up^T. Layer 0 starts from residual = x. Each projection is float32, int8
+ * (`Projection.q` set) or the model file's blocks of the float32 values (`.blocks`). On return x and residual hold the last layer's output.
  */
 #include <stdint.h>
 #include <string.h>
@@ -22,6 +22,9 @@ typedef void (*linear_f32_fn)(const float *x, int64_t m, int64_t k, const float 
 typedef int (*linear_q8_fn)(const float *x, int64_t m, int64_t k, const int8_t *w,
                             const float *scales, const float *wsum, int64_t n,
                             const float *bias, float *y, int64_t parallel_min_bytes);
+typedef int (*linear_blocks_fn)(const float *x, int64_t m, int64_t k, const uint8_t *w,
+                                int type, int64_t n, const float *bias, float *y,
+                                int64_t parallel_min_bytes);
 typedef void (*norm_fn)(const float *x, float *residual, const float *w, float eps, float *out,
                         int64_t rows, int64_t h);
 typedef int (*rotary_fn)(float *heads, int64_t tokens, int64_t stride, int64_t nheads,
@@ -41,6 +44,7 @@ typedef int (*attention_fn)(const float *q, int64_t q_token_stride, int64_t q_he
 typedef struct {
     linear_f32_fn linear_f32;
     linear_q8_fn linear_q8;
+    linear_blocks_fn linear_blocks;
     norm_fn add_rms_norm;
     rotary_fn rotary;
     store_kv_fn store_kv;
@@ -49,11 +53,13 @@ typedef struct {
 } Kernels;
 
 typedef struct {
-    const float *w;       /* float32 [n, k], or NULL when q is set */
-    const int8_t *q;      /* int8 [n, k] */
-    const float *scales;  /* [n] */
-    const float *wsum;    /* [n, k / 64] */
-    const float *bias;    /* [n] or NULL */
+    const float *w;         /* float32 [n, k], or NULL when q or blocks is set */
+    const int8_t *q;        /* int8 [n, k] */
+    const float *scales;    /* [n] */
+    const float *wsum;      /* [n, k / 64] */
+    const uint8_t *blocks;  /* the model file's blocks of the float32 weight's values */
+    int64_t block_type;
+    const float *bias;      /* [n] or NULL */
     int64_t n, k;
 } Projection;
 
@@ -80,6 +86,9 @@ static int project(const Kernels *f, const Projection *p, const float *x, int64_
     if (p->q)
         return f->linear_q8(x, rows, p->k, p->q, p->scales, p->wsum, p->n, p->bias, y,
                             parallel_min_bytes);
+    if (p->blocks)
+        return f->linear_blocks(x, rows, p->k, p->blocks, (int)p->block_type, p->n, p->bias, y,
+                                parallel_min_bytes);
     f->linear_f32(x, rows, p->k, p->w, p->n, p->bias, y, parallel_min_bytes);
     return 0;
 }

@@ -25,6 +25,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <immintrin.h>
 
@@ -33,7 +34,7 @@
  * scheduling costs nothing against the chunk's bytes. */
 #define CHUNK 64
 
-enum { HAS_F32 = 1, HAS_Q8 = 2 };
+enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_VNNI 1
@@ -51,6 +52,9 @@ int matvec_features(void) {
 #endif
 #if defined(Q8_VNNI) || defined(Q8_AVX2)
     f |= HAS_Q8;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    f |= HAS_BLOCKS;
 #endif
     return f;
 }
@@ -272,5 +276,95 @@ int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float
     (void)x, (void)m, (void)k, (void)w, (void)scales, (void)wsum, (void)n, (void)bias, (void)y;
     (void)parallel_min_bytes;
     return -3; /* not built with VNNI or AVX2: matvec_features() says so */
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* linear_blocks_f32: y = x W^T + b with W read in the model file's own blocks of 32 (GGUF
+ * Q4_1: f16 d, f16 m, 16 bytes of nibbles, w = d q + m; Q8_0: f16 d, 32 int8, w = d q)
+ * and turned into float32 in registers. d q is exact in float32 (an 11-bit mantissa times a
+ * small integer), so each weight rounds once, as the loader's dequantization rounds it:
+ * the weights are the float32 model's to the bit, and with the same order of products
+ * (8 lanes, k in order, then hsum256, as the AVX2 dot4_f32) so are the outputs. A one-row
+ * step reads 0.625 (Q4_1) or 1.06 (Q8_0) bytes per weight instead of 4. */
+enum { BLOCK_Q4_1 = 0, BLOCK_Q8_0 = 1 };
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* The 32 weights of one block as four 8-lane vectors, in k order. */
+static inline void block_weights(const uint8_t *blk, int type, __m256 w[4]) {
+    if (type == BLOCK_Q4_1) {
+        const __m256 d = _mm256_set1_ps(half_to_float(blk)), m = _mm256_set1_ps(half_to_float(blk + 2));
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m128i low = _mm_and_si128(qs, _mm_set1_epi8(0x0F));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0x0F));
+        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), m);
+    } else {
+        const __m256 d = _mm256_set1_ps(half_to_float(blk));
+        for (int i = 0; i < 4; i++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i));
+            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        }
+    }
+}
+
+/* Output rows j..j+3 of one input row a; row r's blocks start at w + r * row_bytes. */
+static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict w,
+                               int64_t row_bytes, int64_t nb, int64_t block_bytes, int type,
+                               float *restrict out) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256 a0 = _mm256_loadu_ps(a + 32 * b), a1 = _mm256_loadu_ps(a + 32 * b + 8);
+        const __m256 a2 = _mm256_loadu_ps(a + 32 * b + 16), a3 = _mm256_loadu_ps(a + 32 * b + 24);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * block_bytes;
+            _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
+            __m256 v[4];
+            block_weights(blk, type, v);
+            c[r] = _mm256_fmadd_ps(a0, v[0], c[r]);
+            c[r] = _mm256_fmadd_ps(a1, v[1], c[r]);
+            c[r] = _mm256_fmadd_ps(a2, v[2], c[r]);
+            c[r] = _mm256_fmadd_ps(a3, v[3], c[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum256(c[r]);
+}
+
+/* Returns 0, -2 when K is not a multiple of 32 or N of 4, -3 for an unknown block type. */
+int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                      int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    if (k % 32 != 0 || n % 4 != 0) return -2;
+    if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
+    const int64_t block_bytes = type == BLOCK_Q4_1 ? 20 : 34, nb = k / 32;
+    const int64_t row_bytes = nb * block_bytes;
+    /* Dequantizing makes this compute-bound: split by float32 bytes, as linear_f32 does. */
+    const int parallel = n * k * (int64_t)sizeof(float) >= parallel_min_bytes;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
+        const int64_t n1 = min64(n0 + CHUNK, n);
+        for (int64_t row = 0; row < m; row++) {
+            float *out = y + row * n;
+            for (int64_t j = n0; j < n1; j += 4)
+                dot4_blocks(x + row * k, w + j * row_bytes, row_bytes, nb, block_bytes, type,
+                            out + j);
+            if (bias)
+                for (int64_t j = n0; j < n1; j++) out[j] += bias[j];
+        }
+    }
+    return 0;
+}
+#else
+int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                      int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    (void)x, (void)m, (void)k, (void)w, (void)type, (void)n, (void)bias, (void)y;
+    (void)parallel_min_bytes;
+    return -4; /* not built with AVX2, FMA and F16C: matvec_features() says so */
 }
 #endif

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels.cpu_info import cpu_flags
+from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
 
@@ -43,6 +44,10 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    # Projection weights (by identity) whose values the model file's own blocks hold exactly:
+    # a few-row step can read those instead (0.625 bytes a weight for Q4_1, not 4). Only
+    # for float32 weights on the CPU loaded from GGUF.
+    blocks: list[tuple[torch.Tensor, BlockWeight]] = dataclasses.field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -127,13 +132,14 @@ def load_model(
 
         reader = GGUFReader(str(source.path), "r")  # parsing its metadata takes seconds: once
         config = load_model_config(source, gguf_reader=reader)
-        tensors = _gguf_tensors(reader, config)
+        tensors, raw_blocks = _gguf_tensors(reader, config)
         names = GGUF_NAMES
     else:
         config = load_model_config(source)
-        tensors = _safetensors_tensors(source.path)
+        tensors, raw_blocks = _safetensors_tensors(source.path), {}
         names = HF_NAMES
-    weights = _assemble(tensors, names, config, device, dtype)
+    exact_blocks = device.type == "cpu" and dtype == torch.float32
+    weights = _assemble(tensors, names, config, device, dtype, raw_blocks if exact_blocks else {})
     tied = weights.lm_head is weights.embed
     if tied != config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=tied)
@@ -143,19 +149,29 @@ def load_model(
 # --- sources: name -> float tensor in the HF layout ---------------------------------------
 
 
-def _gguf_tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _gguf_tensors(
+    reader, config: ModelConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    """Every tensor dequantized to float32, and the block rows of those stored in a format
+    the native few-row kernels read (`kernels.cpu_matvec.BLOCK_TYPES`), permuted alike."""
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, BlockWeight] = {}
     for tensor in reader.tensors:
         # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
         data = dequantize(tensor.data, tensor.tensor_type)
-        if ".attn_q." in tensor.name:
-            data = _unpermute_rope_rows(data, config.num_heads)
-        elif ".attn_k." in tensor.name:
-            data = _unpermute_rope_rows(data, config.num_kv_heads)
+        raw = tensor.data if tensor.data.ndim == 2 else None  # [rows, row bytes] when blocked
+        kind = tensor.tensor_type.name.lower()
+        for part, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
+            if part in tensor.name:
+                data = _unpermute_rope_rows(data, heads)
+                raw = None if raw is None else _unpermute_rope_rows(raw, heads)
         out[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32))
-    return out
+        if raw is not None and kind in BLOCK_TYPES and data.ndim == 2:
+            rows = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file is mapped
+            blocks[tensor.name] = BlockWeight(rows, kind, data.shape[1])
+    return out, blocks
 
 
 def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -248,14 +264,31 @@ def _assemble(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
+    raw_blocks: dict[str, BlockWeight] | None = None,
 ) -> ModelWeights:
-    def take(name: str) -> torch.Tensor:
+    raw_blocks = raw_blocks or {}
+    blocks: list[tuple[torch.Tensor, BlockWeight]] = []
+
+    def keep_blocks(weight: torch.Tensor, parts: tuple[str, ...]) -> None:
+        """Pairs weight with its parts' blocks, fused alike, when all have them in one kind."""
+        found = [raw_blocks.get(p) for p in parts]
+        if found and all(b is not None and b.kind == found[0].kind for b in found):
+            data = torch.cat([b.data for b in found if b is not None], dim=0).contiguous()
+            kind = found[0].kind  # type: ignore[union-attr]
+            blocks.append((weight, BlockWeight(data, kind, weight.shape[1])))
+
+    def take(name: str, alone: bool = True) -> torch.Tensor:
         if name not in tensors:
             raise KeyError(f"weight {name!r} missing from the model files")
-        return tensors.pop(name).to(device=device, dtype=dtype)
+        weight = tensors.pop(name).to(device=device, dtype=dtype)
+        if alone:
+            keep_blocks(weight, (name,))
+        return weight
 
     def fuse(*parts: str) -> torch.Tensor:
-        return torch.cat([take(p) for p in parts], dim=0).contiguous()
+        fused = torch.cat([take(p, alone=False) for p in parts], dim=0).contiguous()
+        keep_blocks(fused, parts)
+        return fused
 
     layers = []
     for i in range(config.num_layers):
@@ -278,6 +311,9 @@ def _assemble(
     lm_head = embed if tied else take(names.lm_head)
     tensors.pop(names.lm_head, None)
     weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
+    projected = [lm_head] + [t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down)]
+    ids = {id(t) for t in projected}
+    weights.blocks = [(w, b) for w, b in blocks if id(w) in ids]  # not the norms' or biases'
     _check_shapes(weights, config)
     leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
     if leftover:

@@ -112,6 +112,9 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        use_blocks = getattr(ops, "use_source_blocks", None)
+        if use_blocks is not None and weights.blocks:
+            use_blocks(weights.blocks)
 
     @property
     def device(self) -> torch.device:

@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from kernels import cpu_matvec
-from kernels.cpu_matvec import HAS_F32, HAS_Q8, MAX_ROWS, Q8_BLOCK, quantize_q8
+from kernels.cpu_info import cpu_flags
+from kernels.cpu_matvec import (
+    HAS_BLOCKS,
+    HAS_F32,
+    HAS_Q8,
+    MAX_ROWS,
+    Q8_BLOCK,
+    BlockWeight,
+    quantize_q8,
+)
 from kernels.linear import Int8Linear, PackedLinear, int8_available, onednn_packing_available
 
 
@@ -119,3 +128,40 @@ def test_tune_keeps_the_faster_threading_choice(matvec):
 
         assert matvec.tune(run, rounds=3) == fast == matvec.parallel_min_bytes
         assert sorted(set(seen)) == sorted(PARALLEL_MIN_BYTES_CHOICES)  # each one timed
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocks_give_the_float32_weights_result(matvec, kind, rows, with_bias):
+    """A weight in the model file's blocks, read as the loader dequantizes it: the same
+    values; and, in the same order of products as `linear_f32` (AVX2), the same outputs."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    if not matvec.features & HAS_BLOCKS:
+        pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
+    qtype = GGMLQuantizationType[kind.upper()]
+    _, w, b = _problem(rows, 4100, 96, seed=5)  # 96: three blocks a row
+    raw = quants.quantize(w.numpy(), qtype)
+    dense = torch.from_numpy(np.array(quants.dequantize(raw, qtype), dtype=np.float32))
+    blocks = BlockWeight(torch.from_numpy(np.array(raw)), kind, 96)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    bias = b if with_bias else None
+    assert matvec.fits_blocks(x, blocks, bias)
+    got = matvec.linear_blocks(x, blocks, bias)
+    torch.testing.assert_close(got.double(), _reference(x, dense, bias), rtol=1e-5, atol=1e-5)
+    if not matvec.features & HAS_F32 or "avx512f" in cpu_flags():
+        return  # the float32 kernel sums in 16 lanes there: equal values, another order
+    assert torch.equal(got, matvec.linear_f32(x, dense, bias))
+
+
+def test_blocks_refuse_what_they_do_not_read(matvec):
+    if not matvec.features & HAS_BLOCKS:
+        pytest.skip("block kernel not built")
+    blocks = BlockWeight(torch.zeros(8, 20, dtype=torch.uint8), "q4_1", 32)
+    assert matvec.fits_blocks(torch.ones(1, 32), blocks, None)
+    assert not matvec.fits_blocks(torch.ones(1, 64), blocks, None)  # K differs
+    assert not matvec.fits_blocks(torch.ones(MAX_ROWS + 1, 32), blocks, None)
+    assert not matvec.fits_blocks(torch.ones(1, 32), BlockWeight(blocks.data, "q5_k", 32), None)
+    assert not matvec.fits_blocks(torch.ones(1, 32), BlockWeight(blocks.data[:6], "q4_1", 32), None)

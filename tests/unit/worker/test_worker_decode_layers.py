@@ -3,11 +3,15 @@ layer-by-layer loop over the same native kernels: the same logits and caches to 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from kernels import cpu_matvec
 from kernels.cpu_decode_layers import Geometry
+from kernels.cpu_info import cpu_flags
+from kernels.cpu_matvec import BlockWeight
 from kernels.ops import TorchOps
 from services.worker.kv_cache import KVCache
 from services.worker.model import LlamaModel
@@ -42,6 +46,28 @@ def weights():
     for layer in w.layers:  # norms other than ones, so a swapped norm weight would show
         for norm in (layer.attn_norm, layer.ffn_norm):
             norm.copy_(torch.rand(norm.shape, generator=g) + 0.5)
+    return w
+
+
+@pytest.fixture(scope="module")
+def block_weights(weights):
+    """The same model with every projection rounded through GGUF's Q4_1 (the lm_head
+    through Q8_0), as a GGUF file gives it: float32 weights and the blocks of their values."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    def through(t: torch.Tensor, kind: str) -> BlockWeight:
+        qtype = GGMLQuantizationType[kind.upper()]
+        raw = quants.quantize(t.numpy(), qtype)
+        t.copy_(torch.from_numpy(np.array(quants.dequantize(raw, qtype), dtype=np.float32)))
+        return BlockWeight(torch.from_numpy(np.array(raw)), kind, t.shape[1])
+
+    w = copy.deepcopy(weights)
+    w.lm_head = w.embed
+    w.blocks = [(w.lm_head, through(w.lm_head, "q8_0"))]
+    for layer in w.layers:
+        for t in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            w.blocks.append((t, through(t, "q4_1")))
     return w
 
 
@@ -109,6 +135,29 @@ def test_one_call_equals_the_layer_loop_to_the_bit(weights, quantize, rows, monk
     ):
         assert torch.equal(a, b)
     assert got_logits.std() > 0  # not a degenerate model
+
+
+def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, monkeypatch):
+    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+        pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
+    dense = copy.copy(block_weights)
+    dense.blocks = []  # the same float32 values, read as float32
+    read = []
+    real = cpu_matvec.MatvecKernels.linear_blocks
+    monkeypatch.setattr(
+        cpu_matvec.MatvecKernels, "linear_blocks", lambda *a: read.append(1) or real(*a)
+    )
+    want_tokens, want_logits = _steps(_runner(dense, "none", at_once=False), 2)
+    assert not read
+    loop_tokens, loop_logits = _steps(_runner(block_weights, "none", at_once=False), 2)
+    assert read  # the layer loop read the blocks
+    once_tokens, once_logits = _steps(_runner(block_weights, "none", at_once=True), 2)
+    assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
+    assert loop_tokens == want_tokens
+    if "avx512f" in cpu_flags():  # the float32 kernel sums in 16 lanes there
+        torch.testing.assert_close(loop_logits, want_logits, rtol=1e-5, atol=1e-5)
+    else:  # the same products in the same order: the float32 path's logits to the bit
+        assert torch.equal(loop_logits, want_logits)
 
 
 def test_more_rows_than_the_native_path_takes_loop_in_python(weights, monkeypatch):

@@ -107,3 +107,21 @@ def test_batched_greedy_generation_equals_transformers_generate(runner, hf_model
 
     got = generate(runner, PROMPTS, max_new_tokens=16, chunk=5, start_steps=[0, 1, 3])
     assert got == expected
+
+
+def test_the_gguf_blocks_kept_are_the_float32_weights_exactly(runner):
+    """Every projection (and the tied lm_head) keeps the file's blocks, rows permuted and
+    fused as the float32 weights were, and they dequantize to those weights bit for bit."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    w = runner.model.weights
+    projections = [w.lm_head] + [t for x in w.layers for t in (x.qkv, x.o, x.gate_up, x.down)]
+    assert sorted(id(t) for t, _ in w.blocks) == sorted(id(t) for t in projections)
+    kinds = {b.kind for _, b in w.blocks}
+    assert kinds == {"q4_1", "q8_0"}  # what this file holds
+    for dense, blocks in w.blocks:
+        qtype = GGMLQuantizationType[blocks.kind.upper()]
+        values = quants.dequantize(blocks.data.numpy(), qtype)
+        assert blocks.shape == tuple(dense.shape)
+        assert torch.equal(torch.from_numpy(np.array(values, dtype=np.float32)), dense)

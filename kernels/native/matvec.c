@@ -298,7 +298,11 @@ static inline float half_to_float(const uint8_t *p) {
 /* The 32 weights of one block as four 8-lane vectors, in k order. */
 static inline void block_weights(const uint8_t *blk, int type, __m256 w[4]) {
     if (type == BLOCK_Q4_1) {
-        const __m256 d = _mm256_set1_ps(half_to_float(blk)), m = _mm256_set1_ps(half_to_float(blk + 2));
+        uint32_t dm; /* d and m converted together */
+        memcpy(&dm, blk, sizeof dm);
+        const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        const __m256 d = _mm256_broadcastss_ps(dmf);
+        const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dmf));
         const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
         const __m128i low = _mm_and_si128(qs, _mm_set1_epi8(0x0F));
         const __m128i high = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0x0F));

@@ -303,12 +303,15 @@ static inline void block_weights(const uint8_t *blk, int type, __m256 w[4]) {
         const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
         const __m256 d = _mm256_broadcastss_ps(dmf);
         const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dmf));
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
-        const __m128i low = _mm_and_si128(qs, _mm_set1_epi8(0x0F));
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0x0F));
-        const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        /* Bytes 0-7 and 8-15 widened to 32 bits each: their low nibbles are values 0-15,
+         * their high nibbles values 16-31. */
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 4)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 12)));
+        const __m256i nibble = _mm256_set1_epi32(0x0F);
+        const __m256i parts[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
+                                  _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
         for (int i = 0; i < 4; i++)
-            w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), m);
+            w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(parts[i]), m);
     } else {
         const __m256 d = _mm256_set1_ps(half_to_float(blk));
         for (int i = 0; i < 4; i++) {

@@ -231,7 +231,10 @@ class DecodeLayers:
                 ("qkv", layer.qkv, layer.qkv_bias), ("o", layer.o, None),
                 ("gate_up", layer.gate_up, None), ("down", layer.down, None),
             ):  # fmt: skip
-                form = linear.few_row_form(x, weight, bias)  # x: only its rows and type count
+                # A stand-in input of this projection's width (x is the hidden width; the
+                # down projection's input is wider, and a block form checks K).
+                probe = x.new_empty((x.shape[0], weight.shape[1]))
+                form = linear.few_row_form(probe, weight, bias)
                 if form is None:
                     return None
                 setattr(entry, name, _projection(form, bias))

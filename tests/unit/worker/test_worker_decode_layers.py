@@ -151,7 +151,11 @@ def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, mo
     assert not read
     loop_tokens, loop_logits = _steps(_runner(block_weights, "none", at_once=False), 2)
     assert read  # the layer loop read the blocks
-    once_tokens, once_logits = _steps(_runner(block_weights, "none", at_once=True), 2)
+    once = _runner(block_weights, "none", at_once=True)
+    once_tokens, once_logits = _steps(once, 2)
+    prepared = once.model.ops._decode_layers._prepared
+    for layer in prepared.array:  # the one-call loop reads every projection's blocks too
+        assert all(getattr(layer, p).blocks for p in ("qkv", "o", "gate_up", "down"))
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
     assert loop_tokens == want_tokens
     if "avx512f" in cpu_flags():  # the float32 kernel sums in 16 lanes there

@@ -153,43 +153,39 @@ class MatvecKernels:
             "linear_blocks": address_of(self._blocks),
         }
 
+    def _few_rows(self, feature: int, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """The kernel with this feature is built, x is a few float32 rows, bias is usable."""
+        return (
+            self.features & feature != 0
+            and x.dim() == 2
+            and 0 < x.shape[0] <= MAX_ROWS
+            and x.dtype == torch.float32
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        )
+
     def fits_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `linear_f32` takes this product (fast kernel built, few rows, float32)."""
         return (
-            self.features & HAS_F32 != 0
-            and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS
-            and x.dtype == weight.dtype == torch.float32
+            self._few_rows(HAS_F32, x, bias)
+            and weight.dtype == torch.float32
             and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         )
 
     def fits_q8(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear_q8` takes x against (a quantization of) this weight."""
         n, k = weight.shape
-        return (
-            self.features & HAS_Q8 != 0
-            and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS
-            and x.dtype == torch.float32
-            and k % Q8_BLOCK == 0
-            and n % 4 == 0
-        )
+        return self._few_rows(HAS_Q8, x, None) and k % Q8_BLOCK == 0 and n % 4 == 0
 
     def fits_blocks(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
         """Whether `linear_blocks` takes x against this block weight."""
         n, k = weight.shape
         return (
-            self.features & HAS_BLOCKS != 0
-            and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS
-            and x.dtype == torch.float32
+            self._few_rows(HAS_BLOCKS, x, bias)
             and x.shape[1] == k
             and k % BLOCK_VALUES == 0
             and n % 4 == 0
             and weight.kind in BLOCK_TYPES
             and weight.data.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         )
 
     def linear_blocks(

@@ -132,14 +132,15 @@ def load_model(
 
         reader = GGUFReader(str(source.path), "r")  # parsing its metadata takes seconds: once
         config = load_model_config(source, gguf_reader=reader)
-        tensors, raw_blocks = _gguf_tensors(reader, config)
+        # The file's blocks hold the float32 weights' exact values: worth keeping for those.
+        exact_blocks = device.type == "cpu" and dtype == torch.float32
+        tensors, raw_blocks = _gguf_tensors(reader, config, exact_blocks)
         names = GGUF_NAMES
     else:
         config = load_model_config(source)
         tensors, raw_blocks = _safetensors_tensors(source.path), {}
         names = HF_NAMES
-    exact_blocks = device.type == "cpu" and dtype == torch.float32
-    weights = _assemble(tensors, names, config, device, dtype, raw_blocks if exact_blocks else {})
+    weights = _assemble(tensors, names, config, device, dtype, raw_blocks)
     tied = weights.lm_head is weights.embed
     if tied != config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=tied)
@@ -150,10 +151,11 @@ def load_model(
 
 
 def _gguf_tensors(
-    reader, config: ModelConfig
+    reader, config: ModelConfig, keep_blocks: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
-    """Every tensor dequantized to float32, and the block rows of those stored in a format
-    the native few-row kernels read (`kernels.cpu_matvec.BLOCK_TYPES`), permuted alike."""
+    """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
+    stored in a format the native few-row kernels read (`cpu_matvec.BLOCK_TYPES`), permuted
+    alike."""
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
@@ -161,7 +163,8 @@ def _gguf_tensors(
     for tensor in reader.tensors:
         # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
         data = dequantize(tensor.data, tensor.tensor_type)
-        raw = tensor.data if tensor.data.ndim == 2 else None  # [rows, row bytes] when blocked
+        blocked = keep_blocks and tensor.data.ndim == 2  # [rows, row bytes] when blocked
+        raw = tensor.data if blocked else None
         kind = tensor.tensor_type.name.lower()
         for part, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
             if part in tensor.name:

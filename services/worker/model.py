@@ -112,6 +112,9 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.geometry = Geometry(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
+        )
         use_blocks = getattr(ops, "use_source_blocks", None)
         if use_blocks is not None and weights.blocks:
             use_blocks(weights.blocks)
@@ -176,12 +179,10 @@ class LlamaModel:
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer of a decode step in one call where the backend has that path."""
-        c = self.config
-        geometry = Geometry(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
         return self.ops.decode_layers(
             x, self.weights.layers, kv_cache.k, kv_cache.v, batch.positions,
             batch.slot_mapping, batch.block_tables, batch.context_lens, self.cos, self.sin,
-            geometry,
+            self.geometry,
         )  # fmt: skip
 
     def _attention(

@@ -37,6 +37,7 @@ from kernels.cpu_matvec import BlockWeight
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import Int8Linear, PackedLinear, linear
+from kernels.moe import fused_experts_ref
 from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import heads_together, rotary_factors, rotary_ref
@@ -120,6 +121,15 @@ class KernelOps(Protocol):
     ) -> None: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def fused_experts(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor: ...
 
     def decode_layers(
         self,
@@ -477,6 +487,17 @@ class TorchOps:
             return self.decode_ops.silu_mul(gate_up)
         return silu_mul_ref(gate_up)
 
+    def fused_experts(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """A MoE layer's experts (kernels.moe states the shapes)."""
+        return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
+
     def decode_layers(
         self,
         x: torch.Tensor,
@@ -640,6 +661,16 @@ class TritonOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul_ref(gate_up)
+
+    def fused_experts(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
 
     def decode_layers(self, *args: object, **kwargs: object) -> None:
         """No one-call layer loop on CUDA: a decode step there replays a CUDA graph."""

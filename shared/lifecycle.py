@@ -2,7 +2,8 @@
 
 A service is `async def serve(settings, stop: asyncio.Event)`: it connects, announces
 itself ready, and returns once `stop` is set (SIGINT or SIGTERM) and it has wound down.
-`spillway up` reads the readiness line from each child's stdout.
+`spillway up` reads the readiness line from each child's stdout; with a health file
+(shared/health.py) the same readiness starts the beats a container healthcheck reads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from shared.health import READINESS, keep_health_file
 
 READY_MARK = "ready"
 
@@ -19,6 +23,7 @@ READY_MARK = "ready"
 def announce_ready(service: str, detail: str = "") -> None:
     """One line on stdout: `spillway-<service> ready <detail>` (parsed by `spillway up`)."""
     print(f"spillway-{service} {READY_MARK} {detail}".rstrip(), flush=True)
+    READINESS.set_ready()
 
 
 def setup_logging(service: str, level: str = "INFO") -> None:
@@ -32,9 +37,13 @@ def setup_logging(service: str, level: str = "INFO") -> None:
 
 
 def run_service(
-    service: str, main: Callable[[asyncio.Event], Awaitable[None]], log_level: str = "INFO"
+    service: str,
+    main: Callable[[asyncio.Event], Awaitable[None]],
+    log_level: str = "INFO",
+    health_file: Path | None = None,
 ) -> int:
-    """Runs `main(stop)` on a fresh event loop until it returns; exit code 0 on a clean stop."""
+    """Runs `main(stop)` on a fresh event loop until it returns; exit code 0 on a clean stop.
+    With `health_file`, beats are written there from readiness on (shared/health.py)."""
     setup_logging(service, log_level)
 
     async def runner() -> None:
@@ -42,7 +51,18 @@ def run_service(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        READINESS.reset()
+        beats = None
+        if health_file is not None:
+            beats = asyncio.create_task(
+                keep_health_file(health_file, service, READINESS), name="health-file"
+            )
+        try:
+            await main(stop)
+        finally:
+            if beats is not None:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
 
     try:
         asyncio.run(runner())

@@ -1,17 +1,21 @@
-"""The `spillway` command: `up` (the whole system), `serve <service>` (one service) and
-`nats-config` (the users and permissions to put into an existing nats-server's config)."""
+"""The `spillway` command: `up` (the whole system), `serve <service>` (one service),
+`nats-config` (the users and permissions to put into an existing nats-server's config)
+and `healthcheck` (a container's probe of the service inside it)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import time
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from services.cli.bench.options import add_bench_options
 from services.cli.options import add_options, overrides_from
 from shared.config import Settings, load_settings
+from shared.health import DEFAULT_MAX_AGE_S, check_health_file
 
 SERVICES = ("gateway", "scheduler", "worker", "spillstore")
 
@@ -28,6 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service in the foreground")
     serve.add_argument("service", choices=SERVICES)
     add_options(serve, defaults)
+    serve.add_argument(
+        "--health-file",
+        type=Path,
+        default=None,
+        help="rewrite this file every few seconds once ready, for `spillway healthcheck` "
+        "(default: none)",
+    )
+    health = sub.add_parser(
+        "healthcheck",
+        help="exit 0 when the service writing --file beat recently (a container's probe)",
+    )
+    health.add_argument("--file", type=Path, required=True, help="the service's --health-file")
+    health.add_argument(
+        "--max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help=f"seconds a beat stays fresh (default: {DEFAULT_MAX_AGE_S:g})",
+    )
     nats = sub.add_parser(
         "nats-config",
         help="print nats-server users and permissions (one per service) with new passwords",
@@ -50,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.bench.command import bench_main
 
         return bench_main(args)
+    if args.command == "healthcheck":
+        return healthcheck(args.file, args.max_age)
     try:
         settings = load_settings(**overrides_from(args))
     except ValidationError as e:
@@ -61,10 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.up import up
 
         return up(settings)
-    return serve_one(args.service, settings)
+    return serve_one(args.service, settings, args.health_file)
 
 
-def serve_one(service: str, settings: Settings) -> int:
+def healthcheck(path: Path, max_age_s: float) -> int:
+    healthy, message = check_health_file(path, max_age_s, time.time())
+    print(message, file=sys.stdout if healthy else sys.stderr)
+    return 0 if healthy else 1
+
+
+def serve_one(service: str, settings: Settings, health_file: Path | None = None) -> int:
     from shared.lifecycle import run_service
 
     if service == "worker":
@@ -73,7 +103,9 @@ def serve_one(service: str, settings: Settings) -> int:
         apply_openmp_environment(settings)  # before the worker's imports load torch
     # Imported lazily: the gateway never loads torch, the worker never loads FastAPI.
     module = importlib.import_module(f"services.{service}.service")
-    return run_service(service, lambda stop: module.serve(settings, stop), settings.log_level)
+    return run_service(
+        service, lambda stop: module.serve(settings, stop), settings.log_level, health_file
+    )
 
 
 if __name__ == "__main__":

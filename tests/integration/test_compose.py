@@ -116,7 +116,8 @@ def test_the_bus_and_redis_are_healthy_before_a_spillway_service_starts():
     for name, service in services(BASE).items():
         if service.get("image", "").startswith("spillway:"):
             for dependency in ("nats", "redis"):
-                assert service["depends_on"][dependency]["condition"] == "service_healthy"
+                condition = service["depends_on"][dependency]["condition"]
+                assert condition == "service_healthy", (name, dependency)
 
 
 def test_every_mounted_file_is_in_the_repository():

@@ -285,3 +285,17 @@ def test_the_nats_config_is_one_nats_server_accepts(tmp_path):
         env=values,
     )
     assert check.returncode == 0, check.stderr + check.stdout
+
+
+@pytest.mark.parametrize("service", ("scheduler", "worker", "spillstore"))
+def test_services_without_a_port_are_probed_through_the_health_file_they_write(service):
+    c = container(find("Deployment", service))
+    serve = parse(c["args"])
+    assert serve.health_file is not None
+    for kind in ("startupProbe", "livenessProbe"):
+        command = c[kind]["exec"]["command"]
+        assert command[0] == "spillway", kind
+        check = parse(command[1:])
+        assert check.command == "healthcheck" and check.file == serve.health_file, kind
+    # A probe starts a Python process: it must not be cut short while importing.
+    assert c["livenessProbe"]["timeoutSeconds"] >= 5

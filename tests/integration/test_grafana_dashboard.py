@@ -86,9 +86,22 @@ def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def balanced(expr: str) -> bool:
+    """Brackets of every kind close in order (outside label values)."""
+    pairs, stack = {")": "(", "]": "[", "}": "{"}, []
+    for ch in re.sub(r'"(?:\\.|[^"\\])*"', '""', expr):
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in pairs and (not stack or stack.pop() != pairs[ch]):
+            return False
+    return not stack
+
+
 def unknown_metrics(dashboard: dict[str, Any], exported: set[str]) -> list[str]:
     problems = []
     for where, expr in queries(dashboard):
+        if not balanced(expr):
+            problems.append(f"{where}: unbalanced brackets: {expr}")
         names = metric_names(expr)
         if not names:
             problems.append(f"{where}: names no metric: {expr}")
@@ -107,6 +120,8 @@ def test_the_metric_name_reader_sees_through_promql():
         " > bool 1e3 and c"
     )
     assert metric_names(expr) == {"a_bucket", "b_total", "c"}
+    assert balanced(expr) and balanced('x{a="(]"}')
+    assert not balanced("sum(rate(x[5m])") and not balanced("sum(x[5m)]")
 
 
 def test_the_exported_names_include_each_type_s_sample_names():

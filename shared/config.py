@@ -25,6 +25,7 @@ CpuWaitPolicy = Literal["passive", "active"]
 Quantization = Literal["none", "int8"]
 PreemptionMode = Literal["auto", "spill", "recompute"]
 AttentionBackend = Literal["auto", "torch", "triton"]
+LogFormat = Literal["text", "json"]
 _DEFAULT_REGION_SAMPLING: dict[RegionName, RegionSampling] = {
     "code": RegionSampling(temperature=0.2),
     "tool_call": RegionSampling(temperature=0.0),
@@ -154,11 +155,19 @@ class Settings(BaseSettings):
     # string turns a marker off.
     region_markers: dict[MarkerName, str] = Field(default_factory=dict)
     log_level: str = "INFO"
+    # text: one readable line per record; json: one JSON object per line, with the
+    # current span's trace_id and span_id (shared/json_logs.py).
+    log_format: LogFormat = "text"
+    # Every span also appended to this file as one OTLP JSON line (shared/trace_file.py);
+    # all services of a system may share it. `spillway trace` reads it.
+    trace_file: str | None = None
     service_id: str | None = None  # the worker / gateway id; random when not set
     # Derived files kept between runs (e.g. a GGUF model's tokenizer, converted once).
     cache_dir: str = "~/.cache/spillway"
 
-    @field_validator("api_key", "otlp_endpoint", "nats_user", "nats_password", mode="before")
+    @field_validator(
+        "api_key", "otlp_endpoint", "nats_user", "nats_password", "trace_file", mode="before"
+    )
     @classmethod
     def _empty_is_unset(cls, v: object) -> object:
         # Compose files pass `VAR=` for "not set".

@@ -26,12 +26,17 @@ def announce_ready(service: str, detail: str = "") -> None:
     READINESS.set_ready()
 
 
-def setup_logging(service: str, level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-    )
+def setup_logging(service: str, level: str = "INFO", log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        from shared.json_logs import JsonLogFormatter
+
+        handler.setFormatter(JsonLogFormatter(service))
+    else:
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+        )
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     # The NATS client logs every reconnect attempt at ERROR; the bus helper reports those.
     logging.getLogger("nats").setLevel(logging.CRITICAL)
 
@@ -41,10 +46,11 @@ def run_service(
     main: Callable[[asyncio.Event], Awaitable[None]],
     log_level: str = "INFO",
     health_file: Path | None = None,
+    log_format: str = "text",
 ) -> int:
     """Runs `main(stop)` on a fresh event loop until it returns; exit code 0 on a clean stop.
     With `health_file`, beats are written there from readiness on (shared/health.py)."""
-    setup_logging(service, log_level)
+    setup_logging(service, log_level, log_format)
 
     async def runner() -> None:
         stop = asyncio.Event()

@@ -1,8 +1,9 @@
 """OpenTelemetry set-up for one service, and W3C trace context in and out of headers.
 
 Every service has a real SDK tracer provider (so ids exist and `traceparent` can be
-returned even when nothing is exported); spans are exported with OTLP/HTTP only when an
-endpoint is configured.
+returned even when nothing is exported); spans are exported with OTLP/HTTP when an
+endpoint is configured, and appended to a file as OTLP JSON lines when a trace file is
+(trace_file.py); either, both or neither.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ SERVICE_NAMES = {
 class Telemetry:
     """One service's tracer. `exporting` tells hot paths whether detailed spans are worth it."""
 
-    def __init__(self, service: str, otlp_endpoint: str | None) -> None:
+    def __init__(
+        self, service: str, otlp_endpoint: str | None, trace_file: str | None = None
+    ) -> None:
         resource = Resource.create({"service.name": SERVICE_NAMES.get(service, service)})
         self.provider = TracerProvider(resource=resource)
-        self.exporting = bool(otlp_endpoint)
+        self.exporting = bool(otlp_endpoint or trace_file)
         if otlp_endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -42,6 +45,12 @@ class Telemetry:
             url = otlp_endpoint.rstrip("/") + "/v1/traces"
             self.provider.add_span_processor(
                 BatchSpanProcessor(OTLPSpanExporter(endpoint=url), schedule_delay_millis=500)
+            )
+        if trace_file:
+            from shared.trace_file import FileSpanExporter
+
+            self.provider.add_span_processor(
+                BatchSpanProcessor(FileSpanExporter(trace_file), schedule_delay_millis=500)
             )
         self.tracer = self.provider.get_tracer("spillway")
 

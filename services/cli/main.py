@@ -1,6 +1,7 @@
 """The `spillway` command: `up` (the whole system), `serve <service>` (one service),
-`nats-config` (the users and permissions to put into an existing nats-server's config)
-and `healthcheck` (a container's probe of the service inside it)."""
+`nats-config` (the users and permissions to put into an existing nats-server's config),
+`healthcheck` (a container's probe of the service inside it), `bench` (a load test) and
+`trace` (one request's trace as a timeline)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 
 from services.cli.bench.options import add_bench_options
 from services.cli.options import add_options, overrides_from
+from services.cli.trace.command import add_trace_options
 from shared.config import Settings, load_settings
 from shared.health import DEFAULT_MAX_AGE_S, check_health_file
 
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="load-test an OpenAI-compatible server (and compare with transformers)"
     )
     add_bench_options(bench)
+    trace = sub.add_parser(
+        "trace", help="print one request's trace as a timeline, from a trace file or Jaeger"
+    )
+    add_trace_options(trace, defaults.trace_file)
     return parser
 
 
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args)
     if args.command == "healthcheck":
         return healthcheck(args.file, args.max_age)
+    if args.command == "trace":
+        from services.cli.trace.command import trace_main
+
+        return trace_main(args)
     try:
         settings = load_settings(**overrides_from(args))
     except ValidationError as e:
@@ -104,7 +114,11 @@ def serve_one(service: str, settings: Settings, health_file: Path | None = None)
     # Imported lazily: the gateway never loads torch, the worker never loads FastAPI.
     module = importlib.import_module(f"services.{service}.service")
     return run_service(
-        service, lambda stop: module.serve(settings, stop), settings.log_level, health_file
+        service,
+        lambda stop: module.serve(settings, stop),
+        settings.log_level,
+        health_file,
+        settings.log_format,
     )
 
 

@@ -34,6 +34,8 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--redis-url", "redis_url", {"help": "Redis server (a private one starts when the default "
                                   "is unreachable)"}),
     ("--otlp-endpoint", "otlp_endpoint", {"help": "OTLP/HTTP base URL for traces"}),
+    ("--trace-file", "trace_file", {"help": "also append every span to this file, one OTLP "
+                                    "JSON line each (read by `spillway trace`)"}),
     ("--attention-backend", "attention_backend", {"choices": ["auto", "torch", "triton"],
                                                   "help": "worker kernels: auto = Triton on "
                                                   "CUDA, torch elsewhere"}),
@@ -48,6 +50,9 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
                                          "help": "run decode steps eagerly, without CUDA "
                                          "graphs"}),
     ("--log-level", "log_level", {"help": "DEBUG, INFO, WARNING or ERROR"}),
+    ("--log-format", "log_format", {"choices": ["text", "json"],
+                                    "help": "json: one object per line, with trace and span "
+                                    "ids"}),
 ]  # fmt: skip
 
 SECRET_FIELDS = {"api_key"}

@@ -162,6 +162,17 @@ def stop_children(children: list[Child], drain_timeout_s: float) -> None:
                 c.kill()
 
 
+def check_trace_file(path: str | None) -> None:
+    """Fails at once, with the reason, when the trace file cannot be appended to (rather
+    than every child failing on it in turn)."""
+    if not path:
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+    except OSError as e:
+        raise StartupError(f"--trace-file {path}: {e.strerror or e}") from e
+
+
 def _emit(line: str) -> None:
     print(line, flush=True)
 
@@ -178,6 +189,7 @@ def up(settings: Settings) -> int:
     children: list[Child] = []
     code = 0
     try:
+        check_trace_file(settings.trace_file)
         settings, servers = ensure_servers(settings)
         args = as_arguments(settings)
         for s in START_ORDER:

@@ -115,7 +115,7 @@ async def start_gateway(settings: Settings) -> Gateway:
     # Converting a GGUF tokenizer takes seconds the first time: keep the loop free.
     tokenizer, info = await asyncio.to_thread(model_info, settings)
     gateway_id = settings.service_id or f"gw{uuid.uuid4().hex[:10]}"
-    telemetry = Telemetry("gateway", settings.otlp_endpoint)
+    telemetry = Telemetry("gateway", settings.otlp_endpoint, settings.trace_file)
     bus = await Bus.for_service(
         settings, "gateway", f"spillway-gateway-{gateway_id}", sender=gateway_id
     )
@@ -149,6 +149,8 @@ async def start_gateway(settings: Settings) -> Gateway:
             http=guarded_protocol(settings.http_client_timeout_s),
             lifespan="off",
             log_level="warning",
+            # uvicorn's records go through the service's own handler (text or JSON).
+            log_config=None,
             access_log=False,
             timeout_graceful_shutdown=int(END_GRACE_S) + 1,
         )

@@ -113,7 +113,7 @@ def new_scheduler_id(settings: Settings) -> str:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    tel = Telemetry("scheduler", settings.otlp_endpoint)
+    tel = Telemetry("scheduler", settings.otlp_endpoint, settings.trace_file)
     scheduler_id = new_scheduler_id(settings)
     bus = await Bus.for_service(
         settings, "scheduler", f"spillway-scheduler-{scheduler_id}", sender=scheduler_id

@@ -226,7 +226,7 @@ async def _sweep_forever(store: SpillStore) -> None:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    tel = Telemetry("spillstore", settings.otlp_endpoint)
+    tel = Telemetry("spillstore", settings.otlp_endpoint, settings.trace_file)
     redis = await connect_redis(settings.redis_url)
     bus = await Bus.for_service(settings, "spillstore", "spillway-spillstore")
     store = SpillStore(

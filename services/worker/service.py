@@ -74,7 +74,7 @@ DRAIN_GRACE_S = 1.0
 async def serve(
     settings: Settings, stop: asyncio.Event, telemetry: Telemetry | None = None
 ) -> None:
-    tel = telemetry or Telemetry("worker", settings.otlp_endpoint)
+    tel = telemetry or Telemetry("worker", settings.otlp_endpoint, settings.trace_file)
     worker_id = settings.service_id or uuid.uuid4().hex[:8]
     # One thread for loading and every step: steps never overlap, and torch's per-thread
     # state (inference mode, threads) stays in one place.

@@ -119,7 +119,10 @@ def long_tiny_model_dir(tmp_path_factory, reference_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def tiny_system(nats_url, redis_url, tiny_model_dir):
+def tiny_system(nats_url, redis_url, tiny_model_dir, tmp_path_factory):
+    """Also writes every span to `trace_file` and logs JSON (what `spillway trace` and a
+    log collector read)."""
+    trace_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
     s = System(
         "--model", str(tiny_model_dir),
         "--namespace", "other",
@@ -129,7 +132,10 @@ def tiny_system(nats_url, redis_url, tiny_model_dir):
         "--block-size", "32",
         "--dtype", "float32",
         "--api-key", TINY_API_KEY,
+        "--trace-file", str(trace_file),
+        "--log-format", "json",
     )  # fmt: skip
+    s.trace_file = trace_file
     yield s
     s.stop()
 

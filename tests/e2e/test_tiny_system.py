@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import nats
@@ -17,7 +20,8 @@ import pytest
 import redis
 import torch
 
-from services.cli.launcher import pid_alive, wait_until
+from services.cli.launcher import SPILLWAY, pid_alive, wait_until
+from services.cli.trace.spans import spans_from_otlp_lines
 from shared.protocol import SpillDrop, SpillRecord, SpillRef, encode
 from shared.spill_keys import SpillKeys
 from tests.e2e.keys import TINY_API_KEY
@@ -72,6 +76,85 @@ def test_api_key_guards_v1_routes_only(tiny_system):
         assert c.get("/v1/models", headers=AUTH).status_code == 200
         assert c.get("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
+
+
+def _exported(trace_file, trace_id: str) -> set[tuple[str, str]]:
+    """(service, span name) of every span of `trace_id` in the trace file so far."""
+    found = set()
+    for span in spans_from_otlp_lines(trace_file.read_text().splitlines()).spans:
+        if span.trace_id == trace_id:
+            found.add((span.service, span.name))
+    return found
+
+
+def _spillway(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([SPILLWAY, *args], capture_output=True, text=True, timeout=60)
+
+
+def _row(lines: list[str], name: str) -> tuple[int, list[str]]:
+    """The column where span `name` starts (its indentation) and the row's fields."""
+    line = next(line for line in lines if f" {name}" in line)
+    return line.index(f" {name}") + 1, line.split()
+
+
+def test_spillway_trace_prints_a_real_requests_timeline(tiny_system):
+    with httpx.Client(base_url=tiny_system.url, timeout=60, headers=AUTH) as c:
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": [1, 504, 3781, 282], "max_tokens": 6, "ignore_eos": True},
+        )
+    assert r.status_code == 200, r.text
+    response_id = r.json()["id"]
+    trace_id = r.headers["traceparent"].split("-")[1]
+    wanted = {
+        ("spillway-gateway", "POST /v1/completions"),
+        ("spillway-scheduler", "scheduler.request"),
+        ("spillway-scheduler", "scheduler.prefill"),
+        ("spillway-worker", "worker.forward"),
+    }
+    # Each service exports in batches, every half second.
+    assert wait_until(lambda: wanted <= _exported(tiny_system.trace_file, trace_id), 30)
+
+    out = _spillway("trace", response_id, "--file", str(tiny_system.trace_file))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"trace {trace_id} (request {response_id}): ")
+    root_at, root = _row(lines, "POST /v1/completions")
+    request_at, request = _row(lines, "scheduler.request")
+    prefill_at, prefill = _row(lines, "scheduler.prefill")
+    forward_at, forward = _row(lines, "worker.forward")
+    # The gateway's span is the root, first, at offset 0; the rest nest under it.
+    assert lines[2].split()[:5] == ["+0.00", "ms", root[2], "ms", "gateway"]
+    assert root_at < request_at < prefill_at < forward_at
+    assert (request[4], prefill[4], forward[4]) == ("scheduler", "scheduler", "worker")
+    for fields in (root, request, prefill, forward):
+        assert fields[0].startswith("+") and fields[1] == "ms" and fields[3] == "ms"
+        assert float(fields[2]) >= 0
+    assert float(root[2]) > 0
+    assert "output_tokens=6" in " ".join(request)
+
+    # The trace id (from the response's traceparent) gives the same trace.
+    by_trace = _spillway("trace", trace_id, "--file", str(tiny_system.trace_file))
+    assert by_trace.returncode == 0, by_trace.stderr
+    assert by_trace.stdout.splitlines()[0].startswith(f"trace {trace_id}: ")
+    unknown = _spillway("trace", "cmpl-none", "--file", str(tiny_system.trace_file))
+    assert unknown.returncode == 1
+    assert "no trace" in unknown.stderr
+
+
+def test_services_log_json_lines(tiny_system):
+    """Every log record is a JSON object; none is in the text format (`<time> <service>
+    <LEVEL> ...`). Only some services log at INFO on a quiet run."""
+    lines = Path(tiny_system.log.name).read_text().splitlines()
+    text_format = re.compile(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (gateway|scheduler|worker|spillstore) "
+    )
+    assert not [line for line in lines if text_format.match(line)]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert records
+    for record in records:
+        assert {"time", "level", "logger", "message", "service"} <= set(record)
+    assert {r["service"] for r in records} >= {"scheduler", "worker"}
 
 
 async def test_namespaces_keep_two_systems_apart(system, tiny_system, nats_url, redis_url):

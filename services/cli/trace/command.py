@@ -7,6 +7,7 @@ source cannot be read (with a message on stderr saying which).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -55,5 +56,9 @@ def trace_main(args: argparse.Namespace) -> int:
     if not traces:
         print(f"spillway trace: no trace in {where} has the id {ident!r}", file=sys.stderr)
         return 1
-    print(render(traces, ident))
+    try:
+        print(render(traces, ident), flush=True)
+    except BrokenPipeError:
+        # The reader (`| head`) has what it wanted; nothing is left to say.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -12,9 +12,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from services.cli.trace.spans import (
+    LinesRead,
     TraceSpan,
     jaeger_trace_ids,
     spans_from_jaeger,
@@ -36,13 +38,27 @@ class SourceError(Exception):
 
 
 def traces_from_file(path: str, ident: str) -> tuple[dict[str, list[TraceSpan]], int]:
-    """The traces `ident` names in a trace file, and how many lines could not be read."""
+    """The traces `ident` names in a trace file, and how many lines could not be read.
+
+    Two passes, each decoding only the lines that can matter: the lines that mention
+    `ident` give the trace ids, then the lines that mention one of those give the spans.
+    A file of a long run holds millions of spans; one request's are a few dozen."""
+    needles = {ident, json.dumps(ident)[1:-1], ident.lower()}
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            read = spans_from_otlp_lines(f)
+        hits = _read_lines(path, lambda line: any(n in line for n in needles))
+        trace_ids = set(find_traces(hits.spans, ident))
+        if not trace_ids:
+            return {}, hits.unreadable
+        found = _read_lines(path, lambda line: any(t in line.lower() for t in trace_ids))
     except OSError as e:
         raise SourceError(f"cannot read trace file {path}: {e.strerror or e}") from e
-    return find_traces(read.spans, ident), read.unreadable
+    spans = [s for s in found.spans if s.trace_id in trace_ids]
+    return find_traces(spans, ident), found.unreadable
+
+
+def _read_lines(path: str, wanted: Callable[[str], bool]) -> LinesRead:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return spans_from_otlp_lines(line for line in f if wanted(line))
 
 
 class JaegerClient:

@@ -33,12 +33,12 @@ REQUEST_ID_KEYS = (
     "spillway.client_request_id",
     "spillway.seq_id",
 )
-# An attribute is worth showing when its key says what the span did: sizes, counts,
-# modes, outcomes. Shown without its namespace (`gen_ai.usage.input_tokens` ->
-# `input_tokens`, `spillway.kv.bytes` -> `kv.bytes`).
+# An attribute is worth showing when the last segment of its key says what the span did:
+# sizes, counts, modes, outcomes. Shown without its namespace (`gen_ai.usage.input_tokens`
+# -> `input_tokens`, `spillway.kv.bytes` -> `kv.bytes`).
 _KEY_ATTRIBUTE = re.compile(
-    r"tokens|bytes|mode|finish_reason|status_code|cached|preemptions|error\.type|reason|"
-    r"num_|blocks|rows|start_pos"
+    r".*tokens|.*bytes|mode|finish_reasons?|status_code|preemptions|reason|num_.*|rows|"
+    r".*blocks|start_pos|spills|restores|lost|type"
 )
 _LABEL_PREFIXES = ("spillway.", "gen_ai.usage.", "gen_ai.response.", "gen_ai.", "http.response.")
 _TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
@@ -139,7 +139,7 @@ def _format_value(value: Any) -> str:
 def key_attributes(attributes: Mapping[str, Any]) -> str:
     parts = []
     for key, value in attributes.items():
-        if key in REQUEST_ID_KEYS or not _KEY_ATTRIBUTE.search(key):
+        if key in REQUEST_ID_KEYS or not _KEY_ATTRIBUTE.fullmatch(key.rsplit(".", 1)[-1]):
             continue
         label = next((key.removeprefix(p) for p in _LABEL_PREFIXES if key.startswith(p)), key)
         parts.append(f"{label}={_format_value(value)}")

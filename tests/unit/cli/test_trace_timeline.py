@@ -186,3 +186,21 @@ def test_a_failed_span_says_so():
     span["status"] = {"code": 2, "message": "the worker stopped answering"}
     spans = spans_from_otlp_lines([json.dumps(line)]).spans
     assert "ERROR: the worker stopped answering" in render(find_traces(spans, TRACE), TRACE)
+
+
+def test_a_trace_file_gives_only_the_named_trace_even_from_batched_lines(tmp_path):
+    from services.cli.trace.sources import traces_from_file
+
+    # One line may hold a whole export batch (another OTLP writer's file): spans of two
+    # traces in one line are told apart.
+    batch = json.loads(otlp_line(OTHER_TRACE, *UNRELATED))
+    extra = json.loads(otlp_line(TRACE, *SPANS[0]))["resourceSpans"][0]
+    batch["resourceSpans"].append(extra)
+    lines = [otlp_line(TRACE, *s) for s in SPANS[1:]] + [json.dumps(batch), "not json"]
+    path = tmp_path / "spans.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    found, unreadable = traces_from_file(str(path), "cmpl-7")
+    assert list(found) == [TRACE]
+    assert sorted(s.span_id[-2:] for s in found[TRACE]) == ["a1", "b1", "b2", "c0", "c1", "d1"]
+    assert unreadable == 0  # the broken line mentions neither the id nor the trace
+    assert traces_from_file(str(path), "gw-404") == ({}, 0)

@@ -47,7 +47,7 @@ def _pressure(mode: str) -> tuple[SchedulerCore, list[TickReport], dict[str, Out
 
 
 def test_each_report_lists_every_phase_in_the_seeds_order_and_counts_the_tick():
-    core, reports, _ = _pressure("spill")
+    _, reports, _ = _pressure("spill")
     assert [r.tick for r in reports] == list(range(1, len(reports) + 1))
     for report in reports:
         assert [p.name for p in report.phases] == list(TICK_PHASES)
@@ -63,7 +63,7 @@ def test_each_report_lists_every_phase_in_the_seeds_order_and_counts_the_tick():
 
 
 def test_spills_and_swap_ins_are_reported_with_their_bytes_and_match_the_core():
-    core, reports, outcomes = _pressure("spill")
+    core, reports, _ = _pressure("spill")
     preempted = [p for r in reports for ph in r.phases for p in ph.preempted]
     assert core.preemptions["spill"] > 0
     assert len(preempted) == core.preemptions["spill"]
@@ -106,7 +106,7 @@ def test_a_request_past_its_deadline_is_swept_and_retired_in_the_same_tick():
 
 
 def test_a_worker_out_of_memory_preempts_in_the_step_phase():
-    core, clock = _core(max_batch=4, num_kv_blocks=64)
+    core, _ = _core(max_batch=4, num_kv_blocks=64)
     for i in range(3):
         submit(core, f"r{i}", max_tokens=5)
     plan = core.schedule()

@@ -1,5 +1,6 @@
-"""The `spillway` command: `up` (the whole system), `serve <service>` (one service) and
-`nats-config` (the users and permissions to put into an existing nats-server's config)."""
+"""The `spillway` command: `up` (the whole system), `serve <service>` (one service),
+`nats-config` (the users and permissions to put into an existing nats-server's config) and
+`top` (a live view of the schedulers' ticks)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="load-test an OpenAI-compatible server (and compare with transformers)"
     )
     add_bench_options(bench)
+    top = sub.add_parser("top", help="live view of every scheduler's ticks (from sched.*.tick)")
+    top.add_argument("--nats-url", default=defaults.nats_url, help="the system's NATS server")
+    top.add_argument("--namespace", default=defaults.namespace, help="the system's namespace")
+    top.add_argument(
+        "--window", type=float, default=5.0, help="seconds the rates and phase times cover"
+    )
     return parser
 
 
@@ -46,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.nats_auth import print_config
 
         return print_config(args.namespace)
+    if args.command == "top":
+        from services.cli.top import top_main
+
+        return top_main(args.nats_url, args.namespace, args.window)
     if args.command == "bench":
         from services.cli.bench.command import bench_main
 

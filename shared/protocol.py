@@ -6,7 +6,7 @@ Running sequences travel to the worker as diffs (`SequenceUpdate`), not as full 
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -248,21 +248,12 @@ class SchedulerLease(Message):
 
 # --- tick reports (sched.<id>.tick) ----------------------------------------------------
 
-# A tick's phases in the order every report lists them: the end-of-tick phases of the
-# seeds' loop, then admission (the next step's planning) and the step itself.
-TICK_PHASES = (
-    "deadline_sweep",
-    "drain",
-    "store_finished",
-    "retire",
-    "swap_in",
-    "resume",
-    "admit",
-    "step",
-)
 TickPhaseName = Literal[
     "deadline_sweep", "drain", "store_finished", "retire", "swap_in", "resume", "admit", "step"
 ]
+# A tick's phases in the order every report lists them: the end-of-tick phases of the
+# seeds' loop, then admission (the next step's planning) and the step itself.
+TICK_PHASES: tuple[TickPhaseName, ...] = get_args(TickPhaseName)
 
 
 class RetiredRequest(Message):

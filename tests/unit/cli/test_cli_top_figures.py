@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
+from services.cli.main import main
 from services.cli.top import render
 from services.cli.top_figures import TopFigures
 from shared.clock import FakeClock
@@ -147,3 +148,15 @@ def test_the_view_shows_each_lane_with_its_figures():
     empty = Console(record=True, width=160)
     empty.print(render([], "ns.sched.*.tick", 0, 0))
     assert "waiting for tick reports" in empty.export_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--window", "0"], "--window must be positive"),
+        (["--namespace", "a.b"], "--namespace 'a.b'"),
+    ],
+)
+def test_bad_options_are_clear_errors_before_connecting(argv, message, capsys):
+    assert main(["top", "--nats-url", "nats://127.0.0.1:1", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -25,11 +25,13 @@ from services.scheduler.tick_report import TickLog
 from shared.bus import Bus
 from shared.clock import MonotonicClock
 from shared.protocol import (
+    FinishReason,
     RowResult,
     SamplingParams,
     StepPlan,
     StepResult,
     SubmitRequest,
+    TickPhaseName,
     WorkerInfo,
     encode,
 )
@@ -38,28 +40,28 @@ from shared.protocol import (
 class _Off(TickLog):
     """A tick log that records nothing (the baseline)."""
 
-    def timed(self, name, seconds) -> None:  # type: ignore[no-untyped-def]
+    def timed(self, name: TickPhaseName, seconds: float) -> None:
         pass
 
-    def swept(self, request_id) -> None:  # type: ignore[no-untyped-def]
+    def swept(self, request_id: str) -> None:
         pass
 
-    def retired(self, request_id, finish_reason) -> None:  # type: ignore[no-untyped-def]
+    def retired(self, request_id: str, finish_reason: FinishReason) -> None:
         pass
 
-    def swapped_in(self, request_id, num_bytes) -> None:  # type: ignore[no-untyped-def]
+    def swapped_in(self, request_id: str, num_bytes: int) -> None:
         pass
 
-    def resumed(self, request_id) -> None:  # type: ignore[no-untyped-def]
+    def resumed(self, request_id: str) -> None:
         pass
 
-    def admitted(self, request_id, cached_tokens) -> None:  # type: ignore[no-untyped-def]
+    def admitted(self, request_id: str, cached_tokens: int) -> None:
         pass
 
-    def preempted(self, request_id, mode, num_bytes) -> None:  # type: ignore[no-untyped-def]
+    def preempted(self, request_id: str, mode: str, num_bytes: int) -> None:
         pass
 
-    def stepped(self, rows, tokens, sampled) -> None:  # type: ignore[no-untyped-def]
+    def stepped(self, rows: int, tokens: int, sampled: int) -> None:
         pass
 
 

@@ -5,10 +5,11 @@
 Drives a scheduler core (no model: a worker stand-in that samples a fixed token) with
 `--seqs` sequences decoding together on a KV cache small enough for preemptions, and
 measures per tick, in microseconds: the core's own work (schedule, apply the result, end
-of tick), the same with the tick log switched off (what recording the phases adds), and
-building the report, encoding it and publishing it to a private nats-server. Prints the
-report's size and the report's cost as a share of the core's tick (a real tick also
-waits for the model's forward, milliseconds: the share there is far smaller).
+of tick), the same with the tick log switched off (what recording the phases adds; the
+two cores tick in turn), and building the report, encoding it and publishing it to a
+private nats-server. Prints the report's size and the report's cost as a share of the
+core's tick (a real tick also waits for the model's forward, milliseconds: the share
+there is far smaller).
 """
 
 from __future__ import annotations
@@ -96,69 +97,66 @@ def _submit(core: SchedulerCore, n: int, start: int) -> None:
         )  # fmt: skip
 
 
-async def _run(seqs: int, ticks: int, log_on: bool, bus: Bus | None) -> dict[str, float]:
-    core = _core(seqs, log_on)
-    _submit(core, seqs, 0)
-    submitted = seqs
-    core_s: list[float] = []
-    report_s: list[float] = []
-    sizes: list[int] = []
-    for _ in range(ticks):
+class _Driver:
+    """One core with its batch kept full."""
+
+    def __init__(self, seqs: int, log_on: bool) -> None:
+        self.seqs = seqs
+        self.core = _core(seqs, log_on)
+        _submit(self.core, seqs, 0)
+        self.submitted = seqs
+        self.tick_s: list[float] = []
+
+    def tick(self) -> None:
+        core = self.core
         t0 = time.perf_counter()
         plan = core.schedule()
         if plan is not None:
             core.update_from_output(plan, _result(plan))
         core.end_tick()
-        t1 = time.perf_counter()
-        core_s.append(t1 - t0)
-        if bus is not None:
-            report = core.tick_report("s1", "w1", time.time())
-            body = encode(report)
-            await bus.publish("sched.s1.tick", body)
-            report_s.append(time.perf_counter() - t1)
-            sizes.append(len(body))
-        if core.num_live < seqs:  # keep the batch full
-            _submit(core, seqs - core.num_live, submitted)
-            submitted += seqs
-    out = {
-        "core_us": 1e6 * statistics.median(core_s),
-        "preemptions": sum(core.preemptions.values()),
-    }
-    if report_s:
-        out["report_us"] = 1e6 * statistics.median(report_s)
-        out["report_mean_us"] = 1e6 * statistics.fmean(report_s)
-        out["bytes"] = statistics.median(sizes)
-    return out
+        self.tick_s.append(time.perf_counter() - t0)
+        if core.num_live < self.seqs:
+            _submit(core, self.seqs - core.num_live, self.submitted)
+            self.submitted += self.seqs
 
 
 async def main_async(seqs: int, ticks: int) -> None:
+    # Two cores tick by tick in turn, one recording and one not, so that whatever else
+    # the machine does weighs on both alike; the recording one's reports are built,
+    # encoded and published (timed on their own).
     server = start_nats(jetstream=False)
     try:
         bus = await Bus.connect(server.url, "bench", "bench-tick")
-        # Alternated, best of three each: the machine may be shared.
-        ons, offs = [], []
-        for _ in range(3):
-            offs.append(await _run(seqs, ticks, False, None))
-            ons.append(await _run(seqs, ticks, True, bus))
+        on, off = _Driver(seqs, True), _Driver(seqs, False)
+        report_s: list[float] = []
+        sizes: list[int] = []
+        for i in range(ticks):
+            for driver in (on, off) if i % 2 else (off, on):
+                driver.tick()
+            t0 = time.perf_counter()
+            body = encode(on.core.tick_report("s1", "w1", time.time()))
+            await bus.publish("sched.s1.tick", body)
+            report_s.append(time.perf_counter() - t0)
+            sizes.append(len(body))
         await bus.close()
-        on = min(ons, key=lambda r: r["core_us"])
-        on["report_us"] = min(r["report_us"] for r in ons)
-        off = min(offs, key=lambda r: r["core_us"])
     finally:
         server.stop()
-    record = on["core_us"] - off["core_us"]
-    print(f"{seqs} sequences, {ticks} ticks, {on['preemptions']:.0f} preemptions")
-    print(f"core tick (log off)            {off['core_us']:9.1f} us (median)")
-    print(f"core tick (log on)             {on['core_us']:9.1f} us  (+{record:.1f} recording)")
-    print(f"report: build+encode+publish   {on['report_us']:9.1f} us (median), "
-          f"{on['report_mean_us']:.1f} us mean, {on['bytes']:.0f} bytes")  # fmt: skip
-    share = (on["report_us"] + max(0.0, record)) / on["core_us"]
-    print(f"report cost / core tick        {share:9.2f}")
+    core_on = 1e6 * statistics.median(on.tick_s)
+    core_off = 1e6 * statistics.median(off.tick_s)
+    report = 1e6 * statistics.median(report_s)
+    record = core_on - core_off
+    preemptions = sum(on.core.preemptions.values())
+    print(f"{seqs} sequences, {ticks} ticks, {preemptions} preemptions (medians per tick)")
+    print(f"core tick, tick log off        {core_off:9.1f} us")
+    print(f"core tick, tick log on         {core_on:9.1f} us  ({record:+.1f} us recording)")
+    print(f"report: build+encode+publish   {report:9.1f} us "
+          f"({1e6 * statistics.fmean(report_s):.1f} us mean), "
+          f"{statistics.median(sizes):.0f} bytes")  # fmt: skip
+    cost = report + max(0.0, record)
+    print(f"report cost / core tick        {cost / core_on:9.3f}")
     for step_ms in (5, 30):
-        tick_us = on["core_us"] + 1000 * step_ms
-        print(
-            f"report cost / tick with a {step_ms:2d} ms step {share * on['core_us'] / tick_us:7.4f}"
-        )
+        share = cost / (core_on + 1000 * step_ms)
+        print(f"report cost / tick with a {step_ms:2d} ms step {share:7.4f}")
 
 
 def main() -> None:

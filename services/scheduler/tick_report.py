@@ -82,7 +82,7 @@ class TickLog:
     ) -> TickReport:
         """The tick's report (its phases in TICK_PHASES order); the next tick starts."""
         self.num_ticks += 1
-        report = TickReport.model_construct(
+        report = TickReport(
             scheduler=scheduler,
             worker=worker,
             tick=self.num_ticks,

@@ -6,7 +6,7 @@ Running sequences travel to the worker as diffs (`SequenceUpdate`), not as full 
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -244,6 +244,70 @@ class SchedulerLease(Message):
     # Spilling, in one word (services/gateway/metrics.spill_status), and the mode.
     spill_status: str = ""
     preemption_mode: str = ""
+
+
+# --- tick reports (sched.<id>.tick) ----------------------------------------------------
+
+TickPhaseName = Literal[
+    "deadline_sweep", "drain", "store_finished", "retire", "swap_in", "resume", "admit", "step"
+]
+# A tick's phases in the order every report lists them: the end-of-tick phases of the
+# seeds' loop, then admission (the next step's planning) and the step itself.
+TICK_PHASES: tuple[TickPhaseName, ...] = get_args(TickPhaseName)
+
+
+class RetiredRequest(Message):
+    request_id: str
+    finish_reason: FinishReason
+
+
+class PreemptedRequest(Message):
+    request_id: str
+    mode: Literal["recompute", "spill"]
+    # KV bytes it held: written to the spill store (spill) or dropped to be recomputed.
+    bytes: int = 0
+
+
+class SwappedInRequest(Message):
+    request_id: str
+    bytes: int = 0  # read back from the spill store (blocks still cached are not read)
+
+
+class AdmittedRequest(Message):
+    request_id: str
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache or the shared tier
+
+
+class TickPhase(Message):
+    """What one phase of one tick did, and how long it took. Lists name requests by id
+    only: no prompt or output text ever leaves in a report."""
+
+    name: TickPhaseName
+    seconds: float = 0.0
+    swept: list[str] = Field(default_factory=list)  # deadline_sweep: timed out
+    retired: list[RetiredRequest] = Field(default_factory=list)  # retire
+    swapped_in: list[SwappedInRequest] = Field(default_factory=list)  # swap_in
+    resumed: list[str] = Field(default_factory=list)  # resume: recomputed from tokens
+    admitted: list[AdmittedRequest] = Field(default_factory=list)  # admit
+    # admit (to make room for the step's rows), step (a worker out of memory)
+    preempted: list[PreemptedRequest] = Field(default_factory=list)
+    rows: int = 0  # step: rows applied
+    tokens: int = 0  # step: tokens computed (prefill and decode)
+    sampled: int = 0  # step: tokens generated
+
+
+class TickReport(Message):
+    """sched.<scheduler-id>.tick: one per tick of one worker's lane (`spillway top`)."""
+
+    scheduler: str
+    worker: str
+    tick: int  # counts this lane's ticks from 1
+    time: float  # Unix time the tick ended
+    phases: list[TickPhase]  # every phase of TICK_PHASES, in that order
+    running: int = 0
+    waiting: int = 0  # waiting for admission, and preempted ones waiting to recompute
+    swapped: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the worker's KV blocks in use
 
 
 # --- scheduler <-> worker --------------------------------------------------------------

@@ -52,6 +52,11 @@ def sched_register(scheduler_id: str) -> str:
     return f"sched.{scheduler_id}.register"
 
 
+def sched_tick(scheduler_id: str) -> str:
+    """publish, scheduler -> anyone allowed (`spillway top`): one TickReport per tick."""
+    return f"sched.{scheduler_id}.tick"
+
+
 def gateway_deltas(gateway_id: str) -> str:
     """publish, scheduler -> gateway: one DeltaBatch per tick per gateway."""
     return f"gateway.{gateway_id}.deltas"

@@ -1,7 +1,7 @@
 """The `spillway` command: `up` (the whole system), `serve <service>` (one service),
 `nats-config` (the users and permissions to put into an existing nats-server's config),
-`healthcheck` (a container's probe of the service inside it), `bench` (a load test) and
-`trace` (one request's trace as a timeline)."""
+`healthcheck` (a container's probe of the service inside it), `bench` (a load test),
+`trace` (one request's trace as a timeline) and `top` (a live view of the schedulers' ticks)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "trace", help="print one request's trace as a timeline, from a trace file or Jaeger"
     )
     add_trace_options(trace, defaults.trace_file)
+    top = sub.add_parser("top", help="live view of every scheduler's ticks (from sched.*.tick)")
+    top.add_argument("--nats-url", default=defaults.nats_url, help="the system's NATS server")
+    top.add_argument("--namespace", default=defaults.namespace, help="the system's namespace")
+    top.add_argument(
+        "--window", type=float, default=5.0, help="seconds the rates and phase times cover"
+    )
     return parser
 
 
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.nats_auth import print_config
 
         return print_config(args.namespace)
+    if args.command == "top":
+        from services.cli.top import top_main
+
+        return top_main(args.nats_url, args.namespace, args.window)
     if args.command == "bench":
         from services.cli.bench.command import bench_main
 

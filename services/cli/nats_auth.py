@@ -1,6 +1,7 @@
 """Who may speak on the bus: one NATS user per service with publish and subscribe
 permissions limited to its own subjects, and a `client` user for everyone else, allowed
-the public `llm.*` subjects only.
+the public `llm.*` subjects and to read the schedulers' tick reports (`sched.*.tick`,
+what `spillway top` shows).
 
 `spillway up` writes this into the config of a private nats-server (random passwords,
 handed to each child in its environment); `spillway nats-config` prints it for an
@@ -40,6 +41,7 @@ from shared.subjects import (
     gateway_deltas,
     sched_register,
     sched_submit,
+    sched_tick,
     worker_step,
 )
 
@@ -62,7 +64,9 @@ def permissions(user: str, namespace: str = "") -> Permissions:
     ns = Namespace(namespace).subject
     if user == CLIENT_USER:
         return Permissions(
-            publish=(ns(GENERATE), ns(ABORT), ns(MODELS)), subscribe=("_INBOX.>",), responds=False
+            publish=(ns(GENERATE), ns(ABORT), ns(MODELS)),
+            subscribe=("_INBOX.>", ns(sched_tick(ANY))),
+            responds=False,
         )
     own_inbox = f"{inbox_prefix(user)}.>"
     if user == "gateway":
@@ -89,6 +93,7 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 ns(SPILL_STATS),
                 ns(SPILL_DROP),
                 ns(SPILL_PREFIX_LOOKUP),
+                ns(sched_tick(ANY)),
             ),
             subscribe=(
                 ns(SCHED_SUBMIT),
@@ -192,5 +197,8 @@ def print_config(namespace: str = "") -> int:
             f"#   {service}: SPILLWAY_NATS_USER={service} "
             f"SPILLWAY_NATS_PASSWORD={passwords[service]}"
         )
-    print("# Clients connect without credentials (or as `client`) and may use llm.* only.")
+    print(
+        "# Clients connect without credentials (or as `client`) and may use llm.* only,"
+        " and read sched.*.tick."
+    )
     return 0

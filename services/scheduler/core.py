@@ -50,6 +50,7 @@ from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
 from services.scheduler.slots import SlotAllocator
 from services.scheduler.step_plan import make_row, worker_diff
 from services.scheduler.stopping import finish_reason_after_token
+from services.scheduler.tick_report import TickLog
 from shared.clock import Clock
 from shared.protocol import (
     ErrorInfo,
@@ -65,6 +66,7 @@ from shared.protocol import (
     StepPlan,
     StepResult,
     SubmitRequest,
+    TickReport,
     WorkerInfo,
 )
 
@@ -136,6 +138,8 @@ class SchedulerCore:
         # cap rises by one every OOM_RECOVERY_STEPS good steps until max_batch.
         self._row_cap: int | None = None
         self._good_steps = 0
+        # What this tick's phases did: a TickReport at its end (tick_report()).
+        self.ticks = TickLog()
 
     # --- worker ---------------------------------------------------------------------
 
@@ -368,6 +372,7 @@ class SchedulerCore:
         if self.blocks is None:
             return None
         start = self.clock.now()
+        self.ticks.current = "admit"
         self._retire_finished()
         if not self._inflight:
             self._swap_in()
@@ -388,7 +393,9 @@ class SchedulerCore:
         if sum(self.preemptions.values()) == preemptions_before:
             self._admit_waiting(scheduled)
         plan = self._build_plan(scheduled)
-        self.observer.phase_timed("schedule", start, self.clock.now())
+        end = self.clock.now()
+        self.observer.phase_timed("schedule", start, end)
+        self.ticks.timed("admit", end - start)
         return plan
 
     def _next_row_tokens(self, seq: Sequence, budget: int) -> int:
@@ -422,6 +429,8 @@ class SchedulerCore:
             )
         del self._inflight[plan.step_id]
         start = self.clock.now()
+        self.ticks.current = "step"
+        num_tokens = num_sampled = 0
         self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
         self._apply_loads(step, set(result.lost_seq_ids))
         sampled = {r.seq_id: r for r in result.rows}
@@ -432,6 +441,7 @@ class SchedulerCore:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # it finished while the step ran: the row is an over-run
             seq.num_computed_tokens += row.num_tokens
+            num_tokens += row.num_tokens
             self._commit_blocks(seq)
             if not row.sample:
                 continue
@@ -441,6 +451,8 @@ class SchedulerCore:
                 self._finish(seq, "error", missing)
             else:
                 self._append_token(seq, out)
+                num_sampled += 1
+        self.ticks.stepped(len(step.rows), num_tokens, num_sampled)
         self._observe_step(step, result)
         self._recover_row_cap()
         self.num_steps += 1
@@ -457,6 +469,7 @@ class SchedulerCore:
         step = self._inflight.pop(plan.step_id, None)
         if step is None:
             return self._take_news()
+        self.ticks.current = "step"
         live = self._void(step)
         if error.code == OUT_OF_MEMORY and len(live) > 1:
             victim = max(live, key=lambda s: s.rank)
@@ -574,9 +587,12 @@ class SchedulerCore:
         while self._deadlines and self._deadlines[0][0] <= t0:
             _, _, request_id = heapq.heappop(self._deadlines)
             seq = self._requests.get(request_id)
-            if seq is not None:
+            if seq is not None and not seq.is_finished:
                 self._finish(seq, "timeout")
-        self.observer.phase_timed("deadline_sweep", t0, self.clock.now())
+                self.ticks.swept(request_id)
+        t1 = self.clock.now()
+        self.observer.phase_timed("deadline_sweep", t0, t1)
+        self.ticks.timed("deadline_sweep", t1 - t0)
         return self._take_news()
 
     def must_drain(self) -> bool:
@@ -600,7 +616,15 @@ class SchedulerCore:
         self.observer.phase_timed("swap_in", t2, t3)
         if self.blocks is not None:
             self._resume_preempted()
-        self.observer.phase_timed("resume", t3, self.clock.now())
+        t4 = self.clock.now()
+        self.observer.phase_timed("resume", t3, t4)
+        for name, seconds in (
+            ("store_finished", t1 - t0),
+            ("retire", t2 - t1),
+            ("swap_in", t3 - t2),
+            ("resume", t4 - t3),
+        ):
+            self.ticks.timed(name, seconds)  # type: ignore[arg-type]
         return self._take_news()
 
     def end_tick(self) -> list[RequestDelta]:
@@ -659,6 +683,19 @@ class SchedulerCore:
     @property
     def kv_usage(self) -> float:
         return self.blocks.usage if self.blocks is not None else 0.0
+
+    def tick_report(self, scheduler: str, worker: str, time: float) -> TickReport:
+        """This tick's report (`time`: Unix time, from the shell); the next tick starts.
+        Waiting counts preempted sequences too: both wait for blocks."""
+        return self.ticks.take(
+            scheduler,
+            worker,
+            time,
+            running=len(self._running),
+            waiting=len(self._waiting) + len(self._preempted),
+            swapped=len(self._swapped),
+            kv_cache_usage=self.kv_usage,
+        )
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -783,6 +820,7 @@ class SchedulerCore:
             self._preempted.push(seq)
         seq.count_preemption(mode)
         self.preemptions[mode] += 1
+        self.ticks.preempted(seq.request_id, mode, num_blocks * self.worker.block_bytes)
         self.observer.request_preempted(seq, mode)
 
     def _cancel_load(self, seq: Sequence) -> bool:
@@ -876,6 +914,7 @@ class SchedulerCore:
                 return
             self._waiting.pop()
             scheduled[seq.request_id] = num_tokens
+            self.ticks.admitted(seq.request_id, seq.num_cached_tokens)
             self.observer.request_admitted(seq)
 
     def _start_running(self, seq: Sequence, budget: int, use_tier: bool) -> int | None:
@@ -1006,6 +1045,9 @@ class SchedulerCore:
         self._running[seq.request_id] = seq
         self.swap_ins += 1
         self.swap_in_cached_blocks += len(hits)
+        assert self.worker is not None
+        read_back = max(0, spilled.num_blocks - len(hits)) * self.worker.block_bytes
+        self.ticks.swapped_in(seq.request_id, read_back)
         if len(hits) < spilled.num_blocks:
             restore = KVRestore(
                 seq_id=seq.request_id,
@@ -1041,6 +1083,7 @@ class SchedulerCore:
             if self._start_running(seq, seq.num_tokens, use_tier=False) is None:
                 return
             self._preempted.pop()
+            self.ticks.resumed(seq.request_id)
             self.observer.request_resumed(seq)
 
     # --- internals: plans -----------------------------------------------------------
@@ -1219,6 +1262,7 @@ class SchedulerCore:
                 self._slots.release(seq.state_slot)
                 seq.state_slot = None
             del self._requests[seq.request_id]
+            self.ticks.retired(seq.request_id, seq.finish_reason or "error")
             self.observer.request_retired(seq)
         self._finishing = keep
 

@@ -7,7 +7,8 @@ computes while the others' results are applied.
     take the oldest step's result -> update_from_output
     end of tick: sweep_deadlines -> drain (if a finished sequence is in flight)
                  -> finish_tick (store finished, retire, swap-in, resume)
-    -> the news to the gateways; spill.drop for spills no longer needed
+    -> the news to the gateways; spill.drop for spills no longer needed;
+       the tick's report (what each phase did) on sched.<scheduler-id>.tick
 
 Between ticks, with nothing in flight, the lane follows its worker: a new registration
 of it (same id, new generation) is re-attached (its sequences recomputed there); a worker
@@ -31,7 +32,7 @@ from services.scheduler.tracing import SpanObserver
 from shared import subjects
 from shared.bus import Bus, BusError
 from shared.clock import Clock
-from shared.protocol import RequestDelta, StepPlan, StepResult
+from shared.protocol import RequestDelta, StepPlan, StepResult, TickReport
 from shared.waiting import wait_event
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LaneHost(Protocol):
 
     bus: Bus
     clock: Clock
+    scheduler_id: str
     tracer: SpanObserver
     timings: StepTimings
     stopping: bool
@@ -71,6 +73,8 @@ class LaneHost(Protocol):
     async def evacuate(self, lane: Lane) -> None: ...
 
     async def publish(self, deltas: list[RequestDelta], core: SchedulerCore) -> None: ...
+
+    async def publish_tick(self, report: TickReport) -> None: ...
 
 
 class Lane:
@@ -165,13 +169,16 @@ class Lane:
             deltas += self.core.end_tick()
             tracer.end_tick({"spillway.step.rows": 0})
             await self.host.publish(deltas, self.core)
+            await self._report_tick()
             return False
         step = self.inflight[0]
+        waited = time.perf_counter()
         result = await self._result_of(step)
         received = time.perf_counter()
         started = received
         rows = len(step.plan.rows)
         deltas += self._apply(result)
+        self.core.ticks.timed("step", time.perf_counter() - waited)
         deltas += self.core.sweep_deadlines()
         if self.core.must_drain():
             deltas += await self._drain_pipeline()
@@ -183,7 +190,12 @@ class Lane:
             self.core.check_integrity()
         tracer.end_tick({"spillway.step.rows": rows})
         await self.host.publish(deltas, self.core)
+        await self._report_tick()
         return True
+
+    async def _report_tick(self) -> None:
+        report = self.core.tick_report(self.host.scheduler_id, self.worker_id, time.time())
+        await self.host.publish_tick(report)
 
     def _fill_pipeline(self) -> None:
         """Plans and sends steps while the pipeline has room (two with run-ahead)."""
@@ -287,7 +299,9 @@ class Lane:
         deltas: list[RequestDelta] = []
         while self.inflight:
             deltas += self._apply(await self._result_of(self.inflight[0]))
-        self.host.tracer.phase_timed("drain", start, clock.now())
+        end = clock.now()
+        self.host.tracer.phase_timed("drain", start, end)
+        self.core.ticks.timed("drain", end - start)
         return deltas
 
     def void_inflight(self) -> None:

@@ -81,6 +81,7 @@ from shared.protocol import (
     StepResult,
     SubmitReply,
     SubmitRequest,
+    TickReport,
     WorkerInfo,
     WorkerLoad,
 )
@@ -657,6 +658,14 @@ class SchedulerService:
         spills its core no longer needs."""
         await self._publish(self._take_pending() + deltas)
         await self._publish_spill_drops(core.take_spill_drops())
+
+    async def publish_tick(self, report: TickReport) -> None:
+        """A lane's tick report, as its core made it (`spillway top` reads them). A
+        report the bus cannot take is dropped: the next tick's tells the same story."""
+        try:
+            await self.bus.publish(subjects.sched_tick(self.scheduler_id), report)
+        except Exception as e:  # the lane's tick is done: never let a report undo it
+            log.debug("tick report not published: %s", e)
 
     async def _publish(self, deltas: list[RequestDelta]) -> None:
         """One DeltaBatch per gateway holding every request of that gateway with news."""

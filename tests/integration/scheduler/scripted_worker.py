@@ -1,7 +1,8 @@
 """A worker test double on the real bus: registers (its heartbeats then name the scheduler
 that took it), heartbeats, answers steps with deterministic tokens, and can be told to
-fail a step, hold its steps, or fall silent. The scheduler's registration probe (a plan
-that changes nothing) is answered and not recorded."""
+fail a step, hold its steps, or fall silent; it may confirm every spill it is asked for
+(as if written) and log in as the `worker` NATS user. The scheduler's registration probe
+(a plan that changes nothing) is answered and not recorded."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from shared.protocol import (
     Heartbeat,
     RegisterReply,
     RowResult,
+    SpillOutcome,
     StepPlan,
     StepResult,
     WorkerInfo,
@@ -38,6 +40,8 @@ class ScriptedWorker:
         heartbeat_interval_s: float = 0.1,
         step_delay_s: float = 0.0,
         register_with: str | None = None,
+        confirm_spills: bool = False,
+        password: str | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.namespace = namespace
@@ -59,6 +63,8 @@ class ScriptedWorker:
             subjects.sched_register(register_with) if register_with else subjects.WORKER_REGISTER
         )
         self.step_delay_s = step_delay_s
+        self.confirm_spills = confirm_spills
+        self.password = password  # of the `worker` user, on a server with users
         self.plans: list[StepPlan] = []
         self.owner = ""  # the scheduler that took the registration
         self.fail_next_step = False
@@ -71,7 +77,14 @@ class ScriptedWorker:
         self.bus: Bus | None = None
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.nats_url, self.namespace, f"worker-{self.info.worker_id}")
+        self.bus = await Bus.connect(
+            self.nats_url,
+            self.namespace,
+            f"worker-{self.info.worker_id}",
+            service="worker" if self.password else None,
+            user="worker" if self.password else None,
+            password=self.password,
+        )
         await self.bus.serve(subjects.worker_step(self.info.worker_id), StepPlan, self._on_step)
         # The discover body is empty: no model to validate against.
         await self.bus.nc.subscribe(
@@ -134,4 +147,9 @@ class ScriptedWorker:
             if r.sample
         ]
         self.num_steps += 1
-        return StepResult(step_id=plan.step_id, rows=rows, forward_s=0.001)
+        spills = [
+            SpillOutcome(seq_id=s.seq_id, spill_id=s.spill_id, ok=True)
+            for s in plan.spills
+            if self.confirm_spills
+        ]
+        return StepResult(step_id=plan.step_id, rows=rows, forward_s=0.001, spills=spills)

@@ -45,7 +45,8 @@ USES = {
          "ns.sched.heartbeat", "_INBOX_gateway.abc.1"],
     ),
     "scheduler": (
-        ["ns.gateway.g1.deltas", "ns.worker.w1.step", "ns.worker.discover", "ns.sched.heartbeat"],
+        ["ns.gateway.g1.deltas", "ns.worker.w1.step", "ns.worker.discover", "ns.sched.heartbeat",
+         "ns.sched.s1.tick"],
         ["ns.sched.submit", "ns.sched.s1.submit", "ns.sched.s1.register", "ns.sched.abort",
          "ns.sched.stats", "ns.worker.register", "ns.worker.heartbeat", "ns.sched.heartbeat",
          "_INBOX_scheduler.x.1"],
@@ -85,6 +86,18 @@ def test_clients_may_use_the_public_subjects_only():
     for subject in INTERNAL:
         assert not allowed(p.publish, subject) and not allowed(p.subscribe, subject)
     assert not p.responds
+
+
+def test_clients_may_read_tick_reports_and_nothing_else_of_the_schedulers():
+    p = permissions(CLIENT_USER, "ns")
+    assert allowed(p.subscribe, "ns.sched.s1.tick")
+    assert not allowed(p.publish, "ns.sched.s1.tick")  # read only: no forged reports
+    for subject in ("other.sched.s1.tick", "ns.sched.s1.submit", "ns.sched.s1.register"):
+        assert not allowed(p.subscribe, subject), subject
+    # Only schedulers publish them.
+    for service in SERVICES:
+        may = allowed(permissions(service, "ns").publish, "ns.sched.s1.tick")
+        assert may == (service == "scheduler"), service
 
 
 def test_the_written_config_is_one_nats_server_accepts(tmp_path):

@@ -34,10 +34,10 @@ from kernels.bench import SECTIONS, Result, timer_for
 from kernels.bench import main as bench_main
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache, blocks_needed
-from services.worker.loader import ModelWeights
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner
 from services.worker.synthetic import synthetic_weights
+from services.worker.weights import ModelWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import resolve_model
 from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow

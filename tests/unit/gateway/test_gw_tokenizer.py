@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from services.gateway import tokenizer as tokenizer_module
 from services.gateway.chat_template import ChatTemplate, ChatTemplateError
 from services.gateway.tokenizer import load_tokenizer, load_tokenizer_folder
+from shared import tokenizer_files as tokenizer_module
 from shared.config import DEFAULT_MODEL
 from shared.model_files import ModelSource, resolve_model
 

@@ -64,9 +64,6 @@ class LoadedTokenizer:
         """The exact bytes one token stands for (a piece of a character for byte tokens)."""
         return _token_bytes(self, token_id)
 
-    def token_text(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
-
 
 @cache
 def _unicode_to_byte() -> dict[str, int]:

@@ -36,7 +36,7 @@ test: install
 	$(BIN)/python -m pytest -q -ra tests
 
 lint: install
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports --no-cache
 
 bench: install
 	$(BIN)/spillway bench --launch --compare --json bench-results/bench.json

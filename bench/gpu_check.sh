@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check: the GPU-marked tests, then the kernel and decode-step benchmark
-# (`python -m services.worker.decode_bench`, which runs `kernels.bench` plus the step), then a short
+# (`python -m bench.decode_step`, which runs `bench.kernels` plus the step), then a short
 # table of the targets. Run from the repository root on a CUDA machine:
 #
 #     bash bench/gpu_check.sh            # results in $OUT (default bench-results/)
@@ -59,7 +59,7 @@ timeout "$TEST_LIMIT_S" "$PY" -m pytest -m gpu -q -ra -p no:cacheprovider "${GPU
   2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout "$BENCH_LIMIT_S" "$PY" -m services.worker.decode_bench --out "$OUT/kernels.json" 2>&1 \
+timeout "$BENCH_LIMIT_S" "$PY" -m bench.decode_step --out "$OUT/kernels.json" 2>&1 \
   | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 

@@ -210,7 +210,7 @@ def main() -> None:
     tokenizer = load_tokenizer(source, Settings().cache_dir)
     report: dict = {"xgrammar_mask": summary(mask_times(tokenizer))}
     if args.compare_engines:
-        from services.gateway.tokenizer import cache_folder
+        from shared.tokenizer_files import cache_folder
 
         report["other_engines_mask"] = other_engines(
             tokenizer, cache_folder(source, Settings().cache_dir)

@@ -1,6 +1,6 @@
 """y = x W^T (+ b) for the projections, in the form the CPU runs fastest.
 
-Measured on the 2-core development machine (AVX2) with `python -m kernels.cpu_bench`: all
+Measured on the 2-core development machine (AVX2) with `python -m bench.cpu_kernels`: all
 121 projections of one SmolLM2-135M forward (float32, 2 threads, every layer its own
 weights streamed from memory), median ms of two runs:
 

@@ -119,10 +119,6 @@ class LeaseBook:
             if lease.worker_id and not lease.draining and lease.scheduler_id not in exclude
         ]
 
-    def pick_for_request(self, exclude: frozenset[str] = frozenset()) -> SchedulerLease | None:
-        """The least busy of those."""
-        return least(self.ready_for_request(exclude), load_of, self.rng)
-
     def pick_for_worker(self) -> SchedulerLease | None:
         """A live scheduler for a worker to join: one without a worker first, then the one
         with the fewest workers, so that the systems sharing a namespace each drive one."""

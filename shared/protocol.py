@@ -34,6 +34,9 @@ def decode(model: type[M], data: bytes) -> M:
 # A request a draining scheduler gives back before it produced anything (an error delta
 # with this code): the gateway submits it again to another scheduler.
 HANDED_BACK_CODE = "handed_back"
+# A step the worker could not run for lack of device memory (an error StepResult): the
+# scheduler sheds one victim and retries the rest.
+OUT_OF_MEMORY_CODE = "out_of_memory"
 
 
 class ErrorInfo(Message):

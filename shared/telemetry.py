@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -74,7 +73,3 @@ def extract(headers: Mapping[str, str] | None) -> Context:
         return Context()
     lowered = {k.lower(): v for k, v in headers.items()}
     return _propagator.extract(lowered)
-
-
-def span_context_header(span: trace.Span) -> dict[str, str]:
-    return inject(trace.set_span_in_context(span))

@@ -33,12 +33,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # eviction order
@@ -72,8 +71,6 @@ class BlockManager:
 
     def lookup(self, block_hashes: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest prefix of `block_hashes`."""
-        if not self.enable_caching:
-            return []
         hits: list[int] = []
         for h in block_hashes:
             block_id = self.hash_to_block.get(h)
@@ -101,9 +98,6 @@ class BlockManager:
         assert fresh is not None  # can_allocate said so
         return [*hits, *fresh]
 
-    def can_append_slots(self, block_ids: list[int], num_tokens: int) -> bool:
-        return max(0, self.blocks_for(num_tokens) - len(block_ids)) <= self.num_available_blocks
-
     def append_slots(self, block_ids: list[int], num_tokens: int) -> list[int] | None:
         """The new ids a sequence holding `block_ids` needs to cover `num_tokens` tokens
         ([] when it has enough; None on shortage). The caller extends its table."""
@@ -113,8 +107,6 @@ class BlockManager:
         """Registers the hashes of a sequence's full, computed blocks (pairwise: block i
         holds the tokens hashed by block_hashes[i]) so later lookups find them. A block
         whose hash another block already holds stays unregistered (a duplicate)."""
-        if not self.enable_caching:
-            return
         for block_id, h in zip(block_ids, block_hashes, strict=False):
             block = self.blocks[block_id]
             if block.block_hash is not None:

@@ -53,6 +53,7 @@ from services.scheduler.stopping import finish_reason_after_token
 from services.scheduler.tick_report import TickLog
 from shared.clock import Clock
 from shared.protocol import (
+    OUT_OF_MEMORY_CODE,
     ErrorInfo,
     FinishReason,
     KVRestore,
@@ -73,7 +74,6 @@ from shared.protocol import (
 log = logging.getLogger(__name__)
 
 NO_WORKER = ErrorInfo(status=503, message="no worker available", code="no_worker")
-OUT_OF_MEMORY = "out_of_memory"
 OOM_RECOVERY_STEPS = 32
 
 
@@ -165,7 +165,7 @@ class SchedulerCore:
                 self._unswap_to_recompute(seq)
         self._worker_must_forget.clear()
         self.worker = info
-        self.blocks = BlockManager(info.num_kv_blocks, info.block_size, self.config.prefix_cache)
+        self.blocks = BlockManager(info.num_kv_blocks, info.block_size)
         self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
         for seq in self._requests.values():
             seq.block_hashes.clear()  # chained from another root now
@@ -471,7 +471,7 @@ class SchedulerCore:
             return self._take_news()
         self.ticks.current = "step"
         live = self._void(step)
-        if error.code == OUT_OF_MEMORY and len(live) > 1:
+        if error.code == OUT_OF_MEMORY_CODE and len(live) > 1:
             victim = max(live, key=lambda s: s.rank)
             self._row_cap = len(live) - 1
             self._good_steps = 0
@@ -496,8 +496,6 @@ class SchedulerCore:
         if step is not None:
             self._void(step)
         self.observer.step_finished(plan)
-
-    abandon_step = void_step
 
     def _void(self, step: InflightStep) -> list[Sequence]:
         """Undoes a step's bookkeeping; returns the running sequences it had rows for."""
@@ -659,10 +657,6 @@ class SchedulerCore:
             or self._finishing
             or self._has_pending_orders()
         )
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
 
     @property
     def num_running(self) -> int:

@@ -132,10 +132,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
     def num_scheduled_tokens(self) -> int:
         """Tokens computed or on their way to be (in a step in flight)."""
         return self.num_computed_tokens + self.num_inflight_tokens

@@ -101,12 +101,6 @@ class CudaGraphCapture:
         return graph.replay
 
 
-def eager_capture(run: Callable[[], None]) -> Callable[[], None]:
-    """No graph: every replay runs the forward again on the same static buffers. The same
-    buffer plumbing then runs on the CPU (tests) and with graphs turned off."""
-    return run
-
-
 class DecodeGraphs:
     def __init__(
         self,

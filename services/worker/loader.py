@@ -21,48 +21,11 @@ import torch
 
 from kernels.cpu_info import cpu_flags
 from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
+from services.worker.weights import LayerWeights, ModelWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LayerWeights:
-    attn_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2 style) or None
-    o: torch.Tensor  # [H, Hq * D]
-    ffn_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]: gate rows first, then up
-    down: torch.Tensor  # [H, I]
-
-
-@dataclass
-class ModelWeights:
-    embed: torch.Tensor  # [V, H]
-    layers: list[LayerWeights]
-    norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
-    # Projection weights (by identity) whose values the model file's own blocks hold exactly:
-    # a few-row step can read those instead (0.625 bytes a weight for Q4_1, not 4). Only
-    # for float32 weights on the CPU loaded from GGUF.
-    blocks: list[tuple[torch.Tensor, BlockWeight]] = dataclasses.field(default_factory=list)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    def num_bytes(self) -> int:
-        tensors = [self.embed, self.norm, self.lm_head]
-        for layer in self.layers:
-            tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
-        unique = {t.data_ptr(): t for t in tensors if t is not None}
-        return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

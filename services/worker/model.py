@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kernels.cpu_decode_layers import Geometry
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache
-from services.worker.loader import LayerWeights, ModelWeights
+from services.worker.weights import LayerWeights, ModelWeights
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)

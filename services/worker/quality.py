@@ -13,12 +13,27 @@ from dataclasses import replace
 
 import torch
 
+from kernels.ops import TorchOps
 from services.worker.kv_cache import KVCache, blocks_needed
+from services.worker.loader import load_model
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner
+from shared.model_files import ModelSource
 from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 SEQ_ID = "perplexity"
+
+
+def perplexities(
+    source: ModelSource, token_ids: Sequence[int], modes: Sequence[str] = ("none", "int8")
+) -> dict[str, float]:
+    """Perplexity of token_ids under each quantization mode ("none": float32), on the CPU
+    over the same weights."""
+    config, weights = load_model(source, torch.device("cpu"), torch.float32)
+    return {
+        mode: perplexity(LlamaModel(config, weights, TorchOps(quantize=mode)), token_ids)
+        for mode in modes
+    }
 
 
 def perplexity(

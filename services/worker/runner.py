@@ -48,6 +48,7 @@ from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from shared.protocol import (
+    OUT_OF_MEMORY_CODE,
     ErrorInfo,
     KVSpill,
     RowResult,
@@ -79,9 +80,6 @@ class StepPhases:
 
 class PlanError(ValueError):
     """A plan the runner cannot carry out as given (the scheduler's mistake)."""
-
-
-OUT_OF_MEMORY = "out_of_memory"
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -163,7 +161,7 @@ class ModelRunner:
             if is_out_of_memory(e):
                 log.warning("step %d ran out of memory (%d rows)", plan.step_id, len(rows))
                 result.error = ErrorInfo(
-                    status=503, message=f"out of memory: {e}"[:500], code=OUT_OF_MEMORY
+                    status=503, message=f"out of memory: {e}"[:500], code=OUT_OF_MEMORY_CODE
                 )
             else:
                 log.exception("step %d failed", plan.step_id)
@@ -337,10 +335,6 @@ class ModelRunner:
         otherwise); all-decode steps of up to max(sizes) rows replay them from then on."""
         self.graphs = None  # the old graphs' memory goes back before the new ones take theirs
         self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, self.max_model_len, capture)
-
-    def build_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
-        """The step's index tensors on the model's device."""
-        return self.host_batch(rows).to(self.model.device)
 
     def host_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """The step's index tensors, built on the host (then moved in one copy per tensor)."""

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from services.gateway.tokenizer import load_tokenizer
 from services.worker.grammar import GrammarEngine
 from services.worker.sampler import RowSampling, apply_token_bitmask, sample
 from shared.config import Settings
@@ -41,6 +40,7 @@ from shared.protocol import (
     StepPlan,
 )
 from shared.regions import RegionMarkers, RegionTracker, detect_markers, marker_ids
+from shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ def load_sampling_states(
         log.info("%s has no tokenizer: no regions or grammars", source.model_id)
         return SamplingStates(config.eos_token_ids)
     tokenizer = load_tokenizer(source, settings.cache_dir)
-    template = tokenizer.chat_template.source if tokenizer.chat_template else None
+    template = tokenizer.chat_template_source
     markers = detect_markers(tokenizer.tokenizer.token_to_id, template, settings.region_markers)
     engine = GrammarEngine(
         tokenizer.token_bytes,

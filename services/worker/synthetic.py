@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.loader import LayerWeights, ModelWeights
+from services.worker.weights import LayerWeights, ModelWeights
 from shared.model_config import ModelConfig
 
 WEIGHT_STD = 0.02

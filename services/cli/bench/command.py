@@ -124,7 +124,7 @@ def build_requests(source: ModelSource, workload: Workload) -> list[BenchRequest
 
 
 def _tokenizer(source: ModelSource):
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer_files import load_tokenizer
 
     return load_tokenizer(source, load_settings().cache_dir)
 
@@ -228,7 +228,8 @@ def compare(
 
 
 def measure_perplexity(source: ModelSource) -> dict[str, float]:
-    from services.cli.bench.quality import perplexities, perplexity_lines
+    from services.cli.bench.quality import perplexity_lines
+    from services.worker.quality import perplexities
 
     ids = _tokenizer(source).encode(TEXT, add_special_tokens=False)
     results = perplexities(source, ids)

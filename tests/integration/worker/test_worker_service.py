@@ -27,7 +27,7 @@ from shared.protocol import (
     StepRow,
     WorkerInfo,
 )
-from shared.telemetry import Telemetry, span_context_header
+from shared.telemetry import Telemetry, inject
 from tests.unit.worker.tiny_llama import (
     TINY_VOCAB,
     tiny_runner,
@@ -196,7 +196,7 @@ async def test_traced_rows_get_worker_forward_spans(nats_url, tiny_llama_dir):
         await asyncio.wait_for(scheduler.registrations.get(), LOAD_TIMEOUT_S)
         caller = Telemetry("scheduler", None).tracer
         with caller.start_as_current_span("scheduler.row") as row_span:
-            traceparent = span_context_header(row_span)["traceparent"]
+            traceparent = inject(trace.set_span_in_context(row_span))["traceparent"]
         plan = _prefill_plan(1, "traced", traceparent=traceparent)
         result = await bus.request(subjects.worker_step("w-traced"), plan, StepResult, 30)
         assert result.error is None

@@ -9,14 +9,10 @@ import shutil
 
 import pytest
 
-from services.gateway.tokenizer import (
-    ModelTokenizer,
-    cache_folder,
-    convert_tokenizer,
-    load_tokenizer_folder,
-)
+from services.gateway.tokenizer import ModelTokenizer, load_tokenizer_folder
 from shared.config import DEFAULT_MODEL, Settings
 from shared.model_files import resolve_model
+from shared.tokenizer_files import cache_folder, convert_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from services.gateway import tokenizer as tokenizer_module
 from services.gateway.chat_template import ChatTemplate, ChatTemplateError
 from services.gateway.tokenizer import load_tokenizer, load_tokenizer_folder
+from shared import tokenizer_files as tokenizer_module
 from shared.config import DEFAULT_MODEL
 from shared.model_files import ModelSource, resolve_model
 
@@ -80,7 +80,7 @@ def test_token_bytes_rebuild_a_character_split_over_tokens(tokenizer):
     ids = tokenizer.encode(text)
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
     assert tokenizer.token_bytes(2) == b"<|im_end|>"
-    assert tokenizer.token_text(tokenizer.encode(" hello")[0]) == " hello"
+    assert tokenizer.token_bytes(tokenizer.encode(" hello")[0]) == b" hello"
 
 
 def test_conversion_is_cached_and_reused(converted, tmp_path, monkeypatch):

@@ -89,15 +89,6 @@ def test_a_block_whose_hash_is_cached_elsewhere_stays_unregistered():
     blocks.check_integrity(a)
 
 
-def test_caching_off_never_hits_and_frees_into_the_free_queue():
-    blocks = BlockManager(num_blocks=4, block_size=4, enable_caching=False)
-    a = blocks.allocate(8)
-    assert a is not None
-    blocks.commit(a, [1, 2])
-    blocks.free(a)
-    assert blocks.lookup([1, 2]) == [] and blocks.num_free_blocks == 4
-
-
 def test_integrity_check_catches_a_leaked_block():
     blocks = BlockManager(num_blocks=4, block_size=4)
     a = blocks.allocate(8)
@@ -147,17 +138,20 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 
 
 def test_prefix_cache_off_gives_the_same_tokens_and_no_hits():
-    def run(prefix_cache: bool) -> tuple[dict[str, Outcome], int]:
+    def run(prefix_cache: bool) -> tuple[dict[str, Outcome], int, int]:
         core, _ = make_core(num_kv_blocks=64, block_size=4, prefix_cache=prefix_cache)
         worker = FakeWorker(block_size=4)
         outcomes: dict[str, Outcome] = {}
         for i in range(4):
             submit(core, f"r{i}", prompt=_shared_prompt(13, i), max_tokens=6)
             run_to_completion(core, worker, outcomes)
-        return outcomes, core.prefix_hit_tokens
+        assert core.blocks is not None
+        return outcomes, core.prefix_hit_tokens, core.blocks.num_cached_blocks
 
-    cached, hits = run(True)
-    uncached, no_hits = run(False)
+    cached, hits, kept = run(True)
+    uncached, no_hits, none_kept = run(False)
     assert hits == 3 * 12 and no_hits == 0
+    # Off, finished blocks go straight back to the free queue: nothing is kept for reuse.
+    assert kept > 0 and none_kept == 0
     for rid in cached:
         assert cached[rid].token_ids == uncached[rid].token_ids == expected_tokens(rid, 6)

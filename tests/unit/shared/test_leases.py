@@ -7,7 +7,7 @@ import random
 
 from services.worker.ownership import Ownership
 from shared.clock import FakeClock
-from shared.leases import LeaseBook, StallGuard
+from shared.leases import LeaseBook, StallGuard, least, load_of
 from shared.protocol import SchedulerLease
 
 
@@ -69,9 +69,13 @@ def test_requests_go_to_the_least_busy_scheduler_that_can_serve():
     b.observe(lease("idle", running=1))
     b.observe(lease("no-worker", worker=None))
     b.observe(lease("draining", running=0, draining=True))
-    assert b.pick_for_request().scheduler_id == "idle"
-    assert b.pick_for_request(frozenset({"idle"})).scheduler_id == "busy"
-    assert b.pick_for_request(frozenset({"idle", "busy"})) is None
+
+    def pick(exclude: frozenset[str] = frozenset()) -> SchedulerLease | None:
+        return least(b.ready_for_request(exclude), load_of, b.rng)
+
+    assert pick().scheduler_id == "idle"
+    assert pick(frozenset({"idle"})).scheduler_id == "busy"
+    assert pick(frozenset({"idle", "busy"})) is None
 
 
 def test_workers_join_a_scheduler_without_a_worker_first():

@@ -31,7 +31,8 @@ def _prefill_logits(runner, prompt: list[int]) -> torch.Tensor:
         ],
     )
     runner.execute(plan)
-    batch = runner.build_batch([StepRow(seq_id="p", token_ids=prompt, start_pos=0, sample=True)])
+    row = StepRow(seq_id="p", token_ids=prompt, start_pos=0, sample=True)
+    batch = runner.host_batch([row]).to(runner.model.device)
     batch.logits_indices = torch.arange(len(prompt), device=runner.model.device)
     with torch.inference_mode():
         return runner.model.forward(batch, runner.kv_cache).cpu()

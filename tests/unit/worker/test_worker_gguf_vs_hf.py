@@ -65,7 +65,7 @@ def _logits_of_chunks(
     out, pos = [], 0
     for chunk in chunks:
         row = StepRow(seq_id=seq_id, token_ids=chunk, start_pos=pos, sample=True)
-        batch = runner.build_batch([row])
+        batch = runner.host_batch([row]).to(runner.model.device)
         batch.logits_indices = torch.arange(len(chunk))
         with torch.inference_mode():
             out.append(runner.model.forward(batch, runner.kv_cache))

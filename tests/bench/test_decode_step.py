@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-import kernels.bench
+import bench.kernels
+from bench import decode_step
+from bench.decode_step import SMALL_CONFIG, StepSetup, kv_bytes, weight_bytes_read
 from kernels.ops import TorchOps
-from services.worker import decode_bench
-from services.worker.decode_bench import SMALL_CONFIG, StepSetup, kv_bytes, weight_bytes_read
 
 TINY = dataclasses.replace(
     SMALL_CONFIG, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -28,19 +28,19 @@ def one_call_timer(monkeypatch):
         fn()
         return 1.0
 
-    monkeypatch.setattr(kernels.bench, "_time_cpu", once)
+    monkeypatch.setattr(bench.kernels, "_time_cpu", once)
 
 
 def test_the_section_checks_our_step_against_transformers(monkeypatch, one_call_timer):
     cases = [(3, 40), (2, 70), (64, 1024)]
     setup = StepSetup("tiny", TINY, torch.float32, cases, 1e-3)
-    monkeypatch.setattr(decode_bench, "setup_for", lambda device: setup)
+    monkeypatch.setattr(decode_step, "setup_for", lambda device: setup)
     # A device whose memory holds the first two configurations but not the third.
     big = kv_bytes(TINY, torch.float32, 64, 1024)
     monkeypatch.setattr(
-        decode_bench, "device_memory", lambda device: decode_bench.HEADROOM_BYTES + big - 1
+        decode_step, "device_memory", lambda device: decode_step.HEADROOM_BYTES + big - 1
     )
-    rows = decode_bench.bench_decode_step(torch.device("cpu"), TorchOps(), copy_gbps=None)
+    rows = decode_step.bench_decode_step(torch.device("cpu"), TorchOps(), copy_gbps=None)
     assert [r.shape for r in rows] == [
         "tiny B=3 ctx=40 float32 eager",
         "tiny B=2 ctx=70 float32 eager",
@@ -57,7 +57,7 @@ def test_the_section_checks_our_step_against_transformers(monkeypatch, one_call_
 
 
 def test_the_floor_counts_every_weight_but_the_unread_embedding_rows():
-    weights = decode_bench.synthetic_weights(TINY, torch.device("cpu"), torch.float32)
+    weights = decode_step.synthetic_weights(TINY, torch.device("cpu"), torch.float32)
     embed_bytes = TINY.vocab_size * TINY.hidden_size * 4
     assert weight_bytes_read(weights, 8) == weights.num_bytes() - embed_bytes + 8 * 128 * 4
     per_token = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4

@@ -3,23 +3,23 @@ asserted)."""
 
 from __future__ import annotations
 
-from kernels import cpu_bench
+from bench import cpu_kernels
 
 
 def test_cpu_bench_forms_agree_at_toy_sizes(capsys) -> None:
-    shape = cpu_bench.Shape(
+    shape = cpu_kernels.Shape(
         layers=2, hidden=32, intermediate=48, q_heads=4, kv_heads=2, head_dim=16, vocab=100
     )
-    rows = cpu_bench.bench_linear(shape, [1, 5], rounds=1)
-    rows += cpu_bench.bench_decode_attention(shape, batch=3, context=20, rounds=1)
+    rows = cpu_kernels.bench_linear(shape, [1, 5], rounds=1)
+    rows += cpu_kernels.bench_decode_attention(shape, batch=3, context=20, rounds=1)
     forms = {(r.name, r.form) for r in rows}
     assert ("linear", "mm(W, x^T)^T") in forms
     assert ("decode_attention", "TorchOps (shared per step)") in forms
     for row in rows:
         assert row.ms > 0 and row.max_abs_diff < 1e-4, row
-    assert "decode_attention" in cpu_bench.format_rows(rows)
+    assert "decode_attention" in cpu_kernels.format_rows(rows)
 
 
 def test_cpu_bench_main_prints_a_table(capsys) -> None:
-    assert cpu_bench.main(["--rows", "2", "--layers", "1", "--rounds", "1", "--batch", "2"]) == 0
+    assert cpu_kernels.main(["--rows", "2", "--layers", "1", "--rounds", "1", "--batch", "2"]) == 0
     assert "oneDNN packing" in capsys.readouterr().out

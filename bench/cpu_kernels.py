@@ -1,4 +1,4 @@
-"""CPU micro-benchmark of the torch path's choices: `python -m kernels.cpu_bench`.
+"""CPU micro-benchmark of the torch path's choices: `python -m bench.cpu_kernels`.
 
 Times, at a small Llama's sizes (SmolLM2-135M by default), the forms `kernels.linear` chose
 between for the projections and the decode attention with and without what `TorchOps`
@@ -149,7 +149,7 @@ def format_rows(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.cpu_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 400])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=100)

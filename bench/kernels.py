@@ -1,5 +1,5 @@
 """Kernel benchmark: checks each operation once against an independent torch computation,
-then times it. Run `python -m kernels.bench [--out FILE]`.
+then times it. Run `python -m bench.kernels [--out FILE]`.
 
 On CUDA the Triton backend is measured at serving sizes and each memory-bound kernel's
 achieved bandwidth is set against a plain device-to-device copy, the practical ceiling. On
@@ -336,7 +336,7 @@ def bench_kernels(device: torch.device, ops: KernelOps, copy_gbps: float | None)
 
 
 # Further sections plug in beside the kernels (the worker's whole decode step does, from
-# `python -m services.worker.decode_bench`): each takes (device, ops, copy_gbps) and returns
+# `python -m bench.decode_step`): each takes (device, ops, copy_gbps) and returns
 # rows for the table and the JSON file.
 Section = Callable[[torch.device, KernelOps, float | None], list[Result]]
 SECTIONS: dict[str, Section] = {"kernels": bench_kernels}
@@ -375,7 +375,7 @@ def device_name(device: torch.device) -> str:
 def main(
     argv: list[str] | None = None,
     sections: dict[str, Section] | None = None,
-    prog: str = "python -m kernels.bench",
+    prog: str = "python -m bench.kernels",
 ) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")

@@ -8,15 +8,15 @@ import torch
 
 
 def test_bench_checks_every_kernel_and_writes_json(tmp_path, monkeypatch) -> None:
-    from kernels import bench
+    from bench import kernels as kernel_bench
 
     def once(fn):  # one timed call is enough to exercise the path
         fn()
         return 1.0
 
-    monkeypatch.setattr(bench, "_time_cpu", once)
+    monkeypatch.setattr(kernel_bench, "_time_cpu", once)
     out = tmp_path / "figures" / "kernels.json"
-    assert bench.main(["--out", str(out), "--device", "cpu", "--backend", "torch"]) == 0
+    assert kernel_bench.main(["--out", str(out), "--device", "cpu", "--backend", "torch"]) == 0
     report = json.loads(out.read_text())
     assert report["backend"] == "torch" and report["copy_bandwidth_gbps"] is None
     names = {row["name"] for row in report["kernels"]}
@@ -35,7 +35,7 @@ def test_bench_checks_every_kernel_and_writes_json(tmp_path, monkeypatch) -> Non
 
 
 def test_bench_flags_a_wrong_result(monkeypatch) -> None:
-    from kernels import bench
+    from bench import kernels as kernel_bench
     from kernels.ops import TorchOps
 
     class OffByOne(TorchOps):
@@ -43,7 +43,7 @@ def test_bench_flags_a_wrong_result(monkeypatch) -> None:
             normed, residual = super().fused_add_rms_norm(x, residual, weight, eps, out=out)
             return normed + 1, residual
 
-    monkeypatch.setattr(bench, "_time_cpu", lambda fn: (fn(), 1.0)[1])
-    case = bench.rms_norm_case(8, 64, torch.float32, torch.device("cpu"))
-    result = bench.measure(case, OffByOne(), torch.device("cpu"), None)
+    monkeypatch.setattr(kernel_bench, "_time_cpu", lambda fn: (fn(), 1.0)[1])
+    case = kernel_bench.rms_norm_case(8, 64, torch.float32, torch.device("cpu"))
+    result = kernel_bench.measure(case, OffByOne(), torch.device("cpu"), None)
     assert not result.ok and result.rel_error > 0.1

@@ -1,5 +1,5 @@
-"""The worker's whole decode step, measured: `python -m services.worker.decode_bench` runs
-the kernel benchmark (`kernels.bench`) with this step as its `decode_step` section.
+"""The worker's whole decode step, measured: `python -m bench.decode_step` runs
+the kernel benchmark (`bench.kernels`) with this step as its `decode_step` section.
 
 A synthetic model (random weights made on the device) decodes one token for each of B rows
 whose caches already hold `context - 1` tokens (random keys and values: attention costs the
@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from kernels.bench import SECTIONS, Result, timer_for
-from kernels.bench import main as bench_main
+from bench.kernels import SECTIONS, Result, timer_for
+from bench.kernels import main as bench_main
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache, blocks_needed
-from services.worker.loader import ModelWeights
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner
 from services.worker.synthetic import synthetic_weights
+from services.worker.weights import ModelWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import resolve_model
 from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
@@ -133,7 +133,7 @@ class _Case:
 
 
 def bench_decode_step(device: torch.device, ops: KernelOps, copy_gbps: float | None) -> list:
-    """Rows (`kernels.bench.Result`) for each configuration, skipped ones included."""
+    """Rows (`bench.kernels.Result`) for each configuration, skipped ones included."""
     timer = timer_for(device)
     setup = setup_for(device)
     config, dtype = setup.config, setup.dtype
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     return bench_main(
         argv,
         sections={**SECTIONS, "decode_step": bench_decode_step},
-        prog="python -m services.worker.decode_bench",
+        prog="python -m bench.decode_step",
     )
 
 

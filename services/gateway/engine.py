@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
-from pydantic import ValidationError
 
 from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
 from services.gateway.errors import ApiError
@@ -51,7 +50,6 @@ from shared.protocol import (
     StatsRequest,
     SubmitReply,
     SubmitRequest,
-    decode,
 )
 from shared.regions import RegionMarkers
 from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas, sched_submit
@@ -307,8 +305,8 @@ class GatewayEngine:
         self._idle.set()
 
     async def start(self) -> None:
-        subject = self.bus.subject(gateway_deltas(self.gateway_id))
-        self._sub = await self.bus.nc.subscribe(subject, cb=self._on_deltas)
+        subject = gateway_deltas(self.gateway_id)
+        self._sub = await self.bus.subscribe(subject, DeltaBatch, self._on_deltas)
         await self.schedulers.start()
         await self.bus.settle()
 
@@ -322,13 +320,8 @@ class GatewayEngine:
     def num_active(self) -> int:
         return len(self._runs)
 
-    async def _on_deltas(self, msg: Msg) -> None:
+    async def _on_deltas(self, batch: DeltaBatch, ctx: Context, msg: Msg) -> None:
         received_at = self.clock.now()
-        try:
-            batch = decode(DeltaBatch, msg.data)
-        except (ValidationError, ValueError):
-            log.warning("dropped a malformed delta batch on %s", msg.subject)
-            return
         sender = sender_of(msg)
         for delta in batch.deltas:
             run = self._routes.get(delta.request_id)

@@ -54,7 +54,6 @@ from shared.protocol import (
     StepPlan,
     StepResult,
     WorkerInfo,
-    decode,
 )
 from shared.telemetry import Telemetry, extract
 from shared.waiting import raise_if_cancelled, wait_event
@@ -162,11 +161,9 @@ class WorkerService:
             subjects.worker_step(self.info.worker_id), StepPlan, self._on_step
         )
         # worker.discover has an empty body: no model to validate against.
-        discover_sub = await self.bus.nc.subscribe(
-            self.bus.subject(subjects.WORKER_DISCOVER), cb=self._on_discover
-        )
-        lease_sub = await self.bus.nc.subscribe(
-            self.bus.subject(subjects.SCHED_HEARTBEAT), cb=self._on_lease
+        discover_sub = await self.bus.subscribe(subjects.WORKER_DISCOVER, bytes, self._on_discover)
+        lease_sub = await self.bus.subscribe(
+            subjects.SCHED_HEARTBEAT, SchedulerLease, self._on_lease
         )
         await self.bus.settle()
         self._register("starting")
@@ -261,17 +258,13 @@ class WorkerService:
             self.heartbeat.kick()
             return
 
-    async def _on_discover(self, raw: Msg) -> None:
+    async def _on_discover(self, _: bytes, ctx: Context, raw: Msg) -> None:
         why = self.ownership.why_register(self.leases)
         if why is not None:
             self._register(why)
 
-    async def _on_lease(self, raw: Msg) -> None:
-        try:
-            self.leases.observe(decode(SchedulerLease, raw.data))
-        except ValueError:  # pydantic's ValidationError included
-            log.warning("ignored a malformed lease on %s", raw.subject)
-            return
+    async def _on_lease(self, lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
+        self.leases.observe(lease)
         self._heard_lease.set()
 
     async def _watch_scheduler(self) -> None:

@@ -334,6 +334,10 @@ class KVSpill(Message):
     spill_id: int
     block_ids: list[int]
 
+    # W3C traceparent of the scheduler's span for this order, when traces are exported:
+    # the worker's span for its I/O becomes its child (a step serves many requests).
+    traceparent: str | None = None
+
 
 class KVRestore(Message):
     """Read a spilled sequence's blocks back, in order, into `block_ids`, starting at
@@ -344,6 +348,10 @@ class KVRestore(Message):
     spill_id: int
     block_ids: list[int]
     first_block: int = Field(default=0, ge=0)
+
+    # W3C traceparent of the scheduler's span for this order, when traces are exported:
+    # the worker's span for its I/O becomes its child (a step serves many requests).
+    traceparent: str | None = None
 
 
 class PrefixBlock(Message):

@@ -197,8 +197,11 @@ class Lane:
             if plan is None:
                 return
             subject = subjects.worker_step(self.worker_id)
+            context = self.host.tracer.step_sent(plan)
             reply = asyncio.ensure_future(
-                self.host.bus.request(subject, plan, StepResult, timeout=self.host.step_timeout_s)
+                self.host.bus.request(
+                    subject, plan, StepResult, timeout=self.host.step_timeout_s, context=context
+                )
             )
             reply.add_done_callback(_retrieve)
             self.inflight.append(_Step(plan, time.perf_counter(), reply))
@@ -284,6 +287,7 @@ class Lane:
         be written by one); their rows for finished sequences are over-runs, discarded."""
         clock = self.host.clock
         start = clock.now()
+        self.host.tracer.begin_drain()
         deltas: list[RequestDelta] = []
         while self.inflight:
             deltas += self._apply(await self._result_of(self.inflight[0]))

@@ -62,10 +62,15 @@ def test_while_exporting_rows_carry_their_step_span_as_traceparent():
         if s.name in ("scheduler.prefill", "scheduler.decode")
     }
     rows = [r for p in worker.plans for r in p.rows]
-    assert len(step_spans) == len(rows) == 4  # two prefill chunks, two decode steps
+    # Two prefill chunks, then two decode steps aggregated into one decode span.
+    assert len(rows) == 4 and len(step_spans) == 3
     for row in rows:
         assert row.traceparent is not None
         assert row.traceparent.split("-")[2] in step_spans
+    (decode,) = [s for s in step_spans.values() if s.name == "scheduler.decode"]
+    assert decode.attributes["spillway.decode.steps"] == 2
+    assert decode.attributes["spillway.decode.tokens"] == 2
+    assert rows[2].traceparent == rows[3].traceparent
     ticks = [s for s in spans if s.name == "scheduler.tick"]
     phases = [s for s in spans if s.name == "scheduler.deadline_sweep"]
     assert ticks and len(phases) == len(ticks)

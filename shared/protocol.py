@@ -469,6 +469,7 @@ class PrefixLookup(Message):
     chained block hashes (hex, in order) the shared prefix tier holds, from the first."""
 
     block_hashes: list[str]
+    request_id: str | None = None  # the request it is asked for (its trace's spans say so)
 
 
 class PrefixLookupReply(Message):

@@ -320,7 +320,7 @@ class SchedulerService:
         hashes = core.prefix_lookup_hashes(req.prompt_token_ids)
         if not hashes:
             return None
-        lookup = PrefixLookup(block_hashes=[hash_hex(h) for h in hashes])
+        lookup = PrefixLookup(block_hashes=[hash_hex(h) for h in hashes], request_id=req.request_id)
         try:
             reply = await self.bus.request(
                 subjects.SPILL_PREFIX_LOOKUP, lookup, PrefixLookupReply, TIER_LOOKUP_TIMEOUT_S

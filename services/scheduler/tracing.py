@@ -21,7 +21,7 @@ context), every span carrying `spillway.request.id`:
                            so that within one they come in that order
 
 Per lane tick, while exporting, a `scheduler.tick` span holds the phases that touched no
-request, and each step a `scheduler.step` span with a link to every request row it
+request, and each step a `scheduler.batch` span with a link to every request row it
 carries; the step message carries its context to the worker, the plan's rows, spills and
 restores their request's.
 """
@@ -200,7 +200,7 @@ class SpanObserver:
         lane = self._lane.get()
         parent = trace.set_span_in_context(lane.span) if lane and lane.span else Context()
         span = self.tracer.start_span(
-            "scheduler.step",
+            "scheduler.batch",
             context=parent,
             links=links,
             attributes={

@@ -275,8 +275,15 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             span.set_attribute("spillway.kv.bytes", freed)
 
     async def on_lookup(req: PrefixLookup, ctx: Context, raw: Msg) -> PrefixLookupReply:
-        with tel.tracer.start_as_current_span("spillstore.prefix_lookup", context=ctx):
-            return PrefixLookupReply(num_hits=await store.lookup(req.block_hashes))
+        attributes = {"spillway.request.id": req.request_id} if req.request_id else None
+        with tel.tracer.start_as_current_span(
+            "spillstore.prefix_lookup", context=ctx, attributes=attributes
+        ) as span:
+            hits = await store.lookup(req.block_hashes)
+            span.set_attributes(
+                {"spillway.prefix.blocks": len(req.block_hashes), "spillway.prefix.hits": hits}
+            )
+            return PrefixLookupReply(num_hits=hits)
 
     async def on_heartbeat(beat: Heartbeat, ctx: Context, raw: Msg) -> None:
         store.ledger.worker_alive(beat.info.worker_id, store.clock())

@@ -1,10 +1,10 @@
 """The worker's trace spans of its steps (made only while traces are exported).
 
-- `worker.forward`: one per step, the child of the scheduler's `scheduler.step` (the step
+- `worker.forward`: one per step, the child of the scheduler's `scheduler.batch` (the step
   message's context), covering the forward, with a link to every request row it served.
-- Per request, in its trace (every span carrying `spillway.request.id`): `worker.prefill`
-  per chunk and `worker.decode` per run of consecutive decode steps (never one per
-  token), children of the scheduler's row span (the row's traceparent): a run is one
+- Per request, in its trace (every span carrying `spillway.request.id`): `worker.sequence`,
+  its share of the forwards, one per scheduler row span (a prefill chunk, or a run of
+  consecutive decode steps: never one per token), that span's child: a run is one
   traceparent over consecutive steps, made into a span when it ends (another traceparent
   for the sequence, the sequence finished or preempted, or an idle flush).
 - `worker.kv.spill` / `worker.kv.restore`: each spill and restore, with bytes and
@@ -31,7 +31,6 @@ class _Run:
     """A row span's consecutive steps on this worker."""
 
     traceparent: str
-    kind: str  # "prefill" or "decode"
     start_ns: int
     end_ns: int
     steps: int = 0
@@ -92,9 +91,7 @@ class StepSpans:
             if run is None or run.traceparent != row.traceparent:
                 if run is not None:
                     self._emit(row.seq_id, run)
-                one_token = row.feed_last or (row.sample and len(row.token_ids) == 1)
-                kind = "decode" if one_token else "prefill"
-                run = _Run(row.traceparent, kind, start_ns, end_ns)
+                run = _Run(row.traceparent, start_ns, end_ns)
                 self._runs[row.seq_id] = run
             run.steps += 1
             run.tokens += len(row.token_ids) or 1
@@ -115,7 +112,7 @@ class StepSpans:
 
     def _emit(self, seq_id: str, run: _Run) -> None:
         span = self.tracer.start_span(
-            f"worker.{run.kind}",
+            "worker.sequence",
             context=extract({"traceparent": run.traceparent}),
             start_time=run.start_ns,
             attributes={

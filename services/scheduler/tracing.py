@@ -42,7 +42,7 @@ from services.scheduler.observer import Phase, PreemptionMode, RowKind
 from services.scheduler.sequence import Sequence
 from shared.clock import Clock
 from shared.protocol import ErrorInfo, StepPlan, StepResult, StepRow, SubmitRequest
-from shared.telemetry import Telemetry, extract, inject
+from shared.telemetry import Telemetry, inject
 
 REQUEST_ID = "spillway.request.id"
 # The core's phase names that the seeds call otherwise: planning a step admits, applying
@@ -90,6 +90,8 @@ class _RequestSpans:
     # finish in the order they were sent. None stands for a row of the decode run.
     rows: deque[Span | None] = field(default_factory=deque)
     decode: _DecodeRun | None = None
+    # The span of its row in the plan built last (the step span links to it).
+    last_row: trace.SpanContext | None = None
     spill: tuple[int, Span] | None = None  # (spill id, span) until the write is known
     restore: Span | None = None  # until the read is known
     num_blocks_spilled: int = 0
@@ -192,11 +194,11 @@ class SpanObserver:
             spans = self._spans.get(restore.seq_id)
             if spans is not None and spans.restore is not None:
                 restore.traceparent = _traceparent(spans.restore)
-        links = [
-            Link(ctx, {REQUEST_ID: row.seq_id})
-            for row in plan.rows
-            if (ctx := _span_context(row.traceparent)) is not None
-        ]
+        links = []
+        for row in plan.rows:
+            spans = self._spans.get(row.seq_id)
+            if spans is not None and spans.last_row is not None:
+                links.append(Link(spans.last_row, {REQUEST_ID: row.seq_id}))
         lane = self._lane.get()
         parent = trace.set_span_in_context(lane.span) if lane and lane.span else Context()
         span = self.tracer.start_span(
@@ -280,6 +282,7 @@ class SpanObserver:
                 spans.decode = _DecodeRun(span, _traceparent(span), seq.num_output_tokens)
             spans.decode.steps += 1
             spans.rows.append(None)
+            spans.last_row = spans.decode.span.get_span_context()
             return spans.decode.traceparent
         self._end_decode(spans, seq)
         span = self._child(
@@ -293,6 +296,7 @@ class SpanObserver:
             },
         )
         spans.rows.append(span)
+        spans.last_row = span.get_span_context()
         return _traceparent(span) if self.tel.exporting else None
 
     def step_finished(self, plan: StepPlan, result: StepResult | None = None) -> None:
@@ -589,13 +593,6 @@ class SpanObserver:
 
 def _traceparent(span: Span) -> str | None:
     return inject(trace.set_span_in_context(span)).get("traceparent")
-
-
-def _span_context(traceparent: str | None) -> trace.SpanContext | None:
-    if not traceparent:
-        return None
-    ctx = trace.get_current_span(extract({"traceparent": traceparent})).get_span_context()
-    return ctx if ctx.is_valid else None
 
 
 def _seed_index(phase: str) -> int:

@@ -31,6 +31,7 @@ class _Run:
     """A row span's consecutive steps on this worker."""
 
     traceparent: str
+    context: trace.SpanContext | None  # the scheduler's row span (parsed once per run)
     start_ns: int
     end_ns: int
     steps: int = 0
@@ -63,11 +64,23 @@ class StepSpans:
             return spills
         start_ns, end_ns = forward_ns
         ran = result.error is None
-        links = [
-            Link(span_ctx, {REQUEST_ID: row.seq_id})
-            for row in plan.rows
-            if (span_ctx := _span_context(row.traceparent)) is not None
-        ]
+        links: list[Link] = []
+        for row in plan.rows:
+            if not row.traceparent:
+                continue
+            run = self._runs.get(row.seq_id)
+            if run is None or run.traceparent != row.traceparent:
+                if run is not None:
+                    self._emit(row.seq_id, run)
+                run = _Run(row.traceparent, _span_context(row.traceparent), start_ns, end_ns)
+                self._runs[row.seq_id] = run
+            run.steps += 1
+            run.tokens += len(row.token_ids) or 1
+            run.end_ns = end_ns
+            if not ran:
+                run.error = result.error.message if result.error else "failed"
+            if run.context is not None:
+                links.append(Link(run.context, {REQUEST_ID: row.seq_id}))
         forward = self.tracer.start_span(
             "worker.forward",
             context=ctx,
@@ -84,20 +97,6 @@ class StepSpans:
             assert result.error is not None
             forward.set_status(Status(StatusCode.ERROR, result.error.message))
         forward.end(end_time=end_ns if ran else None)
-        for row in plan.rows:
-            if not row.traceparent:
-                continue
-            run = self._runs.get(row.seq_id)
-            if run is None or run.traceparent != row.traceparent:
-                if run is not None:
-                    self._emit(row.seq_id, run)
-                run = _Run(row.traceparent, start_ns, end_ns)
-                self._runs[row.seq_id] = run
-            run.steps += 1
-            run.tokens += len(row.token_ids) or 1
-            run.end_ns = end_ns
-            if not ran:
-                run.error = result.error.message if result.error else "failed"
         return spills
 
     def flush(self) -> None:
@@ -113,7 +112,9 @@ class StepSpans:
     def _emit(self, seq_id: str, run: _Run) -> None:
         span = self.tracer.start_span(
             "worker.sequence",
-            context=extract({"traceparent": run.traceparent}),
+            context=trace.set_span_in_context(trace.NonRecordingSpan(run.context))
+            if run.context is not None
+            else None,
             start_time=run.start_ns,
             attributes={
                 REQUEST_ID: seq_id,

@@ -248,7 +248,7 @@ class RequestRun:
         reason = step.finish_reason or "error"
         self._engine.metrics.on_finished(self._timers[step.index], reason, self._engine.clock.now())
         if abort:
-            await self._engine.abort([request_id])
+            await self._engine.abort([request_id], self.context)
 
     async def close(self) -> None:
         """Releases the run; sequences still generating (client gone) are aborted now."""
@@ -256,7 +256,8 @@ class RequestRun:
         for output in unfinished:
             await self._on_finished(output.end("abort"), abort=False)
         if unfinished:
-            await self._engine.abort([self.request_ids[o.index] for o in unfinished])
+            ids = [self.request_ids[o.index] for o in unfinished]
+            await self._engine.abort(ids, self.context)
         self._engine.forget(self)
 
 
@@ -373,7 +374,7 @@ class GatewayEngine:
         try:
             await asyncio.gather(*(self._submit_one(run, i, target) for i in range(len(ids))))
         except BaseException:
-            await self.abort(ids)
+            await self.abort(ids, run.context)
             for rid in ids:
                 self.release(rid)
             self.forget(run)
@@ -392,7 +393,7 @@ class GatewayEngine:
         self._routes[new_id] = run
         old_id = run.move(index, new_id)
         self.release(old_id)
-        await self.abort([old_id])
+        await self.abort([old_id], run.context)
         deadline = self.clock.now() + self.replay_timeout_s
         if run.deadline_at is not None:
             deadline = min(deadline, run.deadline_at)
@@ -486,11 +487,13 @@ class GatewayEngine:
             return False
         return True
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], context: Context | None = None) -> None:
+        """Tells the schedulers to drop these requests (in their request's trace)."""
         if not request_ids:
             return
         try:
-            await self.bus.publish(SCHED_ABORT, AbortRequest(request_ids=request_ids))
+            message = AbortRequest(request_ids=request_ids)
+            await self.bus.publish(SCHED_ABORT, message, context=context)
         except Exception:  # the bus is gone (shutdown): the scheduler's deadline frees them
             log.warning("could not publish an abort for %s", request_ids)
 

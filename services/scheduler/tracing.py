@@ -198,7 +198,9 @@ class SpanObserver:
         for row in plan.rows:
             spans = self._spans.get(row.seq_id)
             if spans is not None and spans.last_row is not None:
-                links.append(Link(spans.last_row, {REQUEST_ID: row.seq_id}))
+                # No attributes on links: the linked span names its request, and a
+                # link's attributes double what encoding a batch's links costs.
+                links.append(Link(spans.last_row))
         lane = self._lane.get()
         parent = trace.set_span_in_context(lane.span) if lane and lane.span else Context()
         span = self.tracer.start_span(

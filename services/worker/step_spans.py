@@ -80,7 +80,7 @@ class StepSpans:
             if not ran:
                 run.error = result.error.message if result.error else "failed"
             if run.context is not None:
-                links.append(Link(run.context, {REQUEST_ID: row.seq_id}))
+                links.append(Link(run.context))  # the linked span names its request
         forward = self.tracer.start_span(
             "worker.forward",
             context=ctx,

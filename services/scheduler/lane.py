@@ -120,6 +120,7 @@ class Lane:
             self.wake.clear()
             try:
                 if not self.inflight and await self._follow_worker():
+                    self.host.tracer.end_lane()
                     return
                 progressed = await self._tick()
             except asyncio.CancelledError:

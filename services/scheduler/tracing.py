@@ -174,6 +174,21 @@ class SpanObserver:
             lane.span.end()
             lane.span = None
 
+    def end_lane(self) -> None:
+        """The lane's loop ends (its worker left): what it retired outside any phase gets
+        its retire span now, and its request span ends."""
+        lane = self._lane.get()
+        if lane is None:
+            return
+        now = self.clock.now()
+        touched, lane.touched = lane.touched, {}
+        for request_id in touched:
+            spans = self._retired.pop(request_id, None)
+            if spans is not None:
+                retire = [t for t in touched[request_id] if t.phase == "retire"]
+                self._phase_span(spans, "retire", now, now, lane, retire)
+                spans.request.end()
+
     def begin_drain(self) -> None:
         """The steps applied from now until the drain phase is timed belong to it."""
         lane = self._lane.get()

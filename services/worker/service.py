@@ -178,6 +178,7 @@ class WorkerService:
             await stop.wait()
             await self._drain()
         finally:
+            self.spans.flush()  # the runs still open end with the worker
             await self.heartbeat.stop()
             tasks = [t for t in (watch, self._registering) if t is not None]
             for task in tasks:

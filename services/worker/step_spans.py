@@ -1,12 +1,12 @@
 """The worker's trace spans of its steps (made only while traces are exported).
 
-- `worker.forward`: one per step, the child of the scheduler's `scheduler.batch` (the step
+- `worker.batch`: one per step, the child of the scheduler's `scheduler.batch` (the step
   message's context), covering the forward, with a link to every request row it served.
-- Per request, in its trace (every span carrying `spillway.request.id`): `worker.sequence`,
+- Per request, in its trace (every span carrying `spillway.request.id`): `worker.forward`,
   its share of the forwards, one per scheduler row span (a prefill chunk, or a run of
   consecutive decode steps: never one per token), that span's child: a run is one
   traceparent over consecutive steps, made into a span when it ends (another traceparent
-  for the sequence, the sequence finished or preempted, or an idle flush).
+  for the sequence, the sequence finished or preempted, an idle moment, the worker's stop).
 - `worker.kv.spill` / `worker.kv.restore`: each spill and restore, with bytes and
   seconds, children of the scheduler's `scheduler.spill` / `scheduler.restore`.
 """
@@ -34,6 +34,8 @@ class _Run:
     context: trace.SpanContext | None  # the scheduler's row span (parsed once per run)
     start_ns: int
     end_ns: int
+    batch_rows: int = 0  # the size of the step that began it
+    batch_tokens: int = 0
     steps: int = 0
     tokens: int = 0
     error: str | None = None
@@ -64,6 +66,7 @@ class StepSpans:
             return spills
         start_ns, end_ns = forward_ns
         ran = result.error is None
+        batch_tokens = sum(len(row.token_ids) or 1 for row in plan.rows)
         links: list[Link] = []
         for row in plan.rows:
             if not row.traceparent:
@@ -73,6 +76,7 @@ class StepSpans:
                 if run is not None:
                     self._emit(row.seq_id, run)
                 run = _Run(row.traceparent, _span_context(row.traceparent), start_ns, end_ns)
+                run.batch_rows, run.batch_tokens = len(plan.rows), batch_tokens
                 self._runs[row.seq_id] = run
             run.steps += 1
             run.tokens += len(row.token_ids) or 1
@@ -82,7 +86,7 @@ class StepSpans:
             if run.context is not None:
                 links.append(Link(run.context))  # the linked span names its request
         forward = self.tracer.start_span(
-            "worker.forward",
+            "worker.batch",
             context=ctx,
             links=links,
             start_time=start_ns if ran else None,
@@ -90,7 +94,7 @@ class StepSpans:
                 "gen_ai.request.model": self.model_id,
                 "spillway.step_id": plan.step_id,
                 "spillway.batch.rows": len(plan.rows),
-                "spillway.batch.tokens": sum(len(row.token_ids) or 1 for row in plan.rows),
+                "spillway.batch.tokens": batch_tokens,
             },
         )
         if not ran:
@@ -111,7 +115,7 @@ class StepSpans:
 
     def _emit(self, seq_id: str, run: _Run) -> None:
         span = self.tracer.start_span(
-            "worker.sequence",
+            "worker.forward",
             context=trace.set_span_in_context(trace.NonRecordingSpan(run.context))
             if run.context is not None
             else None,
@@ -121,6 +125,8 @@ class StepSpans:
                 "gen_ai.request.model": self.model_id,
                 "spillway.steps": run.steps,
                 "spillway.tokens": run.tokens,
+                "spillway.batch.rows": run.batch_rows,
+                "spillway.batch.tokens": run.batch_tokens,
             },
         )
         if run.error is not None:

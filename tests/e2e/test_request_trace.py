@@ -73,7 +73,7 @@ def _complete(sink: OtlpSink, trace_id: str, spilled: bool) -> bool:
     names = {s.name for s in spans}
     rows = {s.span_id for s in spans if s.name in ("scheduler.prefill", "scheduler.decode")}
     # The worker sends a run's span once the run is over (it may wait for an idle moment).
-    computed = {s.parent_span_id for s in spans if s.name == "worker.sequence"}
+    computed = {s.parent_span_id for s in spans if s.name == "worker.forward"}
     return (
         len(roots) == 1
         and "scheduler.retire" in names
@@ -178,7 +178,7 @@ def test_a_spilled_request_has_one_trace_through_every_service(traced):
     assert events.index("preempted") < events.index("swapped_in") < events.index("retired")
 
     # The worker's forward of this request, aggregated per run of decode steps.
-    worker_runs = [s for s in spans if s.name == "worker.sequence"]
+    worker_runs = [s for s in spans if s.name == "worker.forward"]
     decode_runs = {s.span_id for s in decode}
     worker_decode = [s for s in worker_runs if s.parent_span_id in decode_runs]
     assert len(worker_decode) >= len(decode)
@@ -195,9 +195,9 @@ def test_a_spilled_request_has_one_trace_through_every_service(traced):
     def linked_traces(span: ReceivedSpan) -> set[str]:
         return {trace_id for trace_id, _ in span.links}
 
-    steps = [s for s in sink.spans if s.name in ("scheduler.batch", "worker.forward")]
+    steps = [s for s in sink.spans if s.name in ("scheduler.batch", "worker.batch")]
     both = [s for s in steps if {victim, other} <= linked_traces(s)]
-    assert {s.name for s in both} == {"scheduler.batch", "worker.forward"}
+    assert {s.name for s in both} == {"scheduler.batch", "worker.batch"}
     for s in both:
         assert s.trace_id not in (victim, other)  # a step belongs to no one request
 

@@ -48,11 +48,11 @@ def test_decode_steps_of_one_run_make_one_span_and_every_step_links_its_requests
         )
     # "a" finished: the next plan says so, and its run ends; "b" ends at the idle flush.
     spans.step(StepPlan(step_id=5, finished_seq_ids=["a"]), ctx, ok, (0, 0), [])
-    runs_before_flush = [s for s in exporter.get_finished_spans() if s.name == "worker.sequence"]
+    runs_before_flush = [s for s in exporter.get_finished_spans() if s.name == "worker.forward"]
     assert len(runs_before_flush) == 2  # a's prefill chunk and a's decode run
     spans.flush()
     finished = exporter.get_finished_spans()
-    runs = {s.parent.span_id: s for s in finished if s.name == "worker.sequence"}
+    runs = {s.parent.span_id: s for s in finished if s.name == "worker.forward"}
     assert set(runs) == {
         prefill_a.get_span_context().span_id,
         decode_a.get_span_context().span_id,
@@ -62,10 +62,10 @@ def test_decode_steps_of_one_run_make_one_span_and_every_step_links_its_requests
     assert run_a.attributes["spillway.steps"] == 3 and run_a.attributes["spillway.tokens"] == 3
     assert (run_a.start_time, run_a.end_time) == (20, 45)
     assert run_a.attributes["spillway.request.id"] == "a"
-    forwards = [s for s in finished if s.name == "worker.forward"]
-    assert len(forwards) == 4  # one per step with rows, none for the plan without
-    assert all(s.parent.span_id == batch.get_span_context().span_id for s in forwards)
-    linked = {link.context.span_id for link in forwards[-1].links}
+    batches = [s for s in finished if s.name == "worker.batch"]
+    assert len(batches) == 4  # one per step with rows, none for the plan without
+    assert all(s.parent.span_id == batch.get_span_context().span_id for s in batches)
+    linked = {link.context.span_id for link in batches[-1].links}
     assert linked == {decode_a.get_span_context().span_id, decode_b.get_span_context().span_id}
 
 

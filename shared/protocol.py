@@ -1,6 +1,9 @@
 """Every message between services: typed pydantic models and their one codec.
 
-Subjects live in `shared.subjects`; trace context rides in NATS headers, never in bodies.
+Subjects live in `shared.subjects`; trace context rides in NATS headers. A message that
+serves many requests (a step plan) carries its own context there, and the parts that act
+for one request carry that request's in the body (`traceparent` of rows, spills and
+restores).
 Running sequences travel to the worker as diffs (`SequenceUpdate`), not as full state.
 """
 

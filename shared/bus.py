@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -314,7 +314,9 @@ class Bus:
         on_invalid: InvalidHandler | None,
     ) -> None:
         try:
-            parsed: Any = raw.data if model is bytes else decode(model, raw.data)  # type: ignore[arg-type]
+            parsed: Any = (
+                raw.data if model is bytes else decode(cast(type[BaseModel], model), raw.data)
+            )
         except (ValidationError, ValueError) as e:
             if on_invalid is not None:
                 await on_invalid(raw, e, ctx)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from services.scheduler.observer import Phase, PreemptionMode, RowKind
 from services.scheduler.sequence import Sequence
@@ -59,7 +60,7 @@ SEED_PHASES = (
     "step",
 )
 
-Attributes = dict[str, str | int | float | bool]
+Attributes = dict[str, AttributeValue]
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""NATS helpers: connect with reconnect, typed request/reply with timeouts, served
-subjects that answer malformed input with an error reply, and W3C trace context carried
-in message headers.
+"""NATS helpers: connect with reconnect, typed request/reply with timeouts, one typed
+subscription path (validated message in, trace context extracted and made current,
+handler called, malformed input answered with an error), and W3C trace context carried
+in the headers of every message sent (the given context, else the current one).
 
 Each service connects as its own NATS user (where the server has users; see
 services/cli/nats_auth.py) with an inbox prefix of its own, so that the server's
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -25,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from opentelemetry.context import Context
+from opentelemetry.context import Context, attach, detach
 from pydantic import BaseModel, ValidationError
 
 from shared.protocol import ErrorInfo, ErrorReply, decode, encode
@@ -41,6 +42,7 @@ ERROR_HEADER = "Spillway-Error"
 SENDER_HEADER = "Spillway-Sender"
 R = TypeVar("R", bound=BaseModel)
 Handler = Callable[[Any, Context, Msg], Awaitable[BaseModel | None]]
+InvalidHandler = Callable[[Msg, Exception, Context], Awaitable[None]]
 Listener = Callable[[], Any]
 
 
@@ -267,36 +269,71 @@ class Bus:
         except ValidationError as e:
             raise BusError(ErrorInfo(message=f"malformed reply on {subject}: {e}")) from e
 
-    async def serve(
-        self, subject: str, model: type[BaseModel], handler: Handler, queue: str = ""
+    async def subscribe(
+        self,
+        subject: str,
+        model: type[BaseModel] | type[bytes],
+        handler: Handler,
+        queue: str = "",
+        on_invalid: InvalidHandler | None = None,
     ) -> Subscription:
-        """Serves `subject`: each message is validated as `model` and passed to `handler`
-        with its trace context. A malformed message, or a handler that raises, gets an
-        error reply (when it has a reply subject) and the service goes on."""
+        """The one way a service takes messages: each message on `subject` is validated
+        as `model` (`bytes`: a body the handler validates itself, such as the external
+        API's OpenAI bodies with their own error format) and passed to `handler` with its
+        trace context, which is also the current context while the handler runs (so its
+        spans and the messages it sends continue the sender's trace). What the handler
+        returns is the reply, when the message has a reply subject.
+
+        A malformed message goes to `on_invalid` when given; otherwise it gets an error
+        reply (when it has a reply subject) or a log line. A handler that raises gets an
+        error reply too, and the subscription goes on."""
 
         async def on_message(raw: Msg) -> None:
             ctx = extract(raw.headers)
+            token = attach(ctx)
             try:
-                parsed = decode(model, raw.data)
-            except (ValidationError, ValueError) as e:
-                await self._reply_error(raw, ErrorInfo(status=400, message=str(e)), ctx)
-                return
-            try:
-                answer = await handler(parsed, ctx, raw)
-            except BusError as e:
-                await self._reply_error(raw, e.info, ctx)
-                return
-            except Exception as e:
-                log.exception("handler for %s failed", subject)
-                await self._reply_error(raw, ErrorInfo(message=f"{type(e).__name__}: {e}"), ctx)
-                return
-            if raw.reply and answer is not None:
-                await self.nc.publish(raw.reply, encode(answer), headers=self._headers(ctx))
+                await self._handle(raw, ctx, subject, model, handler, on_invalid)
+            finally:
+                detach(token)
 
         sub = await self.nc.subscribe(self.subject(subject), queue=queue, cb=on_message)
-        # Requests sent after serve() returns must find the subscription.
+        # Requests sent after subscribe() returns must find the subscription.
         await settle(self.nc)
         return sub
+
+    # Request/reply subjects read better as served; it is the same path.
+    serve = subscribe
+
+    async def _handle(
+        self,
+        raw: Msg,
+        ctx: Context,
+        subject: str,
+        model: type[BaseModel] | type[bytes],
+        handler: Handler,
+        on_invalid: InvalidHandler | None,
+    ) -> None:
+        try:
+            parsed: Any = (
+                raw.data if model is bytes else decode(cast(type[BaseModel], model), raw.data)
+            )
+        except (ValidationError, ValueError) as e:
+            if on_invalid is not None:
+                await on_invalid(raw, e, ctx)
+            else:
+                await self._reply_error(raw, ErrorInfo(status=400, message=str(e)), ctx)
+            return
+        try:
+            answer = await handler(parsed, ctx, raw)
+        except BusError as e:
+            await self._reply_error(raw, e.info, ctx)
+            return
+        except Exception as e:
+            log.exception("handler for %s failed", subject)
+            await self._reply_error(raw, ErrorInfo(message=f"{type(e).__name__}: {e}"), ctx)
+            return
+        if raw.reply and answer is not None:
+            await self.nc.publish(raw.reply, encode(answer), headers=self._headers(ctx))
 
     async def _reply_error(self, raw: Msg, info: ErrorInfo, ctx: Context) -> None:
         if not raw.reply:

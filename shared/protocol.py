@@ -1,6 +1,9 @@
 """Every message between services: typed pydantic models and their one codec.
 
-Subjects live in `shared.subjects`; trace context rides in NATS headers, never in bodies.
+Subjects live in `shared.subjects`; trace context rides in NATS headers. A message that
+serves many requests (a step plan) carries its own context there, and the parts that act
+for one request carry that request's in the body (`traceparent` of rows, spills and
+restores).
 Running sequences travel to the worker as diffs (`SequenceUpdate`), not as full state.
 """
 
@@ -401,6 +404,10 @@ class KVSpill(Message):
     spill_id: int
     block_ids: list[int]
 
+    # W3C traceparent of the scheduler's span for this order, when traces are exported:
+    # the worker's span for its I/O becomes its child (a step serves many requests).
+    traceparent: str | None = None
+
 
 class KVRestore(Message):
     """Read a spilled sequence's blocks back, in order, into `block_ids`, starting at
@@ -411,6 +418,10 @@ class KVRestore(Message):
     spill_id: int
     block_ids: list[int]
     first_block: int = Field(default=0, ge=0)
+
+    # W3C traceparent of the scheduler's span for this order, when traces are exported:
+    # the worker's span for its I/O becomes its child (a step serves many requests).
+    traceparent: str | None = None
 
 
 class PrefixBlock(Message):
@@ -528,6 +539,7 @@ class PrefixLookup(Message):
     chained block hashes (hex, in order) the shared prefix tier holds, from the first."""
 
     block_hashes: list[str]
+    request_id: str | None = None  # the request it is asked for (its trace's spans say so)
 
 
 class PrefixLookupReply(Message):

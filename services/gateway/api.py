@@ -111,6 +111,9 @@ class GatewayApi:
             aliases=[*(aliases or []), meta.id],
         )
         span.set_attribute("spillway.request_ids", run.request_ids)
+        # One id per choice; the scheduler's and worker's spans carry theirs.
+        ids = run.request_ids
+        span.set_attribute("spillway.request.id", ids[0] if len(ids) == 1 else ids)
         return Generation(run, meta, span)
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
-from pydantic import ValidationError
 
 from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
 from services.gateway.errors import ApiError
@@ -51,7 +50,6 @@ from shared.protocol import (
     StatsRequest,
     SubmitReply,
     SubmitRequest,
-    decode,
 )
 from shared.regions import RegionMarkers
 from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas, sched_submit
@@ -250,7 +248,7 @@ class RequestRun:
         reason = step.finish_reason or "error"
         self._engine.metrics.on_finished(self._timers[step.index], reason, self._engine.clock.now())
         if abort:
-            await self._engine.abort([request_id])
+            await self._engine.abort([request_id], self.context)
 
     async def close(self) -> None:
         """Releases the run; sequences still generating (client gone) are aborted now."""
@@ -258,7 +256,8 @@ class RequestRun:
         for output in unfinished:
             await self._on_finished(output.end("abort"), abort=False)
         if unfinished:
-            await self._engine.abort([self.request_ids[o.index] for o in unfinished])
+            ids = [self.request_ids[o.index] for o in unfinished]
+            await self._engine.abort(ids, self.context)
         self._engine.forget(self)
 
 
@@ -307,8 +306,8 @@ class GatewayEngine:
         self._idle.set()
 
     async def start(self) -> None:
-        subject = self.bus.subject(gateway_deltas(self.gateway_id))
-        self._sub = await self.bus.nc.subscribe(subject, cb=self._on_deltas)
+        subject = gateway_deltas(self.gateway_id)
+        self._sub = await self.bus.subscribe(subject, DeltaBatch, self._on_deltas)
         await self.schedulers.start()
         await self.bus.settle()
 
@@ -322,13 +321,8 @@ class GatewayEngine:
     def num_active(self) -> int:
         return len(self._runs)
 
-    async def _on_deltas(self, msg: Msg) -> None:
+    async def _on_deltas(self, batch: DeltaBatch, ctx: Context, msg: Msg) -> None:
         received_at = self.clock.now()
-        try:
-            batch = decode(DeltaBatch, msg.data)
-        except (ValidationError, ValueError):
-            log.warning("dropped a malformed delta batch on %s", msg.subject)
-            return
         sender = sender_of(msg)
         for delta in batch.deltas:
             run = self._routes.get(delta.request_id)
@@ -380,7 +374,7 @@ class GatewayEngine:
         try:
             await asyncio.gather(*(self._submit_one(run, i, target) for i in range(len(ids))))
         except BaseException:
-            await self.abort(ids)
+            await self.abort(ids, run.context)
             for rid in ids:
                 self.release(rid)
             self.forget(run)
@@ -399,7 +393,7 @@ class GatewayEngine:
         self._routes[new_id] = run
         old_id = run.move(index, new_id)
         self.release(old_id)
-        await self.abort([old_id])
+        await self.abort([old_id], run.context)
         deadline = self.clock.now() + self.replay_timeout_s
         if run.deadline_at is not None:
             deadline = min(deadline, run.deadline_at)
@@ -493,11 +487,13 @@ class GatewayEngine:
             return False
         return True
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], context: Context | None = None) -> None:
+        """Tells the schedulers to drop these requests (in their request's trace)."""
         if not request_ids:
             return
         try:
-            await self.bus.publish(SCHED_ABORT, AbortRequest(request_ids=request_ids))
+            message = AbortRequest(request_ids=request_ids)
+            await self.bus.publish(SCHED_ABORT, message, context=context)
         except Exception:  # the bus is gone (shutdown): the scheduler's deadline frees them
             log.warning("could not publish an abort for %s", request_ids)
 

@@ -24,6 +24,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,7 +35,7 @@ from services.gateway.validation import kind_of
 from shared.bus import ERROR_HEADER, Bus
 from shared.clock import Clock, MonotonicClock
 from shared.subjects import ABORT, GATEWAY_QUEUE, GENERATE, MODELS
-from shared.telemetry import extract, inject
+from shared.telemetry import inject
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,14 @@ class NatsApi:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        nc = self.bus.nc
+        # The bodies are the external API's (OpenAI shapes, errors in the OpenAI format):
+        # they come in as bytes and are validated here, as on HTTP.
+        subscribe = self.bus.subscribe
         self._serving = [
-            await nc.subscribe(
-                self.bus.subject(GENERATE), queue=GATEWAY_QUEUE, cb=self._on_generate
-            ),
-            await nc.subscribe(self.bus.subject(MODELS), queue=GATEWAY_QUEUE, cb=self._on_models),
+            await subscribe(GENERATE, bytes, self._on_generate, queue=GATEWAY_QUEUE),
+            await subscribe(MODELS, bytes, self._on_models, queue=GATEWAY_QUEUE),
         ]
-        self._abort_sub = await nc.subscribe(self.bus.subject(ABORT), cb=self._on_abort)
-        await self.bus.settle()
+        self._abort_sub = await subscribe(ABORT, bytes, self._on_abort)
 
     async def stop_accepting(self) -> None:
         """New requests go to other gateways of the queue group from now on."""
@@ -103,17 +103,16 @@ class NatsApi:
 
     # --- handlers ----------------------------------------------------------------------
 
-    async def _on_generate(self, msg: Msg) -> None:
+    async def _on_generate(self, _: bytes, ctx: Context, msg: Msg) -> None:
         if not msg.reply:
             log.warning("dropped an llm.generate message without a reply subject")
             return
-        task = asyncio.ensure_future(self._generate(msg))
+        task = asyncio.ensure_future(self._generate(msg, ctx))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _generate(self, msg: Msg) -> None:
+    async def _generate(self, msg: Msg, parent: Context) -> None:
         arrival = self.clock.now()
-        parent = extract(msg.headers)
         with self.tracer.start_as_current_span(
             GENERATE,
             context=parent,
@@ -164,9 +163,9 @@ class NatsApi:
             headers = {**_trace(span), DONE_HEADER: "1"}
             await self.bus.nc.publish(msg.reply, _json(held), headers=headers)
 
-    async def _on_abort(self, msg: Msg) -> None:
+    async def _on_abort(self, data: bytes, ctx: Context, msg: Msg) -> None:
         try:
-            body = AbortBody.model_validate(parse_json_body(msg.data))
+            body = AbortBody.model_validate(parse_json_body(data))
             if (body.request_id is None) == (body.request_ids is None):
                 raise invalid(ABORT_USAGE, "request_id")
         except ValidationError as e:
@@ -177,7 +176,7 @@ class NatsApi:
             return
         aborted = sum(self.api.engine.cancel_alias(i) for i in body.ids())
         if msg.reply:
-            await self.bus.nc.publish(msg.reply, _json({"aborted": aborted}))
+            await self.bus.nc.publish(msg.reply, _json({"aborted": aborted}), headers=inject())
 
     async def _refuse(self, msg: Msg, error: ApiError) -> None:
         if msg.reply:
@@ -185,9 +184,9 @@ class NatsApi:
         else:
             log.warning("dropped a bad message on %s: %s", msg.subject, error.message)
 
-    async def _on_models(self, msg: Msg) -> None:
+    async def _on_models(self, _: bytes, ctx: Context, msg: Msg) -> None:
         if msg.reply:
-            headers = inject(extract(msg.headers))
+            headers = inject(ctx)
             await self.bus.nc.publish(msg.reply, _json(self.api.models()), headers=headers)
 
     async def _reply_error(self, msg: Msg, error: ApiError, span: trace.Span) -> None:

@@ -29,12 +29,13 @@ from typing import Literal
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.context import Context
 
 from services.gateway.affinity import PrefixAffinity
 from shared.bus import Bus
 from shared.clock import Clock
 from shared.leases import LeaseBook, StallGuard
-from shared.protocol import SchedulerLease, decode
+from shared.protocol import SchedulerLease
 from shared.subjects import SCHED_HEARTBEAT
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,7 @@ class SchedulerWatch:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._sub = await self.bus.nc.subscribe(
-            self.bus.subject(SCHED_HEARTBEAT), cb=self._on_lease
-        )
+        self._sub = await self.bus.subscribe(SCHED_HEARTBEAT, SchedulerLease, self._on_lease)
         self.bus.events.reconnected.append(self._on_reconnected)
         self._task = asyncio.create_task(self._check_forever(), name="gateway-scheduler-watch")
 
@@ -94,12 +93,7 @@ class SchedulerWatch:
 
     # --- events ------------------------------------------------------------------------
 
-    async def _on_lease(self, msg: Msg) -> None:
-        try:
-            lease = decode(SchedulerLease, msg.data)
-        except ValueError:  # pydantic's ValidationError included
-            log.warning("ignored a malformed lease on %s", msg.subject)
-            return
+    async def _on_lease(self, lease: SchedulerLease, ctx: Context, msg: Msg) -> None:
         sid = lease.scheduler_id
         previous = self.book.get(sid)
         self.book.observe(lease)

@@ -456,7 +456,7 @@ class SchedulerCore:
         self._observe_step(step, result)
         self._recover_row_cap()
         self.num_steps += 1
-        self.observer.step_finished(plan)
+        self.observer.step_finished(plan, result)
         self.observer.phase_timed("update", start, self.clock.now())
         return self._take_news()
 

@@ -124,6 +124,7 @@ class Lane:
             self.wake.clear()
             try:
                 if not self.inflight and await self._follow_worker():
+                    self.host.tracer.end_lane()
                     return
                 progressed = await self._tick()
             except asyncio.CancelledError:
@@ -209,8 +210,11 @@ class Lane:
             if plan is None:
                 return
             subject = subjects.worker_step(self.worker_id)
+            context = self.host.tracer.step_sent(plan)
             reply = asyncio.ensure_future(
-                self.host.bus.request(subject, plan, StepResult, timeout=self.host.step_timeout_s)
+                self.host.bus.request(
+                    subject, plan, StepResult, timeout=self.host.step_timeout_s, context=context
+                )
             )
             reply.add_done_callback(_retrieve)
             self.inflight.append(_Step(plan, time.perf_counter(), reply))
@@ -296,6 +300,7 @@ class Lane:
         be written by one); their rows for finished sequences are over-runs, discarded."""
         clock = self.host.clock
         start = clock.now()
+        self.host.tracer.begin_drain()
         deltas: list[RequestDelta] = []
         while self.inflight:
             deltas += self._apply(await self._result_of(self.inflight[0]))

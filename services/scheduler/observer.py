@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal, Protocol
 
 from services.scheduler.sequence import Sequence
-from shared.protocol import StepPlan, StepRow
+from shared.protocol import StepPlan, StepResult, StepRow
 
 RowKind = Literal["prefill", "decode"]
 PreemptionMode = Literal["recompute", "spill"]
@@ -37,8 +37,9 @@ class SchedulerObserver(Protocol):
         """A row for `seq` goes into the plan being built; may return the W3C traceparent
         the worker's span for that row should hang under."""
 
-    def step_finished(self, plan: StepPlan) -> None:
-        """The plan's step is over (results applied, failed or abandoned)."""
+    def step_finished(self, plan: StepPlan, result: StepResult | None = None) -> None:
+        """The plan's step is over (results applied, failed or abandoned); `result` when
+        it was applied."""
 
     def request_preempted(self, seq: Sequence, mode: PreemptionMode) -> None:
         """Lost its blocks to make room; it will resume later."""
@@ -70,7 +71,7 @@ class NullObserver:
     def row_planned(self, seq: Sequence, row: StepRow, kind: RowKind) -> str | None:
         return None
 
-    def step_finished(self, plan: StepPlan) -> None:
+    def step_finished(self, plan: StepPlan, result: StepResult | None = None) -> None:
         pass
 
     def request_preempted(self, seq: Sequence, mode: PreemptionMode) -> None:

@@ -321,7 +321,7 @@ class SchedulerService:
         hashes = core.prefix_lookup_hashes(req.prompt_token_ids)
         if not hashes:
             return None
-        lookup = PrefixLookup(block_hashes=[hash_hex(h) for h in hashes])
+        lookup = PrefixLookup(block_hashes=[hash_hex(h) for h in hashes], request_id=req.request_id)
         try:
             reply = await self.bus.request(
                 subjects.SPILL_PREFIX_LOOKUP, lookup, PrefixLookupReply, TIER_LOOKUP_TIMEOUT_S
@@ -590,6 +590,7 @@ class SchedulerService:
             target = self._place(seq.token_ids)
             swapped += seq.spilled is not None
             target.pending += target.core.adopt([seq], layout)
+            self.tracer.request_migrated(seq, from_worker, target.worker_id)
             target.wake.set()
             moved[target.worker_id] = moved.get(target.worker_id, 0) + 1
         if seqs:
@@ -678,11 +679,19 @@ class SchedulerService:
             if delta.finish_reason is not None:
                 del self._gateway_of[delta.request_id]
         for gateway_id, batch in by_gateway.items():
-            await self.bus.publish(subjects.gateway_deltas(gateway_id), DeltaBatch(deltas=batch))
+            # A batch of one request's news travels in that request's trace.
+            context = self.tracer.context_of(batch[0].request_id) if len(batch) == 1 else None
+            subject = subjects.gateway_deltas(gateway_id)
+            await self.bus.publish(subject, DeltaBatch(deltas=batch), context=context)
 
     async def _publish_spill_drops(self, drops: list[SpillRef]) -> None:
-        if drops:
-            await self.bus.publish(subjects.SPILL_DROP, SpillDrop(spills=drops))
+        """One message per request, in its trace (drops are rare: one per spill)."""
+        by_request: dict[str, list[SpillRef]] = {}
+        for ref in drops:
+            by_request.setdefault(ref.seq_id, []).append(ref)
+        for request_id, refs in by_request.items():
+            context = self.tracer.context_of(request_id)
+            await self.bus.publish(subjects.SPILL_DROP, SpillDrop(spills=refs), context=context)
 
 
 class _EndedLanes:

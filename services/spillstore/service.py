@@ -108,11 +108,14 @@ class SpillStore:
                 self.capacity_bytes,
             )
 
-    async def drop(self, seq_id: str, spill_id: int) -> None:
+    async def drop(self, seq_id: str, spill_id: int) -> int:
+        """Deletes a spill; the bytes it held (0 when it was not recorded)."""
         entry = self.ledger.drop(seq_id, spill_id)
         await self._delete_values(seq_id, spill_id, entry.num_keys if entry else None)
-        if entry is not None:
-            await self.redis.hdel(self.keys.index(), entry.name)
+        if entry is None:
+            return 0
+        await self.redis.hdel(self.keys.index(), entry.name)
+        return entry.num_bytes
 
     async def expire_orphans(self) -> int:
         expired = self.ledger.orphans(self.clock())
@@ -242,24 +245,45 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         with tel.tracer.start_as_current_span("spillstore.stats", context=ctx):
             return await store.stats()
 
+    # Spills and their drops, in the trace of the request they belong to (the message's
+    # context); sequence ids are request ids.
     async def on_record(rec: SpillRecord, ctx: Context, raw: Msg) -> None:
         with tel.tracer.start_as_current_span(
             "spillstore.record",
             context=ctx,
-            attributes={"spillway.seq_id": rec.seq_id, "spillway.kv.bytes": rec.num_bytes},
+            attributes={
+                "spillway.request.id": rec.seq_id,
+                "spillway.kv.spill_id": rec.spill_id,
+                "spillway.kv.bytes": rec.num_bytes,
+                "spillway.kv.keys": rec.num_keys,
+            },
         ):
             await store.record(rec)
 
     async def on_drop(drop: SpillDrop, ctx: Context, raw: Msg) -> None:
+        request_ids = sorted({ref.seq_id for ref in drop.spills})
         with tel.tracer.start_as_current_span(
-            "spillstore.drop", context=ctx, attributes={"spillway.kv.spills": len(drop.spills)}
-        ):
+            "spillstore.drop",
+            context=ctx,
+            attributes={"spillway.kv.spills": len(drop.spills)},
+        ) as span:
+            if len(request_ids) == 1:
+                span.set_attribute("spillway.request.id", request_ids[0])
+            freed = 0
             for ref in drop.spills:
-                await store.drop(ref.seq_id, ref.spill_id)
+                freed += await store.drop(ref.seq_id, ref.spill_id)
+            span.set_attribute("spillway.kv.bytes", freed)
 
     async def on_lookup(req: PrefixLookup, ctx: Context, raw: Msg) -> PrefixLookupReply:
-        with tel.tracer.start_as_current_span("spillstore.prefix_lookup", context=ctx):
-            return PrefixLookupReply(num_hits=await store.lookup(req.block_hashes))
+        attributes = {"spillway.request.id": req.request_id} if req.request_id else None
+        with tel.tracer.start_as_current_span(
+            "spillstore.prefix_lookup", context=ctx, attributes=attributes
+        ) as span:
+            hits = await store.lookup(req.block_hashes)
+            span.set_attributes(
+                {"spillway.prefix.blocks": len(req.block_hashes), "spillway.prefix.hits": hits}
+            )
+            return PrefixLookupReply(num_hits=hits)
 
     async def on_heartbeat(beat: Heartbeat, ctx: Context, raw: Msg) -> None:
         store.ledger.worker_alive(beat.info.worker_id, store.clock())

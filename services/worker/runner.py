@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -50,6 +51,7 @@ from shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from shared.protocol import (
     OUT_OF_MEMORY_CODE,
     ErrorInfo,
+    KVRestore,
     KVSpill,
     RowResult,
     SamplingParams,
@@ -80,6 +82,19 @@ class StepPhases:
 
 class PlanError(ValueError):
     """A plan the runner cannot carry out as given (the scheduler's mistake)."""
+
+
+@dataclass(frozen=True)
+class KVIo:
+    """One spill or restore of a step: what the worker's trace spans are made of."""
+
+    kind: Literal["spill", "restore"]
+    seq_id: str
+    traceparent: str | None
+    ok: bool
+    num_bytes: int
+    start_ns: int
+    end_ns: int
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -114,6 +129,8 @@ class ModelRunner:
         self.num_steps = 0
         # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
         self.last_forward_ns: tuple[int, int] = (0, 0)
+        # The last step's spills and restores, one by one, for the same spans.
+        self.last_kv_io: list[KVIo] = []
 
     @property
     def block_size(self) -> int:
@@ -140,6 +157,7 @@ class ModelRunner:
         result = StepResult(step_id=plan.step_id)
         if self.kv_transfer is not None:
             self.kv_transfer.counters = TransferCounters()
+        self.last_kv_io = []
         result.spills = [self._spill(order) for order in plan.spills]
         if self.kv_transfer is not None:
             self.kv_transfer.store_prefix(plan.prefix_stores)
@@ -199,13 +217,32 @@ class ModelRunner:
             return SpillOutcome(
                 seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error="no spill store"
             )
-        return self.kv_transfer.spill(order)
+        start_ns = self.wall_clock_ns()
+        outcome = self.kv_transfer.spill(order)
+        self.last_kv_io.append(
+            KVIo("spill", order.seq_id, order.traceparent, outcome.ok, outcome.num_bytes,
+                 start_ns, self.wall_clock_ns())
+        )  # fmt: skip
+        return outcome
+
+    def _restore(self, order: KVRestore) -> bool:
+        if self.kv_transfer is None:
+            return False
+        before = self.kv_transfer.counters.restored_bytes
+        start_ns = self.wall_clock_ns()
+        ok = self.kv_transfer.restore(order)
+        num_bytes = self.kv_transfer.counters.restored_bytes - before
+        self.last_kv_io.append(
+            KVIo("restore", order.seq_id, order.traceparent, ok, num_bytes,
+                 start_ns, self.wall_clock_ns())
+        )  # fmt: skip
+        return ok
 
     def _bring_kv_in(self, plan: StepPlan) -> list[str]:
         """Restores and prefix loads; the sequences whose KV could not be read."""
         lost: list[str] = []
         for restore in plan.restores:
-            if self.kv_transfer is None or not self.kv_transfer.restore(restore):
+            if not self._restore(restore):
                 lost.append(restore.seq_id)
         for load in plan.prefix_loads:
             if self.kv_transfer is None or not self.kv_transfer.load_prefix(load):

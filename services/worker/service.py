@@ -27,17 +27,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.msg import Msg
 from opentelemetry.context import Context
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Span, set_span_in_context
 
 from services.worker.kv_cache import block_bytes
 from services.worker.ownership import Ownership
 from services.worker.runner import ModelRunner, load_runner
+from services.worker.step_spans import StepSpans
 from shared import subjects
 from shared.beacon import Beacon
 from shared.bus import Bus, BusError, sender_of
@@ -54,9 +54,8 @@ from shared.protocol import (
     StepPlan,
     StepResult,
     WorkerInfo,
-    decode,
 )
-from shared.telemetry import Telemetry, extract
+from shared.telemetry import Telemetry
 from shared.waiting import raise_if_cancelled, wait_event
 
 log = logging.getLogger(__name__)
@@ -156,17 +155,16 @@ class WorkerService:
         self.drain_timeout_s = drain_timeout_s
         self._draining = False
         self._last_step_at = float("-inf")
+        self.spans = StepSpans(tel.tracer, info.model_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         step_sub = await self.bus.serve(
             subjects.worker_step(self.info.worker_id), StepPlan, self._on_step
         )
         # worker.discover has an empty body: no model to validate against.
-        discover_sub = await self.bus.nc.subscribe(
-            self.bus.subject(subjects.WORKER_DISCOVER), cb=self._on_discover
-        )
-        lease_sub = await self.bus.nc.subscribe(
-            self.bus.subject(subjects.SCHED_HEARTBEAT), cb=self._on_lease
+        discover_sub = await self.bus.subscribe(subjects.WORKER_DISCOVER, bytes, self._on_discover)
+        lease_sub = await self.bus.subscribe(
+            subjects.SCHED_HEARTBEAT, SchedulerLease, self._on_lease
         )
         await self.bus.settle()
         self._register("starting")
@@ -180,6 +178,7 @@ class WorkerService:
             await stop.wait()
             await self._drain()
         finally:
+            self.spans.flush()  # the runs still open end with the worker
             await self.heartbeat.stop()
             tasks = [t for t in (watch, self._registering) if t is not None]
             for task in tasks:
@@ -261,17 +260,13 @@ class WorkerService:
             self.heartbeat.kick()
             return
 
-    async def _on_discover(self, raw: Msg) -> None:
+    async def _on_discover(self, _: bytes, ctx: Context, raw: Msg) -> None:
         why = self.ownership.why_register(self.leases)
         if why is not None:
             self._register(why)
 
-    async def _on_lease(self, raw: Msg) -> None:
-        try:
-            self.leases.observe(decode(SchedulerLease, raw.data))
-        except ValueError:  # pydantic's ValidationError included
-            log.warning("ignored a malformed lease on %s", raw.subject)
-            return
+    async def _on_lease(self, lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
+        self.leases.observe(lease)
         self._heard_lease.set()
 
     async def _watch_scheduler(self) -> None:
@@ -289,6 +284,8 @@ class WorkerService:
                 self._register(why)
 
     def _beat(self) -> Heartbeat:
+        if self.clock.now() - self._last_step_at >= self.heartbeat_interval_s:
+            self.spans.flush()  # idle: what the last steps did goes out now
         return Heartbeat(
             info=self.info,
             num_steps=self.runner.num_steps,
@@ -324,19 +321,21 @@ class WorkerService:
             return StepResult(step_id=plan.step_id, error=error)
         self._last_step_at = self.clock.now()
         loop = asyncio.get_running_loop()
-        kv_start_ns = time.time_ns()
         result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
         if result.error is not None:
             log.warning("step %d: %s", plan.step_id, result.error.message)
-        await self._record_spills(result)
+        spill_spans: dict[str, Span] = {}
         if self.tel.exporting:
-            self._trace_rows(plan, result)
-            if result.kv_io_bytes:
-                self._trace_kv_io(plan, result, kv_start_ns, ctx)
+            runner = self.runner
+            spill_spans = self.spans.step(
+                plan, ctx, result, runner.last_forward_ns, runner.last_kv_io
+            )
+        await self._record_spills(result, spill_spans)
         return result
 
-    async def _record_spills(self, result: StepResult) -> None:
-        """Tells the spill store what this step wrote, for its accounting and expiry."""
+    async def _record_spills(self, result: StepResult, spans: dict[str, Span]) -> None:
+        """Tells the spill store what this step wrote, for its accounting and expiry (in
+        the trace of the request it spilled)."""
         for spill in result.spills:
             if not spill.ok:
                 continue
@@ -348,55 +347,11 @@ class WorkerService:
                 num_keys=spill.num_keys,
             )
             try:
-                await self.bus.publish(subjects.SPILL_RECORDED, record)
+                span = spans.get(spill.seq_id)
+                context = set_span_in_context(span) if span is not None else None
+                await self.bus.publish(subjects.SPILL_RECORDED, record, context=context)
             except Exception as e:  # the data is written; only the accounting waits
                 log.warning("spill record for %s not sent: %s", spill.seq_id, e)
-
-    def _trace_kv_io(self, plan: StepPlan, result: StepResult, start_ns: int, ctx: Context) -> None:
-        """One `worker.kv_io` span per step that moved KV to or from the spill store."""
-        span = self.tel.tracer.start_span(
-            "worker.kv_io",
-            context=ctx,
-            start_time=start_ns,
-            attributes={
-                "spillway.step_id": plan.step_id,
-                "spillway.kv.bytes": result.kv_io_bytes,
-                "spillway.kv.spills": len(plan.spills),
-                "spillway.kv.restores": len(plan.restores),
-                "spillway.kv.prefix_stores": len(plan.prefix_stores),
-                "spillway.kv.prefix_loads": len(plan.prefix_loads),
-                "spillway.kv.lost": len(result.lost_seq_ids),
-            },
-        )
-        span.end(end_time=start_ns + int(result.kv_io_s * 1e9))
-
-    def _trace_rows(self, plan: StepPlan, result: StepResult) -> None:
-        """One `worker.forward` span per traced row, a child of the scheduler's row span,
-        covering the step's forward."""
-        traced = [row for row in plan.rows if row.traceparent]
-        if not traced:
-            return
-        start_ns, end_ns = self.runner.last_forward_ns
-        attributes = {
-            "gen_ai.request.model": self.info.model_id,
-            "spillway.step_id": plan.step_id,
-            "spillway.batch.rows": len(plan.rows),
-            "spillway.batch.tokens": sum(len(row.token_ids) for row in plan.rows),
-        }
-        for row in traced:
-            span = self.tel.tracer.start_span(
-                "worker.forward",
-                context=extract({"traceparent": row.traceparent or ""}),
-                start_time=start_ns if result.error is None else None,
-                attributes={
-                    **attributes,
-                    "spillway.seq_id": row.seq_id,
-                    "spillway.row.tokens": len(row.token_ids),
-                },
-            )
-            if result.error is not None:
-                span.set_status(Status(StatusCode.ERROR, result.error.message))
-            span.end(end_time=end_ns if result.error is None else None)
 
 
 def _changes_nothing(plan: StepPlan) -> bool:

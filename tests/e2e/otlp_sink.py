@@ -22,6 +22,9 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str
     attributes: dict
+    start_ns: int = 0
+    end_ns: int = 0
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id) of each link
 
 
 def _value(v):
@@ -78,6 +81,9 @@ class OtlpSink:
                             span_id=s.span_id.hex(),
                             parent_span_id=s.parent_span_id.hex(),
                             attributes={a.key: _value(a.value) for a in s.attributes},
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
+                            links=tuple((k.trace_id.hex(), k.span_id.hex()) for k in s.links),
                         )
                     )
         with self._lock:

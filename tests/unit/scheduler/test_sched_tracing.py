@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.scheduler.phase_stats import PhaseStats
-from services.scheduler.tracing import SpanObserver
+from services.scheduler.tracing import SEED_PHASES, SpanObserver
 from shared.clock import FakeClock
 from shared.telemetry import Telemetry
 from tests.unit.scheduler.harness import FakeWorker, Pipeline, make_core, submit_request, tick
@@ -62,10 +62,15 @@ def test_while_exporting_rows_carry_their_step_span_as_traceparent():
         if s.name in ("scheduler.prefill", "scheduler.decode")
     }
     rows = [r for p in worker.plans for r in p.rows]
-    assert len(step_spans) == len(rows) == 4  # two prefill chunks, two decode steps
+    # Two prefill chunks, then two decode steps aggregated into one decode span.
+    assert len(rows) == 4 and len(step_spans) == 3
     for row in rows:
         assert row.traceparent is not None
         assert row.traceparent.split("-")[2] in step_spans
+    (decode,) = [s for s in step_spans.values() if s.name == "scheduler.decode"]
+    assert decode.attributes["spillway.decode.steps"] == 2
+    assert decode.attributes["spillway.decode.tokens"] == 2
+    assert rows[2].traceparent == rows[3].traceparent
     ticks = [s for s in spans if s.name == "scheduler.tick"]
     phases = [s for s in spans if s.name == "scheduler.deadline_sweep"]
     assert ticks and len(phases) == len(ticks)
@@ -112,3 +117,66 @@ def test_with_steps_running_ahead_every_row_span_ends_and_is_the_workers_parent(
     ended = {format(s.context.span_id, "016x") for s in exporter.get_finished_spans()}
     rows = [r for p in worker.plans for r in p.rows]
     assert rows and all(r.traceparent and r.traceparent.split("-")[2] in ended for r in rows)
+
+
+def test_a_spilled_request_gets_its_phases_spill_and_swap_in_in_its_own_trace():
+    tel = Telemetry("scheduler", None)
+    tel.exporting = True
+    exporter = InMemorySpanExporter()
+    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = SpanObserver(tel, FakeClock(100.0), lambda: "m")
+    core, _ = make_core(
+        observer=observer, num_kv_blocks=6, block_size=4, spill_store=True,
+        preemption_mode="spill", max_batch=2, prefix_cache=False,
+    )  # fmt: skip
+    worker = FakeWorker(block_size=4)
+    for rid in ("a", "b"):
+        assert core.add_request(submit_request(rid, prompt_len=6, max_tokens=10)) is None
+    sent = []
+    while core.has_work():
+        observer.start_tick("w")
+        plan = core.schedule()
+        if plan is not None:
+            assert observer.step_sent(plan) is not None  # the step message's context
+            sent.append(plan)
+            result = worker.step(plan)
+            for outcome in result.spills:  # the fake worker counts blocks, not bytes
+                outcome.num_bytes = 1000
+            result.restored_bytes = 500 * len(plan.restores)
+            core.update_from_output(plan, result)
+        core.end_tick()
+        observer.end_tick({})
+    spans = exporter.get_finished_spans()
+    preempts = [s for s in spans if s.name == "scheduler.preempt"]
+    assert preempts and {s.attributes["spillway.preemption.mode"] for s in preempts} == {"spill"}
+    victim = preempts[0].attributes["spillway.request.id"]
+    trace_id = preempts[0].context.trace_id
+    mine = [s for s in spans if s.context.trace_id == trace_id]
+    ids = {s.context.span_id for s in mine}
+    # One trace, every span of it carrying the request id, every parent inside it.
+    assert all(s.attributes["spillway.request.id"] == victim for s in mine)
+    assert sum(1 for s in mine if s.parent is None or s.parent.span_id not in ids) == 1
+    spill = next(s for s in mine if s.name == "scheduler.spill")
+    assert spill.attributes["spillway.kv.bytes"] == 1000 and spill.attributes["spillway.kv.ok"]
+    order = next(o for p in sent for o in p.spills if o.seq_id == victim)
+    assert order.traceparent.split("-")[2] == format(spill.context.span_id, "016x")
+    restore = next(s for s in mine if s.name == "scheduler.restore")
+    assert restore.attributes["spillway.kv.bytes"] == 500
+    # Phases tick by tick in the seeds' order, the preemption before the swap-in.
+    phases = [s for s in mine if "spillway.phase" in s.attributes]
+    phases.sort(key=lambda s: (s.attributes["spillway.tick"], s.start_time))
+    by_tick: dict[int, list[str]] = {}
+    for s in phases:
+        by_tick.setdefault(s.attributes["spillway.tick"], []).append(s.attributes["spillway.phase"])
+    assert all(order == sorted(order, key=SEED_PHASES.index) for order in by_tick.values())
+    events = [s.attributes.get("spillway.event") for s in phases]
+    assert events.index("preempted") < events.index("swapped_in") < events.index("retired")
+    # Decode is aggregated: far fewer decode spans than decoded tokens.
+    decode = [s for s in mine if s.name == "scheduler.decode"]
+    assert 1 <= len(decode) <= 3
+    assert sum(s.attributes["spillway.decode.tokens"] for s in decode) == 9
+    # Steps that carried both requests link to both.
+    request_of = {s.context.span_id: s.attributes.get("spillway.request.id") for s in spans}
+    batches = [s for s in spans if s.name == "scheduler.batch"]
+    linked = [{request_of[link.context.span_id] for link in s.links} for s in batches]
+    assert {"a", "b"} in linked

@@ -28,6 +28,7 @@ from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
+from services.worker.mla import mla_output, mla_queries_and_latents
 from services.worker.moe import moe_forward
 from services.worker.window_attention import windowed_paged_attention
 from shared.model_config import ModelConfig
@@ -121,12 +122,17 @@ class LlamaModel:
             self.max_positions = min(self.max_positions, min(windows))
         # The one-call decode loop runs plain Llama layers only.
         self.plain = not windows and all(layer.plain for layer in weights.layers)
+        mla = config.mla
+        rotary_dim = mla.qk_rope_head_dim if mla else config.head_dim
         self.cos, self.sin = rope_tables(
-            config.head_dim, self.max_positions, config.rope_theta, weights.device
+            rotary_dim, self.max_positions, config.rope_theta, weights.device
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        # Latent attention scores with the full query-key head width (nope + rope).
+        self.scale = (
+            mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else config.head_dim
+        ) ** -0.5
         self.geometry = Geometry(
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
         )
@@ -218,6 +224,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         t = h.shape[0]
+        if layer.mla is not None:
+            return self._latent_attention(h, layer, batch, k_cache)
         qkv = self.ops.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None and layer.k_norm is not None:  # over each head's D
@@ -229,6 +237,32 @@ class LlamaModel:
         v = v.view(t, c.num_kv_heads, c.head_dim)
         self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = self._attend(q, batch, k_cache, v_cache, window)  # [T, Hq, D]
+        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+
+    def _latent_attention(
+        self, h: torch.Tensor, layer: LayerWeights, batch: ForwardBatch, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """DeepSeek-V3's attention: the cache's one plane is both K and V (`mla`)."""
+        c, w = self.config, layer.mla
+        assert c.mla is not None and w is not None
+        qkv = self.ops.linear(h, layer.qkv)  # [T, q + R + dr]
+        q, kv = mla_queries_and_latents(
+            self.ops, c.mla, c.num_heads, qkv, w, batch.positions, self.cos, self.sin
+        )  # [T, Hq, R + dr], [T, 1, R + dr]
+        self.ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
+        out = self._attend(q, batch, cache, cache, None)  # [T, Hq, R + dr]
+        return self.ops.linear(mla_output(c.mla, out, w), layer.o)  # [T, H]
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Paged attention of this step's queries, as the batch and the window call for."""
         if window is not None and (batch.max_context_len or self.max_positions) > window:
             out = windowed_paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
@@ -255,7 +289,7 @@ class LlamaModel:
                 self.scale,
                 max_query_len=batch.max_query_len,
             )  # [T, Hq, D]
-        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+        return out
 
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         assert layer.gate_up is not None and layer.down is not None  # a dense layer

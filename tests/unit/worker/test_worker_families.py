@@ -24,25 +24,24 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_dir(request, tmp_path_factory):
-    family = request.param
-    return save_tiny_family(tmp_path_factory.mktemp(family), family)
+def family(request, tmp_path_factory):
+    """(the folder, transformers' model of it, our runner of it), once per family."""
+    folder = save_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    return folder, load_reference(folder), tiny_runner(folder)
 
 
-def test_concurrent_greedy_rows_equal_transformers(family_dir):
-    reference = load_reference(family_dir)
+def test_concurrent_greedy_rows_equal_transformers(family):
+    _, reference, runner = family
     expected = []
     for prompt in PROMPTS:
         tokens, gap = reference_greedy(reference, prompt, NEW_TOKENS)
         assert gap > 1e-3, "a near tie would make the comparison meaningless"
         expected.append(tokens)
-    runner = tiny_runner(family_dir)
     assert generate(runner, PROMPTS, NEW_TOKENS, chunk=4, start_steps=[0, 1, 3]) == expected
 
 
-def test_logits_of_packed_rows_equal_transformers(family_dir):
-    reference = load_reference(family_dir)
-    runner = tiny_runner(family_dir)
+def test_logits_of_packed_rows_equal_transformers(family):
+    _, reference, runner = family
     prompts = PROMPTS[::2]
     bs = runner.block_size
     tables, block = [], 0
@@ -71,4 +70,5 @@ def test_logits_of_packed_rows_equal_transformers(family_dir):
         got = runner.model.forward(batch, runner.kv_cache)  # [T, V]
     want = torch.cat([reference_logits(reference, p) for p in prompts])
     assert got.shape == want.shape
-    assert (got - want).abs().max().item() < 1e-4
+    error = (got - want).abs().max().item()
+    assert error < 1e-4, error

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_decode_layers import Geometry, LayerTensors
-from kernels.ops import KernelOps
+from kernels.ops import KernelOps, TorchOps
 from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
 from services.worker.mla import mla_output, mla_queries_and_latents
@@ -115,11 +115,6 @@ class LlamaModel:
         self.ops = ops
         self.max_positions = max_positions or config.context_length
         windows = [w for w in config.layer_windows if w is not None]
-        if windows and ops.name != "torch":
-            # Only the torch path has windowed attention: elsewhere no context may grow past
-            # the window, where plain causal attention is exactly the windowed one.
-            log.info("sliding window %d: contexts capped at it on %s", min(windows), ops.name)
-            self.max_positions = min(self.max_positions, min(windows))
         # The one-call decode loop runs plain Llama layers only.
         self.plain = not windows and all(layer.plain for layer in weights.layers)
         mla = config.mla
@@ -136,6 +131,16 @@ class LlamaModel:
         self.geometry = Geometry(
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
         )
+        # The Triton kernels take power-of-two head widths; a latent's (kv_lora_rank + rope
+        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the plain torch ops,
+        # which read lengths back to the host: no decode CUDA graphs for such a model.
+        width = config.head_dim
+        self.latent_ops: KernelOps = (
+            TorchOps(native=None) if mla and ops.name != "torch" and width & (width - 1) else ops
+        )
+        # Windowed attention (`window_attention`, plain torch on any device) reads lengths
+        # back to the host too.
+        self.capturable = self.latent_ops is ops and not windows
         use_blocks = getattr(ops, "use_source_blocks", None)
         if use_blocks is not None and weights.blocks:
             use_blocks(weights.blocks)
@@ -250,8 +255,8 @@ class LlamaModel:
         q, kv = mla_queries_and_latents(
             self.ops, c.mla, c.num_heads, qkv, w, batch.positions, self.cos, self.sin
         )  # [T, Hq, R + dr], [T, 1, R + dr]
-        self.ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
-        out = self._attend(q, batch, cache, cache, None)  # [T, Hq, R + dr]
+        self.latent_ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
+        out = self._attend(q, batch, cache, cache, None, self.latent_ops)  # [T, Hq, R + dr]
         return self.ops.linear(mla_output(c.mla, out, w), layer.o)  # [T, H]
 
     def _attend(
@@ -261,15 +266,17 @@ class LlamaModel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         window: int | None,
+        ops: KernelOps | None = None,
     ) -> torch.Tensor:
         """Paged attention of this step's queries, as the batch and the window call for."""
+        ops = ops or self.ops
         if window is not None and (batch.max_context_len or self.max_positions) > window:
             out = windowed_paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
                 self.scale, window,
             )  # fmt: skip
         elif batch.decode_only:  # T == R: row r's single query is q[r]
-            out = self.ops.paged_decode_attention(
+            out = ops.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -279,7 +286,7 @@ class LlamaModel:
                 max_context_len=batch.max_context_len,
             )  # [R, Hq, D]
         else:
-            out = self.ops.paged_attention(
+            out = ops.paged_attention(
                 q,
                 k_cache,
                 v_cache,

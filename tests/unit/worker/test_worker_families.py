@@ -72,3 +72,9 @@ def test_logits_of_packed_rows_equal_transformers(family):
     assert got.shape == want.shape
     error = (got - want).abs().max().item()
     assert error < 1e-4, error
+
+
+def test_only_plain_llama_layers_take_the_one_call_decode_loop(family, tiny_llama_dir):
+    _, _, runner = family
+    assert not runner.model.plain  # every family here has a layer the native loop lacks
+    assert tiny_runner(tiny_llama_dir).model.plain

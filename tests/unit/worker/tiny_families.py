@@ -29,6 +29,8 @@ _COMMON: dict[str, Any] = dict(
 )
 
 FAMILIES: dict[str, dict[str, Any]] = {
+    # q/k/v biases; a window on layer 1 only (from max_window_layers on)
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(),
     "qwen3_moe": dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,

@@ -41,6 +41,7 @@ FAMILY = {
         n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=128, n_group=4,
         topk_group=2, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96,
         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=8,
+        head_dim=16,  # transformers rotates head_dim dims: the rope part
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
 }  # fmt: skip

@@ -235,6 +235,11 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
             raise ValueError(f"deepseek_v3: unsupported scoring_func {cfg['scoring_func']!r}")
         if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"deepseek_v3: unsupported topk_method {cfg['topk_method']!r}")
+        # transformers rotates head_dim dimensions of the rope part; only the rope width fits
+        if cfg.get("head_dim") not in (None, cfg.get("qk_rope_head_dim")):
+            raise ValueError(
+                f"deepseek_v3: unsupported head_dim {cfg['head_dim']} (not qk_rope_head_dim)"
+            )
     if arch == "mistral" and cfg.get("layer_types"):
         raise ValueError("mistral: unsupported layer_types (alternating attention)")
 

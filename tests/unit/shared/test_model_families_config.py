@@ -75,6 +75,7 @@ def test_deepseek_v3_latent_cache_and_grouped_routing():
         ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
         ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
+        ("deepseek_v3", {"head_dim": 32, "qk_rope_head_dim": 8}, "head_dim"),
         ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "fp8"),
     ],
 )

@@ -200,7 +200,7 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
-        extra={"rope_scaling": cfg.get("rope_scaling")},
+        extra={"rope": rope_parameters(cfg)},
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         layer_windows=_layer_windows(arch, cfg),
         moe=_moe_config(arch, cfg),
@@ -212,11 +212,14 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"{arch}: unsupported hidden_act {act!r} (supported: silu)")
-    for source in ("rope_scaling", "rope_parameters"):
-        rope = cfg.get(source) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{arch}: unsupported rope scaling {kind!r} in {source}")
+    rope = rope_parameters(cfg)
+    kind = rope["rope_type"]
+    if kind not in ROPE_SCALING_KINDS:
+        supported = ", ".join(ROPE_SCALING_KINDS)
+        raise ValueError(f"{arch}: unsupported rope scaling {kind!r} (supported: {supported})")
+    missing = [k for k in _ROPE_KEYS.get(kind, ()) if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"{arch}: rope scaling {kind!r} lacks {', '.join(missing)}")
     # Llama-style attention_bias puts a bias on o_proj too, which our layers lack; Qwen2
     # always has q/k/v biases (found in the weights) and no o_proj bias.
     if cfg.get("attention_bias") and arch != "qwen2":
@@ -242,6 +245,32 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
             )
     if arch == "mistral" and cfg.get("layer_types"):
         raise ValueError("mistral: unsupported layer_types (alternating attention)")
+
+
+# The rope scaling kinds served exactly (services/worker/rope.py), and the keys each needs.
+ROPE_SCALING_KINDS = ("default", "linear", "llama3", "yarn")
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters as transformers resolves them: the legacy rope_scaling merged
+    with rope_parameters, rope_type named, and for scaled kinds the pretraining context
+    (a top-level original_max_position_embeddings first, else the config's context)."""
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in ("llama3", "yarn"):
+        context = int(cfg.get("max_position_embeddings", 2048))
+        original = cfg.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(
+            original or rope.get("original_max_position_embeddings") or context
+        )
+        if rope["rope_type"] == "yarn" and rope.get("factor") is None:
+            rope["factor"] = context / rope["original_max_position_embeddings"]
+    return rope
 
 
 def _layer_windows(arch: str, cfg: dict[str, Any]) -> tuple[int | None, ...]:

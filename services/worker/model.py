@@ -30,6 +30,7 @@ from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
 from services.worker.mla import mla_output, mla_queries_and_latents
 from services.worker.moe import moe_forward
+from services.worker.rope import rope_tables, yarn_mscale
 from services.worker.window_attention import windowed_paged_attention
 from shared.model_config import ModelConfig
 
@@ -70,18 +71,6 @@ class ForwardBatch:
         )
 
 
-def rope_tables(
-    head_dim: int, max_positions: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, D / 2] float32, the HF rotate-half frequencies."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )  # [D / 2]
-    positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
-    freqs = torch.outer(positions, inv_freq)  # [P, D / 2]
-    return freqs.cos().to(device), freqs.sin().to(device)
-
-
 def configure_threads(device: torch.device, threads: int | None = None) -> int:
     """On the CPU: `threads` math threads, by default one per core this process may run
     on (its affinity, which a container or `taskset` may narrow). Returns the count."""
@@ -107,9 +96,6 @@ class LlamaModel:
         ops: KernelOps,
         max_positions: int | None = None,
     ) -> None:
-        rope_scaling = config.extra.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise ValueError(f"rope scaling {rope_scaling} is not supported")
         self.config = config
         self.weights = weights
         self.ops = ops
@@ -119,8 +105,9 @@ class LlamaModel:
         self.plain = not windows and all(layer.plain for layer in weights.layers)
         mla = config.mla
         rotary_dim = mla.qk_rope_head_dim if mla else config.head_dim
+        rope = config.extra.get("rope") or {"rope_type": "default"}
         self.cos, self.sin = rope_tables(
-            rotary_dim, self.max_positions, config.rope_theta, weights.device
+            rotary_dim, self.max_positions, config.rope_theta, weights.device, rope
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -128,6 +115,9 @@ class LlamaModel:
         self.scale = (
             mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else config.head_dim
         ) ** -0.5
+        if mla and rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            # DeepSeek's softmax scale takes YaRN's magnitude correction squared.
+            self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
         self.geometry = Geometry(
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
         )

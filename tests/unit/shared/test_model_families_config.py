@@ -68,8 +68,9 @@ def test_deepseek_v3_latent_cache_and_grouped_routing():
     [
         ("gpt2", {}, "gpt2"),
         ("llama", {"hidden_act": "gelu"}, "gelu"),
-        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-        ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "llama3"),
+        ("qwen2", {"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "dynamic"),
+        ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "longrope"),
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("mistral", {"mlp_bias": True}, "mlp_bias"),
         ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
-from services.worker.model import ForwardBatch
 from tests.unit.worker.plans import generate
 from tests.unit.worker.tiny_families import (
     FAMILIES,
     load_reference,
+    packed_prefill_logits,
     reference_greedy,
     reference_logits,
     save_tiny_family,
@@ -43,31 +42,7 @@ def test_concurrent_greedy_rows_equal_transformers(family):
 def test_logits_of_packed_rows_equal_transformers(family):
     _, reference, runner = family
     prompts = PROMPTS[::2]
-    bs = runner.block_size
-    tables, block = [], 0
-    for p in prompts:
-        n = (len(p) + bs - 1) // bs
-        tables.append(list(range(block, block + n)))
-        block += n
-    lens = torch.tensor([len(p) for p in prompts])
-    rows = torch.repeat_interleave(torch.arange(len(prompts)), lens)
-    query_start = torch.zeros(len(prompts) + 1, dtype=torch.int64)
-    query_start[1:] = lens.cumsum(0)
-    positions = torch.arange(int(lens.sum())) - query_start[rows]
-    block_tables = block_table_tensor(tables, torch.device("cpu"))
-    batch = ForwardBatch(
-        token_ids=torch.tensor([t for p in prompts for t in p]),
-        positions=positions,
-        slot_mapping=slot_mapping_tensor(block_tables, rows, positions, bs),
-        block_tables=block_tables,
-        context_lens=lens.to(torch.int32),
-        query_start=query_start.to(torch.int32),
-        logits_indices=None,
-        max_query_len=int(lens.max()),
-        max_context_len=int(lens.max()),
-    )
-    with torch.inference_mode():
-        got = runner.model.forward(batch, runner.kv_cache)  # [T, V]
+    got = packed_prefill_logits(runner, prompts)  # [T, V]
     want = torch.cat([reference_logits(reference, p) for p in prompts])
     assert got.shape == want.shape
     error = (got - want).abs().max().item()

@@ -114,3 +114,35 @@ def reference_logits(model, prompt: list[int]) -> torch.Tensor:
     """[len(prompt), V] float32: every position's logits in one forward."""
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0].float()
+
+
+def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
+    """Every position's logits [T, V] of the prompts prefilled together in one step."""
+    from services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
+    from services.worker.model import ForwardBatch
+
+    bs = runner.block_size
+    tables, block = [], 0
+    for p in prompts:
+        n = (len(p) + bs - 1) // bs
+        tables.append(list(range(block, block + n)))
+        block += n
+    lens = torch.tensor([len(p) for p in prompts])
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), lens)
+    query_start = torch.zeros(len(prompts) + 1, dtype=torch.int64)
+    query_start[1:] = lens.cumsum(0)
+    positions = torch.arange(int(lens.sum())) - query_start[rows]
+    block_tables = block_table_tensor(tables, torch.device("cpu"))
+    batch = ForwardBatch(
+        token_ids=torch.tensor([t for p in prompts for t in p]),
+        positions=positions,
+        slot_mapping=slot_mapping_tensor(block_tables, rows, positions, bs),
+        block_tables=block_tables,
+        context_lens=lens.to(torch.int32),
+        query_start=query_start.to(torch.int32),
+        logits_indices=None,
+        max_query_len=int(lens.max()),
+        max_context_len=int(lens.max()),
+    )
+    with torch.inference_mode():
+        return runner.model.forward(batch, runner.kv_cache)

@@ -407,7 +407,7 @@ def _moe_weights(
     assert moe is not None
     block, (gate, up, down) = _MOE_LAYOUTS[config.architecture]
     prefix = f"model.layers.{layer}.{block}"
-    router = take(f"{prefix}.gate.weight")
+    router = take(f"{prefix}.gate.weight").float()  # routing runs in float32 (moe.py)
     if f"{prefix}.experts.gate_up_proj" in tensors:
         w_gate_up = take(f"{prefix}.experts.gate_up_proj")
         w_down = take(f"{prefix}.experts.down_proj")

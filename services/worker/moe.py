@@ -19,7 +19,7 @@ from shared.model_config import MoEConfig
 
 @dataclass
 class MoEWeights:
-    router: torch.Tensor  # [E, H]
+    router: torch.Tensor  # [E, H] float32
     w_gate_up: torch.Tensor  # [E, 2 I, H]: each expert's gate rows, then its up rows
     w_down: torch.Tensor  # [E, H, I]
     correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek-V3)
@@ -41,7 +41,7 @@ def moe_forward(ops: KernelOps, config: MoEConfig, h: torch.Tensor, w: MoEWeight
     """h [T, H] (after the layer's norm) -> [T, H]."""
     # The router runs in float32 whatever the weights' dtype, as the references do for
     # their routing (a bfloat16 router could pick different experts).
-    logits = F.linear(h.float(), w.router.float())  # [T, E]
+    logits = F.linear(h.float(), w.router)  # [T, E]
     topk_ids, topk_weights = route(config, logits, w.correction_bias)
     out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
     if w.shared_gate_up is not None and w.shared_down is not None:

@@ -21,6 +21,8 @@ import torch
 
 from kernels.cpu_info import cpu_flags
 from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
+from services.worker.mla import MLAWeights, q_width
+from services.worker.moe import MoEWeights
 from services.worker.weights import LayerWeights, ModelWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
@@ -194,6 +196,8 @@ _HF_ROLES = {
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
 _GGUF_ROLES = {
     "attn_norm": "attn_norm.weight",
@@ -257,18 +261,25 @@ def _assemble(
         return fused
 
     layers = []
+    moe = config.moe
     for i in range(config.num_layers):
         n = lambda role, i=i: names.layer(i, role)  # noqa: E731
         has_bias = n("q_bias") in tensors
+        sparse = moe is not None and moe.sparse_layers[i]
+        mla = _mla_weights(tensors, config, i, take) if config.mla is not None else None
         layers.append(
             LayerWeights(
                 attn_norm=take(n("attn_norm")),
-                qkv=fuse(n("q"), n("k"), n("v")),
+                qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
                 qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
                 o=take(n("o")),
                 ffn_norm=take(n("ffn_norm")),
-                gate_up=fuse(n("gate"), n("up")),
-                down=take(n("down")),
+                gate_up=None if sparse else fuse(n("gate"), n("up")),
+                down=None if sparse else take(n("down")),
+                q_norm=take(n("q_norm")) if config.qk_norm else None,
+                k_norm=take(n("k_norm")) if config.qk_norm else None,
+                moe=_moe_weights(tensors, config, i, take) if sparse else None,
+                mla=mla[1] if mla else None,
             )
         )
     embed = take(names.embed)
@@ -277,7 +288,9 @@ def _assemble(
     lm_head = embed if tied else take(names.lm_head)
     tensors.pop(names.lm_head, None)
     weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
-    projected = [lm_head] + [t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down)]
+    projected = [lm_head] + [
+        t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down) if t is not None
+    ]
     ids = {id(t) for t in projected}
     weights.blocks = [(w, b) for w, b in blocks if id(w) in ids]  # not the norms' or biases'
     _check_shapes(weights, config)
@@ -287,16 +300,107 @@ def _assemble(
     return weights
 
 
+# Where each family keeps its MoE block and what it calls an expert's projections
+# (gate, up, down), in the per-expert layout Hugging Face checkpoints ship.
+_MOE_LAYOUTS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _mla_weights(
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    layer: int,
+    take: Callable[..., torch.Tensor],
+) -> tuple[torch.Tensor, MLAWeights]:
+    """Layer `layer`'s fused input projection (q_a or q_proj, then kv_a_proj_with_mqa:
+    both read the normed hidden state) and the rest of its latent attention."""
+    c = config.mla
+    assert c is not None
+    p = f"model.layers.{layer}.self_attn"
+    q_in = take(f"{p}.q_a_proj.weight" if c.q_lora_rank else f"{p}.q_proj.weight")
+    qkv = torch.cat([q_in, take(f"{p}.kv_a_proj_with_mqa.weight")], dim=0).contiguous()
+    heads, dn, dv = config.num_heads, c.qk_nope_head_dim, c.v_head_dim
+    kv_b = take(f"{p}.kv_b_proj.weight").view(heads, dn + dv, c.kv_lora_rank)
+    w_uk, w_uv = (part.contiguous() for part in kv_b.split([dn, dv], dim=1))
+    weights = MLAWeights(
+        q_a_norm=take(f"{p}.q_a_layernorm.weight") if c.q_lora_rank else None,
+        q_b=take(f"{p}.q_b_proj.weight") if c.q_lora_rank else None,
+        kv_a_norm=take(f"{p}.kv_a_layernorm.weight"),
+        w_uk=w_uk,
+        w_uv=w_uv,
+    )
+    width = q_width(c, heads) + c.kv_lora_rank + c.qk_rope_head_dim
+    if tuple(qkv.shape) != (width, config.hidden_size):
+        raise ValueError(f"layer {layer} q/kv_a weights fuse to {tuple(qkv.shape)}, not {width}")
+    return qkv, weights
+
+
+def _moe_weights(
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    layer: int,
+    take: Callable[..., torch.Tensor],
+) -> MoEWeights:
+    """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
+    takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],
+    experts.down_proj [E, H, I]) that newer exports use."""
+    moe = config.moe
+    assert moe is not None
+    block, (gate, up, down) = _MOE_LAYOUTS[config.architecture]
+    prefix = f"model.layers.{layer}.{block}"
+    router = take(f"{prefix}.gate.weight").float()  # routing runs in float32 (moe.py)
+    if f"{prefix}.experts.gate_up_proj" in tensors:
+        w_gate_up = take(f"{prefix}.experts.gate_up_proj")
+        w_down = take(f"{prefix}.experts.down_proj")
+    else:
+        w_gate_up = torch.stack(
+            [
+                torch.cat([take(f"{prefix}.experts.{e}.{p}.weight") for p in (gate, up)], dim=0)
+                for e in range(moe.num_experts)
+            ]
+        )
+        w_down = torch.stack(
+            [take(f"{prefix}.experts.{e}.{down}.weight") for e in range(moe.num_experts)]
+        )
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    for name, got, want in (
+        ("router", router.shape, (e, h)),
+        ("experts gate_up", w_gate_up.shape, (e, 2 * i, h)),
+        ("experts down", w_down.shape, (e, h, i)),
+    ):
+        if tuple(got) != want:
+            raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
+    weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+    if moe.has_correction_bias:  # chooses experts in float32, whatever the weights' dtype
+        weights.correction_bias = take(f"{prefix}.gate.e_score_correction_bias").float()
+    if moe.num_shared_experts:
+        shared = f"{prefix}.shared_experts"
+        weights.shared_gate_up = torch.cat(
+            [take(f"{shared}.gate_proj.weight"), take(f"{shared}.up_proj.weight")], dim=0
+        ).contiguous()
+        weights.shared_down = take(f"{shared}.down_proj.weight")
+    return weights
+
+
 def _check_shapes(w: ModelWeights, c: ModelConfig) -> None:
-    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     expected = {
         "embed": (w.embed.shape, (c.vocab_size, c.hidden_size)),
         "lm_head": (w.lm_head.shape, (c.vocab_size, c.hidden_size)),
-        "qkv": (w.layers[0].qkv.shape, (qkv_rows, c.hidden_size)),
-        "o": (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.head_dim)),
-        "gate_up": (w.layers[0].gate_up.shape, (2 * c.intermediate_size, c.hidden_size)),
-        "down": (w.layers[0].down.shape, (c.hidden_size, c.intermediate_size)),
     }
+    if c.mla is None:  # (the latent attention's projections are checked as they load)
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        expected["qkv"] = (w.layers[0].qkv.shape, (qkv_rows, c.hidden_size))
+        expected["o"] = (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.head_dim))
+    else:
+        expected["o"] = (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.mla.v_head_dim))
+    dense = next((x for x in w.layers if x.gate_up is not None and x.down is not None), None)
+    if dense is not None:
+        assert dense.gate_up is not None and dense.down is not None
+        expected["gate_up"] = (dense.gate_up.shape, (2 * c.intermediate_size, c.hidden_size))
+        expected["down"] = (dense.down.shape, (c.hidden_size, c.intermediate_size))
     for name, (got, want) in expected.items():
         if tuple(got) != want:
             raise ValueError(f"{name} weight has shape {tuple(got)}, the config says {want}")

@@ -1,5 +1,9 @@
 """A Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache.
 
+The families differ by configuration over the same pieces: q/k biases (Qwen2), per-head
+q/k norms (Qwen3), sliding windows (Mistral), and a MoE feed-forward in place of the dense
+MLP on some or all layers (`moe.moe_forward`: Qwen3-MoE, Mixtral).
+
 One forward runs a flat batch of T tokens from R rows: prefill chunks and decode rows
 alike, each row's tokens packed back to back (`query_start`). Attention, KV stores, norms
 and rotary go through `kernels.ops`, so the same model runs the torch path on CPU and the
@@ -15,14 +19,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_layers import Geometry
-from kernels.ops import KernelOps
+from kernels.cpu_decode_layers import Geometry, LayerTensors
+from kernels.ops import KernelOps, TorchOps
 from services.worker.kv_cache import KVCache
+from services.worker.mla import mla_output, mla_queries_and_latents
+from services.worker.moe import moe_forward
+from services.worker.rope import rope_tables, yarn_mscale
 from services.worker.weights import LayerWeights, ModelWeights
+from services.worker.window_attention import windowed_paged_attention
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -62,18 +71,6 @@ class ForwardBatch:
         )
 
 
-def rope_tables(
-    head_dim: int, max_positions: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, D / 2] float32, the HF rotate-half frequencies."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )  # [D / 2]
-    positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
-    freqs = torch.outer(positions, inv_freq)  # [P, D / 2]
-    return freqs.cos().to(device), freqs.sin().to(device)
-
-
 def configure_threads(device: torch.device, threads: int | None = None) -> int:
     """On the CPU: `threads` math threads, by default one per core this process may run
     on (its affinity, which a container or `taskset` may narrow). Returns the count."""
@@ -99,22 +96,41 @@ class LlamaModel:
         ops: KernelOps,
         max_positions: int | None = None,
     ) -> None:
-        rope_scaling = config.extra.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise ValueError(f"rope scaling {rope_scaling} is not supported")
         self.config = config
         self.weights = weights
         self.ops = ops
         self.max_positions = max_positions or config.context_length
+        windows = [w for w in config.layer_windows if w is not None]
+        # The one-call decode loop runs plain Llama layers only.
+        self.plain = not windows and all(layer.plain for layer in weights.layers)
+        mla = config.mla
+        rotary_dim = mla.qk_rope_head_dim if mla else config.head_dim
+        rope = config.extra.get("rope") or {"rope_type": "default"}
         self.cos, self.sin = rope_tables(
-            config.head_dim, self.max_positions, config.rope_theta, weights.device
+            rotary_dim, self.max_positions, config.rope_theta, weights.device, rope
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        # Latent attention scores with the full query-key head width (nope + rope).
+        self.scale = (
+            mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else config.head_dim
+        ) ** -0.5
+        if mla and rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            # DeepSeek's softmax scale takes YaRN's magnitude correction squared.
+            self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
         self.geometry = Geometry(
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
         )
+        # The Triton kernels take power-of-two head widths; a latent's (kv_lora_rank + rope
+        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the plain torch ops,
+        # which read lengths back to the host: no decode CUDA graphs for such a model.
+        width = config.head_dim
+        self.latent_ops: KernelOps = (
+            TorchOps(native=None) if mla and ops.name != "torch" and width & (width - 1) else ops
+        )
+        # Windowed attention (`window_attention`, plain torch on any device) reads lengths
+        # back to the host too.
+        self.capturable = self.latent_ops is ops and not windows
         use_blocks = getattr(ops, "use_source_blocks", None)
         if use_blocks is not None and weights.blocks:
             use_blocks(weights.blocks)
@@ -131,8 +147,8 @@ class LlamaModel:
         """Runs every projection once, so one-time work (the CPU backend packs each weight
         for its BLAS on first use) happens at start-up, not in the first request."""
         w = self.weights
-        projections = [t for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up)]
-        projections += [layer.down for layer in w.layers] + [w.lm_head]
+        per_layer = [(x.qkv, x.o, x.gate_up) for x in w.layers] + [(x.down,) for x in w.layers]
+        projections = [t for group in per_layer for t in group if t is not None] + [w.lm_head]
         with torch.inference_mode():
             for weight in projections:
                 x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
@@ -148,7 +164,9 @@ class LlamaModel:
         None); writes this step's K/V to the cache. Reads nothing back to the host."""
         eps = self.config.rms_norm_eps
         x = F.embedding(batch.token_ids, self.weights.embed)  # [T, H]
-        at_once = self._decode_layers(x, batch, kv_cache) if batch.decode_only else None
+        at_once = (
+            self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
+        )
         x, residual = at_once if at_once is not None else self._layers(x, batch, kv_cache)
         # Only the last token of each sampling row needs the final norm and the lm_head.
         idx = batch.logits_indices
@@ -170,17 +188,22 @@ class LlamaModel:
                 h = self.ops.rms_norm(x, layer.attn_norm, eps)
             else:
                 h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
-            x = self._attention(h, layer, batch, k_cache, v_cache)
+            x = self._attention(h, layer, batch, k_cache, v_cache, self.config.window(i))
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
-            x = self._swiglu(h, layer)
+            if layer.moe is not None:
+                assert self.config.moe is not None
+                x = moe_forward(self.ops, self.config.moe, h, layer.moe)
+            else:
+                x = self._swiglu(h, layer)
         return x, residual
 
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer of a decode step in one call where the backend has that path."""
+        layers = cast(list[LayerTensors], self.weights.layers)  # all plain: see self.plain
         return self.ops.decode_layers(
-            x, self.weights.layers, kv_cache.k, kv_cache.v, batch.positions,
+            x, layers, kv_cache.k, kv_cache.v, batch.positions,
             batch.slot_mapping, batch.block_tables, batch.context_lens, self.cos, self.sin,
             self.geometry,
         )  # fmt: skip
@@ -192,18 +215,58 @@ class LlamaModel:
         batch: ForwardBatch,
         k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
         v_cache: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         c = self.config
         t = h.shape[0]
+        if layer.mla is not None:
+            return self._latent_attention(h, layer, batch, k_cache)
         qkv = self.ops.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, c.num_heads, c.head_dim)  # [T, Hq, D]
-        k = k.view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        if layer.q_norm is not None and layer.k_norm is not None:  # over each head's D
+            eps = c.rms_norm_eps
+            q = self.ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps)
+            k = self.ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps)
+        q = q.reshape(t, c.num_heads, c.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(t, c.num_kv_heads, c.head_dim)
         self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        if batch.decode_only:  # T == R: row r's single query is q[r]
-            out = self.ops.paged_decode_attention(
+        out = self._attend(q, batch, k_cache, v_cache, window)  # [T, Hq, D]
+        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+
+    def _latent_attention(
+        self, h: torch.Tensor, layer: LayerWeights, batch: ForwardBatch, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """DeepSeek-V3's attention: the cache's one plane is both K and V (`mla`)."""
+        c, w = self.config, layer.mla
+        assert c.mla is not None and w is not None
+        qkv = self.ops.linear(h, layer.qkv)  # [T, q + R + dr]
+        q, kv = mla_queries_and_latents(
+            self.ops, c.mla, c.num_heads, qkv, w, batch.positions, self.cos, self.sin
+        )  # [T, Hq, R + dr], [T, 1, R + dr]
+        self.latent_ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
+        out = self._attend(q, batch, cache, cache, None, self.latent_ops)  # [T, Hq, R + dr]
+        return self.ops.linear(mla_output(c.mla, out, w), layer.o)  # [T, H]
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None,
+        ops: KernelOps | None = None,
+    ) -> torch.Tensor:
+        """Paged attention of this step's queries, as the batch and the window call for."""
+        ops = ops or self.ops
+        if window is not None and (batch.max_context_len or self.max_positions) > window:
+            out = windowed_paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
+                self.scale, window,
+            )  # fmt: skip
+        elif batch.decode_only:  # T == R: row r's single query is q[r]
+            out = ops.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -213,7 +276,7 @@ class LlamaModel:
                 max_context_len=batch.max_context_len,
             )  # [R, Hq, D]
         else:
-            out = self.ops.paged_attention(
+            out = ops.paged_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -223,8 +286,9 @@ class LlamaModel:
                 self.scale,
                 max_query_len=batch.max_query_len,
             )  # [T, Hq, D]
-        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+        return out
 
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        assert layer.gate_up is not None and layer.down is not None  # a dense layer
         gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
         return self.ops.linear(self.ops.silu_mul(gate_up), layer.down)  # [T, H]

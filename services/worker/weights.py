@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_matvec import BlockWeight
+from services.worker.mla import MLAWeights
+from services.worker.moe import MoEWeights
 
 
 @dataclass
@@ -18,8 +20,23 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2 style) or None
     o: torch.Tensor  # [H, Hq * D]
     ffn_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]: gate rows first, then up
-    down: torch.Tensor  # [H, I]
+    # The dense MLP; None on a MoE layer.
+    gate_up: torch.Tensor | None  # [2 I, H]: gate rows first, then up
+    down: torch.Tensor | None  # [H, I]
+    q_norm: torch.Tensor | None = None  # [D]: per-head RMSNorm of q before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]
+    moe: MoEWeights | None = None  # the MoE feed-forward in place of the dense MLP
+    # Multi-head latent attention: then qkv is q_a (or q_proj) fused with kv_a_proj_with_mqa
+    # and o is [H, Hq * v_head_dim].
+    mla: MLAWeights | None = None
+
+    @property
+    def plain(self) -> bool:
+        """A Llama layer as the one-call native decode loop runs it."""
+        return (
+            self.gate_up is not None and self.q_norm is None and self.moe is None
+            and self.mla is None
+        )  # fmt: skip
 
 
 @dataclass
@@ -45,5 +62,9 @@ class ModelWeights:
         tensors = [self.embed, self.norm, self.lm_head]
         for layer in self.layers:
             tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+            for part in (layer.moe, layer.mla):
+                if part is not None:
+                    tensors += [getattr(part, f.name) for f in dataclasses.fields(part)]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
         unique = {t.data_ptr(): t for t in tensors if t is not None}
         return sum(t.numel() * t.element_size() for t in unique.values())

@@ -211,6 +211,9 @@ class DecodeLayers:
         same = p is not None and p.layers is layers and p.k_caches is k_caches
         if same and p.v_caches is v_caches:
             return p
+        # Only plain Llama layers go native: not a MoE feed-forward, not q/k norms.
+        if not all(getattr(layer, "plain", True) for layer in layers):
+            return None
         keep: list[object] = []
         array = (_Layer * len(layers))()
         inter = layers[0].down.shape[1]

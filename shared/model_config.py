@@ -32,6 +32,32 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Family options (the defaults are plain Llama).
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3)
+    # Per layer: the sliding attention window (a key is seen when it lies less than this
+    # many positions back) or None for full attention; () for full attention everywhere.
+    layer_windows: tuple[int | None, ...] = ()
+    moe: MoEConfig | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward: how tokens are routed and which layers have it."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP (False)
+    scoring: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3's)
+    norm_topk_prob: bool = True  # the chosen weights renormalised to sum to one
+    num_shared_experts: int = 0  # always-on experts, one dense MLP of n times the width
+    n_group: int = 1  # sigmoid routing: experts in groups, the best topk_group kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    has_correction_bias: bool = False  # e_score_correction_bias: used for choosing only
 
 
 def load_model_config(source: ModelSource, gguf_reader: Any = None) -> ModelConfig:
@@ -121,11 +147,18 @@ def _from_hf_folder(path: Path) -> ModelConfig:
     return _from_hf_config(cfg, gen)
 
 
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
 def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
-    """From config.json and generation_config.json, as dicts."""
+    """From config.json and generation_config.json, as dicts. A family or an option that
+    would not be served exactly as transformers runs it is refused by name."""
     arch = cfg.get("model_type", "llama")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported model_type {arch!r} (supported: llama)")
+    if arch not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    _refuse_unsupported_options(arch, cfg)
     eos = list(_as_ids(cfg.get("eos_token_id")))
     eos += [e for e in _as_ids(gen.get("eos_token_id")) if e not in eos]
     heads = int(cfg["num_attention_heads"])
@@ -147,4 +180,75 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         extra={"rope_scaling": cfg.get("rope_scaling")},
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        layer_windows=_layer_windows(arch, cfg),
+        moe=_moe_config(arch, cfg),
     )
+
+
+def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"{arch}: unsupported hidden_act {act!r} (supported: silu)")
+    for source in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(source) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{arch}: unsupported rope scaling {kind!r} in {source}")
+    # Llama-style attention_bias puts a bias on o_proj too, which our layers lack; Qwen2
+    # always has q/k/v biases (found in the weights) and no o_proj bias.
+    if cfg.get("attention_bias") and arch != "qwen2":
+        raise ValueError(f"{arch}: unsupported attention_bias=True")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{arch}: unsupported mlp_bias=True")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"{arch}: unsupported partial_rotary_factor {cfg['partial_rotary_factor']}"
+        )
+    if arch == "mistral" and cfg.get("layer_types"):
+        raise ValueError("mistral: unsupported layer_types (alternating attention)")
+
+
+def _layer_windows(arch: str, cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """Per layer window as transformers applies it: Mistral and Mixtral use sliding_window
+    on every layer; Qwen families only with use_sliding_window, Qwen2/Qwen3 on the layers
+    layer_types names (by default those from max_window_layers on)."""
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+        window = None
+    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe") or window is None:
+        return ()
+    window = int(window)
+    if arch in ("qwen2", "qwen3"):
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full"
+            for i in range(layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * layers
+
+
+def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "mixtral":
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            sparse_layers=(True,) * layers,
+        )
+    if arch == "qwen3_moe":
+        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = set(cfg.get("mlp_only_layers") or [])
+        return MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            sparse_layers=tuple(
+                i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+            ),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        )
+    return None

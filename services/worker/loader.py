@@ -21,6 +21,7 @@ import torch
 
 from kernels.cpu_info import cpu_flags
 from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
+from services.worker.moe import MoEWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
 
@@ -34,8 +35,17 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2 style) or None
     o: torch.Tensor  # [H, Hq * D]
     ffn_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]: gate rows first, then up
-    down: torch.Tensor  # [H, I]
+    # The dense MLP; None on a MoE layer.
+    gate_up: torch.Tensor | None  # [2 I, H]: gate rows first, then up
+    down: torch.Tensor | None  # [H, I]
+    q_norm: torch.Tensor | None = None  # [D]: per-head RMSNorm of q before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]
+    moe: MoEWeights | None = None  # the MoE feed-forward in place of the dense MLP
+
+    @property
+    def plain(self) -> bool:
+        """A Llama layer as the one-call native decode loop runs it."""
+        return self.gate_up is not None and self.q_norm is None and self.moe is None
 
 
 @dataclass
@@ -61,6 +71,9 @@ class ModelWeights:
         tensors = [self.embed, self.norm, self.lm_head]
         for layer in self.layers:
             tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+            if layer.moe is not None:
+                tensors += [getattr(layer.moe, f.name) for f in dataclasses.fields(layer.moe)]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
         unique = {t.data_ptr(): t for t in tensors if t is not None}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -231,6 +244,8 @@ _HF_ROLES = {
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
 _GGUF_ROLES = {
     "attn_norm": "attn_norm.weight",
@@ -294,9 +309,11 @@ def _assemble(
         return fused
 
     layers = []
+    moe = config.moe
     for i in range(config.num_layers):
         n = lambda role, i=i: names.layer(i, role)  # noqa: E731
         has_bias = n("q_bias") in tensors
+        sparse = moe is not None and moe.sparse_layers[i]
         layers.append(
             LayerWeights(
                 attn_norm=take(n("attn_norm")),
@@ -304,8 +321,11 @@ def _assemble(
                 qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
                 o=take(n("o")),
                 ffn_norm=take(n("ffn_norm")),
-                gate_up=fuse(n("gate"), n("up")),
-                down=take(n("down")),
+                gate_up=None if sparse else fuse(n("gate"), n("up")),
+                down=None if sparse else take(n("down")),
+                q_norm=take(n("q_norm")) if config.qk_norm else None,
+                k_norm=take(n("k_norm")) if config.qk_norm else None,
+                moe=_moe_weights(tensors, config, i, take) if sparse else None,
             )
         )
     embed = take(names.embed)
@@ -314,7 +334,9 @@ def _assemble(
     lm_head = embed if tied else take(names.lm_head)
     tensors.pop(names.lm_head, None)
     weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
-    projected = [lm_head] + [t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down)]
+    projected = [lm_head] + [
+        t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down) if t is not None
+    ]
     ids = {id(t) for t in projected}
     weights.blocks = [(w, b) for w, b in blocks if id(w) in ids]  # not the norms' or biases'
     _check_shapes(weights, config)
@@ -324,6 +346,52 @@ def _assemble(
     return weights
 
 
+# Where each family keeps its MoE block and what it calls an expert's projections
+# (gate, up, down), in the per-expert layout Hugging Face checkpoints ship.
+_MOE_LAYOUTS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _moe_weights(
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    layer: int,
+    take: Callable[..., torch.Tensor],
+) -> MoEWeights:
+    """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
+    takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],
+    experts.down_proj [E, H, I]) that newer exports use."""
+    moe = config.moe
+    assert moe is not None
+    block, (gate, up, down) = _MOE_LAYOUTS[config.architecture]
+    prefix = f"model.layers.{layer}.{block}"
+    router = take(f"{prefix}.gate.weight")
+    if f"{prefix}.experts.gate_up_proj" in tensors:
+        w_gate_up = take(f"{prefix}.experts.gate_up_proj")
+        w_down = take(f"{prefix}.experts.down_proj")
+    else:
+        w_gate_up = torch.stack(
+            [
+                torch.cat([take(f"{prefix}.experts.{e}.{p}.weight") for p in (gate, up)], dim=0)
+                for e in range(moe.num_experts)
+            ]
+        )
+        w_down = torch.stack(
+            [take(f"{prefix}.experts.{e}.{down}.weight") for e in range(moe.num_experts)]
+        )
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    for name, got, want in (
+        ("router", router.shape, (e, h)),
+        ("experts gate_up", w_gate_up.shape, (e, 2 * i, h)),
+        ("experts down", w_down.shape, (e, h, i)),
+    ):
+        if tuple(got) != want:
+            raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
+    return MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+
+
 def _check_shapes(w: ModelWeights, c: ModelConfig) -> None:
     qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     expected = {
@@ -331,9 +399,12 @@ def _check_shapes(w: ModelWeights, c: ModelConfig) -> None:
         "lm_head": (w.lm_head.shape, (c.vocab_size, c.hidden_size)),
         "qkv": (w.layers[0].qkv.shape, (qkv_rows, c.hidden_size)),
         "o": (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.head_dim)),
-        "gate_up": (w.layers[0].gate_up.shape, (2 * c.intermediate_size, c.hidden_size)),
-        "down": (w.layers[0].down.shape, (c.hidden_size, c.intermediate_size)),
     }
+    dense = next((x for x in w.layers if x.gate_up is not None and x.down is not None), None)
+    if dense is not None:
+        assert dense.gate_up is not None and dense.down is not None
+        expected["gate_up"] = (dense.gate_up.shape, (2 * c.intermediate_size, c.hidden_size))
+        expected["down"] = (dense.down.shape, (c.hidden_size, c.intermediate_size))
     for name, (got, want) in expected.items():
         if tuple(got) != want:
             raise ValueError(f"{name} weight has shape {tuple(got)}, the config says {want}")

@@ -1,5 +1,9 @@
 """A Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache.
 
+The families differ by configuration over the same pieces: q/k biases (Qwen2), per-head
+q/k norms (Qwen3), sliding windows (Mistral), and a MoE feed-forward in place of the dense
+MLP on some or all layers (`moe.moe_forward`: Qwen3-MoE, Mixtral).
+
 One forward runs a flat batch of T tokens from R rows: prefill chunks and decode rows
 alike, each row's tokens packed back to back (`query_start`). Attention, KV stores, norms
 and rotary go through `kernels.ops`, so the same model runs the torch path on CPU and the
@@ -15,14 +19,17 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_layers import Geometry
+from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.ops import KernelOps
 from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
+from services.worker.moe import moe_forward
+from services.worker.window_attention import windowed_paged_attention
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -106,6 +113,14 @@ class LlamaModel:
         self.weights = weights
         self.ops = ops
         self.max_positions = max_positions or config.context_length
+        windows = [w for w in config.layer_windows if w is not None]
+        if windows and ops.name != "torch":
+            # Only the torch path has windowed attention: elsewhere no context may grow past
+            # the window, where plain causal attention is exactly the windowed one.
+            log.info("sliding window %d: contexts capped at it on %s", min(windows), ops.name)
+            self.max_positions = min(self.max_positions, min(windows))
+        # The one-call decode loop runs plain Llama layers only.
+        self.plain = not windows and all(layer.plain for layer in weights.layers)
         self.cos, self.sin = rope_tables(
             config.head_dim, self.max_positions, config.rope_theta, weights.device
         )
@@ -131,8 +146,8 @@ class LlamaModel:
         """Runs every projection once, so one-time work (the CPU backend packs each weight
         for its BLAS on first use) happens at start-up, not in the first request."""
         w = self.weights
-        projections = [t for layer in w.layers for t in (layer.qkv, layer.o, layer.gate_up)]
-        projections += [layer.down for layer in w.layers] + [w.lm_head]
+        per_layer = [(x.qkv, x.o, x.gate_up) for x in w.layers] + [(x.down,) for x in w.layers]
+        projections = [t for group in per_layer for t in group if t is not None] + [w.lm_head]
         with torch.inference_mode():
             for weight in projections:
                 x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
@@ -148,7 +163,9 @@ class LlamaModel:
         None); writes this step's K/V to the cache. Reads nothing back to the host."""
         eps = self.config.rms_norm_eps
         x = F.embedding(batch.token_ids, self.weights.embed)  # [T, H]
-        at_once = self._decode_layers(x, batch, kv_cache) if batch.decode_only else None
+        at_once = (
+            self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
+        )
         x, residual = at_once if at_once is not None else self._layers(x, batch, kv_cache)
         # Only the last token of each sampling row needs the final norm and the lm_head.
         idx = batch.logits_indices
@@ -170,17 +187,22 @@ class LlamaModel:
                 h = self.ops.rms_norm(x, layer.attn_norm, eps)
             else:
                 h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
-            x = self._attention(h, layer, batch, k_cache, v_cache)
+            x = self._attention(h, layer, batch, k_cache, v_cache, self.config.window(i))
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
-            x = self._swiglu(h, layer)
+            if layer.moe is not None:
+                assert self.config.moe is not None
+                x = moe_forward(self.ops, self.config.moe, h, layer.moe)
+            else:
+                x = self._swiglu(h, layer)
         return x, residual
 
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer of a decode step in one call where the backend has that path."""
+        layers = cast(list[LayerTensors], self.weights.layers)  # all plain: see self.plain
         return self.ops.decode_layers(
-            x, self.weights.layers, kv_cache.k, kv_cache.v, batch.positions,
+            x, layers, kv_cache.k, kv_cache.v, batch.positions,
             batch.slot_mapping, batch.block_tables, batch.context_lens, self.cos, self.sin,
             self.geometry,
         )  # fmt: skip
@@ -192,17 +214,27 @@ class LlamaModel:
         batch: ForwardBatch,
         k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
         v_cache: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         c = self.config
         t = h.shape[0]
         qkv = self.ops.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, c.num_heads, c.head_dim)  # [T, Hq, D]
-        k = k.view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        if layer.q_norm is not None and layer.k_norm is not None:  # over each head's D
+            eps = c.rms_norm_eps
+            q = self.ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps)
+            k = self.ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps)
+        q = q.reshape(t, c.num_heads, c.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.view(t, c.num_kv_heads, c.head_dim)
         self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        if batch.decode_only:  # T == R: row r's single query is q[r]
+        if window is not None and (batch.max_context_len or self.max_positions) > window:
+            out = windowed_paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
+                self.scale, window,
+            )  # fmt: skip
+        elif batch.decode_only:  # T == R: row r's single query is q[r]
             out = self.ops.paged_decode_attention(
                 q,
                 k_cache,
@@ -226,5 +258,6 @@ class LlamaModel:
         return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
 
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        assert layer.gate_up is not None and layer.down is not None  # a dense layer
         gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
         return self.ops.linear(self.ops.silu_mul(gate_up), layer.down)  # [T, H]

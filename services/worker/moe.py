@@ -1,0 +1,50 @@
+"""The mixture-of-experts feed-forward shared by every MoE family: a router, routed
+experts run through `ops.fused_experts`, and optional always-on shared experts.
+
+What differs between families is configuration (`shared.model_config.MoEConfig`): the
+scoring (softmax or DeepSeek's grouped sigmoid), renormalisation, scaling, shared experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.ops import KernelOps
+from services.worker.routing import grouped_sigmoid_topk, softmax_topk
+from shared.model_config import MoEConfig
+
+
+@dataclass
+class MoEWeights:
+    router: torch.Tensor  # [E, H]
+    w_gate_up: torch.Tensor  # [E, 2 I, H]: each expert's gate rows, then its up rows
+    w_down: torch.Tensor  # [E, H, I]
+    correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek-V3)
+    shared_gate_up: torch.Tensor | None = None  # [2 Is, H]: the shared experts, fused
+    shared_down: torch.Tensor | None = None  # [H, Is]
+
+
+def route(config: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None):
+    """(topk_ids [T, K], topk_weights [T, K] float32) for router logits [T, E]."""
+    if config.scoring == "sigmoid":
+        return grouped_sigmoid_topk(
+            logits, correction_bias, config.top_k, config.n_group, config.topk_group,
+            config.norm_topk_prob, config.routed_scaling_factor,
+        )  # fmt: skip
+    return softmax_topk(logits, config.top_k, config.norm_topk_prob)
+
+
+def moe_forward(ops: KernelOps, config: MoEConfig, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """h [T, H] (after the layer's norm) -> [T, H]."""
+    # The router runs in float32 whatever the weights' dtype, as the references do for
+    # their routing (a bfloat16 router could pick different experts).
+    logits = F.linear(h.float(), w.router.float())  # [T, E]
+    topk_ids, topk_weights = route(config, logits, w.correction_bias)
+    out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
+    if w.shared_gate_up is not None and w.shared_down is not None:
+        shared = ops.linear(ops.silu_mul(ops.linear(h, w.shared_gate_up)), w.shared_down)
+        out = out + shared
+    return out

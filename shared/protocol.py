@@ -410,6 +410,12 @@ class StepResult(Message):
     kv_io_bytes: int = 0
     restored_bytes: int = 0
     restore_s: float = 0.0
+    # A MoE model's step: routed (token, expert) pairs per expert, summed over the MoE
+    # layers (empty for a dense model); with expert parallel, the bytes rank 0 sent to the
+    # other ranks in the experts' exchange and the time it spent in it.
+    expert_tokens: list[int] = Field(default_factory=list)
+    ep_exchange_bytes: int = 0
+    ep_exchange_s: float = 0.0
 
 
 # --- spill store ----------------------------------------------------------------------

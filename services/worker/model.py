@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.ops import KernelOps
+from services.worker.expert_parallel import ExpertGroup
 from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
 from services.worker.moe import moe_forward
@@ -121,6 +122,9 @@ class LlamaModel:
             self.max_positions = min(self.max_positions, min(windows))
         # The one-call decode loop runs plain Llama layers only.
         self.plain = not windows and all(layer.plain for layer in weights.layers)
+        # Expert parallel: this rank's share of the MoE layers and their exchange
+        # (`expert_parallel.ExpertGroup`); None: every expert here.
+        self.experts: ExpertGroup | None = None
         self.cos, self.sin = rope_tables(
             config.head_dim, self.max_positions, config.rope_theta, weights.device
         )
@@ -191,7 +195,10 @@ class LlamaModel:
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
             if layer.moe is not None:
                 assert self.config.moe is not None
-                x = moe_forward(self.ops, self.config.moe, h, layer.moe)
+                if self.experts is not None:
+                    x = self.experts.forward(self.ops, self.config.moe, h, layer.moe)
+                else:
+                    x = moe_forward(self.ops, self.config.moe, h, layer.moe)
             else:
                 x = self._swiglu(h, layer)
         return x, residual

@@ -1,0 +1,155 @@
+"""Expert parallel over two ranks (gloo, two processes) equals one process equals
+transformers: greedy tokens of concurrent rows and every position's logits, with both
+exchanges (all_reduce, all_to_all), on a random tiny Mixtral and on one whose router sends
+every token to rank 1's experts (so rank 0's experts get no token in any step)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.worker.expert_parallel import ExpertGroup, expert_range, token_range
+from tests.unit.worker import ep_ranks
+from tests.unit.worker.tiny_families import (
+    load_reference,
+    reference_greedy,
+    reference_logits,
+    save_tiny_family,
+)
+from tests.unit.worker.tiny_llama import tiny_runner
+
+NUM_EXPERTS = 4  # tiny Mixtral: 2 per rank, top 2
+RANK_TIMEOUT_S = 120
+
+
+def skew_to_rank_one(folder: Path) -> Path:
+    """Every token's experts on rank 1: hidden dimension 0 carries a large constant from
+    the embeddings on, and each router adds it to rank 1's experts' logits and takes it
+    from rank 0's."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"][:, 0] = 20.0
+    for name, w in tensors.items():
+        if name.endswith("block_sparse_moe.gate.weight"):
+            w[: NUM_EXPERTS // 2, 0] -= 5.0
+            w[NUM_EXPERTS // 2 :, 0] += 5.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    random = save_tiny_family(tmp_path_factory.mktemp("mixtral"), "mixtral")
+    skewed = skew_to_rank_one(save_tiny_family(tmp_path_factory.mktemp("skewed"), "mixtral"))
+    return {"random": random, "skewed": skewed}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders, tmp_path_factory):
+    """Both ranks' reports: {(model, exchange): entry} per rank."""
+    out = tmp_path_factory.mktemp("ep") / "report"
+    url = f"tcp://127.0.0.1:{free_port()}"
+    paths = [str(folders["random"]), str(folders["skewed"])]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.unit.worker.ep_ranks", str(r), "2", url, str(out), *paths]
+        )
+        for r in range(2)
+    ]
+    try:
+        codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    names = {p: name for name, p in zip(("random", "skewed"), paths, strict=True)}
+    reports = []
+    for rank in range(2):
+        entries = json.loads(Path(f"{out}.{rank}").read_text())
+        reports.append({(names[e["folder"]], e["exchange"]): e for e in entries})
+    return reports
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    """transformers' greedy tokens and logits per model, gaps and routing checked."""
+    refs = {}
+    for name, folder in folders.items():
+        model = load_reference(folder)
+        tokens = []
+        for prompt in ep_ranks.PROMPTS:
+            out, gap = reference_greedy(model, prompt, ep_ranks.NEW_TOKENS)
+            assert gap > 1e-3, "a near tie would make the comparison meaningless"
+            tokens.append(out)
+        logits = torch.cat([reference_logits(model, p) for p in ep_ranks.PROMPTS])
+        refs[name] = (tokens, logits, model)
+    return refs
+
+
+def test_skewed_router_sends_every_token_to_rank_one(references):
+    tokens, _, model = references["skewed"]
+    for prompt, out in zip(ep_ranks.PROMPTS, tokens, strict=True):
+        with torch.inference_mode():
+            got = model(torch.tensor([prompt + out]), output_router_logits=True)
+        for layer_logits in got.router_logits:
+            chosen = layer_logits.topk(2, dim=-1).indices
+            assert bool((chosen >= NUM_EXPERTS // 2).all()), "a token chose a rank-0 expert"
+
+
+@pytest.mark.parametrize("model", ["random", "skewed"])
+@pytest.mark.parametrize("exchange", ["all_reduce", "all_to_all"])
+def test_two_ranks_equal_one_process_and_transformers(
+    two_ranks, references, folders, model, exchange
+):
+    want_tokens, want_logits, _ = references[model]
+    one = tiny_runner(folders[model], kv_blocks=ep_ranks.KV_BLOCKS)
+    from tests.unit.worker.plans import generate
+
+    one_tokens = generate(
+        one, ep_ranks.PROMPTS, ep_ranks.NEW_TOKENS, chunk=4, start_steps=[0, 1, 3]
+    )
+    assert one_tokens == want_tokens
+    rank0, rank1 = two_ranks[0][(model, exchange)], two_ranks[1][(model, exchange)]
+    assert rank0["tokens"] == want_tokens
+    logits0 = torch.tensor(rank0["logits"])
+    assert logits0.shape == want_logits.shape
+    assert (logits0 - want_logits).abs().max().item() < 1e-4
+    # Replicated: rank 1 computed the same logits.
+    assert (torch.tensor(rank1["logits"]) - logits0).abs().max().item() < 1e-5
+    assert rank0["bytes"] > 0
+
+
+def test_skewed_rank_zero_experts_get_no_token(two_ranks):
+    for exchange in ("all_reduce", "all_to_all"):
+        counts = two_ranks[0][("skewed", exchange)]["expert_tokens"]
+        assert counts[: NUM_EXPERTS // 2] == [0, 0]
+        # Every token of the packed prompts, twice (top 2), in each of the 2 MoE layers.
+        assert sum(counts) == 2 * 2 * sum(len(p) for p in ep_ranks.PROMPTS)
+
+
+def test_expert_and_token_ranges():
+    assert [expert_range(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="does not divide"):
+        expert_range(6, 0, 4)
+    # 5 tokens over 2 ranks: 3 and 2; 1 token over 2 ranks: rank 1 owns none.
+    assert [token_range(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [token_range(1, r, 2) for r in range(2)] == [(0, 1), (1, 1)]
+
+
+def test_unknown_exchange_is_refused():
+    with pytest.raises(ValueError, match="unknown expert exchange"):
+        ExpertGroup(0, 2, "broadcast")  # type: ignore[arg-type]

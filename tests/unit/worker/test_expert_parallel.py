@@ -153,3 +153,30 @@ def test_expert_and_token_ranges():
 def test_unknown_exchange_is_refused():
     with pytest.raises(ValueError, match="unknown expert exchange"):
         ExpertGroup(0, 2, "broadcast")  # type: ignore[arg-type]
+
+
+def test_a_dense_model_or_a_bad_group_is_refused(tmp_path, folders):
+    from services.worker.ep_group import check_expert_parallel
+    from shared.config import load_settings
+    from shared.model_config import load_model_config
+    from shared.model_files import resolve_model
+    from tests.unit.worker.tiny_llama import write_synthetic_config
+
+    dense_path = write_synthetic_config(tmp_path)
+    dense = load_model_config(resolve_model(f"synthetic:{dense_path}"))
+    moe = load_model_config(resolve_model(str(folders["random"])))
+    url = "tcp://127.0.0.1:1"
+
+    def check(config, **options):
+        check_expert_parallel(load_settings(**options), config, "m")
+
+    check(dense, expert_parallel=1)  # one process: any model
+    check(moe, expert_parallel=2, rank=1, dist_url=url)
+    with pytest.raises(ValueError, match="dense model"):
+        check(dense, expert_parallel=2, rank=0, dist_url=url)
+    with pytest.raises(ValueError, match="does not divide the model's 4 experts"):
+        check(moe, expert_parallel=3, rank=0, dist_url=url)
+    with pytest.raises(ValueError, match="--rank 2 is outside 0..1"):
+        check(moe, expert_parallel=2, rank=2, dist_url=url)
+    with pytest.raises(ValueError, match="needs --dist-url"):
+        check(moe, expert_parallel=2, rank=0)

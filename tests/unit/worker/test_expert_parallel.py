@@ -176,7 +176,7 @@ def test_a_dense_model_or_a_bad_group_is_refused(tmp_path, folders):
         check(dense, expert_parallel=2, rank=0, dist_url=url)
     with pytest.raises(ValueError, match="does not divide the model's 4 experts"):
         check(moe, expert_parallel=3, rank=0, dist_url=url)
-    with pytest.raises(ValueError, match="--rank 2 is outside 0..1"):
+    with pytest.raises(ValueError, match=r"--rank 2 is outside 0\.\.1"):
         check(moe, expert_parallel=2, rank=2, dist_url=url)
     with pytest.raises(ValueError, match="needs --dist-url"):
         check(moe, expert_parallel=2, rank=0)

@@ -184,6 +184,11 @@ class WorkerLoad(Message):
     migrations: int = 0  # requests moved onto it from a lost worker
     num_steps: int = 0
     draining: bool = False
+    # A MoE worker: routed (token, expert) pairs per expert so far; with expert parallel,
+    # the bytes its rank 0 sent in the experts' exchange and the exchange's time per step.
+    expert_tokens: list[int] = Field(default_factory=list)
+    ep_exchange_bytes: int = 0
+    ep_exchange_seconds: PhaseHistogram | None = None
 
 
 class SchedulerStats(Message):

@@ -209,6 +209,11 @@ class ModelRunner:
             c = group.counters
             result.expert_tokens = c.expert_tokens
             result.ep_exchange_bytes, result.ep_exchange_s = c.bytes, c.seconds
+            if group.size > 1 and log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "step %d: expert exchange (%s) %d bytes, %.2f ms; tokens per expert %s",
+                    plan.step_id, group.exchange, c.bytes, 1e3 * c.seconds, c.expert_tokens,
+                )  # fmt: skip
         return result
 
     def forget_all(self) -> None:

@@ -6,6 +6,7 @@ every token to rank 1's experts (so rank 0's experts get no token in any step)."
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -180,3 +181,39 @@ def test_a_dense_model_or_a_bad_group_is_refused(tmp_path, folders):
         check(moe, expert_parallel=2, rank=2, dist_url=url)
     with pytest.raises(ValueError, match="needs --dist-url"):
         check(moe, expert_parallel=2, rank=0)
+
+
+@pytest.mark.parametrize(
+    ("victim", "how"), [(1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL)]
+)
+def test_a_rank_that_dies_or_hangs_takes_the_group_down(folders, victim, how):
+    """The survivor never hangs: a dead peer's socket closes, a hung one reaches the
+    group's timeout (2 s here) or the watchdog; either way it exits with code 3."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.unit.worker.ep_steps",
+                str(r),
+                url,
+                str(folders["random"]),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        assert procs[0].stdout is not None
+        assert procs[0].stdout.readline().strip() == "stepping"
+        procs[victim].send_signal(how)
+        survivor = procs[1 - victim]
+        # A bound for a hang, not a measurement: the group's timeout is 2 s.
+        assert survivor.wait(RANK_TIMEOUT_S) == 3
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -117,6 +117,23 @@ def worker_launches(
     return launches
 
 
+def check_expert_parallel_model(settings: Settings) -> None:
+    """--expert-parallel N > 1 on a model it cannot split (a dense one, or N not dividing
+    its experts) is refused before anything starts."""
+    if settings.expert_parallel == 1:
+        return
+    from services.worker.ep_group import check_expert_parallel
+    from shared.model_config import load_model_config
+    from shared.model_files import resolve_model
+
+    source = resolve_model(settings.model)
+    placeholder = settings.with_overrides(rank=0, dist_url="tcp://127.0.0.1:1")
+    try:
+        check_expert_parallel(placeholder, load_model_config(source), source.model_id)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+
+
 def visible_gpus() -> list[str]:
     """The GPU ids this process may use (CUDA_VISIBLE_DEVICES, else nvidia-smi's list)."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -196,6 +213,7 @@ def up(settings: Settings) -> int:
     children: list[Child] = []
     code = 0
     try:
+        check_expert_parallel_model(settings)
         settings, servers = ensure_servers(settings)
         args = as_arguments(settings)
         for s in START_ORDER:

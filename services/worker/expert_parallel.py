@@ -269,6 +269,10 @@ class ExpertGroup:
         self._watchdog = threading.Thread(target=watch, name="ep-watchdog", daemon=True)
         self._watchdog.start()
 
+    def abandon(self, why: str) -> None:
+        """This rank cannot keep step with the others (its step failed half-way)."""
+        self._break(why)
+
     def _break(self, why: str) -> None:
         if self.broken:
             return

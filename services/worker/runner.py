@@ -176,6 +176,10 @@ class ModelRunner:
         try:
             result.rows, phases = self._run(rows)
         except Exception as e:  # a device failure: report it, keep serving
+            if group is not None and group.size > 1:
+                # The other ranks may be inside this step's collectives: whatever this rank
+                # issued next would be matched with them. The group cannot go on.
+                group.abandon(f"step {plan.step_id} failed: {type(e).__name__}: {e}")
             for row in rows:  # their run-ahead rows must not feed a stale token
                 self.last_token.pop(row.seq_id, None)
             if is_out_of_memory(e):

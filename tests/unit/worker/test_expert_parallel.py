@@ -217,3 +217,15 @@ def test_a_rank_that_dies_or_hangs_takes_the_group_down(folders, victim, how):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_broken_group_says_so_once_and_issues_nothing_more():
+    from services.worker.expert_parallel import GroupBroken
+
+    said: list[str] = []
+    group = ExpertGroup(0, 2, on_broken=said.append)
+    group.abandon("step 7 failed")
+    group.abandon("again")
+    assert said == ["step 7 failed"] and group.broken
+    with pytest.raises(GroupBroken):
+        group.share("a plan")

@@ -8,8 +8,10 @@ two ranks (gloo, this machine). Every rank runs the same forwards: a prefill ste
 of 64 random tokens) and a decode step (16 rows at context 64). Per step kind and
 exchange: the median step time, the time in the exchange's collectives and its share of
 the step, and the bytes rank 0 sent. Then tokens per expert over the prefill (the router's
-balance on random tokens). Prints the figures and writes bench-results/expert_parallel.json.
-Shared machines are noisy: read the ratios within one run.
+balance on random tokens). Last, how a swap-in's KV reaches every rank: each rank reading
+it from Redis itself (what the worker does) against rank 0 reading it and broadcasting it
+over the group, for a sequence of --kv-mb megabytes. Prints the figures and writes
+bench-results/expert_parallel.json. Shared machines are noisy: read the ratios within one run.
 """
 
 from __future__ import annotations
@@ -75,12 +77,17 @@ def batch(rows: int, length: int, context: int, block_size: int, seed: int):
     )
 
 
-def rank_main(rank: int, size: int, url: str, folder: str, repeat: int, out: str) -> None:
+def rank_main(
+    rank: int, size: int, url: str, folder: str, repeat: int, out: str, redis_url: str, kv_mb: int
+) -> None:
     from services.worker.runner import load_runner
     from shared.config import load_settings
 
     torch.set_num_threads(1)
-    options = dict(model=folder, kv_blocks=64, device="cpu", dtype="float32", block_size=16)
+    # One math thread per rank: on a shared machine two OpenMP threads wait on each other.
+    options = dict(
+        model=folder, kv_blocks=64, device="cpu", dtype="float32", block_size=16, threads=1
+    )
     if size > 1:
         options |= dict(expert_parallel=size, rank=rank, dist_url=url)
     runner, _ = load_runner(load_settings(**options))
@@ -108,8 +115,43 @@ def rank_main(rank: int, size: int, url: str, folder: str, repeat: int, out: str
                 step_s=step, exchange_s=ex, share=ex / step, bytes=runs[-1][1].bytes,
                 tokens=int(b.token_ids.numel()), expert_tokens=runs[-1][1].expert_tokens,
             )  # fmt: skip
+    if size > 1 and redis_url:
+        report["restore"] = restore_paths(rank, redis_url, kv_mb, repeat)
     if rank == 0:
         Path(out).write_text(json.dumps(report))
+
+
+def restore_paths(rank: int, redis_url: str, kv_mb: int, repeat: int) -> dict:
+    """Median seconds for one sequence's KV to reach every rank: each from Redis, or rank
+    0 from Redis then a broadcast (the bytes as one uint8 tensor)."""
+    import redis
+    import torch.distributed as dist
+
+    client = redis.Redis.from_url(redis_url)
+    blob = bytes(kv_mb << 20)
+    if rank == 0:
+        client.set("bench:ep:kv", blob)
+    dist.barrier()
+    each, broadcast = [], []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        got = client.get("bench:ep:kv")
+        dist.barrier()  # the slowest rank decides
+        each.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            got = client.get("bench:ep:kv")
+            tensor = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+        else:
+            tensor = torch.empty(kv_mb << 20, dtype=torch.uint8)
+        dist.broadcast(tensor, src=0)
+        dist.barrier()
+        broadcast.append(time.perf_counter() - start)
+    assert got is not None and len(got) == kv_mb << 20
+    return dict(kv_mb=kv_mb, redis_each_s=statistics.median(each),
+                redis_then_broadcast_s=statistics.median(broadcast))  # fmt: skip
 
 
 def free_port() -> int:
@@ -118,7 +160,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(size: int, folder: Path, repeat: int) -> dict:
+def run_group(size: int, folder: Path, repeat: int, redis_url: str, kv_mb: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         url = f"tcp://127.0.0.1:{free_port()}"
         procs = [
@@ -139,6 +181,10 @@ def run_group(size: int, folder: Path, repeat: int) -> dict:
                     str(repeat),
                     "--out",
                     f.name,
+                    "--redis-url",
+                    redis_url,
+                    "--kv-mb",
+                    str(kv_mb),
                 ]
             )
             for r in range(size)
@@ -154,6 +200,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--kv-mb", type=int, default=16, help="one swapped-in sequence's KV")
+    p.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
@@ -161,11 +209,22 @@ def main() -> None:
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank is not None:
-        rank_main(args.rank, args.size, args.url, args.folder, args.repeat, args.out)
+        rank_main(args.rank, args.size, args.url, args.folder, args.repeat, args.out,
+                  args.redis_url, args.kv_mb)  # fmt: skip
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = save_model(Path(tmp), args.layers, args.hidden, args.experts)
-        results = {1: run_group(1, folder, args.repeat), 2: run_group(2, folder, args.repeat)}
+    from services.cli.servers import start_redis
+
+    redis_server = start_redis()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = save_model(Path(tmp), args.layers, args.hidden, args.experts)
+            results = {
+                size: run_group(size, folder, args.repeat, redis_server.url, args.kv_mb)
+                for size in (1, 2)
+            }
+    finally:
+        redis_server.stop()
+    restore = results[2].pop("restore")
     print(f"{args.layers} MoE layers, hidden {args.hidden}, {args.experts} experts, top 2")
     print(f"{'EP':>2} {'exchange':<10} {'step':<7} {'tokens':>6} {'step ms':>8} "
           f"{'exch ms':>8} {'share':>6} {'bytes':>10} {'B/token':>8}")  # fmt: skip
@@ -178,8 +237,14 @@ def main() -> None:
     load = results[1]["none/prefill"]["expert_tokens"]
     mean = sum(load) / len(load)
     print(f"tokens per expert (prefill, all layers): {load}; max/mean {max(load) / mean:.2f}")
+    print(
+        f"a {restore['kv_mb']} MB swap-in on both ranks: each from Redis "
+        f"{1e3 * restore['redis_each_s']:.1f} ms, rank 0 from Redis then a broadcast "
+        f"{1e3 * restore['redis_then_broadcast_s']:.1f} ms"
+    )
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+    out = {**{str(k): v for k, v in results.items()}, "restore": restore}
+    OUT.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

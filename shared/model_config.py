@@ -38,9 +38,23 @@ class ModelConfig:
     # many positions back) or None for full attention; () for full attention everywhere.
     layer_windows: tuple[int | None, ...] = ()
     moe: MoEConfig | None = None
+    # Multi-head latent attention (DeepSeek-V3). The cache then holds one "head" per token,
+    # num_kv_heads = 1 of head_dim = kv_lora_rank + qk_rope_head_dim: the compressed latent
+    # and the rotated shared key, read as both K and V (see services/worker/mla.py).
+    mla: MLAConfig | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    q_lora_rank: int | None  # None: one q_proj, no low-rank query
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rotary pairs are adjacent dims (x0, x1), (x2, x3), ...
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,9 @@ def _from_hf_folder(path: Path) -> ModelConfig:
     return _from_hf_config(cfg, gen)
 
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3",
+)  # fmt: skip
 
 
 def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
@@ -164,13 +180,18 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or {}
+    mla = _mla_config(arch, cfg)
     return ModelConfig(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=1 if mla else int(cfg.get("num_key_value_heads") or heads),
+        head_dim=(
+            mla.kv_lora_rank + mla.qk_rope_head_dim
+            if mla
+            else int(cfg.get("head_dim") or hidden // heads)
+        ),
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         context_length=int(cfg.get("max_position_embeddings", 2048)),
@@ -179,10 +200,11 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
-        extra={"rope_scaling": cfg.get("rope_scaling")},
+        extra={"rope": rope_parameters(cfg)},
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         layer_windows=_layer_windows(arch, cfg),
         moe=_moe_config(arch, cfg),
+        mla=mla,
     )
 
 
@@ -190,11 +212,14 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"{arch}: unsupported hidden_act {act!r} (supported: silu)")
-    for source in ("rope_scaling", "rope_parameters"):
-        rope = cfg.get(source) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{arch}: unsupported rope scaling {kind!r} in {source}")
+    rope = rope_parameters(cfg)
+    kind = rope["rope_type"]
+    if kind not in ROPE_SCALING_KINDS:
+        supported = ", ".join(ROPE_SCALING_KINDS)
+        raise ValueError(f"{arch}: unsupported rope scaling {kind!r} (supported: {supported})")
+    missing = [k for k in _ROPE_KEYS.get(kind, ()) if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"{arch}: rope scaling {kind!r} lacks {', '.join(missing)}")
     # Llama-style attention_bias puts a bias on o_proj too, which our layers lack; Qwen2
     # always has q/k/v biases (found in the weights) and no o_proj bias.
     if cfg.get("attention_bias") and arch != "qwen2":
@@ -205,8 +230,47 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
         raise ValueError(
             f"{arch}: unsupported partial_rotary_factor {cfg['partial_rotary_factor']}"
         )
+    if cfg.get("quantization_config"):
+        kind = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"{arch}: unsupported quantization_config ({kind})")
+    if arch == "deepseek_v3":
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"deepseek_v3: unsupported scoring_func {cfg['scoring_func']!r}")
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"deepseek_v3: unsupported topk_method {cfg['topk_method']!r}")
+        # transformers rotates head_dim dimensions of the rope part; only the rope width fits
+        if cfg.get("head_dim") not in (None, cfg.get("qk_rope_head_dim")):
+            raise ValueError(
+                f"deepseek_v3: unsupported head_dim {cfg['head_dim']} (not qk_rope_head_dim)"
+            )
     if arch == "mistral" and cfg.get("layer_types"):
         raise ValueError("mistral: unsupported layer_types (alternating attention)")
+
+
+# The rope scaling kinds served exactly (services/worker/rope.py), and the keys each needs.
+ROPE_SCALING_KINDS = ("default", "linear", "llama3", "yarn")
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters as transformers resolves them: the legacy rope_scaling merged
+    with rope_parameters, rope_type named, and for scaled kinds the pretraining context
+    (a top-level original_max_position_embeddings first, else the config's context)."""
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in ("llama3", "yarn"):
+        context = int(cfg.get("max_position_embeddings", 2048))
+        original = cfg.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(
+            original or rope.get("original_max_position_embeddings") or context
+        )
+        if rope["rope_type"] == "yarn" and rope.get("factor") is None:
+            rope["factor"] = context / rope["original_max_position_embeddings"]
+    return rope
 
 
 def _layer_windows(arch: str, cfg: dict[str, Any]) -> tuple[int | None, ...]:
@@ -251,4 +315,36 @@ def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             ),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         )
+    if arch == "deepseek_v3":
+        # A key left out takes transformers' DeepseekV3Config default.
+        experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 256)))
+        first_moe = int(cfg.get("first_k_dense_replace", 3) or 0)
+        n_group = int(cfg.get("n_group", 8) or 1)
+        return MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            sparse_layers=tuple(experts > 0 and i >= first_moe for i in range(layers)),
+            scoring="sigmoid",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            num_shared_experts=int(cfg.get("n_shared_experts", 1) or 0),
+            n_group=n_group,
+            topk_group=int(cfg.get("topk_group", 4) or n_group),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+            has_correction_bias=True,
+        )
     return None
+
+
+def _mla_config(arch: str, cfg: dict[str, Any]) -> MLAConfig | None:
+    if arch != "deepseek_v3":
+        return None
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )

@@ -3,6 +3,10 @@ tensors (block tables, slot mappings) that address it.
 
     k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
 
+A multi-head latent attention model (DeepSeek-V3) caches one plane: its V is its K (the
+same tensors), each token's compressed latent and rotated key read as both; a block's bytes
+then hold that plane once (`planes`).
+
 A token at position p of a sequence with block list B lives at slot
 B[p // block_size] * block_size + p % block_size.
 
@@ -23,10 +27,15 @@ from shared.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+def kv_planes(config: ModelConfig) -> int:
+    """2 (K and V), or 1 where V is K (multi-head latent attention)."""
+    return 1 if config.mla is not None else 2
+
+
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V."""
     per_layer = block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-    return 2 * config.num_layers * per_layer
+    return kv_planes(config) * config.num_layers * per_layer
 
 
 def num_blocks_for_memory(
@@ -63,8 +72,13 @@ class KVCache:
         self.num_blocks = num_blocks  # blocks the scheduler may hand out: 0..num_blocks - 1
         self.pad_block = num_blocks
         self.block_size = block_size
+        self.planes = kv_planes(config)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = (
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+            if self.planes == 2
+            else self.k
+        )
         log.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB",
             num_blocks,
@@ -87,20 +101,23 @@ class KVCache:
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks' K and V across every layer, on the host and contiguous:
-        [2, L, n, BS, Hkv, D] (what a spilled or shared block holds)."""
+        [P, L, n, BS, Hkv, D] with P = `planes` (what a spilled or shared block holds)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.k[0].device)
         k = torch.stack([layer.index_select(0, idx) for layer in self.k])  # [L, n, BS, H, D]
+        if self.planes == 1:
+            return k.unsqueeze(0).cpu().contiguous()
         v = torch.stack([layer.index_select(0, idx) for layer in self.v])
         return torch.stack([k, v]).cpu().contiguous()
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """The inverse of read_blocks: data [2, L, n, BS, Hkv, D] into these blocks."""
+        """The inverse of read_blocks: data [P, L, n, BS, Hkv, D] into these blocks."""
         device = self.k[0].device
         idx = torch.tensor(block_ids, dtype=torch.int64, device=device)
         data = data.to(device=device, dtype=self.dtype)
         for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             k.index_copy_(0, idx, data[0, layer])
-            v.index_copy_(0, idx, data[1, layer])
+            if self.planes == 2:
+                v.index_copy_(0, idx, data[1, layer])
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

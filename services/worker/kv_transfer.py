@@ -2,7 +2,7 @@
 
 Bytes go worker <-> Redis directly (binary values, one pipelined round trip per order),
 never over NATS and never through the scheduler. A value holds a group of blocks as
-`KVCache.read_blocks` lays them out ([2, L, n, BS, Hkv, D] in the cache's dtype), so a
+`KVCache.read_blocks` lays them out ([P, L, n, BS, Hkv, D] in the cache's dtype), so a
 restore is one copy back. Any Redis failure is reported, never raised: the scheduler then
 recomputes what could not be spilled or read back.
 """
@@ -73,7 +73,7 @@ class KVTransfer:
         # One writer thread for the shared tier, so its writes leave the step's path.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
         self._store_slots = threading.BoundedSemaphore(MAX_PENDING_STORES)
-        shape = (2, len(kv_cache.k), 1, *kv_cache.block_shape)
+        shape = (kv_cache.planes, len(kv_cache.k), 1, *kv_cache.block_shape)
         self.block_bytes = torch.Size(shape).numel() * kv_cache.dtype.itemsize
 
     def ping(self) -> bool:
@@ -202,7 +202,7 @@ class KVTransfer:
         return values
 
     def _from_bytes(self, value: bytes, num_blocks: int) -> torch.Tensor:
-        shape = (2, len(self.kv.k), num_blocks, *self.kv.block_shape)
+        shape = (self.kv.planes, len(self.kv.k), num_blocks, *self.kv.block_shape)
         flat = torch.frombuffer(bytearray(value), dtype=torch.uint8)
         return flat.view(self.kv.dtype).reshape(shape)
 

@@ -21,6 +21,7 @@ import torch
 
 from kernels.cpu_info import cpu_flags
 from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
+from services.worker.mla import MLAWeights, q_width
 from services.worker.moe import MoEWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
@@ -41,11 +42,17 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D]: per-head RMSNorm of q before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [D]
     moe: MoEWeights | None = None  # the MoE feed-forward in place of the dense MLP
+    # Multi-head latent attention: then qkv is q_a (or q_proj) fused with kv_a_proj_with_mqa
+    # and o is [H, Hq * v_head_dim].
+    mla: MLAWeights | None = None
 
     @property
     def plain(self) -> bool:
         """A Llama layer as the one-call native decode loop runs it."""
-        return self.gate_up is not None and self.q_norm is None and self.moe is None
+        return (
+            self.gate_up is not None and self.q_norm is None and self.moe is None
+            and self.mla is None
+        )  # fmt: skip
 
 
 @dataclass
@@ -71,8 +78,9 @@ class ModelWeights:
         tensors = [self.embed, self.norm, self.lm_head]
         for layer in self.layers:
             tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
-            if layer.moe is not None:
-                tensors += [getattr(layer.moe, f.name) for f in dataclasses.fields(layer.moe)]
+            for part in (layer.moe, layer.mla):
+                if part is not None:
+                    tensors += [getattr(part, f.name) for f in dataclasses.fields(part)]
         tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
         unique = {t.data_ptr(): t for t in tensors if t is not None}
         return sum(t.numel() * t.element_size() for t in unique.values())
@@ -314,10 +322,11 @@ def _assemble(
         n = lambda role, i=i: names.layer(i, role)  # noqa: E731
         has_bias = n("q_bias") in tensors
         sparse = moe is not None and moe.sparse_layers[i]
+        mla = _mla_weights(tensors, config, i, take) if config.mla is not None else None
         layers.append(
             LayerWeights(
                 attn_norm=take(n("attn_norm")),
-                qkv=fuse(n("q"), n("k"), n("v")),
+                qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
                 qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
                 o=take(n("o")),
                 ffn_norm=take(n("ffn_norm")),
@@ -326,6 +335,7 @@ def _assemble(
                 q_norm=take(n("q_norm")) if config.qk_norm else None,
                 k_norm=take(n("k_norm")) if config.qk_norm else None,
                 moe=_moe_weights(tensors, config, i, take) if sparse else None,
+                mla=mla[1] if mla else None,
             )
         )
     embed = take(names.embed)
@@ -351,7 +361,37 @@ def _assemble(
 _MOE_LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+
+
+def _mla_weights(
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    layer: int,
+    take: Callable[..., torch.Tensor],
+) -> tuple[torch.Tensor, MLAWeights]:
+    """Layer `layer`'s fused input projection (q_a or q_proj, then kv_a_proj_with_mqa:
+    both read the normed hidden state) and the rest of its latent attention."""
+    c = config.mla
+    assert c is not None
+    p = f"model.layers.{layer}.self_attn"
+    q_in = take(f"{p}.q_a_proj.weight" if c.q_lora_rank else f"{p}.q_proj.weight")
+    qkv = torch.cat([q_in, take(f"{p}.kv_a_proj_with_mqa.weight")], dim=0).contiguous()
+    heads, dn, dv = config.num_heads, c.qk_nope_head_dim, c.v_head_dim
+    kv_b = take(f"{p}.kv_b_proj.weight").view(heads, dn + dv, c.kv_lora_rank)
+    w_uk, w_uv = (part.contiguous() for part in kv_b.split([dn, dv], dim=1))
+    weights = MLAWeights(
+        q_a_norm=take(f"{p}.q_a_layernorm.weight") if c.q_lora_rank else None,
+        q_b=take(f"{p}.q_b_proj.weight") if c.q_lora_rank else None,
+        kv_a_norm=take(f"{p}.kv_a_layernorm.weight"),
+        w_uk=w_uk,
+        w_uv=w_uv,
+    )
+    width = q_width(c, heads) + c.kv_lora_rank + c.qk_rope_head_dim
+    if tuple(qkv.shape) != (width, config.hidden_size):
+        raise ValueError(f"layer {layer} q/kv_a weights fuse to {tuple(qkv.shape)}, not {width}")
+    return qkv, weights
 
 
 def _moe_weights(
@@ -389,17 +429,29 @@ def _moe_weights(
     ):
         if tuple(got) != want:
             raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
-    return MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+    weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+    if moe.has_correction_bias:  # chooses experts in float32, whatever the weights' dtype
+        weights.correction_bias = take(f"{prefix}.gate.e_score_correction_bias").float()
+    if moe.num_shared_experts:
+        shared = f"{prefix}.shared_experts"
+        weights.shared_gate_up = torch.cat(
+            [take(f"{shared}.gate_proj.weight"), take(f"{shared}.up_proj.weight")], dim=0
+        ).contiguous()
+        weights.shared_down = take(f"{shared}.down_proj.weight")
+    return weights
 
 
 def _check_shapes(w: ModelWeights, c: ModelConfig) -> None:
-    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     expected = {
         "embed": (w.embed.shape, (c.vocab_size, c.hidden_size)),
         "lm_head": (w.lm_head.shape, (c.vocab_size, c.hidden_size)),
-        "qkv": (w.layers[0].qkv.shape, (qkv_rows, c.hidden_size)),
-        "o": (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.head_dim)),
     }
+    if c.mla is None:  # (the latent attention's projections are checked as they load)
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        expected["qkv"] = (w.layers[0].qkv.shape, (qkv_rows, c.hidden_size))
+        expected["o"] = (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.head_dim))
+    else:
+        expected["o"] = (w.layers[0].o.shape, (c.hidden_size, c.num_heads * c.mla.v_head_dim))
     dense = next((x for x in w.layers if x.gate_up is not None and x.down is not None), None)
     if dense is not None:
         assert dense.gate_up is not None and dense.down is not None

@@ -25,11 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_decode_layers import Geometry, LayerTensors
-from kernels.ops import KernelOps
+from kernels.ops import KernelOps, TorchOps
 from services.worker.expert_parallel import ExpertGroup
 from services.worker.kv_cache import KVCache
 from services.worker.loader import LayerWeights, ModelWeights
+from services.worker.mla import mla_output, mla_queries_and_latents
 from services.worker.moe import moe_forward
+from services.worker.rope import rope_tables, yarn_mscale
 from services.worker.window_attention import windowed_paged_attention
 from shared.model_config import ModelConfig
 
@@ -70,18 +72,6 @@ class ForwardBatch:
         )
 
 
-def rope_tables(
-    head_dim: int, max_positions: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, D / 2] float32, the HF rotate-half frequencies."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )  # [D / 2]
-    positions = torch.arange(max_positions, dtype=torch.int64).float()  # [P]
-    freqs = torch.outer(positions, inv_freq)  # [P, D / 2]
-    return freqs.cos().to(device), freqs.sin().to(device)
-
-
 def configure_threads(device: torch.device, threads: int | None = None) -> int:
     """On the CPU: `threads` math threads, by default one per core this process may run
     on (its affinity, which a container or `taskset` may narrow). Returns the count."""
@@ -107,33 +97,44 @@ class LlamaModel:
         ops: KernelOps,
         max_positions: int | None = None,
     ) -> None:
-        rope_scaling = config.extra.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise ValueError(f"rope scaling {rope_scaling} is not supported")
         self.config = config
         self.weights = weights
         self.ops = ops
         self.max_positions = max_positions or config.context_length
         windows = [w for w in config.layer_windows if w is not None]
-        if windows and ops.name != "torch":
-            # Only the torch path has windowed attention: elsewhere no context may grow past
-            # the window, where plain causal attention is exactly the windowed one.
-            log.info("sliding window %d: contexts capped at it on %s", min(windows), ops.name)
-            self.max_positions = min(self.max_positions, min(windows))
         # The one-call decode loop runs plain Llama layers only.
         self.plain = not windows and all(layer.plain for layer in weights.layers)
         # Expert parallel: this rank's share of the MoE layers and their exchange
         # (`expert_parallel.ExpertGroup`); None: every expert here.
         self.experts: ExpertGroup | None = None
+        mla = config.mla
+        rotary_dim = mla.qk_rope_head_dim if mla else config.head_dim
+        rope = config.extra.get("rope") or {"rope_type": "default"}
         self.cos, self.sin = rope_tables(
-            config.head_dim, self.max_positions, config.rope_theta, weights.device
+            rotary_dim, self.max_positions, config.rope_theta, weights.device, rope
         )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        # Latent attention scores with the full query-key head width (nope + rope).
+        self.scale = (
+            mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else config.head_dim
+        ) ** -0.5
+        if mla and rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            # DeepSeek's softmax scale takes YaRN's magnitude correction squared.
+            self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
         self.geometry = Geometry(
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
         )
+        # The Triton kernels take power-of-two head widths; a latent's (kv_lora_rank + rope
+        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the plain torch ops,
+        # which read lengths back to the host: no decode CUDA graphs for such a model.
+        width = config.head_dim
+        self.latent_ops: KernelOps = (
+            TorchOps(native=None) if mla and ops.name != "torch" and width & (width - 1) else ops
+        )
+        # Windowed attention (`window_attention`, plain torch on any device) reads lengths
+        # back to the host too.
+        self.capturable = self.latent_ops is ops and not windows
         use_blocks = getattr(ops, "use_source_blocks", None)
         if use_blocks is not None and weights.blocks:
             use_blocks(weights.blocks)
@@ -225,6 +226,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         t = h.shape[0]
+        if layer.mla is not None:
+            return self._latent_attention(h, layer, batch, k_cache)
         qkv = self.ops.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None and layer.k_norm is not None:  # over each head's D
@@ -236,13 +239,41 @@ class LlamaModel:
         v = v.view(t, c.num_kv_heads, c.head_dim)
         self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = self._attend(q, batch, k_cache, v_cache, window)  # [T, Hq, D]
+        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+
+    def _latent_attention(
+        self, h: torch.Tensor, layer: LayerWeights, batch: ForwardBatch, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """DeepSeek-V3's attention: the cache's one plane is both K and V (`mla`)."""
+        c, w = self.config, layer.mla
+        assert c.mla is not None and w is not None
+        qkv = self.ops.linear(h, layer.qkv)  # [T, q + R + dr]
+        q, kv = mla_queries_and_latents(
+            self.ops, c.mla, c.num_heads, qkv, w, batch.positions, self.cos, self.sin
+        )  # [T, Hq, R + dr], [T, 1, R + dr]
+        self.latent_ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
+        out = self._attend(q, batch, cache, cache, None, self.latent_ops)  # [T, Hq, R + dr]
+        return self.ops.linear(mla_output(c.mla, out, w), layer.o)  # [T, H]
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None,
+        ops: KernelOps | None = None,
+    ) -> torch.Tensor:
+        """Paged attention of this step's queries, as the batch and the window call for."""
+        ops = ops or self.ops
         if window is not None and (batch.max_context_len or self.max_positions) > window:
             out = windowed_paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
                 self.scale, window,
             )  # fmt: skip
         elif batch.decode_only:  # T == R: row r's single query is q[r]
-            out = self.ops.paged_decode_attention(
+            out = ops.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -252,7 +283,7 @@ class LlamaModel:
                 max_context_len=batch.max_context_len,
             )  # [R, Hq, D]
         else:
-            out = self.ops.paged_attention(
+            out = ops.paged_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -262,7 +293,7 @@ class LlamaModel:
                 self.scale,
                 max_query_len=batch.max_query_len,
             )  # [T, Hq, D]
-        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
+        return out
 
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         assert layer.gate_up is not None and layer.down is not None  # a dense layer

@@ -489,7 +489,11 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         sampling=load_sampling_states(settings, source, config),
     )
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
-    if graphs_wanted(settings, device, ops.name) and group is None:  # no collectives in graphs
+    if graphs_wanted(settings, device, ops.name) and not model.capturable:
+        log.info(
+            "decode CUDA graphs off: this %s's attention reads lengths back", config.architecture
+        )
+    elif graphs_wanted(settings, device, ops.name) and group is None:  # no collectives in graphs
         sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)
         try:
             runner.capture_decode_graphs(sizes)

@@ -25,6 +25,11 @@ def synthetic_weights(
     std: float = WEIGHT_STD,
 ) -> ModelWeights:
     """Seeded random weights: the same seed gives the same weights on the same device type."""
+    if config.moe is not None or config.mla is not None or config.qk_norm:
+        raise ValueError(
+            f"synthetic weights are made for Llama-shaped models, not {config.architecture!r}:"
+            " serve that family from a Hugging Face folder"
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:

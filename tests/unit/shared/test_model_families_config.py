@@ -48,16 +48,36 @@ def test_windows_per_family():
     assert config("llama", sliding_window=32).layer_windows == ()
 
 
+def test_deepseek_v3_latent_cache_and_grouped_routing():
+    c = config(
+        "deepseek_v3", moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    )  # fmt: skip
+    # The cache holds one "head": the latent and the rotated shared key.
+    assert (c.num_kv_heads, c.head_dim) == (1, 40)
+    assert c.mla is not None and c.mla.q_lora_rank is None and c.mla.rope_interleave
+    assert c.moe is not None and c.moe.scoring == "sigmoid" and c.moe.has_correction_bias
+    assert c.moe.sparse_layers == (False, True, True, True)
+    assert (c.moe.n_group, c.moe.topk_group, c.moe.num_shared_experts) == (4, 2, 1)
+    assert c.moe.routed_scaling_factor == 2.5  # transformers' default when left out
+
+
 @pytest.mark.parametrize(
     ("model_type", "changes", "named"),
     [
         ("gpt2", {}, "gpt2"),
         ("llama", {"hidden_act": "gelu"}, "gelu"),
-        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-        ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "llama3"),
+        ("qwen2", {"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "dynamic"),
+        ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "longrope"),
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("mistral", {"mlp_bias": True}, "mlp_bias"),
         ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+        ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
+        ("deepseek_v3", {"head_dim": 32, "qk_rope_head_dim": 8}, "head_dim"),
+        ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "fp8"),
     ],
 )
 def test_unservable_options_are_refused_by_name(model_type, changes, named):

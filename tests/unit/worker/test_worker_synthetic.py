@@ -81,3 +81,13 @@ def test_a_synthetic_model_runs_steps_on_the_cpu_with_finite_logits(tmp_path):
     )
     second = runner.execute(StepPlan(step_id=2, rows=[decode]))
     assert second.error is None and 0 <= second.rows[0].token_id < TINY_VOCAB
+
+
+def test_a_synthetic_config_of_another_family_is_refused_by_name(tmp_path):
+    path = write_synthetic_config(
+        tmp_path, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )  # fmt: skip
+    config = load_model_config(resolve_model(f"synthetic:{path}"))
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        synthetic_weights(config, torch.device("cpu"), torch.float32)

@@ -29,6 +29,8 @@ _COMMON: dict[str, Any] = dict(
 )
 
 FAMILIES: dict[str, dict[str, Any]] = {
+    # q/k/v biases; a window on layer 1 only (from max_window_layers on)
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(),
     "qwen3_moe": dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -38,6 +40,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     # A window shorter than the prompts, so it changes the outputs.
     "mistral": dict(sliding_window=5),
+    "deepseek_v3": dict(
+        moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }  # fmt: skip
 
 
@@ -52,6 +61,10 @@ def save_tiny_family(folder: Path, family: str, seed: int = 0, **changes: Any) -
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(family_config(family, **changes)).eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
+                buffer.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return folder
 
@@ -101,3 +114,35 @@ def reference_logits(model, prompt: list[int]) -> torch.Tensor:
     """[len(prompt), V] float32: every position's logits in one forward."""
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0].float()
+
+
+def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
+    """Every position's logits [T, V] of the prompts prefilled together in one step."""
+    from services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
+    from services.worker.model import ForwardBatch
+
+    bs = runner.block_size
+    tables, block = [], 0
+    for p in prompts:
+        n = (len(p) + bs - 1) // bs
+        tables.append(list(range(block, block + n)))
+        block += n
+    lens = torch.tensor([len(p) for p in prompts])
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), lens)
+    query_start = torch.zeros(len(prompts) + 1, dtype=torch.int64)
+    query_start[1:] = lens.cumsum(0)
+    positions = torch.arange(int(lens.sum())) - query_start[rows]
+    block_tables = block_table_tensor(tables, torch.device("cpu"))
+    batch = ForwardBatch(
+        token_ids=torch.tensor([t for p in prompts for t in p]),
+        positions=positions,
+        slot_mapping=slot_mapping_tensor(block_tables, rows, positions, bs),
+        block_tables=block_tables,
+        context_lens=lens.to(torch.int32),
+        query_start=query_start.to(torch.int32),
+        logits_indices=None,
+        max_query_len=int(lens.max()),
+        max_context_len=int(lens.max()),
+    )
+    with torch.inference_mode():
+        return runner.model.forward(batch, runner.kv_cache)

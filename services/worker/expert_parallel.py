@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -58,13 +58,20 @@ class ExchangeCounters:
     """What the MoE layers of one step exchanged (reset at each step)."""
 
     num_experts: int
-    expert_tokens: list[int] = field(default_factory=list)  # routed (token, k) pairs
     bytes: int = 0  # sent by this rank to the others
     seconds: float = 0.0  # inside the collectives
+    # Routed (token, k) pairs per expert, summed on the device: read once per step.
+    _tokens: torch.Tensor | None = None
 
-    def __post_init__(self) -> None:
-        if not self.expert_tokens:
-            self.expert_tokens = [0] * self.num_experts
+    def count(self, topk_ids: torch.Tensor) -> None:
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        self._tokens = counts if self._tokens is None else self._tokens + counts
+
+    @property
+    def expert_tokens(self) -> list[int]:
+        if self._tokens is None:
+            return [0] * self.num_experts
+        return [int(n) for n in self._tokens.tolist()]
 
 
 def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
@@ -133,11 +140,9 @@ class ExpertGroup:
         logits = F.linear(h.float(), w.router.float())  # [T, E], as moe_forward
         topk_ids, topk_weights = route(config, logits, w.correction_bias)
         num_experts = config.num_experts
-        if len(self.counters.expert_tokens) != num_experts:
+        if self.counters.num_experts != num_experts:
             self.counters = ExchangeCounters(num_experts)
-        counts = torch.bincount(topk_ids.reshape(-1).cpu(), minlength=num_experts)
-        for e, n in enumerate(counts.tolist()):
-            self.counters.expert_tokens[e] += n
+        self.counters.count(topk_ids)
         if self.size == 1:  # every expert here: the one-process layer, counted
             out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
         elif self.exchange == "all_reduce":
@@ -178,7 +183,7 @@ class ExpertGroup:
         dest = ids // per_rank
         order = torch.argsort(dest, stable=True)
         ids, weights, token_of, dest = ids[order], weights[order], token_of[order], dest[order]
-        send_counts = torch.bincount(dest.cpu(), minlength=n)
+        send_counts = torch.bincount(dest, minlength=n)  # on the device, as NCCL needs
         recv_counts = torch.empty_like(send_counts)
         with self._collective(8 * (n - 1)):
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)

@@ -140,6 +140,17 @@ class Settings(BaseSettings):
     # Attention reads the paged KV cache in place through C loops built on first use
     # (a C compiler is needed; without one the torch path gathers the cache instead).
     cpu_native_kernels: bool = True
+    # --- expert parallel (a worker as a group of ranks; services/worker/ep_group.py) ---
+    # Ranks per worker; each holds 1/N of every MoE layer's experts.
+    expert_parallel: int = Field(default=1, ge=1)
+    # This process's rank in its group, and the group's rendezvous (tcp://HOST:PORT).
+    rank: int = Field(default=0, ge=0)
+    dist_url: str | None = None
+    # How the ranks combine their experts' outputs: a sum of every rank's partial outputs
+    # (all_reduce), or tokens sent to the ranks holding their experts and back (all_to_all).
+    ep_exchange: Literal["all_reduce", "all_to_all"] = "all_reduce"
+    # A collective of the group not done within this breaks the group (its ranks exit).
+    ep_timeout_s: float = Field(default=5.0, gt=0)
     debug_invariants: bool = False
     # Adaptive sampling by region (think block, code fence, tool call): off unless turned
     # on here (server-wide) or per request (`sampling_by_region` in the body). The table

@@ -190,6 +190,11 @@ class WorkerLoad(Message):
     migrations: int = 0  # requests moved onto it from a lost worker
     num_steps: int = 0
     draining: bool = False
+    # A MoE worker: routed (token, expert) pairs per expert so far; with expert parallel,
+    # the bytes its rank 0 sent in the experts' exchange and the exchange's time per step.
+    expert_tokens: list[int] = Field(default_factory=list)
+    ep_exchange_bytes: int = 0
+    ep_exchange_seconds: PhaseHistogram | None = None
 
 
 class SchedulerStats(Message):
@@ -488,6 +493,12 @@ class StepResult(Message):
     kv_io_bytes: int = 0
     restored_bytes: int = 0
     restore_s: float = 0.0
+    # A MoE model's step: routed (token, expert) pairs per expert, summed over the MoE
+    # layers (empty for a dense model); with expert parallel, the bytes rank 0 sent to the
+    # other ranks in the experts' exchange and the time it spent in it.
+    expert_tokens: list[int] = Field(default_factory=list)
+    ep_exchange_bytes: int = 0
+    ep_exchange_s: float = 0.0
 
 
 # --- spill store ----------------------------------------------------------------------

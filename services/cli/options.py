@@ -49,6 +49,12 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--no-cuda-graphs", "cuda_graphs", {"action": "store_const", "const": False,
                                          "help": "run decode steps eagerly, without CUDA "
                                          "graphs"}),
+    ("--expert-parallel", "expert_parallel", {"type": int, "help": "ranks per worker, each "
+                                              "holding 1/N of every MoE layer's experts"}),
+    ("--rank", "rank", {"type": int, "help": "serve worker: this process's rank in its "
+                        "expert-parallel group"}),
+    ("--dist-url", "dist_url", {"help": "serve worker: the expert-parallel group's rendezvous, "
+                                "tcp://HOST:PORT (rank 0 listens there)"}),
     ("--log-level", "log_level", {"help": "DEBUG, INFO, WARNING or ERROR"}),
     ("--log-format", "log_format", {"choices": ["text", "json"],
                                     "help": "json: one object per line, with trace and span "

@@ -22,11 +22,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 from services.cli.children import Child
 from services.cli.options import as_arguments
-from services.cli.servers import ServerProcess, port_open, start_nats, start_redis
+from services.cli.servers import ServerProcess, free_port, port_open, start_nats, start_redis
 from services.cli.supervisor import RestartPolicy, RestartTracker
 from shared.clock import MonotonicClock
 from shared.config import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, Settings, child_environment
@@ -82,21 +83,55 @@ def service_environment(service: str, servers: list[ServerProcess]) -> dict[str,
 
 
 def worker_launches(
-    settings: Settings, num_cpus: int, gpus: list[str]
+    settings: Settings,
+    num_cpus: int,
+    gpus: list[str],
+    free_port: Callable[[], int] = free_port,
 ) -> list[tuple[list[str], dict[str, str]]]:
     """`--workers N`: the extra arguments and environment of each of N worker processes,
     each with its own KV pool. Without --threads they share the cores between them (N
     workers each spinning on every core would only fight); on a machine with several GPUs
-    each gets one, in turn."""
-    n = settings.workers
+    each gets one, in turn.
+
+    `--expert-parallel P`: each worker is P processes (ranks 0..P-1, rank 0 the one the
+    scheduler sees) meeting at a rendezvous of their own on a free local port; the cores
+    and GPUs are shared out over all N * P processes."""
+    n, p = settings.workers, settings.expert_parallel
     extra: list[str] = []
-    if settings.threads is None and n > 1:
-        extra = ["--threads", str(max(1, num_cpus // n))]
+    if settings.threads is None and n * p > 1:
+        extra = ["--threads", str(max(1, num_cpus // (n * p)))]
     launches = []
     for i in range(n):
-        env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if n > 1 and len(gpus) > 1 else {}
-        launches.append((extra, env))
+        group = (
+            ["--expert-parallel", str(p), "--dist-url", f"tcp://127.0.0.1:{free_port()}"]
+            if p > 1
+            else []
+        )
+        for r in range(p):
+            k = i * p + r
+            env = (
+                {"CUDA_VISIBLE_DEVICES": gpus[k % len(gpus)]} if n * p > 1 and len(gpus) > 1 else {}
+            )
+            ranked = [*group, "--rank", str(r)] if p > 1 else []
+            launches.append(([*extra, *ranked], env))
     return launches
+
+
+def check_expert_parallel_model(settings: Settings) -> None:
+    """--expert-parallel N > 1 on a model it cannot split (a dense one, or N not dividing
+    its experts) is refused before anything starts."""
+    if settings.expert_parallel == 1:
+        return
+    from shared.expert_parallel import check_expert_parallel
+    from shared.model_config import load_model_config
+    from shared.model_files import resolve_model
+
+    source = resolve_model(settings.model)
+    placeholder = settings.with_overrides(rank=0, dist_url="tcp://127.0.0.1:1")
+    try:
+        check_expert_parallel(placeholder, load_model_config(source), source.model_id)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
 
 
 def visible_gpus() -> list[str]:
@@ -190,6 +225,7 @@ def up(settings: Settings) -> int:
     code = 0
     try:
         check_trace_file(settings.trace_file)
+        check_expert_parallel_model(settings)
         settings, servers = ensure_servers(settings)
         args = as_arguments(settings)
         for s in START_ORDER:

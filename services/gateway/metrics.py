@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shared.protocol import SchedulerLease, SchedulerStats, SpillStats
+from shared.protocol import PhaseHistogram, SchedulerLease, SchedulerStats, SpillStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -142,6 +142,41 @@ def _worker_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         hits.add_metric([w.worker_id], w.prefix_cache_hit_tokens)
         steps.add_metric([w.worker_id], w.num_steps)
     yield from (live, usage, hits, steps)
+    yield from _moe_metrics(stats)
+
+
+def _moe_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    """Per MoE worker: its experts' load and, with expert parallel, the exchange."""
+    tokens = CounterMetricFamily(
+        "spillway_moe_expert_tokens",
+        "Routed (token, expert) pairs per expert, summed over the MoE layers",
+        labels=["worker", "expert"],
+    )
+    sent = CounterMetricFamily(
+        "spillway_ep_exchange_bytes",
+        "Bytes rank 0 of an expert-parallel worker sent to its other ranks",
+        labels=["worker"],
+    )
+    seconds = HistogramMetricFamily(
+        "spillway_ep_exchange_seconds",
+        "Time per step in the experts' exchange between an expert-parallel worker's ranks",
+        labels=["worker"],
+    )
+    for w in stats.workers:
+        for e, n in enumerate(w.expert_tokens):
+            tokens.add_metric([w.worker_id, str(e)], n)
+        if w.ep_exchange_seconds is not None:
+            sent.add_metric([w.worker_id], w.ep_exchange_bytes)
+            seconds.add_metric([w.worker_id], *_buckets(w.ep_exchange_seconds))
+    yield from (tokens, sent, seconds)
+
+
+def _buckets(h: PhaseHistogram) -> tuple[list[tuple[str, float]], float]:
+    cumulative, buckets = 0, []
+    for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+        cumulative += count
+        buckets.append((_le(bound), cumulative))
+    return buckets, h.sum
 
 
 def _phase_histograms(stats: SchedulerStats) -> Iterator[Metric]:

@@ -42,6 +42,7 @@ from services.scheduler.admission import admission_error, invalid_request
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow, PlannedSpill
+from services.scheduler.moe_stats import MoEStats
 from services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
 from services.scheduler.preemption import PreemptionPolicy
 from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
@@ -125,6 +126,7 @@ class SchedulerCore:
         self._arrivals = arrivals if arrivals is not None else itertools.count()
         self._step_ids = itertools.count(1)
         self.num_steps = 0
+        self.moe = MoEStats()  # a MoE worker's experts' load and exchange
         self.preemptions = {"recompute": 0, "spill": 0}
         self.spill_failures = 0
         self.swap_ins = 0
@@ -454,6 +456,7 @@ class SchedulerCore:
                 num_sampled += 1
         self.ticks.stepped(len(step.rows), num_tokens, num_sampled)
         self._observe_step(step, result)
+        self.moe.observe(result)
         self._recover_row_cap()
         self.num_steps += 1
         self.observer.step_finished(plan, result)

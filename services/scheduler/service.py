@@ -734,4 +734,7 @@ def _load_of(lane: Lane) -> WorkerLoad:
         migrations=core.migrations,
         num_steps=core.num_steps,
         draining=not lane.accepting,
+        expert_tokens=list(core.moe.expert_tokens),
+        ep_exchange_bytes=core.moe.exchange_bytes,
+        ep_exchange_seconds=core.moe.exchange_seconds(),
     )

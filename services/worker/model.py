@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.ops import KernelOps, TorchOps
+from services.worker.expert_parallel import ExpertGroup
 from services.worker.kv_cache import KVCache
 from services.worker.mla import mla_output, mla_queries_and_latents
 from services.worker.moe import moe_forward
@@ -103,6 +104,9 @@ class LlamaModel:
         windows = [w for w in config.layer_windows if w is not None]
         # The one-call decode loop runs plain Llama layers only.
         self.plain = not windows and all(layer.plain for layer in weights.layers)
+        # Expert parallel: this rank's share of the MoE layers and their exchange
+        # (`expert_parallel.ExpertGroup`); None: every expert here.
+        self.experts: ExpertGroup | None = None
         mla = config.mla
         rotary_dim = mla.qk_rope_head_dim if mla else config.head_dim
         rope = config.extra.get("rope") or {"rope_type": "default"}
@@ -192,7 +196,10 @@ class LlamaModel:
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
             if layer.moe is not None:
                 assert self.config.moe is not None
-                x = moe_forward(self.ops, self.config.moe, h, layer.moe)
+                if self.experts is not None:
+                    x = self.experts.forward(self.ops, self.config.moe, h, layer.moe)
+                else:
+                    x = moe_forward(self.ops, self.config.moe, h, layer.moe)
             else:
                 x = self._swiglu(h, layer)
         return x, residual

@@ -34,6 +34,8 @@ import torch
 
 from kernels.ops import select_ops
 from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
+from services.worker.ep_group import agree_num_blocks, join_group
+from services.worker.expert_parallel import ExpertGroup
 from services.worker.kv_cache import (
     KVCache,
     block_table_tensor,
@@ -46,6 +48,7 @@ from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampling_state import SamplingStates, load_sampling_states
 from shared.config import Settings
+from shared.expert_parallel import check_expert_parallel
 from shared.model_config import ModelConfig
 from shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from shared.protocol import (
@@ -144,7 +147,21 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return min(self.model.max_positions, self.kv_cache.num_slots)
 
+    @property
+    def experts(self) -> ExpertGroup | None:
+        """The expert-parallel group this runner is a rank of (None: a worker alone)."""
+        return self.model.experts
+
+    @property
+    def follower(self) -> bool:
+        """A rank other than 0: it runs rank 0's plans, and samples and replies nothing."""
+        return self.model.experts is not None and self.model.experts.rank != 0
+
     def execute(self, plan: StepPlan) -> StepResult:
+        group = self.model.experts
+        if group is not None and group.rank == 0:
+            # Every rank runs every plan, in this order (collectives match by order).
+            group.share(plan)
         try:
             sequences = self._applied(plan)
             self._check_kv_orders(plan)
@@ -159,13 +176,15 @@ class ModelRunner:
             self.kv_transfer.counters = TransferCounters()
         self.last_kv_io = []
         result.spills = [self._spill(order) for order in plan.spills]
-        if self.kv_transfer is not None:
+        if self.kv_transfer is not None and not self.follower:
             self.kv_transfer.store_prefix(plan.prefix_stores)
         for seq_id in [*plan.finished_seq_ids, *(n.seq_id for n in plan.new_seqs)]:
             self.last_token.pop(seq_id, None)
         self.sequences = sequences
         self.sampling.apply(plan)
         result.lost_seq_ids = self._bring_kv_in(plan)
+        if group is not None:  # every rank runs the same rows: a row lost on one is lost
+            result.lost_seq_ids = group.union(result.lost_seq_ids)
         self._count_transfers(result)
         lost = set(result.lost_seq_ids)
         rows = [row for row in plan.rows if row.seq_id not in lost]
@@ -174,6 +193,10 @@ class ModelRunner:
         try:
             result.rows, phases = self._run(rows)
         except Exception as e:  # a device failure: report it, keep serving
+            if group is not None and group.size > 1:
+                # The other ranks may be inside this step's collectives: whatever this rank
+                # issued next would be matched with them. The group cannot go on.
+                group.abandon(f"step {plan.step_id} failed: {type(e).__name__}: {e}")
             for row in rows:  # their run-ahead rows must not feed a stale token
                 self.last_token.pop(row.seq_id, None)
             if is_out_of_memory(e):
@@ -203,6 +226,15 @@ class ModelRunner:
         result.forward_s = phases.forward_s
         result.prepare_s = phases.prepare_s
         result.sample_s = phases.sample_s
+        if group is not None:
+            c = group.counters
+            result.expert_tokens = c.expert_tokens
+            result.ep_exchange_bytes, result.ep_exchange_s = c.bytes, c.seconds
+            if group.size > 1 and log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "step %d: expert exchange (%s) %d bytes, %.2f ms; tokens per expert %s",
+                    plan.step_id, group.exchange, c.bytes, 1e3 * c.seconds, c.expert_tokens,
+                )  # fmt: skip
         return result
 
     def forget_all(self) -> None:
@@ -213,6 +245,8 @@ class ModelRunner:
     # --- KV to and from the spill store ---------------------------------------------------
 
     def _spill(self, order: KVSpill) -> SpillOutcome:
+        if self.follower:  # rank 0 writes the group's spills (every rank holds the same KV)
+            return SpillOutcome(seq_id=order.seq_id, spill_id=order.spill_id, ok=True)
         if self.kv_transfer is None:
             return SpillOutcome(
                 seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error="no spill store"
@@ -330,6 +364,11 @@ class ModelRunner:
         prepare_start = self.timer()
         batch = self.host_batch(rows)
         sampled_rows = [row for row in rows if row.sample]
+        group = self.model.experts
+        if group is not None:
+            group.start_step(self.model.config.moe.num_experts if self.model.config.moe else 0)
+        if self.follower:
+            return self._run_follower(batch, sampled_rows)
         # Grammar masks start filling here, on a helper thread, while the forward runs.
         prepared = self.sampling.prepare(
             [(r.seq_id, self.sequences[r.seq_id].sampling, r.output_index) for r in sampled_rows]
@@ -341,6 +380,8 @@ class ModelRunner:
             token_ids, logprobs = (
                 self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
             )
+        if group is not None:  # the other ranks feed these to their run-ahead rows
+            group.share(token_ids)
         end = self.timer()
         phases = StepPhases(
             prepare_s=start - prepare_start, forward_s=end - start, sample_s=end - sample_start
@@ -350,6 +391,24 @@ class ModelRunner:
         results = [
             RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
             for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
+        ]
+        return results, phases
+
+    def _run_follower(
+        self, batch: ForwardBatch, sampled_rows: list[StepRow]
+    ) -> tuple[list[RowResult], StepPhases]:
+        """A follower's forward (its share of the experts' exchange, its copy of the KV
+        written) and rank 0's sampled tokens."""
+        group = self.model.experts
+        assert group is not None
+        start = self.timer()
+        with torch.inference_mode():
+            self.logits(batch)
+        token_ids = group.share(None)
+        phases = StepPhases(prepare_s=0.0, forward_s=self.timer() - start, sample_s=0.0)
+        results = [
+            RowResult(seq_id=row.seq_id, token_id=token)
+            for row, token in zip(sampled_rows, token_ids, strict=True)
         ]
         return results, phases
 
@@ -428,6 +487,10 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
     )
     config, weights = load_model(source, device, dtype)
+    check_expert_parallel(settings, config, source.model_id)
+    group = join_group(settings, device) if settings.expert_parallel > 1 else None
+    if group is not None:
+        group.shard(weights.layers)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         config,
         settings.block_size,
@@ -436,8 +499,11 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.cpu_kv_cache_bytes,
         settings.gpu_memory_utilization,
     )
+    num_blocks = agree_num_blocks(num_blocks)
     kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
     model = LlamaModel(config, weights, ops)
+    if config.moe is not None:  # counts tokens per expert even without a group
+        model.experts = group or ExpertGroup(0, 1)
     model.warm_up()
     log.info(
         "loaded %s (%s, %.0f MiB of weights) on %s as %s with %s kernels",
@@ -459,7 +525,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         log.info(
             "decode CUDA graphs off: this %s's attention reads lengths back", config.architecture
         )
-    elif graphs_wanted(settings, device, ops.name):
+    elif graphs_wanted(settings, device, ops.name) and group is None:  # no collectives in graphs
         sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)
         try:
             runner.capture_decode_graphs(sizes)

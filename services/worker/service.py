@@ -34,6 +34,8 @@ from nats.aio.msg import Msg
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, set_span_in_context
 
+from services.worker.ep_group import KEEPALIVE, follow, leave
+from services.worker.expert_parallel import ExpertGroup
 from services.worker.kv_cache import block_bytes
 from services.worker.ownership import Ownership
 from services.worker.runner import ModelRunner, load_runner
@@ -81,7 +83,12 @@ async def serve(
     try:
         loop = asyncio.get_running_loop()
         runner, model_id = await loop.run_in_executor(executor, load_runner, settings)
+        group = runner.experts if settings.expert_parallel > 1 else None
+        if group is not None and group.rank != 0:
+            await _follow(runner, group, executor)
+            return
         if stop.is_set():  # asked to stop while the weights were loading
+            await loop.run_in_executor(executor, leave, group)
             return
         info = worker_info(worker_id, model_id, runner)
         bus = await Bus.for_service(
@@ -100,11 +107,19 @@ async def serve(
             )
             await service.run(stop)
         finally:
+            await loop.run_in_executor(executor, leave, group)
             await bus.close()
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
         if telemetry is None:
             tel.shutdown()
+
+
+async def _follow(runner: ModelRunner, group: ExpertGroup, executor: ThreadPoolExecutor) -> None:
+    """A rank other than 0: no bus, no heartbeats; rank 0's plans until it stops. It
+    outlives its own SIGTERM on purpose: rank 0, draining, still needs it for its steps."""
+    announce_ready("worker", f"rank={group.rank} of {group.size} (expert parallel)")
+    await asyncio.get_running_loop().run_in_executor(executor, follow, runner, group)
 
 
 def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInfo:
@@ -170,6 +185,7 @@ class WorkerService:
         self._register("starting")
         self.heartbeat.start()
         watch = asyncio.create_task(self._watch_scheduler(), name="worker-watch")
+        keepalive = asyncio.create_task(self._keep_group_alive(), name="worker-ep-keepalive")
         announce_ready(
             "worker",
             f"id={self.info.worker_id} blocks={self.info.num_kv_blocks} device={self.info.device}",
@@ -180,7 +196,7 @@ class WorkerService:
         finally:
             self.spans.flush()  # the runs still open end with the worker
             await self.heartbeat.stop()
-            tasks = [t for t in (watch, self._registering) if t is not None]
+            tasks = [t for t in (watch, keepalive, self._registering) if t is not None]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -282,6 +298,18 @@ class WorkerService:
             why = self.ownership.why_register(self.leases)
             if why is not None and not self._draining:  # a draining worker joins no one
                 self._register(why)
+
+    async def _keep_group_alive(self) -> None:
+        """An expert-parallel rank 0 shares something every heartbeat interval, through
+        the step thread (so in order with the plans): the followers, waiting for the next
+        plan, never reach the group's timeout while this rank lives."""
+        group = self.runner.experts
+        if group is None or group.size == 1:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            await loop.run_in_executor(self.executor, group.share, KEEPALIVE)
 
     def _beat(self) -> Heartbeat:
         if self.clock.now() - self._last_step_at >= self.heartbeat_interval_s:

@@ -52,6 +52,29 @@ def test_several_workers_share_the_cores_and_take_one_gpu_each():
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in pinned] == ["0", "1", "0"]
 
 
+def test_expert_parallel_workers_are_groups_of_ranks_with_a_rendezvous_each():
+    ports = iter([29500, 29501])
+    launches = up_module.worker_launches(
+        load_settings(workers=2, expert_parallel=2), 8, ["0", "1", "2", "3"], lambda: next(ports)
+    )
+    assert [extra for extra, _ in launches] == [
+        ["--threads", "2", "--expert-parallel", "2", "--dist-url", f"tcp://127.0.0.1:{port}",
+         "--rank", str(rank)]
+        for port in (29500, 29501)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launches] == ["0", "1", "2", "3"]
+
+
+def test_expert_parallel_on_a_dense_model_is_refused_before_anything_starts(tmp_path):
+    from tests.unit.worker.tiny_llama import write_synthetic_config
+
+    path = write_synthetic_config(tmp_path)
+    r = _run("up", "--model", f"synthetic:{path}", "--expert-parallel", "2")
+    assert r.returncode == 1
+    assert "--expert-parallel 2:" in r.stderr and "is a dense model" in r.stderr
+
+
 def test_private_servers_start_when_the_default_urls_do_not_answer(monkeypatch):
     nats_default = f"nats://127.0.0.1:{free_port()}"
     redis_default = f"redis://127.0.0.1:{free_port()}/0"

@@ -299,3 +299,32 @@ def test_services_without_a_port_are_probed_through_the_health_file_they_write(s
         assert check.command == "healthcheck" and check.file == serve.health_file, kind
     # A probe starts a Python process: it must not be cut short while importing.
     assert c["livenessProbe"]["timeoutSeconds"] >= 5
+
+
+def test_an_expert_parallel_worker_is_a_statefulset_of_ranks_meeting_at_rank_zero(monkeypatch):
+    group = find("StatefulSet", "worker-ep")
+    service = find("Service", "worker-ep")
+    spec, c = group["spec"], container(group)
+    # Rank 0 resolves through the headless service before any rank is ready.
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert spec["serviceName"] == "worker-ep" and spec["podManagementPolicy"] == "Parallel"
+    selector = spec["selector"]["matchLabels"]
+    assert service["spec"]["selector"] == selector == spec["template"]["metadata"]["labels"]
+    args = parse(c["args"])
+    assert (args.command, args.service) == ("serve", "worker")
+    env = env_of(c)
+    index = "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["SPILLWAY_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == index
+    assert env["SPILLWAY_NATS_USER"]["value"] == "worker"
+    for name in setting_env_names():
+        monkeypatch.delenv(name, raising=False)
+    config = find("ConfigMap", "spillway-config")["data"]
+    plain = {k: v["value"] for k, v in env.items() if "value" in v}
+    for name, value in {**config, **plain, "SPILLWAY_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()  # every value validates
+    assert settings.expert_parallel == spec["replicas"] >= 2
+    assert settings.rank == 1
+    port = service["spec"]["ports"][0]["port"]
+    assert settings.dist_url == f"tcp://worker-ep-0.worker-ep.spillway.svc.cluster.local:{port}"
+    assert [p["containerPort"] for p in c["ports"]] == [port]

@@ -529,9 +529,17 @@ class TritonOps:
 
     def __init__(self) -> None:
         # Imported here so that the torch backend never needs Triton installed.
-        from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary
+        from kernels import (
+            decode_attention,
+            fused_moe,
+            kv_store,
+            prefill_attention,
+            rmsnorm,
+            rotary,
+        )
 
         self._decode = decode_attention
+        self._fused_moe = fused_moe
         self._prefill = prefill_attention
         self._kv_store = kv_store
         self._rmsnorm = rmsnorm
@@ -670,7 +678,7 @@ class TritonOps:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
+        return self._fused_moe.fused_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
 
     def decode_layers(self, *args: object, **kwargs: object) -> None:
         """No one-call layer loop on CUDA: a decode step there replays a CUDA graph."""

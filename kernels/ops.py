@@ -34,6 +34,7 @@ from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native
 from kernels._jit import interpreting
 from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.cpu_matvec import BlockWeight
+from kernels.cpu_moe import CpuExperts
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import Int8Linear, PackedLinear, linear
@@ -240,6 +241,7 @@ class TorchOps:
         self._linear = (
             Int8Linear(matvec=matvec) if quantize == "int8" else PackedLinear(matvec=matvec)
         )
+        self._experts = CpuExperts(matvec)
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
@@ -495,7 +497,10 @@ class TorchOps:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """A MoE layer's experts (kernels.moe states the shapes)."""
+        """A MoE layer's experts (kernels.moe states the shapes); on the CPU sorted by
+        expert, few-row products through the native kernels (kernels.cpu_moe)."""
+        if x.device.type == "cpu":
+            return self._experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
 
     def decode_layers(

@@ -22,7 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels._contract import check_experts
-from kernels.cpu_matvec import MatvecKernels
+from kernels.cpu_matvec import MAX_ROWS, MatvecKernels
+
+# Active experts from which a step's products go through one grouped_mm (when no native
+# few-row kernel fits them all): below it the Python loop costs less than grouped_mm's set-up.
+GROUPED_FROM = 16
 
 
 class CpuExperts:
@@ -30,6 +34,8 @@ class CpuExperts:
 
     def __init__(self, matvec: MatvecKernels | None = None) -> None:
         self.matvec = matvec
+        self.grouped_mm = hasattr(F, "grouped_mm")
+        self.grouped_from = GROUPED_FROM
 
     def __call__(
         self,
@@ -50,13 +56,13 @@ class CpuExperts:
             groups = [(e, p, p + 1) for p, e in enumerate(experts)]
             rows = x.expand(k, h)
             pair_weights = topk_weights[0]
-            tokens = None
+            tokens, counts = None, None
         else:
             flat = topk_ids.reshape(-1)
             order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-            counts = torch.bincount(flat, minlength=num_experts).tolist()
+            counts = torch.bincount(flat, minlength=num_experts)
             groups, start = [], 0
-            for e, n in enumerate(counts):
+            for e, n in enumerate(counts.tolist()):
                 if n:
                     groups.append((e, start, start + n))
                     start += n
@@ -64,15 +70,23 @@ class CpuExperts:
             rows = x.index_select(0, tokens)  # [T * K, H] in expert order
             pair_weights = topk_weights.reshape(-1).index_select(0, order)
 
-        gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype)
-        for e, start, end in groups:
-            self._project(rows[start:end], w_gate_up[e], gate_up[start:end])
+        sizes = [end - start for _, start, end in groups]
+        grouped = counts is not None and self._grouped(groups, sizes)
+        if grouped:
+            # one group per expert, empty ones included (the C++ loop skips them for free)
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            gate_up = F.grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
+        else:
+            gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype)
+            self._each_expert(groups, sizes, rows, w_gate_up, gate_up)
         # silu(gate) * up in place in the gate half, then scaled by each row's routing weight
         act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
         act.mul_(pair_weights[:, None].to(x.dtype))
-        down = torch.empty(t * k, h, dtype=x.dtype)
-        for e, start, end in groups:
-            self._project(act[start:end], w_down[e], down[start:end])
+        if grouped:
+            down = F.grouped_mm(act, w_down.transpose(1, 2), offs=offsets)
+        else:
+            down = torch.empty(t * k, h, dtype=x.dtype)
+            self._each_expert(groups, sizes, act, w_down, down)
 
         if tokens is None:
             return down.sum(0, keepdim=True, dtype=torch.float32).to(x.dtype)
@@ -80,9 +94,32 @@ class CpuExperts:
         out.index_add_(0, tokens, down if down.dtype == torch.float32 else down.float())
         return out.to(x.dtype)
 
-    def _project(self, rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-        """out <- rows weight^T (out a contiguous row slice of a buffer)."""
-        if self.matvec is not None and self.matvec.fits_f32(rows, weight, None):
-            self.matvec.linear_f32(rows, weight, None, out=out)
-        else:
-            torch.mm(rows, weight.t(), out=out)
+    def _grouped(self, groups: list[tuple[int, int, int]], sizes: list[int]) -> bool:
+        """Many experts with more rows than the native kernels take: one grouped product
+        (a loop in C++) instead of a Python call per expert, whose overhead (~10-30 us)
+        is then a good part of the work."""
+        return (
+            self.grouped_mm
+            and len(groups) >= self.grouped_from
+            and (self.matvec is None or max(sizes) > MAX_ROWS)
+        )
+
+    def _each_expert(
+        self,
+        groups: list[tuple[int, int, int]],
+        sizes: list[int],
+        rows: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """out[group] <- rows[group] weights[expert]^T for each group, one call each."""
+        for (e, _, _), r, o in zip(groups, rows.split(sizes), out.split(sizes), strict=True):
+            w = weights[e]
+            if (
+                r.shape[0] <= MAX_ROWS
+                and self.matvec is not None
+                and self.matvec.fits_f32(r, w, None)
+            ):
+                self.matvec.linear_f32(r, w, None, out=o)
+            else:
+                torch.mm(r, w.t(), out=o)

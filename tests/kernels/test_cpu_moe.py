@@ -46,15 +46,25 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("case", list(CASES))
-def test_float32_equals_reference(case: str, native: bool, matvec) -> None:
-    if native and matvec is None:
+def _experts(path: str, matvec: cpu_matvec.MatvecKernels | None) -> CpuExperts:
+    """The CPU experts taking one path: a Python loop over experts with the native few-row
+    kernels, without them, or one grouped_mm per projection."""
+    if path == "native" and matvec is None:
         pytest.skip("the native few-row kernels cannot be built here")
+    experts = CpuExperts(matvec if path == "native" else None)
+    experts.grouped_from = 1 if path == "grouped" else 10**9
+    if path == "grouped" and not experts.grouped_mm:
+        pytest.skip("this torch has no grouped_mm")
+    return experts
+
+
+@pytest.mark.parametrize("path", ["native", "torch", "grouped"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_equals_reference(case: str, path: str, matvec) -> None:
     ids, weights = _routing(CASES[case]())
     x = torch.randn(ids.shape[0], H)
     w_gate_up, w_down = _weights()
-    out = CpuExperts(matvec if native else None)(x, w_gate_up, w_down, ids, weights)
+    out = _experts(path, matvec)(x, w_gate_up, w_down, ids, weights)
     ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights)
     assert out.dtype == torch.float32 and out.shape == x.shape
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -74,17 +84,20 @@ def test_native_kernels_take_the_few_row_experts(matvec, monkeypatch) -> None:
     monkeypatch.setattr(matvec, "linear_f32", spy)
     ids, weights = _routing(CASES["an expert with no tokens"]())
     x = torch.randn(ids.shape[0], H)
-    CpuExperts(matvec)(x, *_weights(), ids, weights)
+    experts = CpuExperts(matvec)
+    experts.grouped_from = 10**9
+    experts(x, *_weights(), ids, weights)
     # experts 1, 3, 4 (4, 3, 2 rows) natively in both projections; 0 and 5 (10, 5) in torch
     assert sorted(rows_seen) == sorted([4, 3, 2] * 2)
 
 
+@pytest.mark.parametrize("path", ["torch", "grouped"])
 @pytest.mark.parametrize("t", [1, 8])
-def test_bfloat16_is_close_to_reference(t: int) -> None:
+def test_bfloat16_is_close_to_reference(t: int, path: str) -> None:
     ids, weights = _routing(_random_ids(t, 2))
     x = torch.randn(t, H).to(torch.bfloat16)
     w_gate_up, w_down = _weights(torch.bfloat16)
-    out = TorchOps().fused_experts(x, w_gate_up, w_down, ids, weights)
+    out = _experts(path, None)(x, w_gate_up, w_down, ids, weights)
     assert out.dtype == torch.bfloat16
     assert rel_error(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights)) < 2e-2
 

@@ -125,7 +125,9 @@ def moe_align(
     num_pairs = flat.numel()
     device = flat.device
     num_blocks = cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; not bincount, whose CUDA version reads the largest id back to size its output
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)  # [E]: one past each expert's last block
     # the pairs in expert order (stable: a token's pairs keep their order within an expert)
@@ -144,12 +146,14 @@ def moe_align(
     return sorted_ids, block_expert
 
 
-def _block_sizes(num_pairs: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): few rows per expert at decode, wider tiles for prefill."""
+def _block_sizes(num_pairs: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): few rows per expert at decode, wider tiles for prefill;
+    float32 tiles half as deep, so that the gate_up kernel's three pipelined pairs of tiles
+    stay within 99 KiB of shared memory."""
     if interpreting():  # every program costs milliseconds there: the fewest, smallest tiles
         return 16, 32, 32
     block_m = 16 if num_pairs <= 64 else 64
-    return block_m, 64, 64
+    return block_m, 64, 32 if dtype == torch.float32 else 64
 
 
 def fused_experts(
@@ -174,7 +178,7 @@ def fused_experts(
     num_pairs = t * k
     if num_pairs == 0:
         return out.zero_()
-    bm, bn, bk = _block_sizes(num_pairs)
+    bm, bn, bk = _block_sizes(num_pairs, x.dtype)
     bm, bn, bk = block_m or bm, block_n or bn, block_k or bk
     for size in (bm, bn, bk):
         assert is_pow2(size) and size >= 16, f"block size {size}: a power of two >= 16"

@@ -131,10 +131,9 @@ def moe_align(
     blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)  # [E]: one past each expert's last block
     # the pairs in expert order (stable: a token's pairs keep their order within an expert)
-    order = torch.sort(flat, stable=True).indices  # [T * K]
+    expert_sorted, order = torch.sort(flat, stable=True)  # [T * K] each
     pair_start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
     slot_start = (block_end - blocks) * block_m  # first padded slot of each expert
-    expert_sorted = flat[order]
     rank = torch.arange(num_pairs, device=device) - pair_start[expert_sorted]
     slots = slot_start[expert_sorted] + rank
     sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)

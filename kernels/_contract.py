@@ -86,6 +86,6 @@ def check_experts(
     check_same_device(x, w_gate_up, w_down, topk_ids, topk_weights)
     if not x.is_cuda and topk_ids.numel():
         # a free check off the GPU (there it would wait for the device)
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        lo, hi = (int(v) for v in torch.aminmax(topk_ids))
         assert lo >= 0 and hi < e, f"expert ids span [{lo}, {hi}], outside [0, {e})"
     return e, i

@@ -20,9 +20,9 @@ BLOCKS = {"block_m": 16, "block_n": 16, "block_k": 16}  # H and I span two tiles
 
 
 def _weights(dtype: torch.dtype, device, experts: int = E, h: int = H, i: int = I):
-    w_gate_up = torch.randn(experts, 2 * i, h) / h**0.5
-    w_down = torch.randn(experts, h, i) / i**0.5
-    return w_gate_up.to(dtype).to(device), w_down.to(dtype).to(device)
+    w_gate_up = torch.randn(experts, 2 * i, h, device=device) / h**0.5
+    w_down = torch.randn(experts, h, i, device=device) / i**0.5
+    return w_gate_up.to(dtype), w_down.to(dtype)
 
 
 def _routing(ids: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,10 +132,8 @@ def test_align_groups_pairs_by_expert_in_padded_blocks(block_m: int) -> None:
 @pytest.mark.parametrize("tokens", [1, 7, 300, 2048])
 @pytest.mark.parametrize(("experts", "top_k", "h", "i"), [(8, 2, 4096, 14336), (128, 8, 2048, 768)])
 def test_serving_sizes_bf16(tokens: int, experts: int, top_k: int, h: int, i: int) -> None:
-    """Mixtral-8x7B and Qwen3-30B-A3B expert shapes, bfloat16 (weights a fraction of E)."""
-    experts_kept = min(experts, 16)  # the routing still spans `experts` ids only up to this
-    w_gate_up, w_down = _weights(torch.bfloat16, "cuda", experts=experts_kept, h=h, i=i)
-    ids = _random_ids(tokens, top_k, experts_kept)
-    ids, weights = _routing(ids, "cuda")
+    """A Mixtral-8x7B and a Qwen3-30B-A3B layer's experts in bfloat16, decode to prefill."""
+    w_gate_up, w_down = _weights(torch.bfloat16, "cuda", experts=experts, h=h, i=i)
+    ids, weights = _routing(_random_ids(tokens, top_k, experts), "cuda")
     x = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
     _check(x, w_gate_up, w_down, ids, weights)

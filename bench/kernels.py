@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kernels.moe import fused_experts_ref
 from kernels.ops import KernelOps, select_ops
 from kernels.rotary import rope_cache
 
@@ -247,6 +248,30 @@ def rotary_case(tokens: int, attn: Attn, device: torch.device) -> Case:
     )
 
 
+def experts_case(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, device
+) -> Case:
+    """A MoE layer's experts (`fused_experts`) under random top-k routing."""
+    x = torch.randn((tokens, hidden), device=device, dtype=dtype)
+    w_gate_up = (torch.randn((experts, 2 * inter, hidden), device=device) / hidden**0.5).to(dtype)
+    w_down = (torch.randn((experts, hidden, inter), device=device) / inter**0.5).to(dtype)
+    weights, ids = torch.topk(torch.rand((tokens, experts), device=device), top_k)
+    weights = weights / weights.sum(-1, keepdim=True)
+    active = int(torch.unique(ids).numel())
+    return Case(
+        name="fused_experts",
+        shape=f"T={tokens} E={experts} K={top_k} H={hidden} I={inter}",
+        run=lambda ops: ops.fused_experts(x, w_gate_up, w_down, ids, weights),
+        reference=lambda: fused_experts_ref(
+            x.double(), w_gate_up.double(), w_down.double(), ids, weights
+        ),
+        # every routed expert's weights read once, the tokens read and written once
+        bytes_moved=active * 3 * hidden * inter * x.element_size()
+        + 2 * x.numel() * x.element_size(),
+        flops=2 * tokens * top_k * 3 * hidden * inter,
+    )
+
+
 def cases(device: torch.device) -> list[Case]:
     if device.type == "cuda":
         llama8b = Attn(32, 8, 128, 16, torch.bfloat16)
@@ -262,6 +287,8 @@ def cases(device: torch.device) -> list[Case]:
             attention_case("prefill_attention", llama8b, [1024] * 4, [2048] * 4, device),
             rms_norm_case(4096, 4096, torch.bfloat16, device),
             rotary_case(4096, llama8b, device),
+            # a Qwen3-30B-A3B layer's experts: decode batches and a prefill chunk
+            *(experts_case(t, 128, 8, 2048, 768, torch.bfloat16, device) for t in (1, 64, 4096)),
         ]
     # CPU: the sizes of a small model's step, kept small so the run takes seconds
     small = Attn(9, 3, 64, 16, torch.float32)
@@ -272,6 +299,7 @@ def cases(device: torch.device) -> list[Case]:
         attention_case("prefill_attention", small, [128, 128], [128, 256], device),
         rms_norm_case(64, 576, torch.float32, device),
         rotary_case(64, small, device),
+        experts_case(64, 8, 2, 256, 512, torch.float32, device),
     ]
 
 

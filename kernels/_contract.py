@@ -54,3 +54,38 @@ def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
     assert out.dtype == like.dtype, f"out dtype {out.dtype} != {like.dtype}"
     assert out.stride(-1) == 1, "out must be contiguous in its last dim"
     check_same_device(out, like)
+
+
+def check_experts(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> tuple[int, int]:
+    """Asserts the experts contract of `kernels.moe`; returns (experts, intermediate size)."""
+    assert x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}"
+    assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
+    t, h = x.shape
+    assert w_gate_up.dim() == 3 and w_gate_up.shape[2] == h, (
+        f"w_gate_up must be [E, 2I, {h}], got {tuple(w_gate_up.shape)}"
+    )
+    e, two_i, _ = w_gate_up.shape
+    assert two_i % 2 == 0, f"w_gate_up's {two_i} rows are not gate and up halves"
+    i = two_i // 2
+    assert w_down.shape == (e, h, i), f"w_down must be [{e}, {h}, {i}], got {tuple(w_down.shape)}"
+    assert w_gate_up.dtype == x.dtype and w_down.dtype == x.dtype, "x and weights differ in dtype"
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == t, (
+        f"topk_ids must be [{t}, K], got {tuple(topk_ids.shape)}"
+    )
+    assert topk_ids.dtype == torch.int64, "topk_ids must be int64"
+    assert topk_weights.shape == topk_ids.shape, "topk_weights and topk_ids differ in shape"
+    assert topk_weights.dtype == torch.float32, "topk_weights must be float32"
+    for name, w in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        assert w.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    check_same_device(x, w_gate_up, w_down, topk_ids, topk_weights)
+    if not x.is_cuda and topk_ids.numel():
+        # a free check off the GPU (there it would wait for the device)
+        lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+        assert lo >= 0 and hi < e, f"expert ids span [{lo}, {hi}], outside [0, {e})"
+    return e, i

@@ -205,12 +205,20 @@ class MatvecKernels:
         return y
 
     def linear_f32(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [M, K] W^T [K, N] (+ b) -> [M, N] float32."""
+        """x [M, K] W^T [K, N] (+ b) -> [M, N] float32, written into `out` where given."""
         x = x.contiguous()
         (m, k), n = x.shape, weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
+        if out is None:
+            y = torch.empty(m, n, dtype=torch.float32)
+        else:
+            assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
+            y = out
         self._f32(
             x.data_ptr(), m, k, weight.data_ptr(), n,
             None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,

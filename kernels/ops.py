@@ -34,6 +34,7 @@ from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native
 from kernels._jit import interpreting
 from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.cpu_matvec import BlockWeight
+from kernels.cpu_moe import CpuExperts
 from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import Int8Linear, PackedLinear, linear
@@ -240,6 +241,7 @@ class TorchOps:
         self._linear = (
             Int8Linear(matvec=matvec) if quantize == "int8" else PackedLinear(matvec=matvec)
         )
+        self._experts = CpuExperts(matvec)
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
@@ -495,7 +497,10 @@ class TorchOps:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """A MoE layer's experts (kernels.moe states the shapes)."""
+        """A MoE layer's experts (kernels.moe states the shapes); on the CPU sorted by
+        expert, few-row products through the native kernels (kernels.cpu_moe)."""
+        if x.device.type == "cpu":
+            return self._experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
 
     def decode_layers(
@@ -529,9 +534,17 @@ class TritonOps:
 
     def __init__(self) -> None:
         # Imported here so that the torch backend never needs Triton installed.
-        from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary
+        from kernels import (
+            decode_attention,
+            fused_moe,
+            kv_store,
+            prefill_attention,
+            rmsnorm,
+            rotary,
+        )
 
         self._decode = decode_attention
+        self._fused_moe = fused_moe
         self._prefill = prefill_attention
         self._kv_store = kv_store
         self._rmsnorm = rmsnorm
@@ -670,7 +683,7 @@ class TritonOps:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
+        return self._fused_moe.fused_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
 
     def decode_layers(self, *args: object, **kwargs: object) -> None:
         """No one-call layer loop on CUDA: a decode step there replays a CUDA graph."""

@@ -27,6 +27,7 @@ def test_bench_checks_every_kernel_and_writes_json(tmp_path, monkeypatch) -> Non
         "prefill_attention",
         "fused_add_rms_norm",
         "rotary",
+        "fused_experts",
     }
     for row in report["kernels"]:
         assert row["ok"], row

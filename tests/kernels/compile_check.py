@@ -20,6 +20,7 @@ import kernels._jit as kjit
 
 def _launchers() -> dict:
     from kernels.decode_attention import paged_decode_attention
+    from kernels.fused_moe import fused_experts
     from kernels.kv_store import store_kv
     from kernels.prefill_attention import paged_prefill_attention
     from kernels.rmsnorm import fused_add_rms_norm
@@ -36,6 +37,20 @@ def _launchers() -> dict:
     kv = q[:, :kv_heads]
     hidden = torch.zeros(rows, 4096, dtype=bf16)
     positions = torch.zeros(rows, dtype=torch.int64)
+    # a Qwen3-30B-A3B layer's experts, two of its 128 (the kernel's code does not depend on E)
+    w_gate_up = torch.zeros(2, 2 * 768, 2048, dtype=bf16)
+    w_down = torch.zeros(2, 2048, 768, dtype=bf16)
+    topk_ids = torch.tensor([[0, 1]] * rows)
+    topk_weights = torch.full((rows, 2), 0.5)
+
+    def moe() -> None:
+        x = hidden[:, :2048]
+        for m in (16, 64):  # decode's tiles, then prefill's
+            fused_experts(x, w_gate_up, w_down, topk_ids, topk_weights, block_m=m)
+        # float32 (its own tile depth) at prefill's tiles
+        f32 = (x.float(), w_gate_up.float(), w_down.float())
+        fused_experts(*f32, topk_ids, topk_weights, block_m=64)
+
     return {
         "decode": lambda: paged_decode_attention(
             q, cache, cache, tables, ctx, 0.1, query_start=starts, num_splits=4
@@ -46,6 +61,7 @@ def _launchers() -> dict:
         "store_kv": lambda: store_kv(kv, kv, cache, cache, positions),
         "rms_norm": lambda: fused_add_rms_norm(hidden, hidden, hidden[0], 1e-5),
         "rotary": lambda: rotary(q, kv, positions, torch.zeros(8, 64), torch.zeros(8, 64)),
+        "fused_moe": moe,
     }
 
 

@@ -13,7 +13,7 @@ import pytest
 # The smallest shared memory per block among the GPUs the worker is meant for (sm_86/89).
 SHARED_LIMIT = 99 * 1024
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCHERS = ["decode", "prefill", "store_kv", "rms_norm", "rotary"]
+LAUNCHERS = ["decode", "prefill", "store_kv", "rms_norm", "rotary", "fused_moe"]
 
 
 @pytest.fixture(scope="module")

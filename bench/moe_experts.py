@@ -1,0 +1,118 @@
+"""The CPU MoE experts against the reference and transformers' experts module, same weights:
+
+    python -m bench.moe_experts [--threads 2] [--repeats 20] [--dtype float32] [--stat min]
+
+For T in {1, 4, 64, 512} tokens and two layer shapes (E=8 experts / top-2 and E=64 / top-8,
+at small widths), prints the median milliseconds of `TorchOps.fused_experts` (ours),
+`kernels.moe.fused_experts_ref`, and transformers' `Qwen3MoeExperts` run by its eager loop
+and by its `grouped_mm` implementation, then the ratios of each to ours (> 1: ours is
+faster). Routing is random top-k over softmaxed scores, fresh per shape. The candidates
+take turns within each round; on a machine others share, `--stat min` (the best round of
+each) is steadier than the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from kernels.moe import fused_experts_ref
+from kernels.ops import TorchOps
+
+TOKENS = (1, 4, 64, 512)
+# (experts, top-k, hidden, expert intermediate)
+SHAPES = ((8, 2, 256, 512), (64, 8, 256, 128))
+
+
+def time_ms(
+    candidates: dict[str, Callable[[], object]], repeats: int, stat: str = "median"
+) -> dict[str, float]:
+    """Milliseconds of each candidate over `repeats` rounds (their median, or their min),
+    one call of each per round, so that a busy neighbour slows them all alike."""
+    for fn in candidates.values():
+        fn()  # warm-up: native builds, allocator
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    pick = statistics.median if stat == "median" else min
+    return {name: pick(t) * 1e3 for name, t in times.items()}
+
+
+def transformers_experts(
+    w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, implementation: str
+) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    e, two_i, h = w_gate_up.shape
+    config = Qwen3MoeConfig(
+        hidden_size=h,
+        moe_intermediate_size=two_i // 2,
+        num_experts=e,
+        num_experts_per_tok=top_k,
+        hidden_act="silu",
+    )
+    config._experts_implementation = implementation
+    module = Qwen3MoeExperts(config).to(w_gate_up.dtype)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(w_gate_up)
+        module.down_proj.copy_(w_down)
+    return module.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--stat", default="median", choices=["median", "min"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    ops = TorchOps()
+    print(f"{args.threads} threads, {args.dtype}, {args.stat} of {args.repeats} (ms)")
+    header = (
+        f"{'E/K':>5} {'H/I':>9} {'T':>4} {'ours':>8} {'ref':>8} {'tf eager':>9} {'tf grouped':>11}"
+    )
+    print(header + "   ref/ours  eager/ours  grouped/ours  ours' rel. error")
+    for e, k, h, i in SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        w_gate_up = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(dtype)
+        w_down = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype)
+        eager = transformers_experts(w_gate_up, w_down, k, "eager")
+        grouped = transformers_experts(w_gate_up, w_down, k, "grouped_mm")
+        for t in TOKENS:
+            x = torch.randn(t, h, generator=gen).to(dtype)
+            weights, ids = torch.topk(torch.randn(t, e, generator=gen).softmax(-1), k)
+            weights = weights / weights.sum(-1, keepdim=True)
+            inputs = (x, w_gate_up, w_down, ids, weights)
+            candidates = {
+                "ours": partial(ops.fused_experts, *inputs),
+                "ref": partial(fused_experts_ref, *inputs),
+                "eager": partial(eager, x, ids, weights),
+                "grouped": partial(grouped, x, ids, weights),
+            }
+            with torch.inference_mode():
+                ms = time_ms(candidates, args.repeats, args.stat)
+                expected = fused_experts_ref(*inputs).double()
+                err = float((ops.fused_experts(*inputs).double() - expected).norm())
+                err /= float(expected.norm())
+            ours, ref, tf_eager, tf_grouped = (ms[n] for n in candidates)
+            print(
+                f"{e:>2}/{k:<2} {h:>4}/{i:<4} {t:>4} {ours:8.3f} {ref:8.3f} {tf_eager:9.3f} "
+                f"{tf_grouped:11.3f}   {ref / ours:8.2f}  {tf_eager / ours:10.2f}  "
+                f"{tf_grouped / ours:12.2f}  {err:16.1e}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

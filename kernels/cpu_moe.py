@@ -1,0 +1,128 @@
+"""The experts of a MoE layer on the CPU (`TorchOps.fused_experts`; shapes in `kernels.moe`).
+
+The (token, k) pairs are sorted by expert once and every row they need is gathered once;
+then each projection is one pass over the active experts, one product per expert written
+into its slice of a shared buffer, so that the work between the two passes is done once for
+all experts: the SiLU-and-mul over the whole gate_up buffer and the routing weights
+multiplied into its rows (down is linear, so that equals scaling its output). A final
+index_add sums each token's K rows in float32.
+
+Per-expert products of a few rows (every decode step of a few sequences) go to the native
+kernels of `kernels.cpu_matvec`, which stream an expert's weight at memory speed; a single
+token skips the sort (its K experts are distinct) and sums its K rows directly. Per-call
+overhead matters here, since a 64-expert layer runs up to 128 small products a step.
+
+With 16 or more active experts, one of them with more rows than the native kernels take,
+each projection is one `grouped_mm` instead (a loop in C++ over the same per-expert
+products). Timed against the reference and transformers' experts by
+`python -m bench.moe_experts` (figures in README).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._contract import check_experts
+from kernels.cpu_matvec import MAX_ROWS, MatvecKernels
+
+# Active experts from which a step's products go through one grouped_mm (when no native
+# few-row kernel fits them all): below it the Python loop costs less than grouped_mm's set-up.
+GROUPED_FROM = 16
+
+
+class CpuExperts:
+    """`fused_experts` for CPU tensors; `matvec` the native few-row kernels, if built."""
+
+    def __init__(self, matvec: MatvecKernels | None = None) -> None:
+        self.matvec = matvec
+        self.grouped_mm = hasattr(F, "grouped_mm")
+        self.grouped_from = GROUPED_FROM
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        num_experts, inter = check_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
+        t, h = x.shape
+        k = topk_ids.shape[1]
+        if t * k == 0:
+            return x.new_zeros(t, h)
+        if t == 1:
+            # one token: its K experts are distinct, so pair p is expert ids[p]'s only row
+            experts = topk_ids[0].tolist()
+            groups = [(e, p, p + 1) for p, e in enumerate(experts)]
+            rows = x.expand(k, h)
+            pair_weights = topk_weights[0]
+            tokens, counts = None, None
+        else:
+            flat = topk_ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+            counts = torch.bincount(flat, minlength=num_experts)
+            groups, start = [], 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    groups.append((e, start, start + n))
+                    start += n
+            tokens = order // k
+            rows = x.index_select(0, tokens)  # [T * K, H] in expert order
+            pair_weights = topk_weights.reshape(-1).index_select(0, order)
+
+        sizes = [end - start for _, start, end in groups]
+        grouped = counts is not None and self._grouped(groups, sizes)
+        if grouped:
+            # one group per expert, empty ones included (the C++ loop skips them for free)
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            gate_up = F.grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
+        else:
+            gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype)
+            self._each_expert(groups, sizes, rows, w_gate_up, gate_up)
+        # silu(gate) * up, then scaled by each row's routing weight; not silu in place on the
+        # gate half: torch's in-place kernel on that strided view was 7x slower than this
+        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        act.mul_(pair_weights[:, None].to(x.dtype))
+        if grouped:
+            down = F.grouped_mm(act, w_down.transpose(1, 2), offs=offsets)
+        else:
+            down = torch.empty(t * k, h, dtype=x.dtype)
+            self._each_expert(groups, sizes, act, w_down, down)
+
+        if tokens is None:
+            return down.sum(0, keepdim=True, dtype=torch.float32).to(x.dtype)
+        out = torch.zeros(t, h, dtype=torch.float32)
+        out.index_add_(0, tokens, down if down.dtype == torch.float32 else down.float())
+        return out.to(x.dtype)
+
+    def _grouped(self, groups: list[tuple[int, int, int]], sizes: list[int]) -> bool:
+        """Many experts with more rows than the native kernels take: one grouped product
+        (a loop in C++) instead of a Python call per expert, whose overhead (~10-30 us)
+        is then a good part of the work."""
+        return (
+            self.grouped_mm
+            and len(groups) >= self.grouped_from
+            and (self.matvec is None or max(sizes) > MAX_ROWS)
+        )
+
+    def _each_expert(
+        self,
+        groups: list[tuple[int, int, int]],
+        sizes: list[int],
+        rows: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """out[group] <- rows[group] weights[expert]^T for each group, one call each."""
+        for (e, _, _), r, o in zip(groups, rows.split(sizes), out.split(sizes), strict=True):
+            w = weights[e]
+            if (
+                r.shape[0] <= MAX_ROWS
+                and self.matvec is not None
+                and self.matvec.fits_f32(r, w, None)
+            ):
+                self.matvec.linear_f32(r, w, None, out=o)
+            else:
+                torch.mm(r, w.t(), out=o)

@@ -197,7 +197,11 @@ class SchedulerStats(Message):
     kv_usage: float = 0.0
     num_kv_blocks: int = 0
     max_model_len: int = 0
+    # Preemptions by what was done: "spill" (the store took the KV) or "recompute" (a
+    # spill the store refused counts here, and in spill_failures too).
     preemptions: dict[str, int] = Field(default_factory=dict)
+    spill_failures: int = 0
+    swap_ins: int = 0  # spilled requests brought back to run
     # Requests carried over (recomputed or swapped in) to a worker that replaced a lost one.
     migrations: int = 0
     prefix_cache_hit_tokens: int = 0

@@ -39,6 +39,7 @@ from shared.subjects import (
     Namespace,
     gateway_deltas,
     sched_register,
+    sched_stats,
     sched_submit,
     worker_step,
 )
@@ -69,7 +70,13 @@ def permissions(user: str, namespace: str = "") -> Permissions:
         return Permissions(
             # Clients' default inboxes: stream chunks go there (allow_responses covers
             # clients with inboxes of their own).
-            publish=(ns(SCHED_SUBMIT), ns(sched_submit(ANY)), ns(SCHED_ABORT), ns(SCHED_STATS)),
+            publish=(
+                ns(SCHED_SUBMIT),
+                ns(sched_submit(ANY)),
+                ns(SCHED_ABORT),
+                ns(SCHED_STATS),
+                ns(sched_stats(ANY)),
+            ),
             subscribe=(
                 ns(GENERATE),
                 ns(ABORT),
@@ -96,6 +103,7 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 ns(sched_register(ANY)),
                 ns(SCHED_ABORT),
                 ns(SCHED_STATS),
+                ns(sched_stats(ANY)),
                 ns(WORKER_REGISTER),
                 ns(WORKER_HEARTBEAT),
                 # The other replicas' leases: a draining one hands back only what one of

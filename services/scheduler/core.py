@@ -523,6 +523,7 @@ class SchedulerCore:
                 continue
             if not written:
                 self.spill_failures += 1
+                self._spill_became_recompute()
                 self.policy.spill_failed(self.clock.now())
                 log.warning("spilling %s failed: it will be recomputed", seq.request_id)
             seq.spilled = None
@@ -816,6 +817,12 @@ class SchedulerCore:
         self._requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
 
+    def _spill_became_recompute(self) -> None:
+        """A preemption counted as a spill whose KV never reached the store: what was
+        done in the end is a recompute, and the counters say so."""
+        self.preemptions["spill"] -= 1
+        self.preemptions["recompute"] += 1
+
     def _requeue_for_recompute(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
@@ -1057,6 +1064,7 @@ class SchedulerCore:
         """Orders for a worker that is gone: spills never made, loads never done."""
         for seq, spill in self._next_spills:
             if seq.spilled is not None and seq.spilled.spill_id == spill.spill_id:
+                self._spill_became_recompute()  # the order was never sent
                 if seq.status is SequenceStatus.SWAPPED:
                     self._unswap_to_recompute(seq)
                 else:

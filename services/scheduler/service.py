@@ -258,6 +258,7 @@ class SchedulerService:
             await serve(subjects.sched_submit(mine), SubmitRequest, self._on_submit),
             await serve(subjects.SCHED_ABORT, AbortRequest, self._on_abort),
             await serve(subjects.SCHED_STATS, StatsRequest, self._on_stats),
+            await serve(subjects.sched_stats(mine), StatsRequest, self._on_stats),
             await serve(subjects.WORKER_REGISTER, WorkerInfo, self._on_register, queue=queue),
             await serve(subjects.sched_register(mine), WorkerInfo, self._on_register),
             await serve(subjects.WORKER_HEARTBEAT, Heartbeat, self._on_heartbeat),
@@ -368,6 +369,8 @@ class SchedulerService:
             num_cached_blocks=sum(c.blocks.num_cached_blocks for c in cores if c.blocks),
             max_model_len=max((c.worker.max_model_len for c in cores if c.worker), default=0),
             preemptions=preemptions,
+            spill_failures=ended.spill_failures + sum(c.spill_failures for c in cores),
+            swap_ins=ended.swap_ins + sum(c.swap_ins for c in cores),
             migrations=ended.migrations + sum(c.migrations for c in cores),
             prefix_cache_hit_tokens=ended.hit_tokens + sum(c.prefix_hit_tokens for c in cores),
             prefix_cache_query_tokens=ended.query_tokens
@@ -685,6 +688,8 @@ class _EndedLanes:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.steps = 0
+        self.spill_failures = 0
+        self.swap_ins = 0
 
     def add(self, core: SchedulerCore) -> None:
         for mode, n in core.preemptions.items():
@@ -693,6 +698,8 @@ class _EndedLanes:
         self.hit_tokens += core.prefix_hit_tokens
         self.query_tokens += core.prefix_query_tokens
         self.steps += core.num_steps
+        self.spill_failures += core.spill_failures
+        self.swap_ins += core.swap_ins
 
 
 def _pooled_kv(cores: list[SchedulerCore]) -> tuple[int, float]:

@@ -190,7 +190,10 @@ def spill_health(leases: Sequence[SchedulerLease]) -> dict[str, object]:
         "preemption_mode": ",".join(sorted({lease.preemption_mode for lease in leases})),
     }
     if status == "degraded":
-        body["reason"] = "redis is unavailable: victims are recomputed, not spilled"
+        reasons = [lease.spill_reason for lease in leases if lease.spill_status == status]
+        body["reason"] = next(
+            (r for r in reasons if r), "redis is unavailable: victims are recomputed, not spilled"
+        )
     return body
 
 
@@ -236,8 +239,10 @@ def _le(bound: float) -> str:
 
 def _spill_store_metrics(store: SpillStats | None) -> Iterator[Metric]:
     store = store or SpillStats(redis_ok=False)
-    yield _gauge("spillway_spill_store_up", "1 when the spill store reaches Redis and can write",
+    yield _gauge("spillway_spill_store_up", "1 when the spill store reaches Redis",
                  1.0 if store.redis_ok else 0.0)  # fmt: skip
+    yield _gauge("spillway_spill_store_writable", "1 when Redis took the spill store's last "
+                 "probe write", 1.0 if store.redis_ok and store.writable else 0.0)  # fmt: skip
     yield _gauge("spillway_spill_store_sequences", "Spilled sequences held", store.num_sequences)
     yield _gauge("spillway_spill_store_used_bytes", "Spilled KV bytes held", store.used_bytes)
     yield _gauge(

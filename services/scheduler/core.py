@@ -125,6 +125,7 @@ class SchedulerCore:
         self.num_steps = 0
         self.preemptions = {"recompute": 0, "spill": 0}
         self.spill_failures = 0
+        self.last_spill_error = ""  # the worker's words for the last failed spill
         self.swap_ins = 0
         self.swap_in_cached_blocks = 0  # blocks a swap-in found still cached (not read)
         # Requests carried over to this core's worker from a lost one (a worker that
@@ -422,6 +423,9 @@ class SchedulerCore:
             )
         del self._inflight[plan.step_id]
         start = self.clock.now()
+        for outcome in result.spills:
+            if not outcome.ok:
+                self.last_spill_error = outcome.error or ""
         self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
         self._apply_loads(step, set(result.lost_seq_ids))
         sampled = {r.seq_id: r for r in result.rows}

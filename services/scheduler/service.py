@@ -48,7 +48,7 @@ from services.scheduler.deltas import merge_deltas
 from services.scheduler.lane import Lane
 from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.placement import Candidate, place
-from services.scheduler.preemption import spill_status
+from services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
 from services.scheduler.prefix_hash import hash_hex
 from services.scheduler.registry import RegisteredWorker, WorkerRegistry, registration_error
 from services.scheduler.sequence import Sequence
@@ -170,6 +170,7 @@ class SchedulerService:
         self._spill_stats: SpillStats | None = None
         # Counters of lanes that ended, so that the totals never go back.
         self._ended = _EndedLanes()
+        self._recent_spill_failures = RecentSpillFailures()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.bus.events.reconnected.append(self._on_reconnected)
@@ -520,6 +521,14 @@ class SchedulerService:
         workers_draining = bool(self.lanes) and not any(
             lane.accepting for lane in self.lanes.values()
         )
+        now = self.clock.now()
+        self._recent_spill_failures.observe(
+            self._ended.spill_failures + sum(c.spill_failures for c in cores),
+            next((c.last_spill_error for c in cores if c.last_spill_error), ""),
+            now,
+        )
+        failing = self._recent_spill_failures.failing(now)
+        mode = self.config.preemption_mode
         return SchedulerLease(
             scheduler_id=self.scheduler_id,
             interval_s=self.settings.scheduler_lease_interval_s,
@@ -530,7 +539,8 @@ class SchedulerService:
             num_waiting=sum(c.num_waiting for c in cores),
             kv_usage=kv_usage,
             draining=self._draining or workers_draining,
-            spill_status=spill_status(self.config.preemption_mode, self._spill_stats),
+            spill_status=spill_status(mode, self._spill_stats, failing),
+            spill_reason=spill_reason(mode, self._spill_stats, failing),
             preemption_mode=self.config.preemption_mode,
         )
 

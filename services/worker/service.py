@@ -45,6 +45,7 @@ from shared.clock import MonotonicClock
 from shared.config import Settings
 from shared.leases import LeaseBook, StallGuard
 from shared.lifecycle import announce_ready
+from shared.log_safety import error_text
 from shared.protocol import (
     ErrorInfo,
     Heartbeat,
@@ -350,7 +351,7 @@ class WorkerService:
             try:
                 await self.bus.publish(subjects.SPILL_RECORDED, record)
             except Exception as e:  # the data is written; only the accounting waits
-                log.warning("spill record for %s not sent: %s", spill.seq_id, e)
+                log.warning("spill record for %s not sent: %s", spill.seq_id, error_text(e))
 
     def _trace_kv_io(self, plan: StepPlan, result: StepResult, start_ns: int, ctx: Context) -> None:
         """One `worker.kv_io` span per step that moved KV to or from the spill store."""

@@ -174,5 +174,8 @@ def test_health_says_spill_is_degraded_while_redis_is_down():
     assert spill_health([lease("ok")]) == {"status": "ok", "preemption_mode": "auto"}
     assert spill_health([])["status"] == "unavailable"
     assert spill_status("auto", SpillStats(redis_ok=False)) == "degraded"
+    # The scheduler's words for why, when it gives them.
+    told = lease("degraded").model_copy(update={"spill_reason": "redis refuses writes (OOM)"})
+    assert spill_health([lease("ok"), told])["reason"] == "redis refuses writes (OOM)"
     assert spill_status("recompute", None) == "off"
     assert spill_status("spill", None) == "unavailable"

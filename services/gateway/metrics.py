@@ -122,10 +122,10 @@ class SchedulerStatsCollector(Collector):
             ("spillway_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
              _query_tokens),
         ):  # fmt: skip
-            family = _labelled(CounterMetricFamily, name, doc)
+            counter = _labelled(CounterMetricFamily, name, doc)
             for sid, stats in each:
-                family.add_metric([sid], value(stats))
-            yield family
+                counter.add_metric([sid], value(stats))
+            yield counter
         yield from _worker_metrics(each)
         yield from _phase_histograms(each)
         store = next((s.spill_store for _, s in each if s.spill_store is not None), None)

@@ -493,6 +493,8 @@ class SchedulerCore:
     def _void(self, step: InflightStep) -> list[Sequence]:
         """Undoes a step's bookkeeping; returns the running sequences it had rows for."""
         self._worker_must_forget.extend(step.forgets)
+        if step.spills:  # not refused by the store: the step's answer never came
+            self.last_spill_error = "the step carrying the spill was lost"
         self._apply_spill_outcomes(step, {})
         self._apply_loads(step, {load.seq.request_id for load in step.loads})
         live: list[Sequence] = []

@@ -123,7 +123,7 @@ def migration(model: str, streams: int, new_tokens: int) -> dict:
         moved = [p for p in pauses if p > WORKER_TIMEOUT_S]
         stayed = [p for p in pauses if p <= WORKER_TIMEOUT_S]
         metrics = httpx.get(f"{url}/metrics").text
-        counted = next(
+        counted = sum(  # over the `scheduler` label: the deployment's figure
             float(line.split()[-1])
             for line in metrics.splitlines()
             if line.startswith("spillway_migrations_total")

@@ -29,6 +29,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry.context import Context, attach, detach
 from pydantic import BaseModel, ValidationError
 
+from shared.log_safety import safe_text
 from shared.protocol import ErrorInfo, ErrorReply, decode, encode
 from shared.subjects import Namespace
 from shared.telemetry import extract, inject
@@ -337,7 +338,8 @@ class Bus:
 
     async def _reply_error(self, raw: Msg, info: ErrorInfo, ctx: Context) -> None:
         if not raw.reply:
-            log.warning("dropped a bad message on %s: %s", raw.subject, info.message)
+            # The message may quote the bad input (a prompt): its text stays out of logs.
+            log.warning("dropped a bad message on %s: %s", raw.subject, safe_text(info.message))
             return
         headers = self._headers(None, error_headers(info.status, ctx))
         await self.nc.publish(raw.reply, encode(ErrorReply(error=info)), headers=headers)

@@ -208,7 +208,11 @@ class SchedulerStats(Message):
     kv_usage: float = 0.0
     num_kv_blocks: int = 0
     max_model_len: int = 0
+    # Preemptions by what was done: "spill" (the store took the KV) or "recompute" (a
+    # spill the store refused counts here, and in spill_failures too).
     preemptions: dict[str, int] = Field(default_factory=dict)
+    spill_failures: int = 0
+    swap_ins: int = 0  # spilled requests brought back to run
     # Requests carried over (recomputed or swapped in) to a worker that replaced a lost one.
     migrations: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -252,8 +256,10 @@ class SchedulerLease(Message):
     num_waiting: int = 0
     kv_usage: float = 0.0
     draining: bool = False  # stopping: it takes no new requests
-    # Spilling, in one word (services/gateway/metrics.spill_status), and the mode.
+    # Spilling, in one word (services/scheduler/preemption.spill_status), why when it is
+    # not "ok" (words, never payload), and the mode.
     spill_status: str = ""
+    spill_reason: str = ""
     preemption_mode: str = ""
 
 
@@ -507,7 +513,11 @@ class StepResult(Message):
 class SpillStats(Message):
     """spill.stats reply: the spill store's accounting."""
 
-    redis_ok: bool
+    redis_ok: bool  # Redis answers
+    # It took the spill store's last probe write (a Redis at its maxmemory answers, and
+    # refuses every write); when not, redis_error says why (kind and text, no payload).
+    writable: bool = True
+    redis_error: str = ""
     num_sequences: int = 0  # spilled sequences held
     num_keys: int = 0
     used_bytes: int = 0  # spilled KV held

@@ -5,6 +5,8 @@ Workers write and read the KV values directly; the spill store owns the rest.
     <NS:>spill:index                             hash: "<seq_id>:<spill_id>" -> record
     <NS:>prefix:block:<hash>                     one full block of the shared prefix tier
     <NS:>prefix:index                            sorted set: hash -> time stored
+    <NS:>spillstore:probe                        a short-lived key the spill store
+                                                 writes to learn whether Redis takes writes
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class SpillKeys:
 
     def prefix_index(self) -> str:
         return self.ns.redis_key(f"{PREFIX_TIER}index")
+
+    def probe(self) -> str:
+        return self.ns.redis_key("spillstore:probe")
 
 
 def spill_name(seq_id: str, spill_id: int) -> str:

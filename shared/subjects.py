@@ -47,6 +47,12 @@ def sched_submit(scheduler_id: str) -> str:
     return f"sched.{scheduler_id}.submit"
 
 
+def sched_stats(scheduler_id: str) -> str:
+    """request/reply: StatsRequest -> SchedulerStats, from one scheduler (a gateway's
+    /metrics asks every live one)."""
+    return f"sched.{scheduler_id}.stats"
+
+
 def sched_register(scheduler_id: str) -> str:
     """request/reply: WorkerInfo -> RegisterReply, to one chosen scheduler."""
     return f"sched.{scheduler_id}.register"

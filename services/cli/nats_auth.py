@@ -40,6 +40,7 @@ from shared.subjects import (
     Namespace,
     gateway_deltas,
     sched_register,
+    sched_stats,
     sched_submit,
     sched_tick,
     worker_step,
@@ -73,7 +74,13 @@ def permissions(user: str, namespace: str = "") -> Permissions:
         return Permissions(
             # Clients' default inboxes: stream chunks go there (allow_responses covers
             # clients with inboxes of their own).
-            publish=(ns(SCHED_SUBMIT), ns(sched_submit(ANY)), ns(SCHED_ABORT), ns(SCHED_STATS)),
+            publish=(
+                ns(SCHED_SUBMIT),
+                ns(sched_submit(ANY)),
+                ns(SCHED_ABORT),
+                ns(SCHED_STATS),
+                ns(sched_stats(ANY)),
+            ),
             subscribe=(
                 ns(GENERATE),
                 ns(ABORT),
@@ -101,6 +108,7 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 ns(sched_register(ANY)),
                 ns(SCHED_ABORT),
                 ns(SCHED_STATS),
+                ns(sched_stats(ANY)),
                 ns(WORKER_REGISTER),
                 ns(WORKER_HEARTBEAT),
                 # The other replicas' leases: a draining one hands back only what one of

@@ -52,7 +52,7 @@ from shared.protocol import (
     SubmitRequest,
 )
 from shared.regions import RegionMarkers
-from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas, sched_submit
+from shared.subjects import SCHED_ABORT, SCHED_SUBMIT, gateway_deltas, sched_stats, sched_submit
 
 log = logging.getLogger(__name__)
 
@@ -497,11 +497,21 @@ class GatewayEngine:
         except Exception:  # the bus is gone (shutdown): the scheduler's deadline frees them
             log.warning("could not publish an abort for %s", request_ids)
 
-    async def scheduler_stats(self, timeout: float = 1.0) -> SchedulerStats | None:
-        try:
-            return await self.bus.request(SCHED_STATS, StatsRequest(), SchedulerStats, timeout)
-        except BusError:
-            return None
+    async def scheduler_stats(self, timeout: float = 1.0) -> dict[str, SchedulerStats | None]:
+        """Every live scheduler's stats, asked of each one at once (a scheduler that does
+        not answer in time maps to None); the schedulers are those whose leases we hear."""
+        ids = sorted({lease.scheduler_id for lease in self.schedulers.live()})
+
+        async def ask(scheduler_id: str) -> SchedulerStats | None:
+            try:
+                return await self.bus.request(
+                    sched_stats(scheduler_id), StatsRequest(), SchedulerStats, timeout
+                )
+            except BusError:
+                return None
+
+        answers = await asyncio.gather(*(ask(i) for i in ids))
+        return dict(zip(ids, answers, strict=True))
 
 
 BAD_TOKENS = ErrorInfo(

@@ -1,14 +1,16 @@
 """The gateway's Prometheus metrics (CONTRACT section 5).
 
 Latencies (TTFT, inter-token, end-to-end) and token / finish counters are measured here,
-per choice. The scheduler's gauges and counters (running, waiting, KV usage, preemptions,
-prefix cache) come from its `SchedulerStats`, fetched at scrape time and exposed by a
-custom collector, so they are never stale copies.
+per choice. The schedulers' gauges and counters (running, waiting, KV usage, preemptions,
+prefix cache) come from every live scheduler's `SchedulerStats`, fetched at scrape time
+and exposed by a custom collector with a `scheduler` label, so they are never stale
+copies and sum() over the label is the deployment's figure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -34,6 +36,7 @@ E2E_BUCKETS = (
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 PREEMPTION_MODES = ("spill", "recompute")
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily)
 
 
 class TokenTimer:
@@ -57,54 +60,124 @@ class TokenTimer:
 
 
 class SchedulerStatsCollector(Collector):
-    def __init__(self) -> None:
-        self.stats: SchedulerStats | None = None
-        self.scheduler_up = False
+    """Every live scheduler's series, each with a `scheduler` label (sum() over it is the
+    deployment's figure). The spill store's series come once, unlabelled: the schedulers
+    of one system relay the same store."""
 
-    def update(self, stats: SchedulerStats | None) -> None:
-        """The latest answer; None keeps the previous values but marks the scheduler down."""
-        self.scheduler_up = stats is not None
-        if stats is not None:
-            self.stats = stats
+    def __init__(self) -> None:
+        self.stats: dict[str, SchedulerStats] = {}
+        self.up: dict[str, bool] = {}
+
+    def update(self, answers: Mapping[str, SchedulerStats | None]) -> None:
+        """One scrape's answers by scheduler id, for exactly the live schedulers: one that
+        did not answer (None) keeps its previous values, marked down; one no longer live
+        drops out."""
+        self.up = {sid: stats is not None for sid, stats in answers.items()}
+        self.stats = {
+            sid: stats if stats is not None else self.stats[sid]
+            for sid, stats in answers.items()
+            if stats is not None or sid in self.stats
+        }
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats or SchedulerStats(num_workers=0, num_running=0, num_waiting=0)
-        yield _gauge("spillway_scheduler_up", "1 when the scheduler answered the last scrape",
-                     1.0 if self.scheduler_up else 0.0)  # fmt: skip
-        yield _gauge("spillway_workers", "Workers registered with the scheduler", s.num_workers)
-        yield _gauge("spillway_requests_running", "Requests in the running batch", s.num_running)
-        yield _gauge("spillway_requests_waiting", "Requests waiting for admission", s.num_waiting)
-        yield _gauge("spillway_requests_swapped", "Requests spilled to the store", s.num_swapped)
-        yield _gauge("spillway_kv_cache_usage_ratio", "Fraction of KV blocks in use", s.kv_usage)
-        preemptions = CounterMetricFamily(
-            "spillway_preemptions", "Preemptions by mode", labels=["mode"]
+        up = _labelled(GaugeMetricFamily, "spillway_scheduler_up",
+                       "1 when the scheduler answered the last scrape")  # fmt: skip
+        for sid, answered in sorted(self.up.items()):
+            up.add_metric([sid], 1.0 if answered else 0.0)
+        yield up
+        each = sorted(self.stats.items())
+        for name, doc, value in (
+            ("spillway_workers", "Workers registered with the scheduler", _num_workers),
+            ("spillway_requests_running", "Requests in the running batch", _num_running),
+            ("spillway_requests_waiting", "Requests waiting for admission", _num_waiting),
+            ("spillway_requests_swapped", "Requests whose KV waits in the spill store",
+             _num_swapped),
+            ("spillway_kv_cache_usage_ratio", "Fraction of KV blocks in use", _kv_usage),
+            ("spillway_prefix_cache_blocks", "KV blocks kept by the prefix cache",
+             _cached_blocks),
+        ):  # fmt: skip
+            family = _labelled(GaugeMetricFamily, name, doc)
+            for sid, stats in each:
+                family.add_metric([sid], value(stats))
+            yield family
+        preemptions = _labelled(
+            CounterMetricFamily,
+            "spillway_preemptions",
+            "Preemptions by what was done with the victim's KV (a spill that failed is a "
+            "recompute)",
+            "mode",
         )
-        for mode in sorted(set(PREEMPTION_MODES) | set(s.preemptions)):
-            preemptions.add_metric([mode], s.preemptions.get(mode, 0))
+        for sid, stats in each:
+            for mode in sorted(set(PREEMPTION_MODES) | set(stats.preemptions)):
+                preemptions.add_metric([mode, sid], stats.preemptions.get(mode, 0))
         yield preemptions
-        yield CounterMetricFamily(
-            "spillway_migrations",
-            "Requests moved to another worker when theirs was lost or drained",
-            value=s.migrations,
-        )
-        yield CounterMetricFamily(
-            "spillway_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache",
-            value=s.prefix_cache_hit_tokens,
-        )
-        yield CounterMetricFamily(
-            "spillway_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            value=s.prefix_cache_query_tokens,
-        )
-        yield _gauge(
-            "spillway_prefix_cache_blocks",
-            "KV blocks kept by the prefix cache",
-            s.num_cached_blocks,
-        )
-        yield from _worker_metrics(s)
-        yield from _phase_histograms(s)
-        yield from _spill_store_metrics(s)
+        for name, doc, value in (
+            ("spillway_spill_failures", "Spills the store did not take (each victim was "
+             "recomputed instead)", _spill_failures),
+            ("spillway_swap_ins", "Spilled requests brought back to run", _swap_ins),
+            ("spillway_migrations", "Requests moved to another worker when theirs was lost "
+             "or drained", _migrations),
+            ("spillway_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             _hit_tokens),
+            ("spillway_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             _query_tokens),
+        ):  # fmt: skip
+            counter = _labelled(CounterMetricFamily, name, doc)
+            for sid, stats in each:
+                counter.add_metric([sid], value(stats))
+            yield counter
+        yield from _worker_metrics(each)
+        yield from _phase_histograms(each)
+        store = next((s.spill_store for _, s in each if s.spill_store is not None), None)
+        yield from _spill_store_metrics(store)
+
+
+def _num_workers(s: SchedulerStats) -> float:
+    return s.num_workers
+
+
+def _num_running(s: SchedulerStats) -> float:
+    return s.num_running
+
+
+def _num_waiting(s: SchedulerStats) -> float:
+    return s.num_waiting
+
+
+def _num_swapped(s: SchedulerStats) -> float:
+    return s.num_swapped
+
+
+def _kv_usage(s: SchedulerStats) -> float:
+    return s.kv_usage
+
+
+def _cached_blocks(s: SchedulerStats) -> float:
+    return s.num_cached_blocks
+
+
+def _spill_failures(s: SchedulerStats) -> float:
+    return s.spill_failures
+
+
+def _swap_ins(s: SchedulerStats) -> float:
+    return s.swap_ins
+
+
+def _migrations(s: SchedulerStats) -> float:
+    return s.migrations
+
+
+def _hit_tokens(s: SchedulerStats) -> float:
+    return s.prefix_cache_hit_tokens
+
+
+def _query_tokens(s: SchedulerStats) -> float:
+    return s.prefix_cache_query_tokens
+
+
+def _labelled(kind: type[_Family], name: str, doc: str, *more: str) -> _Family:
+    return kind(name, doc, labels=[*more, "scheduler"])
 
 
 def spill_health(leases: Sequence[SchedulerLease]) -> dict[str, object]:
@@ -117,30 +190,29 @@ def spill_health(leases: Sequence[SchedulerLease]) -> dict[str, object]:
         "preemption_mode": ",".join(sorted({lease.preemption_mode for lease in leases})),
     }
     if status == "degraded":
-        body["reason"] = "redis is unavailable: victims are recomputed, not spilled"
+        reasons = [lease.spill_reason for lease in leases if lease.spill_status == status]
+        body["reason"] = next(
+            (r for r in reasons if r), "redis is unavailable: victims are recomputed, not spilled"
+        )
     return body
 
 
-def _worker_metrics(stats: SchedulerStats) -> Iterator[Metric]:
-    """Per worker the scheduler drives: where requests were placed and what hit there."""
-    live = GaugeMetricFamily(
-        "spillway_worker_requests", "Unfinished requests placed on each worker", labels=["worker"]
-    )
-    usage = GaugeMetricFamily(
-        "spillway_worker_kv_cache_usage_ratio", "Fraction of each worker's KV blocks in use",
-        labels=["worker"],
-    )  # fmt: skip
-    hits = CounterMetricFamily(
-        "spillway_worker_prefix_cache_hits",
-        "Prompt tokens found in each worker's prefix cache",
-        labels=["worker"],
-    )
-    steps = CounterMetricFamily("spillway_worker_steps", "Steps each worker ran", labels=["worker"])
-    for w in stats.workers:
-        live.add_metric([w.worker_id], w.num_live)
-        usage.add_metric([w.worker_id], w.kv_usage)
-        hits.add_metric([w.worker_id], w.prefix_cache_hit_tokens)
-        steps.add_metric([w.worker_id], w.num_steps)
+def _worker_metrics(each: Sequence[tuple[str, SchedulerStats]]) -> Iterator[Metric]:
+    """Per worker a scheduler drives: where requests were placed and what hit there."""
+    live = _labelled(GaugeMetricFamily, "spillway_worker_requests",
+                     "Unfinished requests placed on each worker", "worker")  # fmt: skip
+    usage = _labelled(GaugeMetricFamily, "spillway_worker_kv_cache_usage_ratio",
+                      "Fraction of each worker's KV blocks in use", "worker")  # fmt: skip
+    hits = _labelled(CounterMetricFamily, "spillway_worker_prefix_cache_hits",
+                     "Prompt tokens found in each worker's prefix cache", "worker")  # fmt: skip
+    steps = _labelled(CounterMetricFamily, "spillway_worker_steps", "Steps each worker ran",
+                      "worker")  # fmt: skip
+    for sid, stats in each:
+        for w in stats.workers:
+            live.add_metric([w.worker_id, sid], w.num_live)
+            usage.add_metric([w.worker_id, sid], w.kv_usage)
+            hits.add_metric([w.worker_id, sid], w.prefix_cache_hit_tokens)
+            steps.add_metric([w.worker_id, sid], w.num_steps)
     yield from (live, usage, hits, steps)
     yield from _moe_metrics(stats)
 
@@ -179,18 +251,20 @@ def _buckets(h: PhaseHistogram) -> tuple[list[tuple[str, float]], float]:
     return buckets, h.sum
 
 
-def _phase_histograms(stats: SchedulerStats) -> Iterator[Metric]:
-    family = HistogramMetricFamily(
+def _phase_histograms(each: Sequence[tuple[str, SchedulerStats]]) -> Iterator[Metric]:
+    family = _labelled(
+        HistogramMetricFamily,
         "spillway_scheduler_phase_seconds",
         "Time in each scheduler tick phase (schedule, update and the end-of-tick phases)",
-        labels=["phase"],
+        "phase",
     )
-    for phase, h in sorted(stats.phases.items()):
-        cumulative, buckets = 0, []
-        for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
-            cumulative += count
-            buckets.append((_le(bound), cumulative))
-        family.add_metric([phase], buckets, h.sum)
+    for sid, stats in each:
+        for phase, h in sorted(stats.phases.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+                cumulative += count
+                buckets.append((_le(bound), cumulative))
+            family.add_metric([phase, sid], buckets, h.sum)
     yield family
 
 
@@ -198,10 +272,12 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
-def _spill_store_metrics(stats: SchedulerStats) -> Iterator[Metric]:
-    store = stats.spill_store or SpillStats(redis_ok=False)
+def _spill_store_metrics(store: SpillStats | None) -> Iterator[Metric]:
+    store = store or SpillStats(redis_ok=False)
     yield _gauge("spillway_spill_store_up", "1 when the spill store reaches Redis",
                  1.0 if store.redis_ok else 0.0)  # fmt: skip
+    yield _gauge("spillway_spill_store_writable", "1 when Redis took the spill store's last "
+                 "probe write", 1.0 if store.redis_ok and store.writable else 0.0)  # fmt: skip
     yield _gauge("spillway_spill_store_sequences", "Spilled sequences held", store.num_sequences)
     yield _gauge("spillway_spill_store_used_bytes", "Spilled KV bytes held", store.used_bytes)
     yield _gauge(

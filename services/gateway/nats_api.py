@@ -34,6 +34,7 @@ from services.gateway.json_body import parse_json_body
 from services.gateway.validation import kind_of
 from shared.bus import ERROR_HEADER, Bus
 from shared.clock import Clock, MonotonicClock
+from shared.log_safety import safe_text
 from shared.subjects import ABORT, GATEWAY_QUEUE, GENERATE, MODELS
 from shared.telemetry import inject
 
@@ -182,7 +183,7 @@ class NatsApi:
         if msg.reply:
             await self._publish_error(msg.reply, error, {})
         else:
-            log.warning("dropped a bad message on %s: %s", msg.subject, error.message)
+            log.warning("dropped a bad message on %s: %s", msg.subject, safe_text(error.message))
 
     async def _on_models(self, _: bytes, ctx: Context, msg: Msg) -> None:
         if msg.reply:

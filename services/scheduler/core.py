@@ -129,6 +129,7 @@ class SchedulerCore:
         self.moe = MoEStats()  # a MoE worker's experts' load and exchange
         self.preemptions = {"recompute": 0, "spill": 0}
         self.spill_failures = 0
+        self.last_spill_error = ""  # the worker's words for the last failed spill
         self.swap_ins = 0
         self.swap_in_cached_blocks = 0  # blocks a swap-in found still cached (not read)
         # Requests carried over to this core's worker from a lost one (a worker that
@@ -433,6 +434,9 @@ class SchedulerCore:
         start = self.clock.now()
         self.ticks.current = "step"
         num_tokens = num_sampled = 0
+        for outcome in result.spills:
+            if not outcome.ok:
+                self.last_spill_error = outcome.error or ""
         self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
         self._apply_loads(step, set(result.lost_seq_ids))
         sampled = {r.seq_id: r for r in result.rows}
@@ -503,6 +507,8 @@ class SchedulerCore:
     def _void(self, step: InflightStep) -> list[Sequence]:
         """Undoes a step's bookkeeping; returns the running sequences it had rows for."""
         self._worker_must_forget.extend(step.forgets)
+        if step.spills:  # not refused by the store: the step's answer never came
+            self.last_spill_error = "the step carrying the spill was lost"
         self._apply_spill_outcomes(step, {})
         self._apply_loads(step, {load.seq.request_id for load in step.loads})
         live: list[Sequence] = []
@@ -537,6 +543,7 @@ class SchedulerCore:
                 continue
             if not written:
                 self.spill_failures += 1
+                self._spill_became_recompute()
                 self.policy.spill_failed(self.clock.now())
                 log.warning("spilling %s failed: it will be recomputed", seq.request_id)
             seq.spilled = None
@@ -851,6 +858,12 @@ class SchedulerCore:
         self._requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
 
+    def _spill_became_recompute(self) -> None:
+        """A preemption counted as a spill whose KV never reached the store: what was
+        done in the end is a recompute, and the counters say so."""
+        self.preemptions["spill"] -= 1
+        self.preemptions["recompute"] += 1
+
     def _requeue_for_recompute(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
@@ -1097,6 +1110,7 @@ class SchedulerCore:
         """Orders for a worker that is gone: spills never made, loads never done."""
         for seq, spill in self._next_spills:
             if seq.spilled is not None and seq.spilled.spill_id == spill.spill_id:
+                self._spill_became_recompute()  # the order was never sent
                 if seq.status is SequenceStatus.SWAPPED:
                     self._unswap_to_recompute(seq)
                 else:

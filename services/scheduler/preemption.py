@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.log_safety import safe_text
 from shared.protocol import SpillStats
 
 Mode = Literal["spill", "recompute"]
@@ -41,6 +42,9 @@ MIN_KV_SAMPLE_BYTES = 1 << 20
 # After a spill failed, spill no more for this long (the store's health report catches
 # up meanwhile): new victims are recomputed.
 SPILL_BACKOFF_S = 2.0
+# How long a refused spill keeps spilling "degraded" in /health: longer than the backoff,
+# so that a store that refuses every retry reads as degraded throughout.
+SPILL_FAILURE_MEMORY_S = 10.0
 
 
 @dataclass
@@ -128,12 +132,52 @@ class PreemptionPolicy:
         return "spill"
 
 
-def spill_status(preemption_mode: str, store: SpillStats | None) -> str:
+def spill_status(preemption_mode: str, store: SpillStats | None, failing: str = "") -> str:
     """Spilling in one word, for the lease and /health: "off" (recompute only), "ok",
-    "degraded" (Redis is down: victims are recomputed, the system still serves) or
-    "unavailable" (no spill store answers)."""
+    "degraded" (Redis is down, takes no writes, or refused a spill lately (`failing`):
+    victims are recomputed, the system still serves) or "unavailable" (no spill store
+    answers)."""
     if preemption_mode == "recompute":
         return "off"
     if store is None:
         return "unavailable"
-    return "ok" if store.redis_ok else "degraded"
+    return "ok" if store.redis_ok and store.writable and not failing else "degraded"
+
+
+def spill_reason(preemption_mode: str, store: SpillStats | None, failing: str = "") -> str:
+    """Why spilling is not "ok" (see spill_status), in words for /health; "" when it is."""
+    status = spill_status(preemption_mode, store, failing)
+    if status == "unavailable":
+        return "no spill store answers: victims are recomputed, not spilled"
+    if status != "degraded":
+        return ""
+    assert store is not None
+    if not store.redis_ok:
+        why = f"redis is unavailable ({store.redis_error})"
+    elif not store.writable:
+        why = f"redis refuses writes ({store.redis_error})"
+    else:
+        why = f"spills failed lately ({failing})"
+    return f"{why}: victims are recomputed, not spilled"
+
+
+class RecentSpillFailures:
+    """The last spill the store refused, remembered for `memory_s`: spilling reads as
+    degraded meanwhile (a store that refuses writes may still answer its probe)."""
+
+    def __init__(self, memory_s: float = SPILL_FAILURE_MEMORY_S) -> None:
+        self.memory_s = memory_s
+        self._seen = 0
+        self._at_s = float("-inf")
+        self._error = ""
+
+    def observe(self, total_failures: int, error: str, now_s: float) -> None:
+        """The failures counted so far (a running total) and the last one's error."""
+        if total_failures > self._seen:
+            self._at_s = now_s
+            self._error = safe_text(error) or "the store did not take the KV"
+        self._seen = total_failures
+
+    def failing(self, now_s: float) -> str:
+        """The last failure's error while it is recent, else ""."""
+        return self._error if now_s - self._at_s <= self.memory_s else ""

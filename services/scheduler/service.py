@@ -48,7 +48,7 @@ from services.scheduler.deltas import merge_deltas
 from services.scheduler.lane import Lane
 from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.placement import Candidate, place
-from services.scheduler.preemption import spill_status
+from services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
 from services.scheduler.prefix_hash import hash_hex
 from services.scheduler.registry import RegisteredWorker, WorkerRegistry, registration_error
 from services.scheduler.sequence import Sequence
@@ -171,6 +171,7 @@ class SchedulerService:
         self._spill_stats: SpillStats | None = None
         # Counters of lanes that ended, so that the totals never go back.
         self._ended = _EndedLanes()
+        self._recent_spill_failures = RecentSpillFailures()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.bus.events.reconnected.append(self._on_reconnected)
@@ -259,6 +260,7 @@ class SchedulerService:
             await serve(subjects.sched_submit(mine), SubmitRequest, self._on_submit),
             await serve(subjects.SCHED_ABORT, AbortRequest, self._on_abort),
             await serve(subjects.SCHED_STATS, StatsRequest, self._on_stats),
+            await serve(subjects.sched_stats(mine), StatsRequest, self._on_stats),
             await serve(subjects.WORKER_REGISTER, WorkerInfo, self._on_register, queue=queue),
             await serve(subjects.sched_register(mine), WorkerInfo, self._on_register),
             await serve(subjects.WORKER_HEARTBEAT, Heartbeat, self._on_heartbeat),
@@ -369,6 +371,8 @@ class SchedulerService:
             num_cached_blocks=sum(c.blocks.num_cached_blocks for c in cores if c.blocks),
             max_model_len=max((c.worker.max_model_len for c in cores if c.worker), default=0),
             preemptions=preemptions,
+            spill_failures=ended.spill_failures + sum(c.spill_failures for c in cores),
+            swap_ins=ended.swap_ins + sum(c.swap_ins for c in cores),
             migrations=ended.migrations + sum(c.migrations for c in cores),
             prefix_cache_hit_tokens=ended.hit_tokens + sum(c.prefix_hit_tokens for c in cores),
             prefix_cache_query_tokens=ended.query_tokens
@@ -518,6 +522,14 @@ class SchedulerService:
         workers_draining = bool(self.lanes) and not any(
             lane.accepting for lane in self.lanes.values()
         )
+        now = self.clock.now()
+        self._recent_spill_failures.observe(
+            self._ended.spill_failures + sum(c.spill_failures for c in cores),
+            next((c.last_spill_error for c in cores if c.last_spill_error), ""),
+            now,
+        )
+        failing = self._recent_spill_failures.failing(now)
+        mode = self.config.preemption_mode
         return SchedulerLease(
             scheduler_id=self.scheduler_id,
             interval_s=self.settings.scheduler_lease_interval_s,
@@ -528,7 +540,8 @@ class SchedulerService:
             num_waiting=sum(c.num_waiting for c in cores),
             kv_usage=kv_usage,
             draining=self._draining or workers_draining,
-            spill_status=spill_status(self.config.preemption_mode, self._spill_stats),
+            spill_status=spill_status(mode, self._spill_stats, failing),
+            spill_reason=spill_reason(mode, self._spill_stats, failing),
             preemption_mode=self.config.preemption_mode,
         )
 
@@ -703,6 +716,8 @@ class _EndedLanes:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.steps = 0
+        self.spill_failures = 0
+        self.swap_ins = 0
 
     def add(self, core: SchedulerCore) -> None:
         for mode, n in core.preemptions.items():
@@ -711,6 +726,8 @@ class _EndedLanes:
         self.hit_tokens += core.prefix_hit_tokens
         self.query_tokens += core.prefix_query_tokens
         self.steps += core.num_steps
+        self.spill_failures += core.spill_failures
+        self.swap_ins += core.swap_ins
 
 
 def _pooled_kv(cores: list[SchedulerCore]) -> tuple[int, float]:

@@ -32,6 +32,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.lifecycle import announce_ready
+from shared.log_safety import error_text
 from shared.protocol import (
     Heartbeat,
     PrefixLookup,
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError)
 SWEEP_INTERVAL_S = 1.0
+PROBE_TTL_S = 10
 
 
 class SpillStore:
@@ -68,6 +70,7 @@ class SpillStore:
         self.prefix_blocks = 0
         self.prefix_evicted_total = 0
         self.block_bytes = 0  # learnt from the tier's values
+        self.redis_error = ""  # why Redis took no write at the last probe ("" when it did)
 
     @property
     def capacity_bytes(self) -> int:
@@ -175,14 +178,17 @@ class SpillStore:
 
     async def stats(self) -> SpillStats:
         ledger = self.ledger
-        try:
-            await self.redis.ping()
-            ok = True
-        except REDIS_ERRORS as e:
-            log.warning("redis unavailable: %s", e)
-            ok = False
+        ok, error = await self._probe()
+        if error != self.redis_error:
+            if error:
+                log.warning("redis does not take spills: %s", error)
+            else:
+                log.info("redis takes spills again")
+            self.redis_error = error
         return SpillStats(
             redis_ok=ok,
+            writable=not error,
+            redis_error=error,
             num_sequences=len(ledger.entries),
             num_keys=ledger.num_keys,
             used_bytes=ledger.used_bytes,
@@ -195,6 +201,20 @@ class SpillStore:
             prefix_capacity_blocks=self.prefix_capacity_blocks,
             prefix_evicted_total=self.prefix_evicted_total,
         )
+
+    async def _probe(self) -> tuple[bool, str]:
+        """(Redis answers, "" when it takes a write too, else why not). A PING alone
+        says nothing of writes: a Redis at its maxmemory (noeviction) answers it and
+        refuses every spill."""
+        try:
+            await self.redis.ping()
+        except (aioredis.RedisError, OSError) as e:
+            return False, error_text(e)
+        try:
+            await self.redis.set(self.keys.probe(), b"1", ex=PROBE_TTL_S)
+        except (aioredis.RedisError, OSError) as e:  # OOM, a read-only replica, ...
+            return True, error_text(e)
+        return True, ""
 
     async def sweep(self) -> None:
         await self.expire_orphans()
@@ -223,7 +243,7 @@ async def _sweep_forever(store: SpillStore) -> None:
         try:
             await store.sweep()
         except REDIS_ERRORS as e:
-            log.warning("sweep skipped, redis unavailable: %s", e)
+            log.warning("sweep skipped, redis unavailable: %s", error_text(e))
         except Exception:  # the sweep must outlive any single failure
             log.exception("sweep failed")
 

@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.worker.kv_cache import KVCache
+from shared.log_safety import error_text, size_text
 from shared.protocol import KVRestore, KVSpill, PrefixBlock, PrefixLoad, SpillOutcome
 from shared.spill_keys import SpillKeys
 
@@ -87,9 +88,9 @@ class KVTransfer:
     def spill(self, order: KVSpill) -> SpillOutcome:
         start = self.timer()
         groups = self._groups(order.block_ids)
+        total = 0
         try:
             pipe = self.client.pipeline(transaction=False)
-            total = 0
             for g, block_ids in enumerate(groups):
                 value = _to_bytes(self.kv.read_blocks(block_ids))
                 total += len(value)
@@ -97,10 +98,17 @@ class KVTransfer:
                 pipe.set(key, value, ex=self.ttl_s)
             pipe.execute()
         except (redis.RedisError, OSError) as e:
-            log.warning("spilling %s failed: %s", order.seq_id, e)
-            return SpillOutcome(
-                seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error=str(e)[:200]
+            # The error's kind, never its text as raised: redis-py quotes the command
+            # with its value (the KV bytes) in it.
+            error = error_text(e)
+            log.warning(
+                "spilling %s failed (%d keys, %s): %s",
+                order.seq_id,
+                len(groups),
+                size_text(total),
+                error,
             )
+            return SpillOutcome(seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error=error)
         self._count(total, start)
         return SpillOutcome(
             seq_id=order.seq_id,
@@ -162,7 +170,13 @@ class KVTransfer:
             pipe.zadd(self.keys.prefix_index(), dict.fromkeys(values, now))
             pipe.execute()
         except (redis.RedisError, OSError) as e:
-            log.warning("storing %d prefix blocks failed: %s", len(values), e)
+            num_bytes = sum(len(v) for v in values.values())
+            log.warning(
+                "storing %d prefix blocks (%s) failed: %s",
+                len(values),
+                size_text(num_bytes),
+                error_text(e),
+            )
         finally:
             self._store_slots.release()
 
@@ -194,7 +208,7 @@ class KVTransfer:
                 pipe.get(key)
             values = pipe.execute()
         except (redis.RedisError, OSError) as e:
-            log.warning("reading KV of %s failed: %s", seq_id, e)
+            log.warning("reading KV of %s failed: %s", seq_id, error_text(e))
             return None
         if any(v is None for v in values):
             log.warning("KV of %s is gone from the store", seq_id)

@@ -47,6 +47,7 @@ from shared.clock import MonotonicClock
 from shared.config import Settings
 from shared.leases import LeaseBook, StallGuard
 from shared.lifecycle import announce_ready
+from shared.log_safety import error_text
 from shared.protocol import (
     ErrorInfo,
     Heartbeat,
@@ -379,7 +380,7 @@ class WorkerService:
                 context = set_span_in_context(span) if span is not None else None
                 await self.bus.publish(subjects.SPILL_RECORDED, record, context=context)
             except Exception as e:  # the data is written; only the accounting waits
-                log.warning("spill record for %s not sent: %s", spill.seq_id, e)
+                log.warning("spill record for %s not sent: %s", spill.seq_id, error_text(e))
 
 
 def _changes_nothing(plan: StepPlan) -> bool:

@@ -111,13 +111,17 @@ def assert_same_greedy(got: Generation, want: Generation, label: str) -> int:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics by name with its labels: `name{a="b"}` -> value."""
+    """Every sample of /metrics by name with its labels: `name{a="b"}` -> value, summed
+    over the `scheduler` label (the deployment's figure, as sum() gives it)."""
     out: dict[str, float] = {}
     text = httpx.get(f"{url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "scheduler"
+            )
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

@@ -44,6 +44,7 @@ from shared.subjects import (
     SCHED_STATS,
     SCHED_SUBMIT,
     gateway_deltas,
+    sched_stats,
     sched_submit,
 )
 
@@ -85,6 +86,7 @@ class SchedulerDouble:
             await self.bus.serve(SCHED_SUBMIT, SubmitRequest, self._on_submit),
             await self.bus.serve(sched_submit(self.scheduler_id), SubmitRequest, self._on_submit),
             await self.bus.serve(SCHED_STATS, StatsRequest, self._on_stats),
+            await self.bus.serve(sched_stats(self.scheduler_id), StatsRequest, self._on_stats),
         ]
         self._subs.append(
             await self.bus.nc.subscribe(self.bus.subject(SCHED_ABORT), cb=self._on_abort)

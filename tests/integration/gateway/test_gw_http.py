@@ -236,6 +236,7 @@ async def test_health_follows_the_worker_the_scheduler_drives(system):
 async def test_metrics_exports_contract_names(system):
     await system.client.post(COMP, json={"prompt": "metrics", "max_tokens": 3})
     text = (await system.client.get("/metrics")).text
+    on = f'scheduler="{system.scheduler.scheduler_id}"'
     for name in (
         "spillway_time_to_first_token_seconds_bucket",
         "spillway_inter_token_latency_seconds_bucket",
@@ -243,9 +244,9 @@ async def test_metrics_exports_contract_names(system):
         "spillway_requests_running",
         "spillway_requests_waiting",
         "spillway_kv_cache_usage_ratio",
-        'spillway_preemptions_total{mode="recompute"} 2.0',
-        "spillway_prefix_cache_hits_total 3.0",
-        "spillway_prefix_cache_queries_total 9.0",
+        f'spillway_preemptions_total{{mode="recompute",{on}}} 2.0',
+        f"spillway_prefix_cache_hits_total{{{on}}} 3.0",
+        f"spillway_prefix_cache_queries_total{{{on}}} 9.0",
         "spillway_prompt_tokens_total",
         "spillway_generation_tokens_total",
         'spillway_requests_finished_total{finish_reason="length"}',

@@ -118,6 +118,17 @@ async def test_two_schedulers_on_one_namespace_each_drive_their_own_worker(nats_
         # Stats say which worker each drives, not how many registered.
         stats = await bus.request(subjects.SCHED_STATS, StatsRequest(), SchedulerStats, 2.0)
         assert stats.worker_id in {"wa", "wb"} and stats.scheduler_id in {"sa", "sb"}
+        # Each answers on a subject of its own (a gateway's /metrics asks every one), and
+        # their counters together cover every request once.
+        own = {
+            sid: await bus.request(subjects.sched_stats(sid), StatsRequest(), SchedulerStats, 2.0)
+            for sid in ("sa", "sb")
+        }
+        assert {sid: (s.scheduler_id, s.worker_id) for sid, s in own.items()} == {
+            "sa": ("sa", "wa"),
+            "sb": ("sb", "wb"),
+        }
+        assert sum(s.prefix_cache_query_tokens for s in own.values()) == 5 * len(ids)
     finally:
         for worker in workers:
             await worker.stop()

@@ -201,3 +201,24 @@ async def test_redis_going_away_is_reported_not_fatal(nats_url):
         stop.set()
         await task
         await client.close()
+
+
+async def test_a_redis_that_refuses_writes_is_reported_unwritable_and_why(nats_url):
+    redis = start_redis()
+    admin = aioredis.from_url(redis.url)
+    try:
+        async with _running_store(nats_url, redis.url, "sp4") as (bus, _, _):
+            healthy = await _stats(bus)
+            assert healthy.redis_ok and healthy.writable and healthy.redis_error == ""
+            # At its maxmemory (noeviction) Redis still answers PING and refuses writes.
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", 1)
+            full = await _stats(bus)
+            assert full.redis_ok and not full.writable
+            assert full.redis_error.startswith("OutOfMemoryError: ")
+            assert "maxmemory" in full.redis_error
+            await admin.config_set("maxmemory", 0)
+            assert (await _stats(bus)).writable
+    finally:
+        await admin.aclose()
+        redis.stop()

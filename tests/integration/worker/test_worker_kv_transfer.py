@@ -176,6 +176,32 @@ def test_a_store_that_is_down_fails_spills_and_loses_restores_without_raising(ti
     d.generate(2)  # the runner goes on
 
 
+def test_a_store_that_refuses_writes_fails_the_spill_in_words_not_bytes(tiny_llama_dir, caplog):  # noqa: F811
+    server = start_redis()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        r = tiny_runner(tiny_llama_dir, kv_blocks=8)
+        r.kv_transfer = KVTransfer(connect_kv_store(server.url, 1.0), SpillKeys("oom"), r.kv_cache)
+        d = Driver(r, "s")
+        d.start([0, 1])
+        d.generate(2)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # above it: every write refused
+        with caplog.at_level("DEBUG", logger="services.worker.kv_transfer"):
+            spill = KVSpill(seq_id="s", spill_id=1, block_ids=[0, 1])
+            result = r.execute(d.plan(d.blocks, spills=[spill]))
+        outcome = result.spills[0]
+        assert result.error is None and not outcome.ok
+        assert outcome.error is not None and outcome.error.startswith("OutOfMemoryError: ")
+        [line] = [rec.getMessage() for rec in caplog.records if "spilling s failed" in rec.message]
+        assert "maxmemory" in line and "KB" in line
+        for text in (outcome.error, line):
+            assert text.isprintable() and "\\x" not in text and "\ufffd" not in text, text
+    finally:
+        admin.close()
+        server.stop()
+
+
 def test_shared_tier_blocks_load_into_a_fresh_runner(runner, tiny_llama_dir, redis_url):  # noqa: F811
     _reset(runner)
     d = Driver(runner, "a")

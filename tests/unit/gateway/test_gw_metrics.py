@@ -7,7 +7,7 @@ import pytest
 from services.gateway.metrics import GatewayMetrics, TokenTimer, spill_health
 from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.preemption import spill_status
-from shared.protocol import SchedulerLease, SchedulerStats, SpillStats
+from shared.protocol import SchedulerLease, SchedulerStats, SpillStats, WorkerLoad
 
 CONTRACT_NAMES = [
     "spillway_time_to_first_token_seconds_bucket",
@@ -55,25 +55,33 @@ def test_exported_names_and_scheduler_values():
     metrics.on_tokens(timer, 2, 0.4)
     metrics.on_finished(timer, "length", 0.5)
     metrics.scheduler.update(
-        SchedulerStats(
-            num_workers=2,
-            num_running=3,
-            num_waiting=4,
-            kv_usage=0.25,
-            preemptions={"spill": 5},
-            prefix_cache_hit_tokens=16,
-            prefix_cache_query_tokens=64,
-        )
+        {
+            "s1": SchedulerStats(
+                num_workers=2,
+                num_running=3,
+                num_waiting=4,
+                kv_usage=0.25,
+                preemptions={"spill": 5},
+                spill_failures=2,
+                swap_ins=4,
+                prefix_cache_hit_tokens=16,
+                prefix_cache_query_tokens=64,
+            )
+        }
     )
     text = metrics.render().decode()
     for name in CONTRACT_NAMES:
+        name = name.replace("}", ',scheduler="s1"}') if "{" in name else name
         assert name in text, name
-    assert metric_value(text, "spillway_requests_running") == 3
-    assert metric_value(text, "spillway_requests_waiting") == 4
-    assert metric_value(text, "spillway_kv_cache_usage_ratio") == 0.25
-    assert metric_value(text, 'spillway_preemptions_total{mode="spill"}') == 5
-    assert metric_value(text, 'spillway_preemptions_total{mode="recompute"}') == 0
-    assert metric_value(text, "spillway_prefix_cache_hits_total") == 16
+    on = '{scheduler="s1"}'
+    assert metric_value(text, f"spillway_requests_running{on}") == 3
+    assert metric_value(text, f"spillway_requests_waiting{on}") == 4
+    assert metric_value(text, f"spillway_kv_cache_usage_ratio{on}") == 0.25
+    assert metric_value(text, 'spillway_preemptions_total{mode="spill",scheduler="s1"}') == 5
+    assert metric_value(text, 'spillway_preemptions_total{mode="recompute",scheduler="s1"}') == 0
+    assert metric_value(text, f"spillway_spill_failures_total{on}") == 2
+    assert metric_value(text, f"spillway_swap_ins_total{on}") == 4
+    assert metric_value(text, f"spillway_prefix_cache_hits_total{on}") == 16
     assert metric_value(text, "spillway_prompt_tokens_total") == 7
     assert metric_value(text, "spillway_generation_tokens_total") == 3
     assert metric_value(text, 'spillway_requests_finished_total{finish_reason="length"}') == 1
@@ -84,11 +92,39 @@ def test_exported_names_and_scheduler_values():
 
 def test_scheduler_down_keeps_last_values_and_says_so():
     metrics = GatewayMetrics()
-    metrics.scheduler.update(SchedulerStats(num_workers=1, num_running=2, num_waiting=0))
-    metrics.scheduler.update(None)
+    metrics.scheduler.update(
+        {"s1": SchedulerStats(num_workers=1, num_running=2, num_waiting=0), "s2": None}
+    )
+    metrics.scheduler.update({"s1": None, "s2": None})
     text = metrics.render().decode()
-    assert metric_value(text, "spillway_scheduler_up") == 0
-    assert metric_value(text, "spillway_requests_running") == 2
+    assert metric_value(text, 'spillway_scheduler_up{scheduler="s1"}') == 0
+    assert metric_value(text, 'spillway_scheduler_up{scheduler="s2"}') == 0
+    assert metric_value(text, 'spillway_requests_running{scheduler="s1"}') == 2
+    assert 'spillway_requests_running{scheduler="s2"}' not in text  # never answered
+
+
+def test_every_live_scheduler_has_its_series_and_a_dead_one_drops_out():
+    metrics = GatewayMetrics()
+
+    def stats(running: int, spilled: int, worker: str) -> SchedulerStats:
+        return SchedulerStats(
+            num_workers=1,
+            num_running=running,
+            num_waiting=0,
+            preemptions={"spill": spilled, "recompute": 1},
+            workers=[WorkerLoad(worker_id=worker, num_live=running)],
+        )
+
+    metrics.scheduler.update({"a": stats(2, 3, "wa"), "b": stats(5, 7, "wb")})
+    text = metrics.render().decode()
+    assert metric_value(text, 'spillway_requests_running{scheduler="a"}') == 2
+    assert metric_value(text, 'spillway_requests_running{scheduler="b"}') == 5
+    assert metric_value(text, 'spillway_preemptions_total{mode="spill",scheduler="b"}') == 7
+    assert metric_value(text, 'spillway_worker_requests{scheduler="a",worker="wa"}') == 2
+    metrics.scheduler.update({"b": stats(1, 8, "wb")})  # a's lease lapsed
+    text = metrics.render().decode()
+    assert 'scheduler="a"' not in text
+    assert metric_value(text, 'spillway_requests_running{scheduler="b"}') == 1
 
 
 def test_phase_histograms_and_the_spill_store_are_exported_without_a_tracing_backend():
@@ -102,22 +138,25 @@ def test_phase_histograms_and_the_spill_store_are_exported_without_a_tracing_bac
     )  # fmt: skip
     metrics = GatewayMetrics()
     metrics.scheduler.update(
-        SchedulerStats(
-            num_workers=1,
-            num_running=0,
-            num_waiting=0,
-            num_swapped=2,
-            phases=phases.snapshot(),
-            spill_store=store,
-        )
+        {
+            "s1": SchedulerStats(
+                num_workers=1,
+                num_running=0,
+                num_waiting=0,
+                num_swapped=2,
+                phases=phases.snapshot(),
+                spill_store=store,
+            )
+        }
     )
     text = metrics.render().decode()
     name = "spillway_scheduler_phase_seconds"
-    assert metric_value(text, f'{name}_count{{phase="swap_in"}}') == 3
-    assert metric_value(text, f'{name}_bucket{{le="0.0005",phase="swap_in"}}') == 2
-    assert metric_value(text, f'{name}_bucket{{le="+Inf",phase="swap_in"}}') == 3
-    assert metric_value(text, f'{name}_sum{{phase="drain"}}') == pytest.approx(0.3)
-    assert metric_value(text, "spillway_requests_swapped") == 2
+    s1 = 'scheduler="s1"'
+    assert metric_value(text, f'{name}_count{{phase="swap_in",{s1}}}') == 3
+    assert metric_value(text, f'{name}_bucket{{le="0.0005",phase="swap_in",{s1}}}') == 2
+    assert metric_value(text, f'{name}_bucket{{le="+Inf",phase="swap_in",{s1}}}') == 3
+    assert metric_value(text, f'{name}_sum{{phase="drain",{s1}}}') == pytest.approx(0.3)
+    assert metric_value(text, f"spillway_requests_swapped{{{s1}}}") == 2
     assert metric_value(text, "spillway_spill_store_up") == 1
     assert metric_value(text, "spillway_spill_store_used_bytes") == 3000
     assert metric_value(text, 'spillway_spill_store_sequence_bytes{seq="a:1"}') == 2000
@@ -135,5 +174,8 @@ def test_health_says_spill_is_degraded_while_redis_is_down():
     assert spill_health([lease("ok")]) == {"status": "ok", "preemption_mode": "auto"}
     assert spill_health([])["status"] == "unavailable"
     assert spill_status("auto", SpillStats(redis_ok=False)) == "degraded"
+    # The scheduler's words for why, when it gives them.
+    told = lease("degraded").model_copy(update={"spill_reason": "redis refuses writes (OOM)"})
+    assert spill_health([lease("ok"), told])["reason"] == "redis refuses writes (OOM)"
     assert spill_status("recompute", None) == "off"
     assert spill_status("spill", None) == "unavailable"

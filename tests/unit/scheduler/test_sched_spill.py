@@ -120,9 +120,10 @@ def test_a_failed_spill_falls_back_to_recompute_and_new_victims_are_recomputed()
     for rid in roomy:
         assert outcomes[rid].token_ids == roomy[rid].token_ids
     assert core.spill_failures >= 1
-    # After the first failure the policy stops spilling: the rest are recomputed.
-    assert core.preemptions["spill"] == core.spill_failures
-    assert core.preemptions["recompute"] > 0
+    # A failed spill counts as what was done (a recompute); after the first failure the
+    # policy stops spilling: the rest are recomputed too.
+    assert core.preemptions["spill"] == 0
+    assert core.preemptions["recompute"] > core.spill_failures
     assert core.num_swapped == 0 and not any(p.restores for p in worker.plans)
 
 

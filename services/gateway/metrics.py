@@ -214,32 +214,27 @@ def _worker_metrics(each: Sequence[tuple[str, SchedulerStats]]) -> Iterator[Metr
             hits.add_metric([w.worker_id, sid], w.prefix_cache_hit_tokens)
             steps.add_metric([w.worker_id, sid], w.num_steps)
     yield from (live, usage, hits, steps)
-    yield from _moe_metrics(stats)
+    yield from _moe_metrics(each)
 
 
-def _moe_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+def _moe_metrics(each: Sequence[tuple[str, SchedulerStats]]) -> Iterator[Metric]:
     """Per MoE worker: its experts' load and, with expert parallel, the exchange."""
-    tokens = CounterMetricFamily(
-        "spillway_moe_expert_tokens",
-        "Routed (token, expert) pairs per expert, summed over the MoE layers",
-        labels=["worker", "expert"],
-    )
-    sent = CounterMetricFamily(
-        "spillway_ep_exchange_bytes",
-        "Bytes rank 0 of an expert-parallel worker sent to its other ranks",
-        labels=["worker"],
-    )
-    seconds = HistogramMetricFamily(
-        "spillway_ep_exchange_seconds",
-        "Time per step in the experts' exchange between an expert-parallel worker's ranks",
-        labels=["worker"],
-    )
-    for w in stats.workers:
-        for e, n in enumerate(w.expert_tokens):
-            tokens.add_metric([w.worker_id, str(e)], n)
-        if w.ep_exchange_seconds is not None:
-            sent.add_metric([w.worker_id], w.ep_exchange_bytes)
-            seconds.add_metric([w.worker_id], *_buckets(w.ep_exchange_seconds))
+    tokens = _labelled(CounterMetricFamily, "spillway_moe_expert_tokens",
+                       "Routed (token, expert) pairs per expert, summed over the MoE layers",
+                       "worker", "expert")  # fmt: skip
+    sent = _labelled(CounterMetricFamily, "spillway_ep_exchange_bytes",
+                     "Bytes rank 0 of an expert-parallel worker sent to its other ranks",
+                     "worker")  # fmt: skip
+    seconds = _labelled(HistogramMetricFamily, "spillway_ep_exchange_seconds",
+                        "Time per step in the experts' exchange between an expert-parallel "
+                        "worker's ranks", "worker")  # fmt: skip
+    for sid, stats in each:
+        for w in stats.workers:
+            for e, n in enumerate(w.expert_tokens):
+                tokens.add_metric([w.worker_id, str(e), sid], n)
+            if w.ep_exchange_seconds is not None:
+                sent.add_metric([w.worker_id, sid], w.ep_exchange_bytes)
+                seconds.add_metric([w.worker_id, sid], *_buckets(w.ep_exchange_seconds))
     yield from (tokens, sent, seconds)
 
 

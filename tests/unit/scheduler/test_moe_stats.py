@@ -38,11 +38,13 @@ def test_gateway_exports_expert_load_and_exchange_per_worker():
         ep_exchange_seconds=moe.exchange_seconds(),
     )
     collector = SchedulerStatsCollector()
-    collector.update(SchedulerStats(num_workers=1, num_running=0, num_waiting=0, workers=[load]))
+    collector.update(
+        {"s1": SchedulerStats(num_workers=1, num_running=0, num_waiting=0, workers=[load])}
+    )
     registry = CollectorRegistry()
     registry.register(collector)
     text = generate_latest(registry).decode()
-    assert 'spillway_moe_expert_tokens_total{expert="1",worker="w1"} 5.0' in text
-    assert 'spillway_ep_exchange_bytes_total{worker="w1"} 64.0' in text
-    assert 'spillway_ep_exchange_seconds_count{worker="w1"} 1.0' in text
-    assert 'spillway_ep_exchange_seconds_bucket{le="0.5",worker="w1"} 1.0' in text
+    assert 'spillway_moe_expert_tokens_total{expert="1",scheduler="s1",worker="w1"} 5.0' in text
+    assert 'spillway_ep_exchange_bytes_total{scheduler="s1",worker="w1"} 64.0' in text
+    assert 'spillway_ep_exchange_seconds_count{scheduler="s1",worker="w1"} 1.0' in text
+    assert 'spillway_ep_exchange_seconds_bucket{le="0.5",scheduler="s1",worker="w1"} 1.0' in text

@@ -124,6 +124,12 @@ class SubmitRequest(Message):
     priority: int = 0
     # Budget left when the gateway sent it; the scheduler anchors it to its own clock.
     deadline_ms: float | None = None
+    # A resumed request (its first scheduler died, or the bus lost its news): the tokens
+    # it already generated and the client already has. They follow the prompt in the KV
+    # but count as output, as after a preemption: max_tokens, min_tokens and penalties
+    # count them, the seeded sampler draws the next token at output index
+    # len(output_token_ids), and only tokens after them are sent as deltas.
+    output_token_ids: list[int] = Field(default_factory=list)
 
 
 class SubmitReply(Message):

@@ -9,8 +9,10 @@ when one goes quiet.
                            reached us yet: it is watched from now on all the same)
     on_gone(id, reason)    called once when a scheduler holding our requests may have
                            lost them for us:
-        LOST               its lease lapsed (killed, hung, cut off), or it came back as a
-                           new process under the same id: nothing more will come from it
+        LOST               its lease lapsed (killed, hung, cut off): nothing more will
+                           come from it
+        RESTARTED          it came back as a new process under the same id: it lives,
+                           but knows none of our requests
         INTERRUPTED        our own connection to NATS was down, and its first lease since
                            has arrived: it lives, but news it sent meanwhile never reached
                            us (core NATS keeps nothing for an absent subscriber)
@@ -39,7 +41,7 @@ from shared.subjects import SCHED_HEARTBEAT
 
 log = logging.getLogger(__name__)
 
-GoneReason = Literal["lost", "interrupted"]
+GoneReason = Literal["lost", "restarted", "interrupted"]
 CHECK_INTERVAL_S = 0.25
 
 
@@ -105,7 +107,7 @@ class SchedulerWatch:
         self.book.observe(lease)
         if previous is not None and previous.boot_id != lease.boot_id and sid in self._watched:
             self._unconfirmed.discard(sid)
-            self._gone(sid, "lost")  # restarted under the same id: our requests died with it
+            self._gone(sid, "restarted")  # our requests died with the old process
             return
         if lease.scheduler_id in self._unconfirmed:
             self._unconfirmed.discard(lease.scheduler_id)
@@ -131,7 +133,7 @@ class SchedulerWatch:
                     self._gone(scheduler_id, "lost")
 
     def _gone(self, scheduler_id: str, reason: GoneReason) -> None:
-        if reason == "lost":
+        if reason != "interrupted":
             self.affinity.forget(scheduler_id)  # its prefix cache went with it
         try:
             self._on_gone(scheduler_id, reason)

@@ -9,6 +9,9 @@ one delta instead. The prompt's text picks a behaviour:
 
     "STALL"     accepted, but never produces a token (disconnects, deadline backstop)
     "LONG"      the reply text repeated forever (until max_tokens, deadline or abort)
+
+A resumed submission (output_token_ids) continues at the token index after them, so a
+resumed stream's text equals an undisturbed one's.
     "FULL"      refused with 429 (queue full)
     "NOWORKER"  refused with 503 (no worker)
     otherwise   the reply text, then EOS (finish "stop"), or "length" at max_tokens
@@ -147,7 +150,9 @@ class SchedulerDouble:
             return SubmitReply(ok=False, error=ErrorInfo(status=503, message="no worker"))
         markers = ("STALL", "LONG") if self.stalls else ("LONG",)
         behaviour = next((b for b in markers if b in prompt), "REPLY")
-        self.active[req.request_id] = Sequence(req, [], behaviour, time.monotonic())
+        # A resumed request continues its reply after the tokens it already produced.
+        seq = Sequence(req, [], behaviour, time.monotonic(), emitted=len(req.output_token_ids))
+        self.active[req.request_id] = seq
         return SubmitReply(ok=True, scheduler_id=self.scheduler_id)
 
     async def _on_stats(self, req: StatsRequest, ctx, raw) -> SchedulerStats:

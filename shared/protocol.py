@@ -252,6 +252,19 @@ class SchedulerLease(Message):
     preemption_mode: str = ""
 
 
+class GatewayBeat(Message):
+    """gateway.heartbeat, every GATEWAY_BEAT_INTERVAL_S: a gateway is alive. A scheduler
+    aborts the requests of a gateway it has heard and then not for GATEWAY_TIMEOUT_S (its
+    process died: nobody is left to read their output)."""
+
+    gateway_id: str
+    interval_s: float
+
+
+GATEWAY_BEAT_INTERVAL_S = 0.25
+GATEWAY_TIMEOUT_S = 1.0
+
+
 # --- scheduler <-> worker --------------------------------------------------------------
 
 

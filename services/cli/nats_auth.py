@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from shared.bus import inbox_prefix
 from shared.subjects import (
     ABORT,
+    GATEWAY_HEARTBEAT,
     GENERATE,
     MODELS,
     SCHED_ABORT,
@@ -69,7 +70,13 @@ def permissions(user: str, namespace: str = "") -> Permissions:
         return Permissions(
             # Clients' default inboxes: stream chunks go there (allow_responses covers
             # clients with inboxes of their own).
-            publish=(ns(SCHED_SUBMIT), ns(sched_submit(ANY)), ns(SCHED_ABORT), ns(SCHED_STATS)),
+            publish=(
+                ns(SCHED_SUBMIT),
+                ns(sched_submit(ANY)),
+                ns(SCHED_ABORT),
+                ns(SCHED_STATS),
+                ns(GATEWAY_HEARTBEAT),
+            ),
             subscribe=(
                 ns(GENERATE),
                 ns(ABORT),
@@ -101,6 +108,8 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 # The other replicas' leases: a draining one hands back only what one of
                 # them can take.
                 ns(SCHED_HEARTBEAT),
+                # Gateways alive: a dead one's requests are aborted.
+                ns(GATEWAY_HEARTBEAT),
                 own_inbox,
             ),
         )

@@ -41,13 +41,16 @@ from services.gateway.responses import Usage, usage_of
 from services.gateway.scheduler_watch import GoneReason, SchedulerWatch
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.validation import PreparedRequest
+from shared.beacon import Beacon
 from shared.bus import Bus, BusError, sender_of
 from shared.clock import Clock, MonotonicClock
 from shared.protocol import (
+    GATEWAY_BEAT_INTERVAL_S,
     HANDED_BACK_CODE,
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
+    GatewayBeat,
     RequestDelta,
     SchedulerStats,
     StatsRequest,
@@ -56,7 +59,14 @@ from shared.protocol import (
     decode,
 )
 from shared.regions import RegionMarkers
-from shared.subjects import SCHED_ABORT, SCHED_STATS, SCHED_SUBMIT, gateway_deltas, sched_submit
+from shared.subjects import (
+    GATEWAY_HEARTBEAT,
+    SCHED_ABORT,
+    SCHED_STATS,
+    SCHED_SUBMIT,
+    gateway_deltas,
+    sched_submit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -319,14 +329,23 @@ class GatewayEngine:
         self._sub: Subscription | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        # Schedulers abort the requests of a gateway whose beat stops (it died).
+        self._beat = Beacon(
+            bus,
+            GATEWAY_HEARTBEAT,
+            lambda: GatewayBeat(gateway_id=gateway_id, interval_s=GATEWAY_BEAT_INTERVAL_S),
+            GATEWAY_BEAT_INTERVAL_S,
+        )
 
     async def start(self) -> None:
         subject = self.bus.subject(gateway_deltas(self.gateway_id))
         self._sub = await self.bus.nc.subscribe(subject, cb=self._on_deltas)
         await self.schedulers.start()
+        self._beat.start()
         await self.bus.settle()
 
     async def stop(self) -> None:
+        await self._beat.stop()
         await self.schedulers.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()

@@ -76,9 +76,13 @@ class SchedulerDouble:
     boot_id: str = "boot-1"
     burst: bool = False
     stalls: bool = True  # False: "STALL" prompts get the reply like any other
+    # A long first step: a request gives no news at all (not even its own deadline's
+    # end) until this long after it arrived.
+    first_step_s: float = 0.0
     submits: list[SubmitRequest] = field(default_factory=list)
     submit_trace_ids: list[int] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)  # ended "timeout" by this double
     active: dict[str, Sequence] = field(default_factory=dict)
 
     async def start(self) -> None:
@@ -191,11 +195,14 @@ class SchedulerDouble:
 
     def _advance(self, seq: Sequence) -> RequestDelta | None:
         req = seq.request
+        if time.monotonic() - seq.submitted_at < self.first_step_s:
+            return None
         finish = seq.pending_finish
         elapsed_ms = (time.monotonic() - seq.submitted_at) * 1000
         timed = req.deadline_ms is not None and elapsed_ms >= req.deadline_ms
         if finish is None and timed and seq.behaviour != "STALL":
             finish = "timeout"
+            self.timed_out.append(req.request_id)
         if finish is not None:
             return self._delta(seq, [], finish)
         if seq.behaviour == "STALL":

@@ -184,3 +184,27 @@ async def test_a_replica_scaled_up_takes_load_and_scaled_down_loses_nothing(repl
     finally:
         for client in clients:
             await client.aclose()
+
+
+async def test_a_killed_gateways_requests_are_aborted_and_their_kv_freed(replicas):
+    """Streams through gateway-b, which is SIGKILLed: nobody is left to read them, and the
+    schedulers hear its beat stop and abort them, long before they could have finished
+    (1500 tokens each; two at a time per worker)."""
+    urls = [_url(replicas, "gateway"), _url(replicas, "gateway-b")]
+    body = {"max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}
+
+    def load() -> int:
+        schedulers = _health(replicas).get("schedulers", [])
+        return sum(s["running"] + s["waiting"] for s in schedulers)
+
+    async with httpx.AsyncClient(base_url=urls[1], timeout=RECOVERY_S) as client:
+        streams = [
+            asyncio.ensure_future(sse_events(client, COMP, {**body, "prompt": f"Orphan {i}:"}))
+            for i in range(4)
+        ]
+        await until(lambda: load() == 4, 30)
+        os.kill(replicas.children["gateway-b"].proc.pid, signal.SIGKILL)
+        await asyncio.wait(streams, timeout=10)  # they end with the connection
+    # The schedulers hold nothing any more (a loose bound: far less than the streams).
+    assert await until(lambda: load() == 0, 20), _health(replicas)
+    assert "stopped beating: aborting" in replicas.tail(50_000)

@@ -79,11 +79,12 @@ class Settings(BaseSettings):
     # Ctrl-C: how long running requests may take to finish before children are stopped.
     drain_timeout_s: float = Field(default=10.0, ge=0)
     # A scheduler publishes its lease this often; one silent for scheduler_timeout_s is
-    # gone: gateways end its requests (replaying those with no output yet, for up to
-    # replay_timeout_s) and its workers register elsewhere.
+    # gone: gateways move its requests to a live scheduler (replayed, or resumed after
+    # the tokens already sent; an error when none takes one within resume_timeout_s)
+    # and its workers register elsewhere.
     scheduler_lease_interval_s: float = Field(default=0.5, gt=0)
     scheduler_timeout_s: float = Field(default=5.0, gt=0)
-    replay_timeout_s: float = Field(default=30.0, ge=0)
+    resume_timeout_s: float = Field(default=30.0, ge=0)
     # This process's own NATS user (each service has one; see `spillway nats-config`).
     # Given, they win over credentials in the URL.
     nats_user: str | None = None

@@ -130,6 +130,12 @@ class SubmitRequest(Message):
     priority: int = 0
     # Budget left when the gateway sent it; the scheduler anchors it to its own clock.
     deadline_ms: float | None = None
+    # A resumed request (its first scheduler died, or the bus lost its news): the tokens
+    # it already generated and the client already has. They follow the prompt in the KV
+    # but count as output, as after a preemption: max_tokens, min_tokens and penalties
+    # count them, the seeded sampler draws the next token at output index
+    # len(output_token_ids), and only tokens after them are sent as deltas.
+    output_token_ids: list[int] = Field(default_factory=list)
 
 
 class SubmitReply(Message):
@@ -325,6 +331,19 @@ class TickReport(Message):
     waiting: int = 0  # waiting for admission, and preempted ones waiting to recompute
     swapped: int = 0
     kv_cache_usage: float = 0.0  # fraction of the worker's KV blocks in use
+
+
+class GatewayBeat(Message):
+    """gateway.heartbeat, every GATEWAY_BEAT_INTERVAL_S: a gateway is alive. A scheduler
+    aborts the requests of a gateway it has heard and then not for GATEWAY_TIMEOUT_S (its
+    process died: nobody is left to read their output)."""
+
+    gateway_id: str
+    interval_s: float
+
+
+GATEWAY_BEAT_INTERVAL_S = 0.25
+GATEWAY_TIMEOUT_S = 1.0
 
 
 # --- scheduler <-> worker --------------------------------------------------------------

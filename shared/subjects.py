@@ -20,6 +20,7 @@ SCHED_SUBMIT = "sched.submit"  # request/reply: SubmitRequest -> SubmitReply
 SCHED_ABORT = "sched.abort"  # publish: AbortRequest
 SCHED_STATS = "sched.stats"  # request/reply: StatsRequest -> SchedulerStats
 SCHED_HEARTBEAT = "sched.heartbeat"  # publish: SchedulerLease, watched by gateways and workers
+GATEWAY_HEARTBEAT = "gateway.heartbeat"  # publish: GatewayBeat, watched by schedulers
 WORKER_REGISTER = "worker.register"  # request/reply: WorkerInfo -> RegisterReply (queue)
 WORKER_HEARTBEAT = "worker.heartbeat"  # publish: Heartbeat
 # publish by a (re)started scheduler: workers without a live scheduler register now

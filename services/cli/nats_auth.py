@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from shared.bus import inbox_prefix
 from shared.subjects import (
     ABORT,
+    GATEWAY_HEARTBEAT,
     GENERATE,
     MODELS,
     SCHED_ABORT,
@@ -80,6 +81,7 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 ns(SCHED_ABORT),
                 ns(SCHED_STATS),
                 ns(sched_stats(ANY)),
+                ns(GATEWAY_HEARTBEAT),
             ),
             subscribe=(
                 ns(GENERATE),
@@ -114,6 +116,8 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 # The other replicas' leases: a draining one hands back only what one of
                 # them can take.
                 ns(SCHED_HEARTBEAT),
+                # Gateways alive: a dead one's requests are aborted.
+                ns(GATEWAY_HEARTBEAT),
                 own_inbox,
             ),
         )

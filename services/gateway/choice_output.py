@@ -143,6 +143,7 @@ class ChoiceOutput:
                 start, end, new_tool_call_id, parallel=options.parallel_tool_calls
             )
         self.num_tokens = 0
+        self.token_ids: list[int] = []  # what the client has: a resume continues after them
         self.num_cached_tokens = 0
         self.text = ""
         self.reasoning: str | None = "" if options.reasoning is not None else None
@@ -166,7 +167,9 @@ class ChoiceOutput:
         step = ChoiceStep(self.index)
         if self.finished:
             return step
-        if delta.num_prompt_tokens:  # the first delta: what the prefix cache served
+        # The first delta: what the prefix cache served (a resumed run's first delta
+        # counts its cache hits on the output as well: the first run's figure stands).
+        if delta.num_prompt_tokens and not self.num_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
         sampled = delta.logprobs or []
         for i, token_id in enumerate(delta.token_ids):
@@ -177,6 +180,7 @@ class ChoiceOutput:
                 step.stop_matched = True
                 return self._record(step)
             self.num_tokens += 1
+            self.token_ids.append(token_id)
             if self._want_logprobs and i < len(sampled):
                 step.logprobs.append(self._logprob_info(token_id, sampled[i]))
             channel = self._split.route(token_id) if self._split is not None else "content"

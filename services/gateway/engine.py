@@ -5,17 +5,18 @@ One `RequestRun` per client request: its choices are separate scheduler sequence
 (choice i has request id `ids[i]`) sharing one queue that the delta subscription fills.
 The run turns deltas into `ChoiceStep`s through each choice's `ChoiceOutput`, aborts a
 sequence at the scheduler when a stop string ends it, and ends every choice with
-"timeout" itself if the scheduler's own deadline delta has not come shortly after the
-deadline (a backstop: the client gets an answer within its budget whatever happens).
+"timeout" itself at the request's deadline (with what it has; the scheduler is told to
+abort the rest), whatever the scheduler's tick is doing.
 
 Which scheduler: the least busy live one by the leases (scheduler_watch.py), else any
 one of the `sched.submit` queue group; the reply names the one that took it, and only
 that scheduler's deltas count for it (`Spillway-Sender`). When that scheduler is gone
-(its lease lapsed) or our own bus connection was down (its news may be lost), a choice
-that has produced nothing yet is submitted again, to a live scheduler, for up to
-replay_timeout_s; one that has produced tokens ends with a clear 503 error: the client
-never waits for news that cannot come. A draining scheduler hands back what has produced
-nothing (an error delta coded `handed_back`): it runs again on another scheduler too.
+(its lease lapsed), our own bus connection was down (its news may be lost), or a
+draining scheduler hands a choice back (an error delta coded `handed_back`), the choice
+moves to a live scheduler: replayed when it has produced nothing yet, else resumed from
+its prompt plus the tokens the client already has (failover.py decides; the client sees
+one unbroken stream). Only when no scheduler takes it within resume_timeout_s does it
+end with an error.
 """
 
 from __future__ import annotations
@@ -33,18 +34,22 @@ from opentelemetry.context import Context
 
 from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
 from services.gateway.errors import ApiError
+from services.gateway.failover import Decision, Failover, GiveUp, Place, Retry
 from services.gateway.metrics import GatewayMetrics, TokenTimer
 from services.gateway.responses import Usage, usage_of
 from services.gateway.scheduler_watch import GoneReason, SchedulerWatch
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.validation import PreparedRequest
+from shared.beacon import Beacon
 from shared.bus import Bus, BusError, sender_of
 from shared.clock import Clock, MonotonicClock
 from shared.protocol import (
+    GATEWAY_BEAT_INTERVAL_S,
     HANDED_BACK_CODE,
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
+    GatewayBeat,
     RequestDelta,
     SchedulerStats,
     StatsRequest,
@@ -52,30 +57,21 @@ from shared.protocol import (
     SubmitRequest,
 )
 from shared.regions import RegionMarkers
-from shared.subjects import SCHED_ABORT, SCHED_SUBMIT, gateway_deltas, sched_stats, sched_submit
+from shared.subjects import (
+    GATEWAY_HEARTBEAT,
+    SCHED_ABORT,
+    SCHED_SUBMIT,
+    gateway_deltas,
+    sched_stats,
+    sched_submit,
+)
 
 log = logging.getLogger(__name__)
 
 SUBMIT_TIMEOUT_S = 10.0
-# How long after a request's deadline the scheduler's "timeout" delta may take before the
-# gateway ends the request itself.
-DEADLINE_GRACE_S = 0.5
-REPLAY_RETRY_S = 0.25
-GONE_ERRORS = {
-    "lost": ErrorInfo(
-        status=503,
-        message="the scheduler running this request stopped answering before it finished",
-        type="service_unavailable",
-        code="scheduler_lost",
-    ),
-    "interrupted": ErrorInfo(
-        status=503,
-        message="the connection to the message bus was interrupted while this request ran; "
-        "part of its output may be lost",
-        type="service_unavailable",
-        code="bus_interrupted",
-    ),
-}
+# How long after a request's deadline the gateway ends it itself: at once (the
+# scheduler's own "timeout" delta comes a tick late at best).
+DEADLINE_GRACE_S = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,7 @@ class RequestRun:
         options = output_options(prepared, engine.markers)
         self.outputs = [ChoiceOutput(i, engine.tokenizer, options) for i in range(len(request_ids))]
         self._timers = [TokenTimer(arrival) for _ in request_ids]
+        self.failovers = [Failover(engine.resume_timeout_s) for _ in request_ids]
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self.deadline_at = (
             arrival + prepared.deadline_ms / 1000 if prepared.deadline_ms is not None else None
@@ -157,8 +154,9 @@ class RequestRun:
             i = self._index.get(delta.request_id)
             if i is None or self.outputs[i].finished:
                 continue
-            if _handed_back(delta) and self.outputs[i].num_tokens == 0:
-                failed = await self._run_elsewhere(i)
+            if _handed_back(delta):
+                decision = self.failovers[i].lost(self.scheduler_ids[i], self._engine.clock.now())
+                failed = await self._carry_out(i, decision)
                 if failed is None:
                     continue
                 step = failed
@@ -187,41 +185,66 @@ class RequestRun:
             log.exception("request %s: a delta could not be applied", delta.request_id)
             return output.fail(BAD_DELTA)
         self._engine.metrics.on_tokens(self._timers[i], output.num_tokens - before, received_at)
+        self.failovers[i].tokens(output.num_tokens - before)
         return step
 
     async def _scheduler_gone(self, gone: _Gone) -> list[ChoiceStep]:
-        """Choices that produced nothing yet run again elsewhere; the others end with an
-        error (their output so far cannot be trusted to be whole)."""
+        """Each choice on that scheduler moves to a live one (failover.py decides how);
+        those that cannot end with an error."""
         ended = []
         for i, output in enumerate(self.outputs):
             if output.finished or self.scheduler_ids[i] != gone.scheduler_id:
                 continue
-            error = GONE_ERRORS[gone.reason]
-            if output.num_tokens == 0:
-                exclude = {gone.scheduler_id} if gone.reason == "lost" else set()
-                try:
-                    await self._engine.replay(self, i, frozenset(exclude))
-                    continue
-                except ApiError as e:
-                    error = ErrorInfo(
-                        status=e.status, message=f"{error.message}; {e.message}", code=e.code
-                    )
-            past_deadline = self.deadline_at is not None and self._engine.clock.now() >= (
-                self.deadline_at
-            )
-            step = output.end("timeout") if past_deadline else output.fail(error)
-            await self._on_finished(step, abort=True)
-            ended.append(step)
+            now = self._engine.clock.now()
+            failover = self.failovers[i]
+            if gone.reason == "lost":
+                decision = failover.lost(gone.scheduler_id, now)
+            else:  # it lives (restarted, or our bus blinked): it may take the choice back
+                decision = failover.bus_back(gone.scheduler_id, now)
+            step = await self._carry_out(i, decision)
+            if step is not None:
+                ended.append(step)
         return ended
 
-    async def _run_elsewhere(self, i: int) -> ChoiceStep | None:
-        """A draining scheduler gave the choice back before it produced anything: it runs
-        on another scheduler (None), or fails when none takes it."""
-        try:
-            await self._engine.replay(self, i, frozenset({self.scheduler_ids[i]}))
-            return None
-        except ApiError as e:
-            return self.outputs[i].fail(ErrorInfo(status=e.status, message=e.message, code=e.code))
+    async def _carry_out(self, i: int, decision: Decision) -> ChoiceStep | None:
+        """Places choice i again until a scheduler takes it (None), or ends it: with
+        "timeout" when its deadline passes meanwhile, else with the failover's error."""
+        failover = self.failovers[i]
+        clock = self._engine.clock
+        while decision is not None:
+            if self.deadline_at is not None and clock.now() >= self.deadline_at:
+                failover.finished()
+                step = self.outputs[i].end("timeout")
+                await self._on_finished(step, abort=True)
+                return step
+            if isinstance(decision, GiveUp):
+                step = self.outputs[i].fail(decision.error)
+                await self._on_finished(step, abort=True)
+                return step
+            if isinstance(decision, Retry):
+                wake = decision.at
+                if self.deadline_at is not None:
+                    wake = min(wake, self.deadline_at)
+                await asyncio.sleep(max(wake - clock.now(), 0.0))
+                decision = failover.tick(clock.now())
+                continue
+            assert isinstance(decision, Place)
+            limit = self.prepared.max_tokens
+            if limit is not None and decision.resume_from >= limit:
+                # Its last token came; the finish that came with it did not: it is whole.
+                failover.finished()
+                step = self.outputs[i].end("length")
+                await self._on_finished(step, abort=True)
+                return step
+            try:
+                await self._engine.place(self, i, decision)
+            except ApiError as e:
+                info = ErrorInfo(status=e.status, message=e.message, code=e.code)
+                decision = failover.refused(clock.now(), e.status == 503, info)
+                continue
+            failover.accepted(self.scheduler_ids[i])
+            decision = None
+        return None
 
     def move(self, index: int, request_id: str) -> str:
         """Choice `index` runs under a new request id from now on; returns the old one."""
@@ -244,6 +267,7 @@ class RequestRun:
 
     async def _on_finished(self, step: ChoiceStep, abort: bool) -> None:
         request_id = self.request_ids[step.index]
+        self.failovers[step.index].finished()
         self._engine.release(request_id)
         reason = step.finish_reason or "error"
         self._engine.metrics.on_finished(self._timers[step.index], reason, self._engine.clock.now())
@@ -278,7 +302,7 @@ class GatewayEngine:
         submit_timeout_s: float = SUBMIT_TIMEOUT_S,
         deadline_grace_s: float = DEADLINE_GRACE_S,
         scheduler_timeout_s: float = 5.0,
-        replay_timeout_s: float = 30.0,
+        resume_timeout_s: float = 30.0,
         vocab_size: int | None = None,
         markers: RegionMarkers | None = None,
     ) -> None:
@@ -289,7 +313,7 @@ class GatewayEngine:
         self.clock = clock or MonotonicClock()
         self.submit_timeout_s = submit_timeout_s
         self.deadline_grace_s = deadline_grace_s
-        self.replay_timeout_s = replay_timeout_s
+        self.resume_timeout_s = resume_timeout_s
         # Token ids a delta may carry: the model's (it may exceed the tokenizer's).
         self.vocab_size = vocab_size or tokenizer.vocab_size
         self.schedulers = SchedulerWatch(bus, self.clock, scheduler_timeout_s, self._gone)
@@ -304,14 +328,23 @@ class GatewayEngine:
         self._sub: Subscription | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        # Schedulers abort the requests of a gateway whose beat stops (it died).
+        self._beat = Beacon(
+            bus,
+            GATEWAY_HEARTBEAT,
+            lambda: GatewayBeat(gateway_id=gateway_id, interval_s=GATEWAY_BEAT_INTERVAL_S),
+            GATEWAY_BEAT_INTERVAL_S,
+        )
 
     async def start(self) -> None:
         subject = gateway_deltas(self.gateway_id)
         self._sub = await self.bus.subscribe(subject, DeltaBatch, self._on_deltas)
         await self.schedulers.start()
+        self._beat.start()
         await self.bus.settle()
 
     async def stop(self) -> None:
+        await self._beat.stop()
         await self.schedulers.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()
@@ -346,7 +379,11 @@ class GatewayEngine:
             log.warning(
                 "scheduler %s %s: %d requests affected",
                 scheduler_id,
-                "stopped answering" if reason == "lost" else "may have lost news for us",
+                {
+                    "lost": "stopped answering",
+                    "restarted": "restarted",
+                    "interrupted": "may have lost news for us",
+                }[reason],
                 len(runs),
             )
         for run in runs:
@@ -385,32 +422,26 @@ class GatewayEngine:
     def _new_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._counter)}"
 
-    async def replay(self, run: RequestRun, index: int, exclude: frozenset[str]) -> None:
-        """Submits choice `index` again under a new id (its old scheduler is told to drop
-        the old one), retrying while no scheduler can take it, for up to replay_timeout_s.
-        Raises ApiError when it cannot be placed."""
+    async def place(self, run: RequestRun, index: int, place: Place) -> None:
+        """Submits choice `index` again under a new id (the old id is dropped, and its
+        scheduler told to abort it, should it live), resuming after the first
+        `place.resume_from` tokens the client has. Raises ApiError when refused."""
         new_id = self._new_request_id()
         self._routes[new_id] = run
         old_id = run.move(index, new_id)
         self.release(old_id)
         await self.abort([old_id], run.context)
-        deadline = self.clock.now() + self.replay_timeout_s
-        if run.deadline_at is not None:
-            deadline = min(deadline, run.deadline_at)
-        while True:
-            try:
-                prompt = run.prepared.choice_prompt(index)
-                await self._submit_one(run, index, self.schedulers.pick(exclude, prompt))
-                log.info("request %s runs again as %s", old_id, new_id)
-                return
-            except ApiError as e:
-                if e.status != 503 or self.clock.now() >= deadline:
-                    raise
-            await asyncio.sleep(REPLAY_RETRY_S)
+        resumed = run.outputs[index].token_ids[: place.resume_from]
+        prompt = [*run.prepared.choice_prompt(index), *resumed]
+        await self._submit_one(run, index, self.schedulers.pick(place.exclude, prompt), resumed)
+        log.info("request %s runs again as %s after %d tokens", old_id, new_id, len(resumed))
 
-    async def _submit_one(self, run: RequestRun, index: int, target: str | None) -> None:
+    async def _submit_one(
+        self, run: RequestRun, index: int, target: str | None, resumed: list[int] | None = None
+    ) -> None:
         """Submits one choice to `target` (a scheduler id; None: whichever of the queue
-        group takes it) and records who took it; raises ApiError on refusal."""
+        group takes it), resuming after the `resumed` tokens when given, and records who
+        took it; raises ApiError on refusal."""
         prepared = run.prepared
         deadline_ms = None
         if run.deadline_at is not None:
@@ -425,6 +456,7 @@ class GatewayEngine:
             ignore_eos=prepared.ignore_eos,
             priority=prepared.priority,
             deadline_ms=deadline_ms,
+            output_token_ids=resumed or [],
         )
         subjects = [sched_submit(target), SCHED_SUBMIT] if target else [SCHED_SUBMIT]
         for attempt, subject in enumerate(subjects, 1):
@@ -438,6 +470,7 @@ class GatewayEngine:
                 raise _unavailable(e.info) from e
             if reply.ok:
                 run.scheduler_ids[index] = reply.scheduler_id
+                run.failovers[index].accepted(reply.scheduler_id)
                 self.schedulers.note(reply.scheduler_id, request.prompt_token_ids)
                 return
             error = reply.error or ErrorInfo(status=503, message="the scheduler refused it")

@@ -3,14 +3,18 @@
 uvicorn closes idle keep-alive connections, but a client that trickles its request
 headers one byte at a time (slowloris) holds a connection forever: any byte cancels the
 keep-alive timer and nothing else watches. This protocol gives every request's headers
-`header_timeout_s` from the moment the connection opens (or the previous response ended)
-and closes the connection when they are not complete by then. Bodies and slow readers
-are timed out by the app (app.py), which sees them.
+`header_timeout_s` from the moment the connection opens (or the previous response ended).
+When they are not complete by then: a request begun (some of its bytes came) gets a 408
+with the OpenAI error body and the connection is closed; a connection on which nothing
+came (idle, or an idle keep-alive) is closed without a response, as uvicorn's keep-alive
+timeout does (there is no request to answer). Bodies and slow readers are timed out by
+the app (app.py), which sees them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -54,8 +58,32 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        partial, _ = self.conn.trailing_data  # bytes of a request not yet complete
+        if partial:
+            self.transport.write(_timeout_response(self.header_timeout_s))
+        self.transport.close()
+
+
+def _timeout_response(timeout_s: float) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request headers did not arrive within {timeout_s:g}s",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 def guarded_protocol(header_timeout_s: float) -> type[GuardedH11Protocol]:

@@ -4,13 +4,16 @@ when one goes quiet.
     pick(prompt)           where a new request goes: among the live schedulers that drive
                            a worker and are not draining, the one that took a prompt
                            sharing the longest prefix with this one, unless it is much
-                           busier than the least busy (affinity.py); else the least busy
+                           busier than the least busy (affinity.py); else the least busy;
+                           loads count what we sent since each lease (recent_sends.py)
     note(id, prompt)       a scheduler took one of our requests (its lease may not have
                            reached us yet: it is watched from now on all the same)
     on_gone(id, reason)    called once when a scheduler holding our requests may have
                            lost them for us:
-        LOST               its lease lapsed (killed, hung, cut off), or it came back as a
-                           new process under the same id: nothing more will come from it
+        LOST               its lease lapsed (killed, hung, cut off): nothing more will
+                           come from it
+        RESTARTED          it came back as a new process under the same id: it lives,
+                           but knows none of our requests
         INTERRUPTED        our own connection to NATS was down, and its first lease since
                            has arrived: it lives, but news it sent meanwhile never reached
                            us (core NATS keeps nothing for an absent subscriber)
@@ -32,6 +35,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
 from services.gateway.affinity import PrefixAffinity
+from services.gateway.recent_sends import RecentSends
 from shared.bus import Bus
 from shared.clock import Clock
 from shared.leases import LeaseBook, StallGuard
@@ -40,7 +44,7 @@ from shared.subjects import SCHED_HEARTBEAT
 
 log = logging.getLogger(__name__)
 
-GoneReason = Literal["lost", "interrupted"]
+GoneReason = Literal["lost", "restarted", "interrupted"]
 CHECK_INTERVAL_S = 0.25
 
 
@@ -55,6 +59,7 @@ class SchedulerWatch:
         self.bus = bus
         self.book = LeaseBook(clock, timeout_s)
         self.affinity = PrefixAffinity(rng=self.book.rng)
+        self.recent = RecentSends()
         self._on_gone = on_gone
         self._watched: set[str] = set()  # schedulers that hold (or held) our requests
         self._unconfirmed: set[str] = set()  # watched, not heard since our reconnect
@@ -77,8 +82,12 @@ class SchedulerWatch:
     # --- queries -----------------------------------------------------------------------
 
     def pick(self, exclude: frozenset[str] = frozenset(), prompt: Sequence[int] = ()) -> str | None:
-        lease = self.affinity.choose(prompt, self.book.ready_for_request(exclude))
-        return lease.scheduler_id if lease is not None else None
+        leases = self.recent.adjusted(self.book.ready_for_request(exclude))
+        lease = self.affinity.choose(prompt, leases)
+        if lease is None:
+            return None
+        self.recent.sent(lease.scheduler_id)
+        return lease.scheduler_id
 
     def live(self) -> list[SchedulerLease]:
         """The schedulers heard within the timeout (none while we cannot reach NATS)."""
@@ -97,9 +106,10 @@ class SchedulerWatch:
         sid = lease.scheduler_id
         previous = self.book.get(sid)
         self.book.observe(lease)
+        self.recent.lease_heard(sid)
         if previous is not None and previous.boot_id != lease.boot_id and sid in self._watched:
             self._unconfirmed.discard(sid)
-            self._gone(sid, "lost")  # restarted under the same id: our requests died with it
+            self._gone(sid, "restarted")  # our requests died with the old process
             return
         if lease.scheduler_id in self._unconfirmed:
             self._unconfirmed.discard(lease.scheduler_id)
@@ -125,8 +135,9 @@ class SchedulerWatch:
                     self._gone(scheduler_id, "lost")
 
     def _gone(self, scheduler_id: str, reason: GoneReason) -> None:
-        if reason == "lost":
-            self.affinity.forget(scheduler_id)  # its prefix cache went with it
+        if reason != "interrupted":
+            self.affinity.forget(scheduler_id)
+            self.recent.forget(scheduler_id)  # its prefix cache went with it
         try:
             self._on_gone(scheduler_id, reason)
         except Exception:  # the watch must outlive any bug in a listener

@@ -126,7 +126,7 @@ async def start_gateway(settings: Settings) -> Gateway:
         tokenizer,
         metrics,
         scheduler_timeout_s=settings.scheduler_timeout_s,
-        replay_timeout_s=settings.replay_timeout_s,
+        resume_timeout_s=settings.resume_timeout_s,
         vocab_size=info.vocab_size,
         markers=info.markers,
     )

@@ -39,6 +39,12 @@ def admission_error(
         return invalid_request(
             f"prompt token ids must lie in [0, {worker.vocab_size})", param="prompt"
         )
+    if any(t < 0 or t >= worker.vocab_size for t in req.output_token_ids):
+        return invalid_request(f"output token ids must lie in [0, {worker.vocab_size})")
+    if req.max_tokens is not None and len(req.output_token_ids) >= req.max_tokens:
+        return invalid_request("a resumed request has no tokens left to generate")
+    # A resumed request's tokens so far occupy the context like its prompt.
+    prompt_len += len(req.output_token_ids)
     # One generated token must fit as well: its KV is written by the first decode step.
     if prompt_len >= worker.max_model_len:
         return invalid_request(

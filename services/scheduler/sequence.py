@@ -107,7 +107,7 @@ class Sequence:
         return cls(
             request_id=req.request_id,
             gateway_id=req.gateway_id,
-            token_ids=list(req.prompt_token_ids),
+            token_ids=[*req.prompt_token_ids, *req.output_token_ids],
             num_prompt_tokens=len(req.prompt_token_ids),
             sampling=req.sampling,
             max_tokens=req.max_tokens,

@@ -45,6 +45,7 @@ from opentelemetry.context import Context
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import NO_WORKER, SchedulerCore
 from services.scheduler.deltas import merge_deltas
+from services.scheduler.gateway_watch import GatewayWatch
 from services.scheduler.lane import Lane
 from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.placement import Candidate, place
@@ -62,10 +63,12 @@ from shared.config import Settings
 from shared.leases import LeaseBook, StallGuard
 from shared.lifecycle import announce_ready
 from shared.protocol import (
+    GATEWAY_TIMEOUT_S,
     HANDED_BACK_CODE,
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
+    GatewayBeat,
     Heartbeat,
     PrefixLookup,
     PrefixLookupReply,
@@ -149,6 +152,7 @@ class SchedulerService:
             bus, subjects.SCHED_HEARTBEAT, self._lease, settings.scheduler_lease_interval_s
         )
         self.replicas = LeaseBook(clock, settings.scheduler_timeout_s)  # the others' leases
+        self.gateways = GatewayWatch(clock, GATEWAY_TIMEOUT_S)
         self.timings = StepTimings()
         self.step_timeout_s = settings.step_timeout_s
         self.step_hang_s = settings.step_hang_s
@@ -265,6 +269,7 @@ class SchedulerService:
             await serve(subjects.sched_register(mine), WorkerInfo, self._on_register),
             await serve(subjects.WORKER_HEARTBEAT, Heartbeat, self._on_heartbeat),
             await serve(subjects.SCHED_HEARTBEAT, SchedulerLease, self._on_lease),
+            await serve(subjects.GATEWAY_HEARTBEAT, GatewayBeat, self._on_gateway_beat),
         ]
 
     # --- handlers -------------------------------------------------------------------
@@ -335,6 +340,18 @@ class SchedulerService:
     async def _on_lease(self, lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
         if lease.scheduler_id != self.scheduler_id:
             self.replicas.observe(lease)
+
+    async def _on_gateway_beat(self, beat: GatewayBeat, ctx: Context, raw: Msg) -> None:
+        self.gateways.heard(beat.gateway_id)
+
+    def _abort_for_dead_gateways(self) -> None:
+        """A gateway that died leaves nobody to read its requests' output: they end now."""
+        for gateway_id in self.gateways.dead(set(self._gateway_of.values())):
+            request_ids = [r for r, g in self._gateway_of.items() if g == gateway_id]
+            log.warning(
+                "gateway %s stopped beating: aborting its %d requests", gateway_id, len(request_ids)
+            )
+            self._abort(request_ids)
 
     def _replica_can_serve(self) -> bool:
         """Another live scheduler of this namespace drives a worker and takes requests."""
@@ -501,6 +518,7 @@ class SchedulerService:
         """Our connection was down: the workers' silence meanwhile says nothing, and a step
         in flight may have lost its request or its reply."""
         self.registry.touch_all()
+        self.gateways.renew_all()
         self._reconnected_at = time.perf_counter()
         for lane in self.lanes.values():
             if lane.inflight:
@@ -623,9 +641,11 @@ class SchedulerService:
             await asyncio.sleep(interval)
             if guard.stalled():
                 self.registry.touch_all()  # heartbeats may wait unread in our own queue
+                self.gateways.renew_all()
                 continue
             if not self.bus.is_connected:
                 continue  # nobody can reach us: silence is no sign of death
+            self._abort_for_dead_gateways()
             self._end_worker_drains()
             dropped = self.registry.expire()
             for info in dropped:

@@ -9,6 +9,9 @@ one delta instead. The prompt's text picks a behaviour:
 
     "STALL"     accepted, but never produces a token (disconnects, deadline backstop)
     "LONG"      the reply text repeated forever (until max_tokens, deadline or abort)
+
+A resumed submission (output_token_ids) continues at the token index after them, so a
+resumed stream's text equals an undisturbed one's.
     "FULL"      refused with 429 (queue full)
     "NOWORKER"  refused with 503 (no worker)
     otherwise   the reply text, then EOS (finish "stop"), or "length" at max_tokens
@@ -74,9 +77,13 @@ class SchedulerDouble:
     boot_id: str = "boot-1"
     burst: bool = False
     stalls: bool = True  # False: "STALL" prompts get the reply like any other
+    # A long first step: a request gives no news at all (not even its own deadline's
+    # end) until this long after it arrived.
+    first_step_s: float = 0.0
     submits: list[SubmitRequest] = field(default_factory=list)
     submit_trace_ids: list[int] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)  # ended "timeout" by this double
     active: dict[str, Sequence] = field(default_factory=dict)
 
     async def start(self) -> None:
@@ -149,7 +156,9 @@ class SchedulerDouble:
             return SubmitReply(ok=False, error=ErrorInfo(status=503, message="no worker"))
         markers = ("STALL", "LONG") if self.stalls else ("LONG",)
         behaviour = next((b for b in markers if b in prompt), "REPLY")
-        self.active[req.request_id] = Sequence(req, [], behaviour, time.monotonic())
+        # A resumed request continues its reply after the tokens it already produced.
+        seq = Sequence(req, [], behaviour, time.monotonic(), emitted=len(req.output_token_ids))
+        self.active[req.request_id] = seq
         return SubmitReply(ok=True, scheduler_id=self.scheduler_id)
 
     async def _on_stats(self, req: StatsRequest, ctx, raw) -> SchedulerStats:
@@ -188,11 +197,14 @@ class SchedulerDouble:
 
     def _advance(self, seq: Sequence) -> RequestDelta | None:
         req = seq.request
+        if time.monotonic() - seq.submitted_at < self.first_step_s:
+            return None
         finish = seq.pending_finish
         elapsed_ms = (time.monotonic() - seq.submitted_at) * 1000
         timed = req.deadline_ms is not None and elapsed_ms >= req.deadline_ms
         if finish is None and timed and seq.behaviour != "STALL":
             finish = "timeout"
+            self.timed_out.append(req.request_id)
         if finish is not None:
             return self._delta(seq, [], finish)
         if seq.behaviour == "STALL":

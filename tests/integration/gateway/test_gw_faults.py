@@ -14,11 +14,12 @@ import nats
 from shared.bus import Bus
 from shared.protocol import DeltaBatch, RequestDelta
 from shared.subjects import gateway_deltas
-from tests.clients import END_S, nats_stream, sse_events
+from tests.clients import END_S, nats_stream, sse_events, stream_finish, stream_text
 from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import REPLY_TEXT, SchedulerDouble
 
 COMP = "/v1/completions"
+LONG_TOKENS = 400  # long enough to be mid-stream when its scheduler dies
 CHAT = "/v1/chat/completions"
 
 
@@ -37,6 +38,12 @@ async def _two_doubles(nats_url, tokenizer, namespace):
     return a, b
 
 
+def _long_text(double: SchedulerDouble) -> str:
+    """A "LONG" reply of LONG_TOKENS tokens, undisturbed."""
+    ids = double.reply_ids
+    return double.tokenizer.decode([ids[k % len(ids)] for k in range(LONG_TOKENS)])
+
+
 def _emitted(double: SchedulerDouble, marker: str) -> int:
     submits = double.submit_of(marker)
     seq = double.active.get(submits[-1].request_id) if submits else None
@@ -51,14 +58,14 @@ async def _until(predicate, timeout: float = END_S) -> None:
     await asyncio.wait_for(poll(), timeout)
 
 
-async def test_scheduler_lost_mid_run_ends_or_replays_every_request(nats_url, served_tokenizer):
+async def test_scheduler_lost_mid_run_resumes_or_replays_every_request(nats_url, served_tokenizer):
     namespace = f"lost{uuid.uuid4().hex[:8]}"
     a, b = await _two_doubles(nats_url, served_tokenizer, namespace)
     settings = gateway_settings(nats_url, namespace, scheduler_timeout_s=0.6)
     gateway = await start_serving(settings)
     nc = await nats.connect(nats_url)
     generate = f"{namespace}.llm.generate"
-    long = {"max_tokens": 5000}
+    long = {"max_tokens": LONG_TOKENS}
     try:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
             firsts = [asyncio.Event() for _ in range(3)]
@@ -87,17 +94,30 @@ async def test_scheduler_lost_mid_run_ends_or_replays_every_request(nats_url, se
             assert not pending, [n for n, t in tasks.items() if t in pending]
             results = {name: task.result() for name, task in tasks.items()}
 
-        # Requests with output end with a clear error (their text cannot be completed).
+        # Requests with output resumed on the live scheduler after what they had sent:
+        # their text is the undisturbed one, whole, nothing repeated or missing.
+        whole = _long_text(a)
         stream = results["http stream with output"]
-        assert stream[-1] == "[DONE]"
-        error = json.loads(stream[-2])["error"]
-        assert error["code"] == "scheduler_lost" and "stopped answering" in error["message"]
+        assert stream[-1] == "[DONE]" and stream_text(stream) == whole
+        assert stream_finish(stream) == "length"
         plain = results["http with output"]
-        assert plain.status_code == 503 and plain.json()["error"]["code"] == "scheduler_lost"
-        assert plain.headers["retry-after"] == "1"
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["choices"][0]["text"] == whole
+        assert plain.json()["choices"][0]["finish_reason"] == "length"
+        assert plain.json()["usage"]["completion_tokens"] == LONG_TOKENS
         nats_msgs = results["nats stream with output"]
-        assert nats_msgs[-1].headers["Spillway-Error"] == "503"
-        assert json.loads(nats_msgs[-1].data)["error"]["code"] == "scheduler_lost"
+        assert "Spillway-Error" not in (nats_msgs[-1].headers or {})
+        nats_text = "".join(
+            c.get("text") or ""
+            for m in nats_msgs
+            for c in (json.loads(m.data).get("choices") or [])
+        )
+        assert nats_text == whole
+        resumed = [s for s in b.submits if s.output_token_ids]
+        assert len(resumed) == 3
+        for s in resumed:  # the prompt as first sent, the tokens sent so far after it
+            first = next(f for f in a.submits if f.prompt_token_ids == s.prompt_token_ids)
+            assert first.max_tokens == s.max_tokens == LONG_TOKENS
         # Requests with nothing out yet ran again on the live scheduler, to completion.
         chat = results["http stream, no output"]
         assert chat[-1] == "[DONE]"
@@ -111,7 +131,7 @@ async def test_scheduler_lost_mid_run_ends_or_replays_every_request(nats_url, se
         replayed = json.loads(results["nats, no output"].data)
         assert replayed["choices"][0]["text"] == REPLY_TEXT
         assert {s.request_id for s in b.submits}.isdisjoint({s.request_id for s in a.submits})
-        assert len(b.submits) == 3
+        assert len(b.submits) == 6
     finally:
         await nc.close()
         await gateway.shutdown()
@@ -119,7 +139,9 @@ async def test_scheduler_lost_mid_run_ends_or_replays_every_request(nats_url, se
             await double.close()
 
 
-async def test_a_scheduler_restarted_under_its_own_id_counts_as_lost(nats_url, served_tokenizer):
+async def test_a_scheduler_restarted_under_its_own_id_takes_the_stream_back(
+    nats_url, served_tokenizer
+):
     namespace = f"reboot{uuid.uuid4().hex[:8]}"
     double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
     await double.start()
@@ -127,13 +149,14 @@ async def test_a_scheduler_restarted_under_its_own_id_counts_as_lost(nats_url, s
     try:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             first = asyncio.Event()
-            body = {"prompt": "LONG reboot", "max_tokens": 5000}
+            body = {"prompt": "LONG reboot", "max_tokens": LONG_TOKENS}
             stream = asyncio.ensure_future(sse_events(client, COMP, body, first))
             await _until(first.is_set)
             double.restart()
             events = await asyncio.wait_for(stream, END_S)
-        assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["error"]["code"] == "scheduler_lost"
+        assert events[-1] == "[DONE]" and stream_text(events) == _long_text(double)
+        assert stream_finish(events) == "length"
+        assert [s.output_token_ids != [] for s in double.submit_of("LONG reboot")] == [False, True]
     finally:
         await gateway.shutdown()
         await double.close()

@@ -104,12 +104,25 @@ async def test_a_body_that_never_arrives_is_408(strict):
     await _still_serves(client)
 
 
-async def test_headers_that_never_end_are_cut_off(strict):
+async def test_headers_that_never_end_are_408(strict):
     client, *_ = strict
     reader, writer = await _raw_connection(client)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ...and nothing more
     await writer.drain()
-    assert await asyncio.wait_for(reader.read(4096), 10) == b""  # closed by the server
+    answer = await asyncio.wait_for(reader.read(), 10)  # then closed by the server
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and error["message"]
+    writer.close()
+    await _still_serves(client)
+
+
+async def test_a_connection_that_sends_nothing_is_closed(strict):
+    """No request came, so none is answered: the connection closes at the timeout."""
+    client, *_ = strict
+    reader, writer = await _raw_connection(client)
+    assert await asyncio.wait_for(reader.read(4096), 10) == b""
     writer.close()
     await _still_serves(client)
 

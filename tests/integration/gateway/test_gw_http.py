@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.gateway.conftest import MODEL
-from tests.integration.gateway.scheduler_double import REPLY_TEXT
+from shared.bus import Bus
+from tests.clients import sse_events, stream_finish
+from tests.integration.gateway.conftest import MODEL, gateway_settings, start_serving
+from tests.integration.gateway.scheduler_double import REPLY_TEXT, SchedulerDouble
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -321,3 +324,34 @@ async def test_concurrent_requests_each_get_their_own_text(system):
     replies = await asyncio.gather(*(system.client.post(COMP, json=b) for b in bodies))
     for i, r in enumerate(replies):
         assert r.json()["usage"]["completion_tokens"] == 5 + i
+
+
+async def test_the_gateway_ends_a_request_at_its_deadline_whatever_the_scheduler_does(
+    nats_url, served_tokenizer
+):
+    """A scheduler in a long step (0.5 s) would end a timed request (200 ms) only after
+    it: the gateway ends it at the deadline itself, with what it has and "timeout", and
+    tells the scheduler to abort it, which it hears before its step ends."""
+    namespace = f"slow{uuid.uuid4().hex[:8]}"
+    double = SchedulerDouble(
+        await Bus.connect(nats_url, namespace, "slow"), served_tokenizer, first_step_s=0.5
+    )
+    await double.start()
+    gateway = await start_serving(gateway_settings(nats_url, namespace))
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            body = {"deadline_ms": 200, "max_tokens": 5000}
+            plain, events = await asyncio.gather(
+                client.post(COMP, json={**body, "prompt": "LONG alpha"}),
+                sse_events(client, COMP, {**body, "prompt": "LONG beta"}),
+            )
+            # Neither was ended by the scheduler: the gateway's abort came first.
+            for marker in ("LONG alpha", "LONG beta"):
+                assert await double.wait_aborted(double.submit_of(marker)[-1].request_id)
+            assert double.timed_out == []
+        assert plain.status_code == 200
+        assert plain.json()["choices"][0]["finish_reason"] == "timeout"
+        assert events[-1] == "[DONE]" and stream_finish(events) == "timeout"
+    finally:
+        await gateway.shutdown()
+        await double.close()

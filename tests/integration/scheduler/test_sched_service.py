@@ -16,8 +16,11 @@ from shared import subjects
 from shared.bus import Bus, BusError
 from shared.config import load_settings
 from shared.protocol import (
+    GATEWAY_BEAT_INTERVAL_S,
+    GATEWAY_TIMEOUT_S,
     AbortRequest,
     DeltaBatch,
+    GatewayBeat,
     SamplingParams,
     SchedulerStats,
     StatsRequest,
@@ -257,3 +260,37 @@ async def test_a_worker_whose_step_hangs_while_it_heartbeats_is_given_up(system)
     assert (await gateway.submit("after", max_tokens=3)).ok
     await gateway.wait_finished("after")
     await other.stop()
+
+
+async def test_a_gateway_whose_beat_stops_has_its_requests_aborted(system):
+    """A gateway heard beating and then silent (killed) leaves nobody to read its
+    requests: the scheduler aborts them within about a second, freeing their KV; the
+    requests of a gateway that never beat are left alone."""
+    gateway, worker = system.gateway, system.worker
+    worker.step_delay_s = 0.01
+    beat = GatewayBeat(gateway_id=GATEWAY, interval_s=GATEWAY_BEAT_INTERVAL_S)
+    await gateway.bus.publish(subjects.GATEWAY_HEARTBEAT, beat)
+    assert (await gateway.submit("orphan")).ok  # runs to the context length unless stopped
+    await gateway.wait_for(lambda: len(gateway.tokens_of("orphan")) >= 2)
+    # No more beats: the gateway is dead. (Its deltas subject is still read here.)
+    await gateway.wait_finished("orphan")
+    assert gateway.finish_of("orphan").finish_reason == "abort"  # type: ignore[union-attr]
+    assert len(gateway.tokens_of("orphan")) < 128 - 5
+    stats = await _until_stats(gateway, lambda s: s.num_running == 0)
+    assert stats.kv_usage == 0.0
+
+    # A gateway never heard beating (one that does not) is not declared dead.
+    worker.step_delay_s = 0.05  # 60 tokens take 3 s: it runs past the timeout
+    other = SubmitRequest(
+        request_id="quiet",
+        gateway_id="gw-quiet",
+        prompt_token_ids=[10, 11, 12],
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=60,
+    )
+    reply = await gateway.bus.request(subjects.SCHED_SUBMIT, other, SubmitReply, 2.0)
+    assert reply.ok
+    await asyncio.sleep(GATEWAY_TIMEOUT_S * 1.5)
+    stats = await gateway.stats()
+    assert stats.num_running + stats.num_waiting == 1
+    await gateway.bus.publish(subjects.SCHED_ABORT, AbortRequest(request_ids=["quiet"]))

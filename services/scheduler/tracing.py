@@ -42,23 +42,22 @@ from opentelemetry.util.types import AttributeValue
 from services.scheduler.observer import Phase, PreemptionMode, RowKind
 from services.scheduler.sequence import Sequence
 from shared.clock import Clock
-from shared.protocol import ErrorInfo, StepPlan, StepResult, StepRow, SubmitRequest
+from shared.protocol import (
+    TICK_PHASES,
+    ErrorInfo,
+    StepPlan,
+    StepResult,
+    StepRow,
+    SubmitRequest,
+)
 from shared.telemetry import Telemetry, inject
 
 REQUEST_ID = "spillway.request.id"
 # The core's phase names that the seeds call otherwise: planning a step admits, applying
 # its result is the step.
 PHASE_NAMES = {"schedule": "admit", "update": "step"}
-SEED_PHASES = (
-    "deadline_sweep",
-    "drain",
-    "store_finished",
-    "retire",
-    "swap_in",
-    "resume",
-    "admit",
-    "step",
-)
+# The seeds' order, as every tick report lists the phases.
+SEED_PHASES = TICK_PHASES
 
 Attributes = dict[str, AttributeValue]
 

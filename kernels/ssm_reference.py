@@ -100,17 +100,17 @@ def _conv_step_fp32(
     activation: str | None,
 ) -> torch.Tensor:
     """The same step on states [B, C, W - 1] (a view of the pool or a gathered copy),
-    updated in place, with a multiply-add per tap instead of a grouped convolution."""
-    xf = x.to(states.dtype)
-    w = weight.to(states.dtype)
-    taps = states.shape[-1]
-    out = xf * w[:, taps]
-    out.add_(torch.einsum("bct,ct->bc", states, w[:, :taps]))
-    if bias is not None:
-        out.add_(bias.to(states.dtype))
-    if taps:
-        states[:, :, :-1].copy_(states[:, :, 1:].clone())
-        states[:, :, -1].copy_(xf)
+    updated in place, in float32 whatever the inputs' dtype (the state keeps full
+    precision). A depthwise conv1d over the window beats a multiply-add per tap on the CPU."""
+    f32 = states.dtype
+    window = torch.cat([states, x.to(f32)[:, :, None]], dim=-1)
+    states.copy_(window[:, :, 1:])
+    out = F.conv1d(
+        window,
+        weight.to(f32).unsqueeze(1),
+        None if bias is None else bias.to(f32),
+        groups=window.shape[1],
+    )[:, :, 0]
     if activation is not None:
         out = F.silu(out)
     return out.to(x.dtype)
@@ -138,9 +138,11 @@ def _by_slots(
     step: Callable[[slice | torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
 ) -> torch.Tensor:
     """Runs step(rows, states) on the rows' states: a view of the pools when the slots are
-    one contiguous run, else gathered copies scattered back. Padding rows' output is zero."""
+    one contiguous run, else gathered copies scattered back. Padding rows' output is zero.
+    (The steps view a run of states as a batch of matrices, so a pool that is not
+    contiguous takes the gather path too.)"""
     base = contiguous_run(slots)
-    if base is not None:
+    if base is not None and all(p.is_contiguous() for p in pools):
         PATHS["view"] += 1
         return step(slice(None), tuple(p[base : base + slots.numel()] for p in pools))
     PATHS["gather"] += 1
@@ -259,7 +261,7 @@ def _ssm_step_fp32(
     z: torch.Tensor | None,
 ) -> torch.Tensor:
     """The step on states [B, H, P, N] in place, all in float32, with per-head scalars
-    broadcast rather than expanded and the groups' B, C broadcast over their heads."""
+    broadcast rather than expanded over head_dim and state_size."""
     rows, h, p = x.shape
     g, n = B.shape[1:]
     xf, dtf = x.float(), dt.float()
@@ -267,13 +269,14 @@ def _ssm_step_fp32(
         dtf = dtf + dt_bias.float()
     if dt_softplus:
         dtf = F.softplus(dtf)
-    dA = torch.exp(dtf * A.float())  # [B, H]
-    # state <- state * dA + (dt * x) outer B, heads grouped as [B, G, H/G, ...]
-    grouped = states.view(rows, g, h // g, p, n)
-    grouped.mul_(dA.view(rows, g, h // g, 1, 1))
-    dtx = (dtf[:, :, None] * xf).view(rows, g, h // g, p, 1)
-    grouped.add_(dtx * B.float().view(rows, g, 1, 1, n))
-    y = torch.einsum("bghpn,bgn->bghp", grouped, C.float()).reshape(rows, h, p)
+    # one [P, N] matrix per (row, head), updated in place: decay, then the rank-one
+    # (dt * x) outer B added by baddbmm, with no state-sized temporary
+    mats = states.view(rows * h, p, n)
+    mats.mul_(torch.exp(dtf * A.float()).view(rows * h, 1, 1))
+    heads_b = B.float().repeat_interleave(h // g, dim=1).view(rows * h, 1, n)
+    heads_c = C.float().repeat_interleave(h // g, dim=1).view(rows * h, n, 1)
+    mats.baddbmm_((dtf[:, :, None] * xf).view(rows * h, p, 1), heads_b)
+    y = torch.bmm(mats, heads_c).view(rows, h, p)
     if D is not None:
         y = y + xf * D.float()[:, None]
     if z is not None:
@@ -396,22 +399,24 @@ def _delta_step_fp32(
     use_qk_l2norm: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    """The step on states [B, Hv, K, V] in place; the key heads are broadcast over their
-    value heads (a [B, Hk, Hv/Hk, ...] view) instead of repeated."""
+    """The step on states [B, Hv, K, V] in place, in float32; each key head's q and k
+    repeated over its value heads (vectors: cheap beside the states)."""
     rows, hk, kd = k.shape
     hv, vd = v.shape[1:]
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = _l2norm(qf), _l2norm(kf)
     qf = qf * (kd**-0.5 if scale is None else scale)
-    grouped = states.view(rows, hk, hv // hk, kd, vd)
-    grouped.mul_(g.float().exp().view(rows, hk, hv // hk, 1, 1))
-    kv_mem = torch.einsum("bhrkv,bhk->bhrv", grouped, kf)
-    delta = (v.float().view(rows, hk, hv // hk, vd) - kv_mem) * beta.float().view(
-        rows, hk, hv // hk, 1
-    )
-    grouped.add_(kf.view(rows, hk, 1, kd, 1) * delta.unsqueeze(-2))
-    out = torch.einsum("bhrkv,bhk->bhrv", grouped, qf)
+    # one [K, V] matrix per (row, value head), updated in place: decay, then the rank-one
+    # k outer delta added by baddbmm, with no state-sized temporary
+    mats = states.view(rows * hv, kd, vd)
+    mats.mul_(g.float().exp().view(rows * hv, 1, 1))
+    kf = kf.repeat_interleave(hv // hk, dim=1).view(rows * hv, 1, kd)
+    qf = qf.repeat_interleave(hv // hk, dim=1).view(rows * hv, 1, kd)
+    kv_mem = torch.bmm(kf, mats)  # [B * Hv, 1, V]
+    delta = (v.float().reshape(rows * hv, 1, vd) - kv_mem) * beta.float().view(rows * hv, 1, 1)
+    mats.baddbmm_(kf.transpose(1, 2), delta)
+    out = torch.bmm(qf, mats)
     return out.reshape(rows, hv, vd).to(q.dtype)
 
 

@@ -8,7 +8,8 @@ A recurrent layer keeps a fixed-size state per sequence in a pool of slots, floa
 
 A decode step has one token per row; row i's state lives at pool[slots[i]] (`slots` [R]
 int64) and a row with slot < 0 is padding: its state is not read or written and its output
-row is zero. Every function updates the pool in place and returns the step's output.
+row is zero. A slot appears at most once in a step (one token per sequence). Every
+function updates the pool in place and returns the step's output.
 
 Two torch versions of each step:
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     mamba2_selective_state_update,
 )
-from transformers.models.qwen3_next.modeling_qwen3_next import (
-    causal_conv1d_update,
-    torch_recurrent_gated_delta_rule,
-)
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
 from kernels import ssm_reference
 from kernels.ops import TorchOps
@@ -35,11 +34,13 @@ OWNED = torch.tensor([7, 0, 3, 5], dtype=torch.int64)
 F32 = torch.float32
 
 
+@pytest.mark.parametrize("model", [qwen3_next, granite], ids=["qwen3_next", "granite"])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_conv_reference_is_transformers(activation: str | None) -> None:
+def test_conv_reference_is_transformers(model, activation: str | None) -> None:
     x, pool, weight, bias = conv_case(len(OWNED), 24, 4, F32, seed=1)
     states = pool[OWNED].clone()
-    expected = causal_conv1d_update(x[:, :, None], states, weight, bias, activation)[:, :, 0]
+    update = model.causal_conv1d_update
+    expected = update(x[:, :, None], states, weight, bias, activation)[:, :, 0]
     out = causal_conv1d_update_ref(x, pool, weight, bias, OWNED, activation)
     assert torch.equal(out, expected)
     assert torch.equal(pool[OWNED], states)

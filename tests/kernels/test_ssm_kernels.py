@@ -173,3 +173,22 @@ def test_two_steps_carry_the_state(device: torch.device) -> None:
         torch.testing.assert_close(out, expected)
     torch.testing.assert_close(pool, ref_pool)
     assert torch.equal(pool[4, :, -2:], torch.stack([x[1], x[0]], dim=-1)), "not shifted twice"
+
+
+def test_ssm_kernel_reads_x_b_c_as_views_of_the_conv_output(device: torch.device) -> None:
+    """Mamba2 splits the convolution's output [R, H*P + 2*G*N] into x, B, C: row-strided
+    views, read in place."""
+    from kernels.selective_state import selective_state_update
+
+    slots = slots_tensor(SLOT_LAYOUTS["scattered"], device)
+    rows, h, p, g, n = len(slots), 4, 8, 2, 16
+    pool, _, dt, a, _, _, d, dt_bias, _ = to(device, *ssm_case(rows, h, p, g, n, torch.float32))
+    conv_out = torch.randn(rows, h * p + 2 * g * n, device=device)
+    x, b, c = torch.split(conv_out, [h * p, g * n, g * n], dim=-1)
+    x, b, c = x.view(rows, h, p), b.view(rows, g, n), c.view(rows, g, n)
+    assert x.stride(0) == conv_out.shape[1]
+    ref_pool, before = pool.clone(), pool.clone()
+    kw = {"D": d, "dt_bias": dt_bias}
+    expected = selective_state_update_ref(ref_pool, x, dt, a, b, c, slots, **kw)
+    out = selective_state_update(pool, x, dt, a, b, c, slots, **kw)
+    _check(out, expected, pool, ref_pool, before, slots, torch.float32)

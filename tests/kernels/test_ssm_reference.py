@@ -193,3 +193,21 @@ def test_bad_inputs_get_clear_errors() -> None:
     spool, sx, dt, a, b, c, *_ = ssm_case(2, 4, 8, 2, 16, F32)
     with pytest.raises(AssertionError, match="float32"):
         ops.selective_state_update(spool.half(), sx, dt, a, b, c, torch.tensor([0, 1]))
+
+
+def test_a_pool_that_is_not_contiguous_takes_the_gather_path() -> None:
+    slots = slots_tensor(SLOT_LAYOUTS["contiguous"])
+    q, k, v, g, beta, pool = delta_case(len(slots), 2, 4, 16, 8, F32, seed=5)
+    wide = torch.zeros(*pool.shape[:-1], 2 * pool.shape[-1])
+    wide[..., : pool.shape[-1]] = pool
+    view = wide[..., : pool.shape[-1]]
+    assert not view.is_contiguous()
+    expected = gated_delta_rule_step_ref(q, k, v, g, beta, pool, slots)
+    got: list[torch.Tensor] = []
+    paths = _paths_after(
+        lambda: got.append(TorchOps().gated_delta_rule_step(q, k, v, g, beta, view, slots))
+    )
+    assert paths == {"gather": 1}
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(view, pool, rtol=1e-5, atol=1e-5)
+    assert not wide[..., pool.shape[-1] :].any(), "wrote outside the pool's view"

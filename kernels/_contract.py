@@ -89,3 +89,89 @@ def check_experts(
         lo, hi = (int(v) for v in torch.aminmax(topk_ids))
         assert lo >= 0 and hi < e, f"expert ids span [{lo}, {hi}], outside [0, {e})"
     return e, i
+
+
+# Recurrent-layer decode steps (`kernels.ssm_reference` states the pool layout).
+CONV_ACTIVATIONS = (None, "silu")
+
+
+def check_slots(slots: torch.Tensor, rows: int, num_slots: int) -> None:
+    assert slots.dtype == torch.int64, f"slots must be int64, got {slots.dtype}"
+    assert slots.shape == (rows,), f"slots must be [{rows}], got {tuple(slots.shape)}"
+    if not slots.is_cuda and rows:
+        # a free check off the GPU (there it would wait for the device)
+        hi = int(slots.max())
+        assert hi < num_slots, f"slot {hi} outside a pool of {num_slots}"
+
+
+def check_conv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    activation: str | None,
+) -> None:
+    assert x.dim() == 2, f"x must be [R, C], got {tuple(x.shape)}"
+    r, c = x.shape
+    assert weight.dim() == 2 and weight.shape[0] == c, f"weight must be [{c}, W]"
+    w = weight.shape[1]
+    assert conv_state.shape[1:] == (c, w - 1), (
+        f"conv_state must be [S, {c}, {w - 1}], got {tuple(conv_state.shape)}"
+    )
+    assert conv_state.dtype == torch.float32, "the conv state pool is float32"
+    assert bias is None or bias.shape == (c,), f"bias must be [{c}]"
+    assert activation in CONV_ACTIVATIONS, f"activation {activation!r} not in {CONV_ACTIVATIONS}"
+    check_slots(slots, r, conv_state.shape[0])
+
+
+def check_ssm(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    slots: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+) -> None:
+    assert x.dim() == 3, f"x must be [R, H, P], got {tuple(x.shape)}"
+    r, h, p = x.shape
+    assert B.dim() == 3 and B.shape[0] == r, f"B must be [{r}, G, N], got {tuple(B.shape)}"
+    g, n = B.shape[1:]
+    assert h % g == 0, f"{h} heads do not group over {g} groups"
+    assert C.shape == B.shape, f"C {tuple(C.shape)} != B {tuple(B.shape)}"
+    assert state.dim() == 4 and state.shape[1:] == (h, p, n), (
+        f"state must be [S, {h}, {p}, {n}], got {tuple(state.shape)}"
+    )
+    assert state.dtype == torch.float32, "the state pool is float32"
+    assert dt.shape == (r, h), f"dt must be [{r}, {h}], got {tuple(dt.shape)}"
+    assert A.shape == (h,), f"A must be [{h}] (one scalar per head), got {tuple(A.shape)}"
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        assert t is None or t.shape == (h,), f"{name} must be [{h}]"
+    assert z is None or z.shape == x.shape, f"z must be {tuple(x.shape)}"
+    check_slots(slots, r, state.shape[0])
+
+
+def check_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    assert q.dim() == 3 and k.shape == q.shape, "q, k must be [R, Hk, K] alike"
+    r, hk, kd = q.shape
+    assert v.dim() == 3 and v.shape[0] == r, f"v must be [{r}, Hv, V], got {tuple(v.shape)}"
+    hv, vd = v.shape[1:]
+    assert hv % hk == 0, f"{hv} value heads do not group over {hk} key heads"
+    assert g.shape == (r, hv) and beta.shape == (r, hv), f"g, beta must be [{r}, {hv}]"
+    assert state.dim() == 4 and state.shape[1:] == (hv, kd, vd), (
+        f"state must be [S, {hv}, {kd}, {vd}], got {tuple(state.shape)}"
+    )
+    assert state.dtype == torch.float32, "the state pool is float32"
+    check_slots(slots, r, state.shape[0])

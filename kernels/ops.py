@@ -30,7 +30,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native
+from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native, ssm_reference
 from kernels._jit import interpreting
 from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.cpu_matvec import BlockWeight
@@ -131,6 +131,54 @@ class KernelOps(Protocol):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor: ...
+
+    def causal_conv1d_update(
+        self,
+        x: torch.Tensor,
+        conv_state: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slots: torch.Tensor,
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        """The short convolution's decode step (`kernels.ssm_reference` states the state
+        pools and the slots); updates conv_state in place, returns [R, C]."""
+        ...
+
+    def selective_state_update(
+        self,
+        state: torch.Tensor,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        D: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        dt_softplus: bool = True,
+        z: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mamba2's decode step; updates state [S, H, P, N] in place, returns [R, H, P]."""
+        ...
+
+    def gated_delta_rule_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+    ) -> torch.Tensor:
+        """Gated DeltaNet's decode step; updates state [S, Hv, K, V] in place, returns
+        [R, Hv, V]."""
+        ...
 
     def decode_layers(
         self,
@@ -503,6 +551,56 @@ class TorchOps:
             return self._experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
 
+    def causal_conv1d_update(
+        self,
+        x: torch.Tensor,
+        conv_state: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slots: torch.Tensor,
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        """On the pool's rows in place when the slots are one run (`ssm_reference.PATHS`)."""
+        return ssm_reference.causal_conv1d_update_cpu(
+            x, conv_state, weight, bias, slots, activation
+        )
+
+    def selective_state_update(
+        self,
+        state: torch.Tensor,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        D: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        dt_softplus: bool = True,
+        z: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return ssm_reference.selective_state_update_cpu(
+            state, x, dt, A, B, C, slots, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, z=z
+        )
+
+    def gated_delta_rule_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+    ) -> torch.Tensor:
+        return ssm_reference.gated_delta_rule_step_cpu(
+            q, k, v, g, beta, state, slots, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
+
     def decode_layers(
         self,
         x: torch.Tensor,
@@ -535,12 +633,15 @@ class TritonOps:
     def __init__(self) -> None:
         # Imported here so that the torch backend never needs Triton installed.
         from kernels import (
+            causal_conv1d,
             decode_attention,
             fused_moe,
+            gated_delta,
             kv_store,
             prefill_attention,
             rmsnorm,
             rotary,
+            selective_state,
         )
 
         self._decode = decode_attention
@@ -549,6 +650,9 @@ class TritonOps:
         self._kv_store = kv_store
         self._rmsnorm = rmsnorm
         self._rotary = rotary
+        self._causal_conv1d = causal_conv1d
+        self._selective_state = selective_state
+        self._gated_delta = gated_delta
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -684,6 +788,55 @@ class TritonOps:
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
         return self._fused_moe.fused_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+    def causal_conv1d_update(
+        self,
+        x: torch.Tensor,
+        conv_state: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slots: torch.Tensor,
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        return self._causal_conv1d.causal_conv1d_update(
+            x, conv_state, weight, bias, slots, activation
+        )
+
+    def selective_state_update(
+        self,
+        state: torch.Tensor,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        D: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        dt_softplus: bool = True,
+        z: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._selective_state.selective_state_update(
+            state, x, dt, A, B, C, slots, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, z=z
+        )
+
+    def gated_delta_rule_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+    ) -> torch.Tensor:
+        return self._gated_delta.gated_delta_rule_step(
+            q, k, v, g, beta, state, slots, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
 
     def decode_layers(self, *args: object, **kwargs: object) -> None:
         """No one-call layer loop on CUDA: a decode step there replays a CUDA graph."""

@@ -1,0 +1,168 @@
+"""The CPU path of the recurrent decode steps against the references and transformers:
+
+    python -m bench.ssm_kernels [--threads 2] [--repeats 10] [--stat median] [--heads-div 1]
+
+For R in {1, 8, 64} decode rows and two models' layer shapes (Granite-4.0-H-tiny's Mamba2
+mixer: conv over 3328 channels, 48 heads x 64 x state 128; Qwen3-Next's gated DeltaNet: conv
+over 8192 channels, 16 key / 32 value heads of 128 x 128; `--heads-div` divides the head
+counts and channels), prints the milliseconds of each step by
+
+  ours      `TorchOps` with the rows in one run of slots (the pool's rows as a view)
+  gather    `TorchOps` with the rows in every other slot (gathered and scattered back)
+  ref       the `kernels.ssm_reference` reference (transformers' computation, by slot)
+  hf        transformers' own torch function on the same states, handed over as a batch
+
+then the ratios ref / ours and hf / ours (> 1: ours is faster). The state pool holds 2 R
+slots, float32, like the worker's; inputs are float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from bench.moe_experts import time_ms
+from kernels.ops import TorchOps
+from kernels.ssm_reference import (
+    causal_conv1d_update_ref,
+    gated_delta_rule_step_ref,
+    selective_state_update_ref,
+)
+
+ROWS = (1, 8, 64)
+GRANITE = {"channels": 48 * 64 + 2 * 128, "heads": 48, "head_dim": 64, "groups": 1, "state": 128}
+QWEN3_NEXT = {"channels": 2 * 16 * 128 + 32 * 128, "k_heads": 16, "v_heads": 32, "dim": 128}
+
+
+def _slots(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one run, every other slot) in a pool of 2 * rows slots."""
+    return torch.arange(rows), torch.arange(rows) * 2
+
+
+def conv_candidates(rows: int, channels: int) -> dict[str, Callable[[], object]]:
+    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_update
+
+    ops = TorchOps()
+    run, scattered = _slots(rows)
+    x = torch.randn(rows, channels)
+    weight, bias = torch.randn(channels, 4), torch.randn(channels)
+    pool = torch.randn(2 * rows, channels, 3)
+    states = pool[:rows].clone()
+    return {
+        "ours": lambda: ops.causal_conv1d_update(x, pool, weight, bias, run),
+        "gather": lambda: ops.causal_conv1d_update(x, pool, weight, bias, scattered),
+        "ref": lambda: causal_conv1d_update_ref(x, pool, weight, bias, run),
+        "hf": lambda: causal_conv1d_update(x[:, :, None], states, weight, bias, "silu"),
+    }
+
+
+def mamba_candidates(rows: int, h: int, p: int, g: int, n: int) -> dict[str, Callable[[], object]]:
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+        mamba2_selective_state_update,
+    )
+
+    ops = TorchOps()
+    run, scattered = _slots(rows)
+    pool = torch.randn(2 * rows, h, p, n)
+    states = pool[:rows].clone()
+    x, dt = torch.randn(rows, h, p), torch.randn(rows, h)
+    b, c = torch.randn(rows, g, n), torch.randn(rows, g, n)
+    a, d, dt_bias = -torch.rand(h), torch.randn(h), torch.randn(h)
+    kw = {"D": d, "dt_bias": dt_bias}
+
+    def hf() -> object:
+        # what the granitemoehybrid layer hands over: per-head scalars expanded
+        return mamba2_selective_state_update(
+            states,
+            x,
+            dt[:, :, None].expand(-1, -1, p),
+            a[:, None, None].expand(-1, p, n),
+            b,
+            c,
+            d[:, None].expand(-1, p),
+            dt_bias=dt_bias[:, None].expand(-1, p),
+            dt_softplus=True,
+        )
+
+    return {
+        "ours": lambda: ops.selective_state_update(pool, x, dt, a, b, c, run, **kw),
+        "gather": lambda: ops.selective_state_update(pool, x, dt, a, b, c, scattered, **kw),
+        "ref": lambda: selective_state_update_ref(pool, x, dt, a, b, c, run, **kw),
+        "hf": hf,
+    }
+
+
+def delta_candidates(rows: int, hk: int, hv: int, dim: int) -> dict[str, Callable[[], object]]:
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_recurrent_gated_delta_rule,
+    )
+
+    ops = TorchOps()
+    run, scattered = _slots(rows)
+    q, k, v = torch.randn(rows, hk, dim), torch.randn(rows, hk, dim), torch.randn(rows, hv, dim)
+    g, beta = -torch.rand(rows, hv), torch.rand(rows, hv)
+    pool = 0.1 * torch.randn(2 * rows, hv, dim, dim)
+    states = pool[:rows].clone()
+
+    def hf() -> object:
+        return torch_recurrent_gated_delta_rule(
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            g[:, None],
+            beta[:, None],
+            initial_state=states,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    return {
+        "ours": lambda: ops.gated_delta_rule_step(q, k, v, g, beta, pool, run),
+        "gather": lambda: ops.gated_delta_rule_step(q, k, v, g, beta, pool, scattered),
+        "ref": lambda: gated_delta_rule_step_ref(q, k, v, g, beta, pool, run),
+        "hf": hf,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--stat", choices=("median", "min"), default="median")
+    parser.add_argument("--heads-div", type=int, default=1, help="divide head counts by this")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    div = args.heads_div
+    gr, qn = GRANITE, QWEN3_NEXT
+    cases: list[tuple[str, Callable[[int], dict[str, Callable[[], object]]]]] = [
+        ("granite conv", lambda r: conv_candidates(r, gr["channels"] // div)),
+        (
+            "granite mamba2",
+            lambda r: mamba_candidates(
+                r, gr["heads"] // div, gr["head_dim"], gr["groups"], gr["state"]
+            ),
+        ),
+        ("qwen3-next conv", lambda r: conv_candidates(r, qn["channels"] // div)),
+        (
+            "qwen3-next deltanet",
+            lambda r: delta_candidates(r, qn["k_heads"] // div, qn["v_heads"] // div, qn["dim"]),
+        ),
+    ]
+    print(f"{args.stat} ms over {args.repeats} rounds, {args.threads} threads, heads / {div}")
+    print(f"{'step':<20} {'R':>3} {'ours':>8} {'gather':>8} {'ref':>8} {'hf':>8} "
+          f"{'ref/ours':>9} {'hf/ours':>8}")  # fmt: skip
+    with torch.inference_mode():
+        for name, make in cases:
+            for rows in ROWS:
+                ms = time_ms(make(rows), args.repeats, args.stat)
+                print(
+                    f"{name:<20} {rows:>3} {ms['ours']:>8.3f} {ms['gather']:>8.3f} "
+                    f"{ms['ref']:>8.3f} {ms['hf']:>8.3f} "
+                    f"{ms['ref'] / ms['ours']:>9.2f} {ms['hf'] / ms['ours']:>8.2f}"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Compiles the recurrent decode-step kernels for a Hopper target with no GPU present, as
+`tests.kernels.compile_check` does for the others: `python -m tests.kernels.ssm_compile_check`
+prints one JSON object per kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from tests.kernels.compile_check import _capture, _compile
+
+
+def _launchers() -> dict:
+    from kernels.causal_conv1d import causal_conv1d_update
+    from kernels.gated_delta import gated_delta_rule_step
+    from kernels.selective_state import selective_state_update
+
+    # Granite-4.0-H-tiny's Mamba2 mixer and Qwen3-Next's gated DeltaNet, bf16 inputs over
+    # float32 pools; nothing is launched, so the pools hold two slots.
+    rows, bf16 = 4, torch.bfloat16
+    slots = torch.arange(rows) % 2
+    conv_x = torch.zeros(rows, 3328, dtype=bf16)
+    conv_pool = torch.zeros(2, 3328, 3)
+    conv_w = torch.zeros(3328, 4, dtype=bf16)
+    h, p, n = 48, 64, 128
+    ssm_pool = torch.zeros(2, h, p, n)
+    x, z = torch.zeros(rows, h, p, dtype=bf16), torch.zeros(rows, h, p, dtype=bf16)
+    dt, b = torch.zeros(rows, h, dtype=bf16), torch.zeros(rows, 1, n, dtype=bf16)
+    a = torch.zeros(h)
+    q = torch.zeros(rows, 16, 128, dtype=bf16)
+    v = torch.zeros(rows, 32, 128, dtype=bf16)
+    g = torch.zeros(rows, 32)
+    delta_pool = torch.zeros(2, 32, 128, 128)
+    return {
+        "causal_conv1d": lambda: causal_conv1d_update(
+            conv_x, conv_pool, conv_w, a.new_zeros(3328), slots
+        ),
+        "selective_state": lambda: selective_state_update(
+            ssm_pool, x, dt, a, b, b, slots, D=a, dt_bias=a, z=z
+        ),
+        "gated_delta": lambda: gated_delta_rule_step(q, q, v, g, g, delta_pool, slots),
+    }
+
+
+def main() -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    try:  # private API, free to move between releases
+        from triton._C.libtriton import native_specialize_impl  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        print(json.dumps({"skip": f"this triton cannot compile ahead of time: {e}"}))
+        return 0
+    for name, launch in _launchers().items():
+        for fn, args, kwargs in _capture(launch):
+            entry = {"launcher": name, "kernel": fn.__name__}
+            try:
+                compiled = _compile(fn, args, dict(kwargs))
+                entry |= {"cubin_bytes": len(compiled.asm["cubin"])}
+                entry |= {"shared": compiled.metadata.shared}
+            except Exception as e:  # reported, so the test names the kernel that failed
+                entry["error"] = f"{type(e).__name__}: {e}"
+            print(json.dumps(entry), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Compiled recurrent decode steps at serving sizes against the torch references (CUDA only):
+Granite-4.0-H-tiny's Mamba2 mixer and Qwen3-Next's gated DeltaNet, bfloat16 inputs over
+float32 state pools, a batch sorted by slot with a gap and padding rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.ssm_reference import (
+    causal_conv1d_update_ref,
+    gated_delta_rule_step_ref,
+    selective_state_update_ref,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BF16 = torch.bfloat16
+SLOTS = 256
+TOLERANCE = 1e-2  # relative error ||out - ref|| / ||ref||
+# Granite-4.0-H-tiny: 48 heads x 64, state 128, 1 group; conv over x, B, C
+MAMBA = {"heads": 48, "head_dim": 64, "groups": 1, "state": 128}
+# Qwen3-Next: 16 key heads, 32 value heads, 128 x 128; conv over q, k, v
+DELTA = {"k_heads": 16, "v_heads": 32, "k_dim": 128, "v_dim": 128}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def _slot_layouts(rows: int) -> list[torch.Tensor]:
+    contiguous = torch.arange(17, 17 + rows)
+    gapped = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(rows))[:rows].sort()[0]
+    gapped[::7] = -1
+    return [s.to("cuda") for s in (contiguous, gapped)]
+
+
+@pytest.mark.parametrize("channels", [48 * 64 + 2 * 128, 2 * 16 * 128 + 32 * 128])
+def test_conv_bf16(channels: int) -> None:
+    from kernels.causal_conv1d import causal_conv1d_update
+
+    for slots in _slot_layouts(64):
+        gen = torch.Generator(device="cuda").manual_seed(channels)
+        x = torch.randn(64, channels, device="cuda", generator=gen).to(BF16)
+        weight = (0.5 * torch.randn(channels, 4, device="cuda", generator=gen)).to(BF16)
+        bias = torch.randn(channels, device="cuda", generator=gen).to(BF16)
+        pool = torch.randn(SLOTS, channels, 3, device="cuda", generator=gen)
+        ref_pool = pool.clone()
+        ref = causal_conv1d_update_ref(x, ref_pool, weight, bias, slots)
+        out = causal_conv1d_update(x, pool, weight, bias, slots)
+        assert _rel(out, ref) < TOLERANCE
+        assert _rel(pool, ref_pool) < TOLERANCE
+
+
+def test_mamba2_bf16() -> None:
+    from kernels.selective_state import selective_state_update
+
+    h, p, g, n = MAMBA["heads"], MAMBA["head_dim"], MAMBA["groups"], MAMBA["state"]
+    for slots in _slot_layouts(64):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        r = slots.numel()
+
+        def rand(*shape: int, gen=gen) -> torch.Tensor:
+            return torch.randn(shape, device="cuda", generator=gen)
+
+        pool = rand(SLOTS, h, p, n)
+        x, dt, z = rand(r, h, p).to(BF16), rand(r, h).to(BF16), rand(r, h, p).to(BF16)
+        b, c = rand(r, g, n).to(BF16), rand(r, g, n).to(BF16)
+        a, d, dt_bias = -torch.exp(0.5 * rand(h)), rand(h), 0.5 * rand(h)
+        ref_pool = pool.clone()
+        kw = {"D": d, "dt_bias": dt_bias, "z": z}
+        ref = selective_state_update_ref(ref_pool, x, dt, a, b, c, slots, **kw)
+        out = selective_state_update(pool, x, dt, a, b, c, slots, **kw)
+        assert _rel(out, ref) < TOLERANCE
+        assert _rel(pool, ref_pool) < TOLERANCE
+
+
+def test_gated_delta_bf16() -> None:
+    from kernels.gated_delta import gated_delta_rule_step
+
+    hk, hv, kd, vd = DELTA["k_heads"], DELTA["v_heads"], DELTA["k_dim"], DELTA["v_dim"]
+    for slots in _slot_layouts(64):
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        r = slots.numel()
+        q = torch.randn(r, hk, kd, device="cuda", generator=gen).to(BF16)
+        k = torch.randn(r, hk, kd, device="cuda", generator=gen).to(BF16)
+        v = torch.randn(r, hv, vd, device="cuda", generator=gen).to(BF16)
+        g = -torch.rand(r, hv, device="cuda", generator=gen)
+        beta = torch.rand(r, hv, device="cuda", generator=gen)
+        pool = 0.1 * torch.randn(SLOTS, hv, kd, vd, device="cuda", generator=gen)
+        ref_pool = pool.clone()
+        ref = gated_delta_rule_step_ref(q, k, v, g, beta, ref_pool, slots)
+        out = gated_delta_rule_step(q, k, v, g, beta, pool, slots)
+        assert _rel(out, ref) < TOLERANCE
+        assert _rel(pool, ref_pool) < TOLERANCE

@@ -162,6 +162,9 @@ class RequestDelta(Message):
     error: ErrorInfo | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # The request's scheduler span (W3C traceparent) when tracing: a batch of several
+    # requests' news has no one context for its headers, so each delta carries its own.
+    traceparent: str | None = None
 
 
 class DeltaBatch(Message):

@@ -708,6 +708,7 @@ class SchedulerService:
             gateway_id = self._gateway_of.get(delta.request_id)
             if gateway_id is None:
                 continue
+            delta.traceparent = self.tracer.traceparent_of(delta.request_id)
             by_gateway.setdefault(gateway_id, []).append(delta)
             if delta.finish_reason is not None:
                 del self._gateway_of[delta.request_id]

@@ -158,6 +158,11 @@ class SpanObserver:
         spans = self._spans.get(request_id)
         return spans.context if spans is not None else None
 
+    def traceparent_of(self, request_id: str) -> str | None:
+        """The same as a W3C traceparent, for a part of a message that serves many."""
+        context = self.context_of(request_id)
+        return inject(context).get("traceparent") if context is not None else None
+
     def start_tick(self, worker_id: str = "") -> None:
         lane = self._lane.get()
         if lane is None or lane.worker_id != worker_id:

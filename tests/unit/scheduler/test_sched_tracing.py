@@ -180,3 +180,20 @@ def test_a_spilled_request_gets_its_phases_spill_and_swap_in_in_its_own_trace():
     batches = [s for s in spans if s.name == "scheduler.batch"]
     linked = [{request_of[link.context.span_id] for link in s.links} for s in batches]
     assert {"a", "b"} in linked
+
+
+def test_a_live_request_lends_its_traceparent_to_the_parts_of_shared_messages():
+    """A delta batch of several requests has no one context for its headers: each delta
+    carries its request's scheduler span instead."""
+    tel = Telemetry("scheduler", None)
+    observer = SpanObserver(tel, FakeClock(100.0), lambda: "test-model")
+    core, _ = make_core(observer=observer)
+    with tel.tracer.start_as_current_span("gateway.request") as parent:
+        observer.bind("r", trace.set_span_in_context(parent))
+    assert observer.traceparent_of("r") is None  # not submitted yet
+    assert core.add_request(submit_request("r", prompt_len=6, max_tokens=3)) is None
+    traceparent = observer.traceparent_of("r")
+    assert traceparent is not None
+    trace_id = format(parent.get_span_context().trace_id, "032x")
+    assert traceparent.split("-")[1] == trace_id
+    assert observer.traceparent_of("unknown") is None

@@ -56,6 +56,11 @@ class ForwardBatch:
     max_context_len: int | None = None
     # One token per row (T == R): attention takes the `paged_decode_attention` fast path.
     decode_only: bool = False
+    # Hybrid models: [R] int64, each row's slot in the state pool (`state_pool`), and
+    # [R] bool, the rows whose first computed token is position 0 (their slot is zeroed
+    # before the layers run). None for a model without state layers.
+    state_slots: torch.Tensor | None = None
+    state_fresh: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The same batch with its tensors on `device` (one copy per tensor)."""
@@ -69,6 +74,8 @@ class ForwardBatch:
             context_lens=self.context_lens.to(device),
             query_start=self.query_start.to(device),
             logits_indices=None if idx is None else idx.to(device),
+            state_slots=None if self.state_slots is None else self.state_slots.to(device),
+            state_fresh=None if self.state_fresh is None else self.state_fresh.to(device),
         )
 
 

@@ -1,0 +1,82 @@
+"""The recurrent states of a hybrid model's state layers, one slot per sequence.
+
+Mamba2 and gated DeltaNet layers keep a fixed-size state per sequence instead of a KV
+cache; a pool holds it for every slot, float32 (the recurrence accumulates over the whole
+sequence, so it keeps full precision whatever the weights' dtype), sized once at start:
+
+    conv[layer]   [num_slots, conv_dim, conv_width - 1]   the short convolution's inputs
+    ssm[layer]    Mamba2 [num_slots, H, P, N]; DeltaNet [num_slots, Hv, Dk, Dv]
+
+Attention layers have no entry (None). A step's rows name their slots
+(`ForwardBatch.state_slots`); a row whose first computed token is position 0 starts from
+zero (`ForwardBatch.state_fresh`), which `reset` does before the layers run, so a slot
+handed to a new sequence never sees the old one's state and a prompt split over several
+chunked-prefill steps carries its state from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateLayerSpec:
+    """One state layer's per-slot shapes."""
+
+    kind: str  # "mamba2" or "gated_delta"
+    conv_dim: int
+    conv_width: int  # the convolution's kernel size K; the state keeps K - 1 inputs
+    state_shape: tuple[int, ...]  # Mamba2 (H, P, N); DeltaNet (Hv, Dk, Dv)
+
+    def slot_bytes(self) -> int:
+        """float32 bytes of one slot's conv and recurrent state."""
+        elements = self.conv_dim * (self.conv_width - 1) + math.prod(self.state_shape)
+        return elements * torch.float32.itemsize
+
+
+class StatePool:
+    def __init__(
+        self,
+        specs: Sequence[StateLayerSpec | None],
+        num_slots: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a state pool needs at least one slot, got {num_slots}")
+        self.specs = tuple(specs)
+        self.num_slots = num_slots
+        f32 = torch.float32
+        self.conv: list[torch.Tensor | None] = [
+            None
+            if s is None
+            else torch.zeros(num_slots, s.conv_dim, s.conv_width - 1, dtype=f32, device=device)
+            for s in self.specs
+        ]
+        self.ssm: list[torch.Tensor | None] = [
+            None if s is None else torch.zeros(num_slots, *s.state_shape, dtype=f32, device=device)
+            for s in self.specs
+        ]
+
+    def slot_bytes(self) -> int:
+        """Bytes one sequence's states take across every state layer (budgets)."""
+        return slot_bytes(self.specs)
+
+    def reset(self, slots: torch.Tensor, fresh: torch.Tensor | None) -> None:
+        """Zeroes the slots of the rows flagged fresh ([R] bool): their sequences start at
+        position 0 in this step."""
+        if fresh is None:
+            return
+        rows = slots[fresh & (slots >= 0)]
+        if rows.numel() == 0:
+            return
+        for pool in (*self.conv, *self.ssm):
+            if pool is not None:
+                pool.index_fill_(0, rows, 0.0)
+
+
+def slot_bytes(specs: Sequence[StateLayerSpec | None]) -> int:
+    return sum(s.slot_bytes() for s in specs if s is not None)

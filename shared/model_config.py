@@ -42,6 +42,8 @@ class ModelConfig:
     # num_kv_heads = 1 of head_dim = kv_lora_rank + qk_rope_head_dim: the compressed latent
     # and the rotated shared key, read as both K and V (see services/worker/mla.py).
     mla: MLAConfig | None = None
+    # Hybrid families (Mamba2 or gated DeltaNet layers among the attention layers).
+    hybrid: HybridConfig | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -55,6 +57,43 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool  # the rotary pairs are adjacent dims (x0, x1), (x2, x3), ...
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """A hybrid model's recurrent layers and family options. Most layers keep a fixed-size
+    state per sequence (`services/worker/state_pool.py`) in place of a KV cache."""
+
+    # Per layer: "attention", "mamba2" (Granite 4.0-H) or "gated_delta" (Qwen3-Next).
+    layer_kinds: tuple[str, ...]
+    conv_width: int  # the short causal convolution's kernel size
+    # Mamba2: heads x head_dim x state size, B/C shared by groups of heads.
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    # Gated DeltaNet: key/value heads and widths.
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    # Granite's multipliers (1.0: none) and whether its attention rotates at all.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    logits_scaling: float = 1.0  # the logits are divided by it
+    rope: bool = True
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotates
+    # The always-on dense MLP beside the experts (its width; 0: none) and whether a
+    # sigmoid of a learned gate scales it (Qwen3-Next).
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+
+    def state_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k != "attention"]
 
 
 @dataclass(frozen=True)
@@ -163,7 +202,35 @@ def _from_hf_folder(path: Path) -> ModelConfig:
 
 SUPPORTED_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3",
+    "granitemoehybrid", "qwen3_next",
 )  # fmt: skip
+
+# Families whose layers keep a recurrent state per sequence: the model code runs them,
+# but serving refuses them until the scheduler owns state slots (`serving_refusal`).
+HYBRID_FAMILIES = ("granitemoehybrid", "qwen3_next")
+
+
+def serving_refusal(config: ModelConfig) -> str | None:
+    """Why this model cannot be served yet, or None. A hybrid model's recurrent states
+    would be lost by the scheduler's spill, recompute and prefix caching, which move and
+    rebuild KV blocks only."""
+    if config.architecture in HYBRID_FAMILIES:
+        return (
+            f"model_type {config.architecture!r} is a hybrid family ({', '.join(HYBRID_FAMILIES)})"
+            " whose layers keep a recurrent state per sequence: it cannot be served yet,"
+            " because state slots are not yet spilled or cached"
+        )
+    return None
+
+
+def check_servable(source: ModelSource) -> None:
+    """Raises ValueError naming the family and the reason when `source` cannot be served
+    yet (`serving_refusal`); reads only its config (a GGUF file is always a Llama)."""
+    if source.kind == "gguf":
+        return
+    reason = serving_refusal(load_model_config(source))
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
@@ -201,10 +268,11 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         extra={"rope": rope_parameters(cfg)},
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_next"),
         layer_windows=_layer_windows(arch, cfg),
         moe=_moe_config(arch, cfg),
         mla=mla,
+        hybrid=_hybrid_config(arch, cfg),
     )
 
 
@@ -224,9 +292,12 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
     # always has q/k/v biases (found in the weights) and no o_proj bias.
     if cfg.get("attention_bias") and arch != "qwen2":
         raise ValueError(f"{arch}: unsupported attention_bias=True")
+    if arch == "granitemoehybrid" and cfg.get("position_embedding_type") not in (None, "rope"):
+        kind = cfg["position_embedding_type"]
+        raise ValueError(f"{arch}: unsupported position_embedding_type {kind!r}")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: unsupported mlp_bias=True")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0 and arch != "qwen3_next":
         raise ValueError(
             f"{arch}: unsupported partial_rotary_factor {cfg['partial_rotary_factor']}"
         )
@@ -302,7 +373,15 @@ def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             intermediate_size=int(cfg["intermediate_size"]),
             sparse_layers=(True,) * layers,
         )
-    if arch == "qwen3_moe":
+    if arch == "granitemoehybrid":
+        experts = int(cfg.get("num_local_experts", 8))
+        return MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            sparse_layers=(experts > 0,) * layers,
+        )
+    if arch == "qwen3_moe" or arch == "qwen3_next":
         experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
         step = int(cfg.get("decoder_sparse_step", 1))
         dense = set(cfg.get("mlp_only_layers") or [])
@@ -313,7 +392,7 @@ def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             sparse_layers=tuple(
                 i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
             ),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_next")),
         )
     if arch == "deepseek_v3":
         # A key left out takes transformers' DeepseekV3Config default.
@@ -332,6 +411,58 @@ def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             topk_group=int(cfg.get("topk_group", 4) or n_group),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
             has_correction_bias=True,
+        )
+    return None
+
+
+def _hybrid_config(arch: str, cfg: dict[str, Any]) -> HybridConfig | None:
+    """The recurrent layers as transformers builds them (its config defaults for keys left
+    out)."""
+    layers = int(cfg["num_hidden_layers"])
+    hidden = int(cfg["hidden_size"])
+    if arch == "granitemoehybrid":
+        types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+        heads = int(cfg.get("mamba_n_heads", 128))
+        head_dim = cfg.get("mamba_d_head", "auto")
+        expand = int(cfg.get("mamba_expand", 2))
+        attention_multiplier = cfg.get("attention_multiplier", 1.0)
+        return HybridConfig(
+            # "mamba"/"attention" on the Hub; transformers 5 writes the generic names
+            layer_kinds=tuple(
+                "mamba2" if t in ("mamba", "linear_attention") else "attention" for t in types
+            ),
+            conv_width=int(cfg.get("mamba_d_conv", 4)),
+            mamba_heads=heads,
+            mamba_head_dim=expand * hidden // heads if head_dim == "auto" else int(head_dim),
+            mamba_state=int(cfg.get("mamba_d_state", 256)),
+            mamba_groups=int(cfg.get("mamba_n_groups", 1)),
+            mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+            mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+            mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(attention_multiplier),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+            rope=cfg.get("position_embedding_type") == "rope",
+            shared_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
+        )
+    if arch == "qwen3_next":
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = cfg.get("layer_types") or [
+            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+        ]
+        return HybridConfig(
+            layer_kinds=tuple(
+                "gated_delta" if t == "linear_attention" else "attention" for t in types
+            ),
+            conv_width=int(cfg.get("linear_conv_kernel_dim", 4)),
+            linear_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+            linear_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+            linear_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+            linear_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 0.25)),
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
+            shared_expert_gate=True,
         )
     return None
 

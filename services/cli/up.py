@@ -117,6 +117,26 @@ def worker_launches(
     return launches
 
 
+def check_servable_model(settings: Settings) -> None:
+    """A model the system cannot serve yet (a hybrid family) is refused before anything
+    starts, with the reason. Only a local folder is read here: the default model (which
+    may need a download) and a missing one are the worker's to resolve and report."""
+    from shared.model_config import load_model_config, serving_refusal
+    from shared.model_files import DEFAULT_MODEL, resolve_model
+
+    if settings.model == DEFAULT_MODEL:
+        return
+    try:
+        source = resolve_model(settings.model)
+        if source.kind == "gguf":
+            return
+        reason = serving_refusal(load_model_config(source))
+    except Exception:  # an unreadable model: the worker reports it as before
+        return
+    if reason is not None:
+        raise StartupError(reason)
+
+
 def check_expert_parallel_model(settings: Settings) -> None:
     """--expert-parallel N > 1 on a model it cannot split (a dense one, or N not dividing
     its experts) is refused before anything starts."""
@@ -225,6 +245,7 @@ def up(settings: Settings) -> int:
     code = 0
     try:
         check_trace_file(settings.trace_file)
+        check_servable_model(settings)
         check_expert_parallel_model(settings)
         settings, servers = ensure_servers(settings)
         args = as_arguments(settings)

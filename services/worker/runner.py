@@ -49,7 +49,7 @@ from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampling_state import SamplingStates, load_sampling_states
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, check_servable
 from shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from shared.protocol import (
     OUT_OF_MEMORY_CODE,
@@ -478,6 +478,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     """Loads the configured model, sizes its KV cache and, on CUDA, captures the decode
     graphs; returns the runner and the model id."""
     source = resolve_model(settings.model)
+    check_servable(source)  # before any weight loads
     device = resolve_device(settings.device)
     configure_threads(device, settings.threads)
     dtype = resolve_dtype(settings.dtype, device, settings.auto_dtype)

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
+from services.cli.up import StartupError, check_servable_model
 from services.worker.model import ForwardBatch
+from services.worker.runner import load_runner
 from services.worker.state_pool import StateLayerSpec, StatePool
+from shared.config import Settings
+from shared.model_config import check_servable, load_model_config
+from shared.model_files import resolve_model
+from tests.unit.worker.tiny_families import save_tiny_family
+
+HYBRIDS = ("granitemoehybrid", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def hybrid_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {f: save_tiny_family(root / f, f) for f in HYBRIDS}
+
 
 MAMBA = StateLayerSpec("mamba2", conv_dim=12, conv_width=4, state_shape=(2, 3, 4))
 DELTA = StateLayerSpec("gated_delta", conv_dim=8, conv_width=4, state_shape=(2, 4, 5))
@@ -45,3 +63,49 @@ def test_batch_carries_state_slots_to_a_device() -> None:
     moved = batch.to(torch.device("cpu"))
     assert moved.state_slots is not None and int(moved.state_slots[0]) == 2
     assert moved.state_fresh is not None and bool(moved.state_fresh[0])
+
+
+def test_granite_config_reads_layers_mixer_and_multipliers(
+    hybrid_folders: dict[str, Path],
+) -> None:
+    config = load_model_config(resolve_model(str(hybrid_folders["granitemoehybrid"])))
+    h = config.hybrid
+    assert h is not None and config.moe is not None
+    assert h.layer_kinds == ("mamba2", "attention", "mamba2")
+    assert (h.mamba_heads, h.mamba_head_dim, h.mamba_state, h.mamba_groups) == (4, 16, 8, 2)
+    assert (h.embedding_multiplier, h.residual_multiplier) == (2.0, 0.5)
+    assert (h.attention_multiplier, h.logits_scaling, h.rope) == (0.2, 2.0, True)
+    assert h.shared_intermediate_size == 48 and not h.shared_expert_gate
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 32)
+
+
+def test_qwen3_next_config_reads_delta_layers_and_partial_rotary(
+    hybrid_folders: dict[str, Path],
+) -> None:
+    config = load_model_config(resolve_model(str(hybrid_folders["qwen3_next"])))
+    h = config.hybrid
+    assert h is not None and config.moe is not None and config.qk_norm
+    assert h.layer_kinds == ("gated_delta", "gated_delta", "attention")
+    assert (h.linear_k_heads, h.linear_v_heads, h.linear_k_dim, h.linear_v_dim) == (2, 4, 16, 8)
+    assert h.partial_rotary_factor == 0.25 and h.shared_expert_gate
+    assert h.shared_intermediate_size == 48 and config.moe.norm_topk_prob
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_serving_refuses_hybrid_families_by_name(
+    hybrid_folders: dict[str, Path], family: str
+) -> None:
+    folder = str(hybrid_folders[family])
+    with pytest.raises(ValueError, match=f"{family}.*state slots are not yet spilled or cached"):
+        check_servable(resolve_model(folder))
+    with pytest.raises(StartupError, match=f"{family}.*not yet spilled or cached"):
+        check_servable_model(Settings(model=folder))
+    # The worker refuses before loading any weight.
+    with pytest.raises(ValueError, match="not yet spilled or cached"):
+        load_runner(Settings(model=folder))
+
+
+def test_serving_check_passes_a_dense_family(tmp_path: Path) -> None:
+    folder = save_tiny_family(tmp_path / "qwen3", "qwen3")
+    check_servable(resolve_model(str(folder)))
+    check_servable_model(Settings(model=str(folder)))

@@ -49,11 +49,34 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
+# Hybrid families: recurrent layers (a state per sequence) among attention layers. Kept
+# apart from FAMILIES: the model code runs them, serving refuses them.
+HYBRID_FAMILIES: dict[str, dict[str, Any]] = {
+    # mamba, attention, mamba; rope on, every multiplier away from 1
+    "granitemoehybrid": dict(
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
+        mamba_chunk_size=4, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.0,
+    ),
+    # linear, linear, full attention
+    "qwen3_next": dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "linear_attention",
+        "full_attention"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+    ),
+}  # fmt: skip
+
 
 def family_config(family: str, **changes: Any):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family], **changes})
+    options = FAMILIES[family] if family in FAMILIES else HYBRID_FAMILIES[family]
+    return AutoConfig.for_model(family, **{**_COMMON, **options, **changes})
 
 
 def save_tiny_family(folder: Path, family: str, seed: int = 0, **changes: Any) -> Path:

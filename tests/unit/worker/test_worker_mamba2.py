@@ -1,0 +1,139 @@
+"""Granite 4.0-H's Mamba2 mixer over a flat batch and a state pool, against transformers'
+own layer (its chunked scan over the whole sequence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ssm_reference
+from kernels.ops import TorchOps
+from services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from services.worker.state_pool import StateLayerSpec, StatePool
+from shared.model_config import HybridConfig, load_model_config
+from shared.model_files import resolve_model
+from tests.unit.worker.tiny_families import load_reference, save_tiny_family
+
+LENGTHS = (7, 3, 6)  # three rows of mixed lengths; chunk_size 4: several scan chunks
+DECODE_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory: pytest.TempPathFactory):
+    folder = save_tiny_family(tmp_path_factory.mktemp("g") / "granite", "granitemoehybrid")
+    config = load_model_config(resolve_model(str(folder)))
+    layer = load_reference(folder).model.layers[0].mamba
+    return config, layer
+
+
+def _weights(layer) -> Mamba2Weights:
+    return Mamba2Weights(
+        in_proj=layer.in_proj.weight.detach(),
+        conv_weight=layer.conv1d.weight.detach().squeeze(1),
+        conv_bias=layer.conv1d.bias.detach(),
+        dt_bias=layer.dt_bias.detach(),
+        A=-torch.exp(layer.A_log.detach().float()),
+        D=layer.D.detach(),
+        norm=layer.norm.weight.detach(),
+        out_proj=layer.out_proj.weight.detach(),
+    )
+
+
+def _pool(c: HybridConfig, slots: int) -> StatePool:
+    _inner, conv_dim = mamba2_dims(c)
+    shape = (c.mamba_heads, c.mamba_head_dim, c.mamba_state)
+    return StatePool([StateLayerSpec("mamba2", conv_dim, c.conv_width, shape)], slots)
+
+
+def _step(ops, config, w, pool, rows: list[torch.Tensor], slots, fresh):
+    """One forward over rows' tokens packed back to back; [T, hidden]."""
+    lens = torch.tensor([r.shape[0] for r in rows])
+    qs = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    qs[1:] = lens.cumsum(0)
+    slots_t = torch.tensor(slots, dtype=torch.int64)
+    pool.reset(slots_t, torch.tensor(fresh))
+    assert config.hybrid is not None
+    conv, ssm = pool.conv[0], pool.ssm[0]
+    assert conv is not None and ssm is not None
+    with torch.inference_mode():
+        return mamba2_mixer(
+            ops, config.hybrid, config.rms_norm_eps, torch.cat(rows), w, conv, ssm,
+            qs, slots_t, int(lens.max()),
+        )  # fmt: skip
+
+
+def _run(config, layer, seqs: list[torch.Tensor], slots: list[int], pool=None):
+    """Prefill in two chunks, then decode one token at a time: every token's output."""
+    ops = TorchOps(native=None)
+    w = _weights(layer)
+    pool = pool or _pool(config.hybrid, 8)
+    prompt = [s.shape[0] - DECODE_STEPS for s in seqs]
+    cut = [(p + 1) // 2 for p in prompt]
+    outs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    y = _step(
+        ops, config, w, pool, [s[:c] for s, c in zip(seqs, cut, strict=True)], slots, [True] * 3
+    )
+    for i, part in enumerate(y.split(cut)):
+        outs[i].append(part)
+    rest = [p - c for p, c in zip(prompt, cut, strict=True)]
+    y = _step(
+        ops,
+        config,
+        w,
+        pool,
+        [s[c:p] for s, c, p in zip(seqs, cut, prompt, strict=True)],
+        slots,
+        [False] * 3,
+    )
+    for i, part in enumerate(y.split(rest)):
+        outs[i].append(part)
+    for d in range(DECODE_STEPS):
+        tokens = [s[p + d : p + d + 1] for s, p in zip(seqs, prompt, strict=True)]
+        y = _step(ops, config, w, pool, tokens, slots, [False] * 3)
+        for i in range(len(seqs)):
+            outs[i].append(y[i : i + 1])
+    return [torch.cat(o) for o in outs], pool
+
+
+def _sequences(config, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n + DECODE_STEPS, config.hidden_size, generator=gen) for n in LENGTHS]
+
+
+def _reference(layer, seq: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return layer(seq[None])[0]
+
+
+def test_chunked_prefill_and_decode_equal_transformers(granite) -> None:
+    config, layer = granite
+    seqs = _sequences(config)
+    ours, _ = _run(config, layer, seqs, [2, 3, 4])
+    for got, seq in zip(ours, seqs, strict=True):
+        want = _reference(layer, seq)
+        assert want.abs().max() > 1e-2  # a real signal, not zeros on both sides
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_contiguous_and_scattered_slots_agree_and_take_their_paths(granite) -> None:
+    config, layer = granite
+    seqs = _sequences(config)
+    ssm_reference.PATHS.clear()
+    contiguous, _ = _run(config, layer, seqs, [2, 3, 4])
+    # Every decode step has all rows: the in-place view of pool[2:5].
+    assert ssm_reference.PATHS["view"] >= 2 * DECODE_STEPS
+    ssm_reference.PATHS.clear()
+    scattered, _ = _run(config, layer, seqs, [6, 0, 3])
+    assert ssm_reference.PATHS["view"] == 0 and ssm_reference.PATHS["gather"] > 0
+    for a, b in zip(contiguous, scattered, strict=True):
+        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
+
+
+def test_a_reused_slot_starts_from_zero(granite) -> None:
+    config, layer = granite
+    _, pool = _run(config, layer, _sequences(config, seed=1), [0, 1, 2])
+    assert pool.ssm[0] is not None and pool.ssm[0][:3].abs().max() > 0  # states left behind
+    fresh = _sequences(config, seed=2)
+    ours, _ = _run(config, layer, fresh, [0, 1, 2], pool)
+    for got, seq in zip(ours, fresh, strict=True):
+        torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,223 @@
+"""A hybrid decoder: recurrent layers (a state per sequence in `state_pool.StatePool`)
+among attention layers (the paged KV cache), each followed by a MoE feed-forward with a
+shared MLP. Granite 4.0-H (granitemoehybrid): Mamba2 mixers, attention with or without
+rope and the softmax scale `attention_multiplier`, and the multipliers on the embedding,
+each residual branch and the logits.
+
+One forward runs a flat batch (`model.ForwardBatch`) whose `state_slots` name each row's
+state slot; rows flagged `state_fresh` start from zero. The model is tested against
+transformers directly; serving refuses these families until the scheduler owns state
+slots (`shared.model_config.serving_refusal`). It never takes the one-call Llama decode
+loop (its layers are not plain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.ops import KernelOps
+from services.worker.kv_cache import KVCache
+from services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from services.worker.model import ForwardBatch, LlamaModel
+from services.worker.moe import MoEWeights, moe_forward
+from services.worker.state_pool import StateLayerSpec, StatePool
+from services.worker.weights import LayerWeights, ModelWeights
+from shared.model_config import ModelConfig
+
+
+@dataclass
+class HybridLayer:
+    attn_norm: torch.Tensor  # [H]
+    ffn_norm: torch.Tensor  # [H]
+    moe: MoEWeights  # routed experts (may be none) and the shared MLP
+    mamba: Mamba2Weights | None = None  # a Mamba2 layer, else attention:
+    attention: LayerWeights | None = None  # qkv and o only
+
+
+def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
+    """Per layer, the state pool's shapes (None for attention)."""
+    c = config.hybrid
+    assert c is not None
+    specs: list[StateLayerSpec | None] = []
+    for kind in c.layer_kinds:
+        if kind == "mamba2":
+            _inner, conv_dim = mamba2_dims(c)
+            shape = (c.mamba_heads, c.mamba_head_dim, c.mamba_state)
+            specs.append(StateLayerSpec(kind, conv_dim, c.conv_width, shape))
+        elif kind == "attention":
+            specs.append(None)
+        else:
+            raise ValueError(f"{config.architecture}: layer kind {kind!r} is not run yet")
+    return specs
+
+
+def load_granite_layers(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype
+) -> list[HybridLayer]:
+    """Granite 4.0-H's layers from its Hugging Face tensors (popped as they are taken)."""
+    c, moe = config.hybrid, config.moe
+    assert c is not None and moe is not None
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"weight {name!r} missing from the model files")
+        return tensors.pop(name).to(dtype)
+
+    def first(*names: str) -> str:
+        """The checkpoint's name for a tensor: the Hub's layout, or transformers' own."""
+        return next((n for n in names if n in tensors), names[0])
+
+    layers = []
+    for i, kind in enumerate(c.layer_kinds):
+        p = f"model.layers.{i}"
+        b = f"{p}.block_sparse_moe"
+        ffn = MoEWeights(
+            router=take(first(f"{b}.router.layer.weight", f"{b}.router.weight")).float(),
+            w_gate_up=take(first(f"{b}.input_linear.weight", f"{b}.experts.gate_up_proj")),
+            w_down=take(first(f"{b}.output_linear.weight", f"{b}.experts.down_proj")),
+            shared_gate_up=take(f"{p}.shared_mlp.input_linear.weight"),
+            shared_down=take(f"{p}.shared_mlp.output_linear.weight"),
+        ) if moe.num_experts > 0 else MoEWeights(
+            router=torch.empty(0), w_gate_up=torch.empty(0), w_down=torch.empty(0),
+            shared_gate_up=take(f"{p}.shared_mlp.input_linear.weight"),
+            shared_down=take(f"{p}.shared_mlp.output_linear.weight"),
+        )  # fmt: skip
+        layer = HybridLayer(
+            attn_norm=take(f"{p}.input_layernorm.weight"),
+            ffn_norm=take(f"{p}.post_attention_layernorm.weight"),
+            moe=ffn,
+        )
+        if kind == "mamba2":
+            m = f"{p}.mamba"
+            opt = lambda n: take(n) if n in tensors else None  # noqa: E731
+            layer.mamba = Mamba2Weights(
+                in_proj=take(f"{m}.in_proj.weight"),
+                conv_weight=take(f"{m}.conv1d.weight").squeeze(1).contiguous(),
+                conv_bias=opt(f"{m}.conv1d.bias"),
+                dt_bias=take(f"{m}.dt_bias"),
+                A=-torch.exp(tensors.pop(f"{m}.A_log").float()),
+                D=take(f"{m}.D"),
+                norm=take(f"{m}.norm.weight"),
+                out_proj=take(f"{m}.out_proj.weight"),
+                in_proj_bias=opt(f"{m}.in_proj.bias"),
+                out_proj_bias=opt(f"{m}.out_proj.bias"),
+            )
+        else:
+            a = f"{p}.self_attn"
+            qkv = torch.cat([take(f"{a}.{n}_proj.weight") for n in "qkv"]).contiguous()
+            layer.attention = LayerWeights(
+                attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None,
+                o=take(f"{a}.o_proj.weight"), ffn_norm=layer.ffn_norm, gate_up=None, down=None,
+            )  # fmt: skip
+        layers.append(layer)
+    return layers
+
+
+class HybridModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[HybridLayer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        ops: KernelOps,
+        max_positions: int | None = None,
+    ) -> None:
+        assert config.hybrid is not None
+        self.config, self.hybrid = config, config.hybrid
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.ops = ops
+        self.max_positions = max_positions or config.context_length
+        # Attention runs through LlamaModel's paged attention; its weights hold the
+        # attention layers only (for the shapes it reads), and its scale is Granite's.
+        attn_layers = [x.attention for x in layers if x.attention is not None]
+        shell = ModelWeights(embed=embed, layers=attn_layers, norm=norm, lm_head=lm_head)  # type: ignore[arg-type]
+        self.attn = LlamaModel(config, shell, ops, self.max_positions)
+        if self.hybrid.attention_multiplier is not None:
+            self.attn.scale = self.hybrid.attention_multiplier
+
+    def new_state_pool(self, num_slots: int) -> StatePool:
+        return StatePool(state_specs(self.config), num_slots, self.embed.device)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, pool: StatePool) -> torch.Tensor:
+        """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
+        None); writes this step's K/V and updates the rows' states."""
+        c, h_cfg, ops = self.config, self.hybrid, self.ops
+        eps = c.rms_norm_eps
+        slots = batch.state_slots
+        if slots is None:
+            raise ValueError("a hybrid model's batch needs state_slots")
+        pool.reset(slots, batch.state_fresh)
+        x = F.embedding(batch.token_ids, self.embed) * h_cfg.embedding_multiplier
+        for i, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.attn_norm, eps)
+            if layer.mamba is not None:
+                conv, ssm = pool.conv[i], pool.ssm[i]
+                assert conv is not None and ssm is not None
+                out = mamba2_mixer(
+                    ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
+                    batch.max_query_len,
+                )  # fmt: skip
+            else:
+                out = self._attention(h, layer, batch, kv_cache, i)
+            x = x + out * h_cfg.residual_multiplier
+            h = ops.rms_norm(x, layer.ffn_norm, eps)
+            x = x + self._feed_forward(h, layer.moe) * h_cfg.residual_multiplier
+        idx = batch.logits_indices
+        if idx is not None:
+            x = x[idx]
+        logits = ops.linear(ops.rms_norm(x, self.norm, eps), self.lm_head).float()
+        return logits / h_cfg.logits_scaling
+
+    def _attention(
+        self, h: torch.Tensor, layer: HybridLayer, batch: ForwardBatch, kv: KVCache, i: int
+    ) -> torch.Tensor:
+        c, w = self.config, layer.attention
+        assert w is not None
+        t = h.shape[0]
+        q_size, kv_size = self.attn.q_size, self.attn.kv_size
+        q, k, v = ops_split(self.ops.linear(h, w.qkv), q_size, kv_size)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        if self.hybrid.rope:
+            self.ops.rotary(q, k, batch.positions, self.attn.cos, self.attn.sin)
+        self.ops.store_kv(k, v, kv.k[i], kv.v[i], batch.slot_mapping)
+        out = self.attn._attend(q, batch, kv.k[i], kv.v[i], None)
+        return self.ops.linear(out.reshape(t, q_size), w.o)
+
+    def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+        moe = self.config.moe
+        assert moe is not None
+        if moe.num_experts > 0:
+            return moe_forward(self.ops, moe, h, w)
+        assert w.shared_gate_up is not None and w.shared_down is not None
+        return self.ops.linear(
+            self.ops.silu_mul(self.ops.linear(h, w.shared_gate_up)), w.shared_down
+        )
+
+
+def ops_split(qkv: torch.Tensor, q_size: int, kv_size: int):
+    return qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+
+def load_hybrid_model(
+    folder: Path, config: ModelConfig, ops: KernelOps, dtype: torch.dtype = torch.float32
+) -> HybridModel:
+    """A Granite 4.0-H model from a Hugging Face folder, on the CPU."""
+    from services.worker.loader import _safetensors_tensors
+
+    if config.architecture != "granitemoehybrid":
+        raise ValueError(f"{config.architecture}: the hybrid model runs granitemoehybrid only")
+    tensors = _safetensors_tensors(folder)
+    layers = load_granite_layers(tensors, config, dtype)
+    embed = tensors.pop("model.embed_tokens.weight").to(dtype)
+    lm = tensors.pop("lm_head.weight", None)
+    lm_head = embed if config.tie_word_embeddings or lm is None else lm.to(dtype)
+    norm = tensors.pop("model.norm.weight").to(dtype)
+    return HybridModel(config, embed, layers, norm, lm_head, ops)

@@ -460,7 +460,11 @@ def _hybrid_config(arch: str, cfg: dict[str, Any]) -> HybridConfig | None:
             linear_v_heads=int(cfg.get("linear_num_value_heads", 32)),
             linear_k_dim=int(cfg.get("linear_key_head_dim", 128)),
             linear_v_dim=int(cfg.get("linear_value_head_dim", 128)),
-            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 0.25)),
+            partial_rotary_factor=float(
+                cfg.get("partial_rotary_factor")
+                or rope_parameters(cfg).get("partial_rotary_factor")
+                or 0.25
+            ),
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
             shared_expert_gate=True,
         )

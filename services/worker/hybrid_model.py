@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.ops import KernelOps
+from services.worker.gated_delta import GatedDeltaWeights, gated_delta_dims, gated_delta_mixer
 from services.worker.kv_cache import KVCache
 from services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
 from services.worker.model import ForwardBatch, LlamaModel
 from services.worker.moe import MoEWeights, moe_forward
+from services.worker.rope import rope_tables
 from services.worker.state_pool import StateLayerSpec, StatePool
 from services.worker.weights import LayerWeights, ModelWeights
 from shared.model_config import ModelConfig
@@ -35,7 +37,8 @@ class HybridLayer:
     ffn_norm: torch.Tensor  # [H]
     moe: MoEWeights  # routed experts (may be none) and the shared MLP
     mamba: Mamba2Weights | None = None  # a Mamba2 layer, else attention:
-    attention: LayerWeights | None = None  # qkv and o only
+    attention: LayerWeights | None = None  # qkv and o (Qwen3-Next: q/k norms too)
+    delta: GatedDeltaWeights | None = None  # a gated DeltaNet layer (Qwen3-Next)
 
 
 def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
@@ -47,6 +50,10 @@ def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
         if kind == "mamba2":
             _inner, conv_dim = mamba2_dims(c)
             shape = (c.mamba_heads, c.mamba_head_dim, c.mamba_state)
+            specs.append(StateLayerSpec(kind, conv_dim, c.conv_width, shape))
+        elif kind == "gated_delta":
+            _key, conv_dim = gated_delta_dims(c)
+            shape = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim)
             specs.append(StateLayerSpec(kind, conv_dim, c.conv_width, shape))
         elif kind == "attention":
             specs.append(None)
@@ -117,6 +124,65 @@ def load_granite_layers(
     return layers
 
 
+def load_qwen3_next_layers(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype
+) -> list[HybridLayer]:
+    """Qwen3-Next's layers from its Hugging Face tensors (popped as they are taken). Its
+    RMSNorms scale by (1 + w): the weights are stored here as 1 + w, so the plain norm
+    runs them."""
+    from services.worker.loader import _moe_weights
+
+    c = config.hybrid
+    assert c is not None and config.moe is not None
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"weight {name!r} missing from the model files")
+        return tensors.pop(name).to(dtype)
+
+    def one_plus(name: str) -> torch.Tensor:
+        return (1.0 + tensors.pop(name).float()).to(dtype)
+
+    layers = []
+    for i, kind in enumerate(c.layer_kinds):
+        p = f"model.layers.{i}"
+        if not config.moe.sparse_layers[i]:
+            raise ValueError(f"qwen3_next: dense layer {i} (mlp_only_layers) is not run yet")
+        ffn = _moe_weights(tensors, config, i, lambda n, alone=True: take(n))
+        s = f"{p}.mlp.shared_expert"
+        ffn.shared_gate_up = torch.cat(
+            [take(f"{s}.gate_proj.weight"), take(f"{s}.up_proj.weight")]
+        ).contiguous()
+        ffn.shared_down = take(f"{s}.down_proj.weight")
+        ffn.shared_gate = take(f"{p}.mlp.shared_expert_gate.weight")
+        layer = HybridLayer(
+            attn_norm=one_plus(f"{p}.input_layernorm.weight"),
+            ffn_norm=one_plus(f"{p}.post_attention_layernorm.weight"),
+            moe=ffn,
+        )
+        if kind == "gated_delta":
+            m = f"{p}.linear_attn"
+            layer.delta = GatedDeltaWeights(
+                in_proj_qkvz=take(f"{m}.in_proj_qkvz.weight"),
+                in_proj_ba=take(f"{m}.in_proj_ba.weight"),
+                conv_weight=take(f"{m}.conv1d.weight").squeeze(1).contiguous(),
+                dt_bias=take(f"{m}.dt_bias"),
+                A=-torch.exp(tensors.pop(f"{m}.A_log").float()),
+                norm=take(f"{m}.norm.weight"),  # the gated norm scales by w itself
+                out_proj=take(f"{m}.out_proj.weight"),
+            )
+        else:
+            a = f"{p}.self_attn"
+            qkv = torch.cat([take(f"{a}.{n}_proj.weight") for n in "qkv"]).contiguous()
+            layer.attention = LayerWeights(
+                attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None,
+                o=take(f"{a}.o_proj.weight"), ffn_norm=layer.ffn_norm, gate_up=None, down=None,
+                q_norm=one_plus(f"{a}.q_norm.weight"), k_norm=one_plus(f"{a}.k_norm.weight"),
+            )  # fmt: skip
+        layers.append(layer)
+    return layers
+
+
 class HybridModel:
     def __init__(
         self,
@@ -140,6 +206,17 @@ class HybridModel:
         self.attn = LlamaModel(config, shell, ops, self.max_positions)
         if self.hybrid.attention_multiplier is not None:
             self.attn.scale = self.hybrid.attention_multiplier
+        # Qwen3-Next: q_proj yields each head's query and its output gate, and only the
+        # first partial_rotary_factor of each head's dims rotate.
+        self.gated = config.architecture == "qwen3_next"
+        self.rotary_dim = int(config.head_dim * self.hybrid.partial_rotary_factor)
+        if self.rotary_dim != config.head_dim:
+            self.cos, self.sin = rope_tables(
+                self.rotary_dim, self.max_positions, config.rope_theta, embed.device,
+                config.extra.get("rope") or {"rope_type": "default"},
+            )  # fmt: skip
+        else:
+            self.cos, self.sin = self.attn.cos, self.attn.sin
 
     def new_state_pool(self, num_slots: int) -> StatePool:
         return StatePool(state_specs(self.config), num_slots, self.embed.device)
@@ -163,6 +240,13 @@ class HybridModel:
                     ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
                     batch.max_query_len,
                 )  # fmt: skip
+            elif layer.delta is not None:
+                conv, state = pool.conv[i], pool.ssm[i]
+                assert conv is not None and state is not None
+                out = gated_delta_mixer(
+                    ops, h_cfg, eps, h, layer.delta, conv, state, batch.query_start, slots,
+                    batch.max_query_len,
+                )  # fmt: skip
             else:
                 out = self._attention(h, layer, batch, kv_cache, i)
             x = x + out * h_cfg.residual_multiplier
@@ -181,15 +265,39 @@ class HybridModel:
         assert w is not None
         t = h.shape[0]
         q_size, kv_size = self.attn.q_size, self.attn.kv_size
-        q, k, v = ops_split(self.ops.linear(h, w.qkv), q_size, kv_size)
+        gate = None
+        if self.gated:
+            q2, k, v = ops_split(self.ops.linear(h, w.qkv), 2 * q_size, kv_size)
+            q, gate = q2.reshape(t, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+        else:
+            q, k, v = ops_split(self.ops.linear(h, w.qkv), q_size, kv_size)
+        if w.q_norm is not None and w.k_norm is not None:  # over each head's D
+            eps = c.rms_norm_eps
+            q = self.ops.rms_norm(q.reshape(-1, c.head_dim), w.q_norm, eps)
+            k = self.ops.rms_norm(k.reshape(-1, c.head_dim), w.k_norm, eps)
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         if self.hybrid.rope:
-            self.ops.rotary(q, k, batch.positions, self.attn.cos, self.attn.sin)
+            q, k = self._rotate(q, k, batch.positions)
         self.ops.store_kv(k, v, kv.k[i], kv.v[i], batch.slot_mapping)
-        out = self.attn._attend(q, batch, kv.k[i], kv.v[i], None)
-        return self.ops.linear(out.reshape(t, q_size), w.o)
+        out = self.attn._attend(q, batch, kv.k[i], kv.v[i], None).reshape(t, q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(t, q_size))
+        return self.ops.linear(out, w.o)
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary on the first rotary_dim dims of each head (all of them by default)."""
+        rd = self.rotary_dim
+        if rd == q.shape[-1]:
+            q, k = q.contiguous(), k.contiguous()
+            self.ops.rotary(q, k, positions, self.cos, self.sin)
+            return q, k
+        qr, kr = q[..., :rd].contiguous(), k[..., :rd].contiguous()
+        self.ops.rotary(qr, kr, positions, self.cos, self.sin)
+        return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
 
     def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         moe = self.config.moe
@@ -209,15 +317,19 @@ def ops_split(qkv: torch.Tensor, q_size: int, kv_size: int):
 def load_hybrid_model(
     folder: Path, config: ModelConfig, ops: KernelOps, dtype: torch.dtype = torch.float32
 ) -> HybridModel:
-    """A Granite 4.0-H model from a Hugging Face folder, on the CPU."""
+    """A Granite 4.0-H or Qwen3-Next model from a Hugging Face folder."""
     from services.worker.loader import _safetensors_tensors
 
-    if config.architecture != "granitemoehybrid":
-        raise ValueError(f"{config.architecture}: the hybrid model runs granitemoehybrid only")
+    loaders = {"granitemoehybrid": load_granite_layers, "qwen3_next": load_qwen3_next_layers}
+    if config.architecture not in loaders:
+        raise ValueError(f"{config.architecture}: not a hybrid family ({', '.join(loaders)})")
     tensors = _safetensors_tensors(folder)
-    layers = load_granite_layers(tensors, config, dtype)
+    layers = loaders[config.architecture](tensors, config, dtype)
     embed = tensors.pop("model.embed_tokens.weight").to(dtype)
     lm = tensors.pop("lm_head.weight", None)
     lm_head = embed if config.tie_word_embeddings or lm is None else lm.to(dtype)
-    norm = tensors.pop("model.norm.weight").to(dtype)
+    norm = tensors.pop("model.norm.weight").float()
+    if config.architecture == "qwen3_next":  # (1 + w), as its layers' norms
+        norm = 1.0 + norm
+    norm = norm.to(dtype)
     return HybridModel(config, embed, layers, norm, lm_head, ops)

@@ -306,6 +306,7 @@ _MOE_LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 

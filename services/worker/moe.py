@@ -25,6 +25,8 @@ class MoEWeights:
     correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek-V3)
     shared_gate_up: torch.Tensor | None = None  # [2 Is, H]: the shared experts, fused
     shared_down: torch.Tensor | None = None  # [H, Is]
+    # [1, H]: the shared experts' output scaled by sigmoid(h @ shared_gate.T) (Qwen3-Next)
+    shared_gate: torch.Tensor | None = None
 
 
 def route(config: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None):
@@ -46,5 +48,7 @@ def moe_forward(ops: KernelOps, config: MoEConfig, h: torch.Tensor, w: MoEWeight
     out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
     if w.shared_gate_up is not None and w.shared_down is not None:
         shared = ops.linear(ops.silu_mul(ops.linear(h, w.shared_gate_up)), w.shared_down)
+        if w.shared_gate is not None:
+            shared = shared * torch.sigmoid(ops.linear(h, w.shared_gate))
         out = out + shared
     return out

@@ -1,5 +1,5 @@
-"""Granite 4.0-H (granitemoehybrid) end to end in the worker's hybrid model: several rows
-of mixed lengths through the paged KV cache and the state pool, chunked prefill then
+"""The hybrid families (Granite 4.0-H, Qwen3-Next) end to end in the worker's hybrid model:
+several rows of mixed lengths through the paged KV cache and the state pool, chunked prefill then
 greedy decode, against transformers token for token and logit for logit."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ PROMPTS = ([5, 17, 99, 3, 42, 8, 77, 120, 9], [33, 6, 200, 14], [61, 2, 250, 7, 
 NEW_TOKENS = 4
 
 
-@pytest.fixture(scope="module")
-def granite(tmp_path_factory: pytest.TempPathFactory):
-    folder = save_tiny_family(tmp_path_factory.mktemp("gm") / "granite", "granitemoehybrid")
+@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
+def hybrid(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    folder = save_tiny_family(tmp_path_factory.mktemp("hm") / request.param, request.param)
     config = load_model_config(resolve_model(str(folder)))
     model = load_hybrid_model(folder, config, TorchOps(native=None))
     return model, load_reference(folder)
@@ -89,8 +89,8 @@ def _generate(model: HybridModel, slots: list[int], pool: StatePool | None = Non
     return out, pool
 
 
-def test_chunked_prefill_and_greedy_decode_equal_transformers(granite) -> None:
-    model, ref = granite
+def test_chunked_prefill_and_greedy_decode_equal_transformers(hybrid) -> None:
+    model, ref = hybrid
     got, _ = _generate(model, [2, 3, 4])
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         want, gap = reference_greedy(ref, prompt, NEW_TOKENS)
@@ -98,8 +98,8 @@ def test_chunked_prefill_and_greedy_decode_equal_transformers(granite) -> None:
         assert tokens == want
 
 
-def test_full_prompt_logits_within_1e4(granite) -> None:
-    model, ref = granite
+def test_full_prompt_logits_within_1e4(hybrid) -> None:
+    model, ref = hybrid
     kv = KVCache(model.config, 64, BS, torch.float32, torch.device("cpu"))
     pool = model.new_state_pool(4)
     rows = [(p, 0) for p in PROMPTS]
@@ -110,8 +110,8 @@ def test_full_prompt_logits_within_1e4(granite) -> None:
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
-def test_scattered_slots_and_reused_slots_give_the_same_tokens(granite) -> None:
-    model, _ = granite
+def test_scattered_slots_and_reused_slots_give_the_same_tokens(hybrid) -> None:
+    model, _ = hybrid
     ssm_reference.PATHS.clear()
     contiguous, pool = _generate(model, [2, 3, 4])
     assert ssm_reference.PATHS["view"] > 0

@@ -88,6 +88,10 @@ def save_tiny_family(folder: Path, family: str, seed: int = 0, **changes: Any) -
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
                 buffer.normal_(0.0, 0.5)
+        if family in HYBRID_FAMILIES:  # norms start at one (or zero for (1 + w)): move them
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder)
     return folder
 

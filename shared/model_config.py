@@ -295,6 +295,12 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
     if arch == "granitemoehybrid" and cfg.get("position_embedding_type") not in (None, "rope"):
         kind = cfg["position_embedding_type"]
         raise ValueError(f"{arch}: unsupported position_embedding_type {kind!r}")
+    limit = cfg.get("time_step_limit")
+    if arch == "granitemoehybrid" and limit is not None:
+        # transformers writes infinity as {"__float__": "Infinity"} (JSON has none)
+        low, high = (float(x["__float__"] if isinstance(x, dict) else x) for x in limit)
+        if low > 0.0 or high != float("inf"):  # the decode kernels do not clamp dt
+            raise ValueError(f"{arch}: unsupported time_step_limit {[low, high]}")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: unsupported mlp_bias=True")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0 and arch != "qwen3_next":

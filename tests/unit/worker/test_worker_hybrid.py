@@ -109,3 +109,9 @@ def test_serving_check_passes_a_dense_family(tmp_path: Path) -> None:
     folder = save_tiny_family(tmp_path / "qwen3", "qwen3")
     check_servable(resolve_model(str(folder)))
     check_servable_model(Settings(model=str(folder)))
+
+
+def test_granite_time_step_limit_that_would_clamp_is_refused(tmp_path: Path) -> None:
+    folder = save_tiny_family(tmp_path / "g", "granitemoehybrid", time_step_limit=(0.0, 0.5))
+    with pytest.raises(ValueError, match="time_step_limit"):
+        load_model_config(resolve_model(str(folder)))

@@ -123,3 +123,20 @@ def test_scattered_slots_and_reused_slots_give_the_same_tokens(hybrid) -> None:
     assert pool.ssm[0] is not None and pool.ssm[0][2:5].abs().max() > 0
     again, _ = _generate(model, [2, 3, 4], pool)
     assert again == contiguous
+
+
+def test_granite_without_rope_equals_transformers(tmp_path) -> None:
+    folder = save_tiny_family(
+        tmp_path / "granite", "granitemoehybrid", position_embedding_type=None
+    )
+    config = load_model_config(resolve_model(str(folder)))
+    assert config.hybrid is not None and not config.hybrid.rope
+    model, ref = load_hybrid_model(folder, config, TorchOps(native=None)), load_reference(folder)
+    kv = KVCache(model.config, 64, BS, torch.float32, torch.device("cpu"))
+    rows = [(p, 0) for p in PROMPTS]
+    with torch.inference_mode():
+        logits = model.forward(
+            _batch(rows, _tables(), [0, 1, 2], [True] * 3, False), kv, model.new_state_pool(3)
+        )
+    want = torch.cat([reference_logits(ref, p) for p in PROMPTS])
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)

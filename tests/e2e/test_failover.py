@@ -91,9 +91,13 @@ def test_a_worker_killed_its_streams_finish_on_the_other(two_workers):
         futures = [pool.submit(stream_generate, url, p, NEW_TOKENS) for p in PROMPTS]
 
         def both_busy() -> dict[str, float]:
-            live = per_worker(metrics(url), "spillway_worker_requests")
+            # Every stream admitted and running (a request still waiting for admission
+            # when its worker dies moves too, but is no migration of a started one).
+            samples = metrics(url)
+            live = per_worker(samples, "spillway_worker_requests")
+            running = samples["spillway_requests_running"]
             if len(live) == 2 and sum(live.values()) == STREAMS and min(live.values()) > 0:
-                return live
+                return live if running == STREAMS else {}
             return {}
 
         placed = wait_until(both_busy, 60)

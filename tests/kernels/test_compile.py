@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ["decode", "prefill", "store_kv", "rms_norm", "rotary", "fused_moe"]
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict[str, list[dict]]:
+def compile_report(module: str) -> dict[str, list[dict]]:
+    """What a compile-check module (run without the interpreter) reports, by launcher."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.compile_check"],
+        [sys.executable, "-m", module],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -36,6 +36,11 @@ def compiled() -> dict[str, list[dict]]:
     for entry in entries:
         by_launcher.setdefault(entry["launcher"], []).append(entry)
     return by_launcher
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, list[dict]]:
+    return compile_report("tests.kernels.compile_check")
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)

@@ -41,7 +41,8 @@ from collections.abc import Iterable, Iterator
 from services.scheduler.admission import admission_error, invalid_request
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow, PlannedSpill
+from services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow
+from services.scheduler.kv_orders import KVOrders
 from services.scheduler.moe_stats import MoEStats
 from services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
 from services.scheduler.preemption import PreemptionPolicy
@@ -112,12 +113,8 @@ class SchedulerCore:
         self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, arrival, id)
         self._slots = SlotAllocator()
         self._inflight: dict[int, InflightStep] = {}
-        # What the next plan carries besides rows (see StepPlan's field order).
-        self._worker_must_forget: list[str] = []
-        self._next_spills: list[tuple[Sequence, KVSpill]] = []
-        self._next_prefix_stores: list[PrefixBlock] = []
-        self._next_loads: list[tuple[Sequence, KVRestore | PrefixLoad, int]] = []
-        self._spill_drops: list[SpillRef] = []
+        # What the next plan carries besides rows, and the spills the store may delete.
+        self.orders = KVOrders()
         # Hashes recently written to the shared tier (not written again while here).
         self._tier_stored: OrderedDict[int, None] = OrderedDict()
         self._news: dict[str, RequestDelta] = {}
@@ -166,7 +163,7 @@ class SchedulerCore:
         if old_layout is not None and old_layout != info.kv_layout:
             for seq in list(self._swapped):
                 self._unswap_to_recompute(seq)
-        self._worker_must_forget.clear()
+        self.orders.clear_forgets()
         self.worker = info
         self.blocks = BlockManager(info.num_kv_blocks, info.block_size)
         self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
@@ -217,10 +214,7 @@ class SchedulerCore:
             self._forget_worker_state(seq)
             seq.kv_pending = False
             if seq.spilled is not None and not seq.spilled.confirmed:
-                self._spill_drops.append(
-                    SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id)
-                )
-                seq.spilled = None
+                self.orders.drop_spill(seq)
                 seq.status = SequenceStatus.PREEMPTED
             if seq.state_slot is not None:
                 self._slots.release(seq.state_slot)
@@ -234,7 +228,7 @@ class SchedulerCore:
         for seq in self._finishing:
             self._forget_worker_state(seq)
         self._retire_finished()
-        self._worker_must_forget.clear()
+        self.orders.clear_forgets()
         self.worker = None
         self.blocks = None
 
@@ -261,11 +255,7 @@ class SchedulerCore:
                 if seq.status is SequenceStatus.SWAPPED and same_layout:
                     self._swapped.append(seq)
                 else:
-                    if seq.spilled is not None:
-                        self._spill_drops.append(
-                            SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id)
-                        )
-                        seq.spilled = None
+                    self.orders.drop_spill(seq)
                     self._requeue_for_recompute(seq)
             if not self._fits_worker(seq.num_tokens):
                 self._finish(
@@ -434,11 +424,7 @@ class SchedulerCore:
         start = self.clock.now()
         self.ticks.current = "step"
         num_tokens = num_sampled = 0
-        for outcome in result.spills:
-            if not outcome.ok:
-                self.last_spill_error = outcome.error or ""
-        self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
-        self._apply_loads(step, set(result.lost_seq_ids))
+        self._apply_kv_outcomes(step, result)
         sampled = {r.seq_id: r for r in result.rows}
         for row in step.rows:
             seq = row.seq
@@ -506,11 +492,8 @@ class SchedulerCore:
 
     def _void(self, step: InflightStep) -> list[Sequence]:
         """Undoes a step's bookkeeping; returns the running sequences it had rows for."""
-        self._worker_must_forget.extend(step.forgets)
-        if step.spills:  # not refused by the store: the step's answer never came
-            self.last_spill_error = "the step carrying the spill was lost"
-        self._apply_spill_outcomes(step, {})
-        self._apply_loads(step, {load.seq.request_id for load in step.loads})
+        self.orders.forget_all(step.forgets)
+        self._apply_kv_outcomes(step, None)
         live: list[Sequence] = []
         for row in step.rows:
             if self._settle_row(row) and row.seq.status is SequenceStatus.RUNNING:
@@ -528,6 +511,15 @@ class SchedulerCore:
         seq.num_inflight_rows -= 1
         return True
 
+    def _apply_kv_outcomes(self, step: InflightStep, result: StepResult | None) -> None:
+        """The one place where what a step did with its KV orders takes effect (`result`
+        None: the step is void, so it wrote and read nothing)."""
+        outcomes = self.orders.outcomes(step, result)
+        if outcomes.spill_error is not None:
+            self.last_spill_error = outcomes.spill_error
+        self._apply_spill_outcomes(step, outcomes.written)
+        self._apply_loads(step, outcomes.lost)
+
     def _apply_spill_outcomes(self, step: InflightStep, ok: dict[tuple[str, int], bool]) -> None:
         for spill in step.spills:
             seq = spill.seq
@@ -538,7 +530,7 @@ class SchedulerCore:
                 seq.spilled.confirmed = True
                 continue
             # Nothing (complete) to read back: whatever was written goes.
-            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=spill.spill_id))
+            self.orders.drop(seq.request_id, spill.spill_id)
             if not current:
                 continue
             if not written:
@@ -564,11 +556,7 @@ class SchedulerCore:
                     seq.num_cached_tokens -= load.num_tier_tokens
                 self._kv_lost(seq)
                 continue
-            if seq.spilled is not None:  # a swap-in: the spill is not needed any more
-                self._spill_drops.append(
-                    SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id)
-                )
-                seq.spilled = None
+            self.orders.drop_spill(seq)  # a swap-in: the spill is not needed any more
             self.prefix_hit_tokens += load.num_tier_tokens
 
     def _recover_row_cap(self) -> None:
@@ -643,8 +631,7 @@ class SchedulerCore:
 
     def take_spill_drops(self) -> list[SpillRef]:
         """Spills the store may delete (resumed, finished, aborted, failed, recomputed)."""
-        drops, self._spill_drops = self._spill_drops, []
-        return drops
+        return self.orders.take_drops()
 
     def spill_store_reported(self, ok: bool, free_bytes: int) -> None:
         self.policy.store_reported(ok, free_bytes, self.clock.now())
@@ -665,7 +652,7 @@ class SchedulerCore:
             or len(self._preempted)
             or self._swapped
             or self._finishing
-            or self._has_pending_orders()
+            or self.orders.pending
         )
 
     @property
@@ -813,7 +800,7 @@ class SchedulerCore:
                 spill_id=seq.num_spills,
                 block_ids=seq.block_ids[:num_blocks],
             )
-            self._next_spills.append((seq, spill))
+            self.orders.spill(seq, spill)
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
         if mode == "spill":
@@ -832,7 +819,7 @@ class SchedulerCore:
         planned past a load in flight). A swap-in is undone (the spill is still in the
         store: True); a prefix load is dropped and the sequence recomputes from scratch."""
         assert self.blocks is not None
-        self._next_loads = [entry for entry in self._next_loads if entry[0] is not seq]
+        self.orders.cancel_load(seq)
         seq.kv_pending = False
         if seq.spilled is None:
             seq.num_computed_tokens = 0
@@ -850,9 +837,7 @@ class SchedulerCore:
         del self._running[seq.request_id]
         self._bump_epoch(seq)
         seq.kv_pending = False
-        if seq.spilled is not None:
-            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
-            seq.spilled = None
+        self.orders.drop_spill(seq)
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
         self._requeue_for_recompute(seq)
@@ -871,8 +856,7 @@ class SchedulerCore:
 
     def _unswap_to_recompute(self, seq: Sequence) -> None:
         assert seq.spilled is not None
-        self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
-        seq.spilled = None
+        self.orders.drop_spill(seq)
         self._swapped.remove(seq)
         self._requeue_for_recompute(seq)
 
@@ -881,7 +865,7 @@ class SchedulerCore:
         voided): it forgets it and takes it afresh; its computed KV stays valid."""
         self._bump_epoch(seq)
         if seq.known_to_worker:
-            self._worker_must_forget.append(seq.request_id)
+            self.orders.forget(seq.request_id)
         seq.known_to_worker = False
         seq.num_blocks_sent = 0
 
@@ -894,7 +878,7 @@ class SchedulerCore:
     def _forget_worker_state(self, seq: Sequence) -> None:
         """The sequence's KV is gone (or moved): the worker must drop it."""
         if seq.known_to_worker:
-            self._worker_must_forget.append(seq.request_id)
+            self.orders.forget(seq.request_id)
         seq.known_to_worker = False
         seq.num_blocks_sent = 0
         seq.block_ids = []
@@ -958,7 +942,7 @@ class SchedulerCore:
                 for i, h in enumerate(tier)
             ]
             load = PrefixLoad(seq_id=seq.request_id, blocks=blocks)
-            self._next_loads.append((seq, load, len(tier) * bs))
+            self.orders.load(seq, load, len(tier) * bs)
             seq.kv_pending = True
         seq.status = SequenceStatus.RUNNING
         self._running[seq.request_id] = seq
@@ -1065,11 +1049,10 @@ class SchedulerCore:
                 block_ids=block_ids[len(hits) : spilled.num_blocks],
                 first_block=len(hits),
             )
-            self._next_loads.append((seq, restore, 0))
+            self.orders.load(seq, restore, 0)
             seq.kv_pending = True
         else:  # the prefix cache held it all: the spill is not needed any more
-            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=spilled.spill_id))
-            seq.spilled = None
+            self.orders.drop_spill(seq)
         log.info(
             "swap-in: restored %s (seq_len=%d, blocks=%d, of which %d still cached)",
             seq.request_id,
@@ -1098,26 +1081,17 @@ class SchedulerCore:
 
     # --- internals: plans -----------------------------------------------------------
 
-    def _has_pending_orders(self) -> bool:
-        return bool(
-            self._next_spills
-            or self._next_prefix_stores
-            or self._next_loads
-            or self._worker_must_forget
-        )
-
     def _drop_pending_orders(self) -> None:
         """Orders for a worker that is gone: spills never made, loads never done."""
-        for seq, spill in self._next_spills:
+        spills, loads = self.orders.discard()
+        for seq, spill in spills:
             if seq.spilled is not None and seq.spilled.spill_id == spill.spill_id:
                 self._spill_became_recompute()  # the order was never sent
                 if seq.status is SequenceStatus.SWAPPED:
                     self._unswap_to_recompute(seq)
                 else:
                     seq.spilled = None
-        self._next_spills = []
-        self._next_prefix_stores = []
-        for seq, _, _ in self._next_loads:
+        for seq, _, _ in loads:
             if seq.status is SequenceStatus.RUNNING and seq.spilled is not None:
                 # A swap-in never done: the spilled data is still where it was.
                 assert self.blocks is not None
@@ -1127,23 +1101,13 @@ class SchedulerCore:
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.SWAPPED
                 self._swapped.append(seq)
-        self._next_loads = []
 
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan | None:
-        if not scheduled and not self._has_pending_orders():
+        if not scheduled and not self.orders.pending:
             return None
-        forgets = list(dict.fromkeys(self._worker_must_forget))
-        plan = StepPlan(
-            step_id=next(self._step_ids),
-            spills=[spill for _, spill in self._next_spills],
-            prefix_stores=self._next_prefix_stores,
-            finished_seq_ids=forgets,
-        )
-        step = InflightStep(plan.step_id, forgets=list(forgets))
-        step.spills = [PlannedSpill(seq, spill.spill_id) for seq, spill in self._next_spills]
-        self._worker_must_forget = []
-        self._next_spills = []
-        self._next_prefix_stores = []
+        plan = StepPlan(step_id=next(self._step_ids))
+        step = InflightStep(plan.step_id)
+        self.orders.into_plan(plan, step)
         for seq in sorted((self._running[i] for i in scheduled), key=lambda s: s.sort_slot):
             num_tokens = scheduled[seq.request_id]
             kind: RowKind = "decode" if seq.is_decoding else "prefill"
@@ -1159,7 +1123,7 @@ class SchedulerCore:
                 plan.new_seqs.append(diff)
             elif diff is not None:
                 plan.updated_seqs.append(diff)
-        for seq, order, tier_tokens in self._next_loads:
+        for seq, order, tier_tokens in self.orders.take_loads():
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             if isinstance(order, KVRestore):
@@ -1169,7 +1133,6 @@ class SchedulerCore:
             step.loads.append(PlannedLoad(seq, seq.epoch, tier_tokens))
             if not seq.known_to_worker:  # no row for it this step: the worker needs it
                 plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
-        self._next_loads = []
         self._inflight[plan.step_id] = step
         if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
             log.debug("CONC_DIAG %s", self.batch_diagnostics())
@@ -1211,9 +1174,7 @@ class SchedulerCore:
         if seq.is_finished:
             return
         self._unplace(seq)
-        if seq.spilled is not None:
-            self._spill_drops.append(SpillRef(seq_id=seq.request_id, spill_id=seq.spilled.spill_id))
-            seq.spilled = None
+        self.orders.drop_spill(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -1251,9 +1212,7 @@ class SchedulerCore:
                     self._tier_stored.move_to_end(h)
                     continue
                 self._tier_stored[h] = None
-                self._next_prefix_stores.append(
-                    PrefixBlock(block_id=block_id, block_hash=hash_hex(h))
-                )
+                self.orders.store_prefix(PrefixBlock(block_id=block_id, block_hash=hash_hex(h)))
         while len(self._tier_stored) > self.config.prefix_tier_blocks:
             self._tier_stored.popitem(last=False)
 

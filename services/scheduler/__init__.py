@@ -1,7 +1,14 @@
 """The scheduler: queues, the KV block allocator and continuous batching.
 
-Pure core (no bus, no asyncio, no torch):
+Pure cores (no bus, no asyncio, no torch):
+    fleet.py          Fleet: every worker together, events in, effects out (placement,
+                      membership, migration, drains, hangs, outages, gateways, lease, stats)
+    fleet_events.py   what happens to a scheduler (submitted, step returned, ticked, ...)
+    fleet_effects.py  what the fleet asks of the shell (send step, send deltas, drop spills)
+    fleet_stats.py    ended lanes' counters, pooled KV usage, each worker's load
+    pipeline.py       Pipeline: one worker's core, its steps in flight and its ticks
     core.py           SchedulerCore: the tick's state machine
+    kv_orders.py      KVOrders: forgets, spills, prefix stores, loads, drops; their outcomes
     sequence.py       Sequence: tokens, computed tokens, blocks, what the worker knows
     inflight.py       InflightStep: what the core remembers of a step until its result
     block_manager.py  BlockManager: logical KV blocks, one free queue in eviction order
@@ -16,13 +23,15 @@ Pure core (no bus, no asyncio, no torch):
     deltas.py         one delta per request per tick
     observer.py       SchedulerObserver: what the core reports (spans, timings)
     registry.py       WorkerRegistry: heartbeats and expiry
+    gateway_watch.py  GatewayWatch: which gateways holding requests here have died
     step_timing.py    rolling medians of where a step's time goes
     phase_stats.py    PhaseStats: tick phases timed in-process (for /metrics)
     config.py         SchedulerConfig
-Shell:
-    lane.py           Lane: one worker's core, its steps in flight and its tick loop
+Shell (the only code on the bus):
+    service.py        serve(): the NATS subjects, turned into fleet events; the effects
+                      carried out in order; the timers, the spill store's health
+    lane.py           carry(): a step's trip to its worker and its reply back
     tracing.py        SpanObserver: OpenTelemetry spans from the observer calls
-    service.py        serve(): the NATS subjects, the lanes, leases and migration
 
 No torch, and no import of another service (`lint-imports` checks both).
 """

@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -107,7 +106,7 @@ class _Touch:
 
 @dataclass
 class _LaneTick:
-    """One lane's tick in progress (each lane ticks in its own asyncio task)."""
+    """One lane's tick in progress (the fleet enters a lane before working on it)."""
 
     worker_id: str
     number: int = 0
@@ -136,7 +135,9 @@ class SpanObserver:
         self._steps: dict[int, tuple[StepPlan, Span]] = {}  # id(plan) -> its step span
         # Retired in a phase not timed yet: their retire span is made when it is.
         self._retired: dict[str, _RequestSpans] = {}
-        self._lane: ContextVar[_LaneTick | None] = ContextVar(f"lane-{id(self)}", default=None)
+        # Each lane's tick state; the one being worked on now (None: outside every lane).
+        self._lanes: dict[str, _LaneTick] = {}
+        self._current: _LaneTick | None = None
 
     # --- called by the shell --------------------------------------------------------
 
@@ -163,17 +164,26 @@ class SpanObserver:
         context = self.context_of(request_id)
         return inject(context).get("traceparent") if context is not None else None
 
+    def enter_lane(self, worker_id: str) -> None:
+        """What the core reports from now on happens in this worker's lane."""
+        lane = self._lanes.get(worker_id)
+        if lane is None:
+            lane = self._lanes[worker_id] = _LaneTick(worker_id)
+        self._current = lane
+
+    def leave_lane(self) -> None:
+        self._current = None
+
     def start_tick(self, worker_id: str = "") -> None:
-        lane = self._lane.get()
-        if lane is None or lane.worker_id != worker_id:
-            lane = _LaneTick(worker_id)
-            self._lane.set(lane)
+        self.enter_lane(worker_id)
+        lane = self._current
+        assert lane is not None
         if self.tel.exporting:
             attributes = {"spillway.worker.id": worker_id} if worker_id else None
             lane.span = self.tracer.start_span("scheduler.tick", attributes=attributes)
 
     def end_tick(self, attributes: dict[str, int]) -> None:
-        lane = self._lane.get()
+        lane = self._current
         if lane is not None and lane.span is not None:
             lane.span.set_attributes(attributes)
             lane.span.end()
@@ -182,9 +192,10 @@ class SpanObserver:
     def end_lane(self) -> None:
         """The lane's loop ends (its worker left): what it retired outside any phase gets
         its retire span now, and its request span ends."""
-        lane = self._lane.get()
+        lane = self._current
         if lane is None:
             return
+        self._lanes.pop(lane.worker_id, None)
         now = self.clock.now()
         touched, lane.touched = lane.touched, {}
         for request_id in touched:
@@ -196,7 +207,7 @@ class SpanObserver:
 
     def begin_drain(self) -> None:
         """The steps applied from now until the drain phase is timed belong to it."""
-        lane = self._lane.get()
+        lane = self._current
         if lane is not None:
             lane.draining = True
 
@@ -221,7 +232,7 @@ class SpanObserver:
                 # No attributes on links: the linked span names its request, and a
                 # link's attributes double what encoding a batch's links costs.
                 links.append(Link(spans.last_row))
-        lane = self._lane.get()
+        lane = self._current
         parent = trace.set_span_in_context(lane.span) if lane and lane.span else Context()
         span = self.tracer.start_span(
             "scheduler.batch",
@@ -455,14 +466,14 @@ class SpanObserver:
             },
             spans,
         )
-        if self._lane.get() is None:  # retired outside a lane's tick: no phase will come
+        if self._current is None:  # retired outside a lane's tick: no phase will come
             self._phase_span(spans, "retire", self.clock.now(), self.clock.now(), None, [])
             spans.request.end()
 
     def phase_timed(self, phase: Phase, start_s: float, end_s: float) -> None:
         if self.on_phase is not None:
             self.on_phase(phase, end_s - start_s)
-        lane = self._lane.get()
+        lane = self._current
         if lane is None:
             return
         name = PHASE_NAMES.get(phase, phase)
@@ -503,7 +514,7 @@ class SpanObserver:
         attributes: Attributes,
         retired: _RequestSpans | None = None,
     ) -> None:
-        lane = self._lane.get()
+        lane = self._current
         if lane is None:
             return
         if retired is not None:

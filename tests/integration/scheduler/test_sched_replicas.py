@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from services.scheduler import lane as lane_module
+from services.scheduler import fleet as fleet_module
 from services.scheduler.service import serve
 from shared import subjects
 from shared.bus import Bus, BusError
@@ -217,10 +217,10 @@ async def test_a_dead_tick_loop_takes_the_scheduler_down(nats_url):
     gateway = Gateway(await Bus.connect(nats_url, namespace, "test-gateway"))
     await gateway.start()
 
-    async def broken(self) -> None:
+    def broken(self) -> None:
         raise RuntimeError("a bug outside the tick's guard")
 
-    with mock.patch.object(lane_module.Lane, "_idle", broken):
+    with mock.patch.object(fleet_module.Fleet, "next_wakeup", broken):
         stop, task = await _start_scheduler(settings, "s1")
         worker = ScriptedWorker(nats_url, namespace)
         # Its lane starts with its registration (whose reply may not make it out).

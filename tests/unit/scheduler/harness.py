@@ -9,7 +9,7 @@ out with the same tokens as an undisturbed one.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +17,11 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.deltas import merge_deltas
 from services.scheduler.observer import NullObserver
+from services.scheduler.pipeline import Pipeline as LanePipeline
+from services.scheduler.pipeline import PipelineSettings
+from services.scheduler.registry import RegisteredWorker
 from services.scheduler.sequence import Sequence
+from services.scheduler.step_timing import StepTimings
 from shared.clock import FakeClock
 from shared.protocol import (
     ErrorInfo,
@@ -283,48 +287,73 @@ def run_to_completion(
 
 
 class Pipeline:
-    """Drives the core as the service shell does with run-ahead: up to `depth` steps in
-    flight (the fake worker runs each when it is sent, in order, as the real one does),
-    the oldest result applied per tick, a failed step voiding those after it, and the
-    end-of-tick phases with a drain when a finished sequence is still in flight."""
+    """Drives the scheduler's own pipeline (services/scheduler/pipeline.py: the lane's
+    ticks with run-ahead, drains, failed steps voiding those after them) one tick per
+    `tick()`: the fake worker runs each step when it is sent, in order, as the real one
+    does, and its result is handed back when the tick needs it."""
 
     def __init__(self, core: SchedulerCore, worker: FakeWorker, depth: int = 2) -> None:
+        assert (depth > 1) == core.config.run_ahead, "the depth follows config.run_ahead"
+        assert core.worker is not None
         self.core = core
         self.worker = worker
-        self.depth = depth
-        self.inflight: deque[tuple[StepPlan, StepResult]] = deque()
+        self.clock = core.clock
+        self.stopping = False
+        self.registered = RegisteredWorker(core.worker, 1, 0.0)
+        self.lane = LanePipeline(
+            self,
+            self.registered,
+            core,
+            _FleetlessObserver(core.observer),
+            StepTimings(),
+            PipelineSettings(debug_invariants=True),
+            attach=False,
+        )
+        self.results: dict[int, StepResult] = {}
+        self.tickets = itertools.count(1)
+        self.ticks = 0
         self.max_inflight = 0
-        self.drains = 0
+        self._deltas: list[RequestDelta] = []
+
+    @property
+    def inflight(self):
+        return self.lane.inflight
+
+    @property
+    def drains(self) -> int:
+        return self.lane.drains
+
+    # PipelineHost
+    def current(self, worker_id: str) -> RegisteredWorker | None:
+        return self.registered
+
+    def send_step(self, worker_id: str, plan: StepPlan, context: object | None) -> int:
+        ticket = next(self.tickets)
+        self.results[ticket] = self.worker.step(plan)
+        return ticket
+
+    def publish(self, deltas: list[RequestDelta], core: SchedulerCore | None) -> None:
+        self._deltas += deltas
+
+    def publish_tick(self, report) -> None:
+        self.ticks += 1
 
     def tick(self) -> list[RequestDelta]:
-        core = self.core
-        while len(self.inflight) < self.depth and core.can_schedule():
-            plan = core.schedule()
-            if plan is None:
-                break
-            self.inflight.append((plan, self.worker.step(plan)))
-            self.max_inflight = max(self.max_inflight, len(self.inflight))
-        if not self.inflight:
-            deltas = core.end_tick()
-            core.check_integrity()
-            return merge_deltas(deltas)
-        deltas = self._apply_oldest()
-        deltas += core.sweep_deadlines()
-        if core.must_drain():
-            self.drains += 1
-            while self.inflight:
-                deltas += self._apply_oldest()
-        deltas += core.finish_tick()
-        core.check_integrity()
+        """One tick of the lane: the oldest step's result (every one in flight when the
+        tick drains) applied, the end-of-tick phases; the next steps are sent."""
+        ticks = self.ticks
+        if not self.lane.busy:
+            self._advance()
+        while self.ticks == ticks:
+            step = next(s for s in self.lane.inflight if not s.ready)
+            self.lane.returned(step.ticket, self.results.pop(step.ticket))
+            self._advance()
+        deltas, self._deltas = self._deltas, []
         return merge_deltas(deltas)
 
-    def _apply_oldest(self) -> list[RequestDelta]:
-        plan, result = self.inflight.popleft()
-        deltas = self.core.update_from_output(plan, result)
-        if result.error is not None:
-            while self.inflight:
-                self.core.void_step(self.inflight.popleft()[0])
-        return deltas
+    def _advance(self) -> None:
+        assert not self.lane.advance(), "the lane ended"
+        self.max_inflight = max(self.max_inflight, len(self.lane.inflight))
 
     def run(self, outcomes: dict[str, Outcome] | None = None, max_ticks: int = 5000):
         outcomes = {} if outcomes is None else outcomes
@@ -334,6 +363,19 @@ class Pipeline:
             collect(outcomes, self.tick())
         assert not self.core.has_work(), "did not finish"
         return outcomes
+
+
+class _FleetlessObserver:
+    """The lane's own observer calls go to the core's observer where it has them."""
+
+    def __init__(self, observer) -> None:
+        self.observer = observer
+
+    def __getattr__(self, name: str):
+        method = getattr(self.observer, name, None)
+        if method is not None:
+            return method
+        return lambda *args, **kwargs: None
 
 
 class RecordingObserver(NullObserver):

@@ -373,6 +373,10 @@ class WorkerInfo(Message):
     # Random per worker process: a registration with a new boot id is a restarted worker
     # (empty KV cache) even when its worker id is the same.
     boot_id: str = ""
+    # A hybrid model's state pool: slots (one per running sequence) and the float32 bytes
+    # of one slot across the recurrent layers; 0 for a model without recurrent layers.
+    num_state_slots: int = Field(default=0, ge=0)
+    state_slot_bytes: int = Field(default=0, ge=0)
 
 
 class RegisterReply(Message):
@@ -399,6 +403,8 @@ class NewSequence(Message):
     # Tokens the sequence generated so far (non-empty when it comes back after a
     # preemption or spill): per-sequence sampling state is rebuilt from them.
     output_token_ids: list[int] = Field(default_factory=list)
+    # A hybrid model's state slot for it (held while it holds blocks).
+    state_slot: int | None = None
 
 
 class SequenceUpdate(Message):
@@ -436,6 +442,10 @@ class KVSpill(Message):
     seq_id: str
     spill_id: int
     block_ids: list[int]
+    # A hybrid model: the recurrent state in this slot goes too, and must stand at
+    # `state_tokens` tokens (the spill fails otherwise: it would not match the blocks).
+    state_slot: int | None = None
+    state_tokens: int = 0
 
     # W3C traceparent of the scheduler's span for this order, when traces are exported:
     # the worker's span for its I/O becomes its child (a step serves many requests).
@@ -451,6 +461,10 @@ class KVRestore(Message):
     spill_id: int
     block_ids: list[int]
     first_block: int = Field(default=0, ge=0)
+    # A hybrid model: the spilled recurrent state goes into this slot; it then stands at
+    # `state_tokens` tokens.
+    state_slot: int | None = None
+    state_tokens: int = 0
 
     # W3C traceparent of the scheduler's span for this order, when traces are exported:
     # the worker's span for its I/O becomes its child (a step serves many requests).

@@ -48,7 +48,7 @@ from services.scheduler.preemption import PreemptionPolicy
 from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
-from services.scheduler.slots import SlotAllocator
+from services.scheduler.state_slots import StateSlots
 from services.scheduler.step_plan import make_row, worker_diff
 from services.scheduler.stopping import finish_reason_after_token
 from services.scheduler.tick_report import TickLog
@@ -110,7 +110,7 @@ class SchedulerCore:
         self._swapped: list[Sequence] = []  # in spill order
         self._finishing: list[Sequence] = []
         self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, arrival, id)
-        self._slots = SlotAllocator()
+        self._slots = StateSlots()
         self._inflight: dict[int, InflightStep] = {}
         # What the next plan carries besides rows (see StepPlan's field order).
         self._worker_must_forget: list[str] = []
@@ -158,9 +158,11 @@ class SchedulerCore:
         self._drop_pending_orders()
         for seq in self._finishing:
             self._forget_worker_state(seq)
+            self._release_slot(seq)
         for seq in list(self._running.values()):
             del self._running[seq.request_id]
             self._forget_worker_state(seq)
+            self._release_slot(seq)
             seq.status = SequenceStatus.PREEMPTED
             self._preempted.push(seq)
         if old_layout is not None and old_layout != info.kv_layout:
@@ -169,6 +171,7 @@ class SchedulerCore:
         self._worker_must_forget.clear()
         self.worker = info
         self.blocks = BlockManager(info.num_kv_blocks, info.block_size)
+        self._slots = StateSlots.for_worker(info)
         self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
         for seq in self._requests.values():
             seq.block_hashes.clear()  # chained from another root now
@@ -222,9 +225,7 @@ class SchedulerCore:
                 )
                 seq.spilled = None
                 seq.status = SequenceStatus.PREEMPTED
-            if seq.state_slot is not None:
-                self._slots.release(seq.state_slot)
-                seq.state_slot = None
+            self._release_slot(seq)
             del self._requests[seq.request_id]
         self._let_worker_go()
         return leaving
@@ -257,7 +258,6 @@ class SchedulerCore:
                 self._waiting.push(seq)
             else:
                 self.migrations += 1
-                seq.state_slot = self._slots.take()
                 if seq.status is SequenceStatus.SWAPPED and same_layout:
                     self._swapped.append(seq)
                 else:
@@ -337,7 +337,7 @@ class SchedulerCore:
         """The block hashes of a prompt that the local prefix cache misses: what the
         shell asks the shared tier about (in order; the tier answers how many it holds
         from the first)."""
-        if self.blocks is None or not self.config.prefix_cache:
+        if self.blocks is None or not self._prefix_cache_on:
             return []
         hashes = self._hashes_for_lookup(prompt_token_ids, [])
         return hashes[len(self.blocks.lookup(hashes)) :]
@@ -349,6 +349,11 @@ class SchedulerCore:
             seq = self._requests.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort")
+
+    @property
+    def _prefix_cache_on(self) -> bool:
+        """A hybrid worker's blocks resume nothing without the state: no prefix hits."""
+        return self.config.prefix_cache and not self._slots.keeps_state
 
     @property
     def max_batch(self) -> int:
@@ -439,6 +444,7 @@ class SchedulerCore:
                 self.last_spill_error = outcome.error or ""
         self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
         self._apply_loads(step, set(result.lost_seq_ids))
+        self._state_lost(step, result.lost_seq_ids)
         sampled = {r.seq_id: r for r in result.rows}
         for row in step.rows:
             seq = row.seq
@@ -570,6 +576,21 @@ class SchedulerCore:
                 )
                 seq.spilled = None
             self.prefix_hit_tokens += load.num_tier_tokens
+
+    def _state_lost(self, step: InflightStep, lost: list[str]) -> None:
+        """Rows the worker skipped because the sequence's recurrent state was not where
+        the row starts (a failed or voided step may have moved it): recomputed."""
+        loaded = {load.seq.request_id for load in step.loads}
+        for row in step.rows:
+            seq = row.seq
+            if (
+                seq.request_id in lost
+                and seq.request_id not in loaded
+                and seq.epoch == row.epoch
+                and seq.status is SequenceStatus.RUNNING
+            ):
+                log.warning("%s: its recurrent state was lost: recomputing", seq.request_id)
+                self._kv_lost(seq)
 
     def _recover_row_cap(self) -> None:
         if self._row_cap is None:
@@ -731,8 +752,11 @@ class SchedulerCore:
         if len(places) != len(set(places)) or set(places) != set(self._requests):
             raise AssertionError("a sequence is in no place or in two")
         slots = [s.state_slot for s in self._requests.values() if s.state_slot is not None]
-        if len(slots) != len(set(slots)) or set(slots) != self._slots.in_use:
-            raise AssertionError("state slots are shared or leaked")
+        self._slots.check(slots)
+        for seq in self._requests.values():
+            holds = seq.status is SequenceStatus.RUNNING or (seq.is_finished and seq.block_ids)
+            if seq.state_slot is not None and not holds:
+                raise AssertionError(f"{seq.request_id} holds a state slot but no blocks")
         if self.blocks is None:
             if self._requests:
                 raise AssertionError("sequences live without a worker")
@@ -797,13 +821,19 @@ class SchedulerCore:
         choice). Its rows in flight become void."""
         assert self.blocks is not None and self.worker is not None
         del self._running[seq.request_id]
+        spill_allowed = self._slots.spill_allowed(seq.num_inflight_rows)
         self._bump_epoch(seq)
         if seq.kv_pending and self._cancel_load(seq):
             return
         self._commit_blocks(seq)  # a recompute may find its own full blocks again
         num_blocks = self.blocks.blocks_for(seq.num_computed_tokens)
-        mode = self.policy.choose(
-            seq.num_computed_tokens, num_blocks * self.worker.block_bytes, self.clock.now()
+        num_bytes = num_blocks * self.worker.block_bytes
+        if self._slots.keeps_state:  # the recurrent state travels with the blocks
+            num_bytes += self._slots.slot_bytes
+        mode = (
+            self.policy.choose(seq.num_computed_tokens, num_bytes, self.clock.now())
+            if spill_allowed
+            else "recompute"
         )
         if mode == "spill":
             seq.num_spills += 1
@@ -813,9 +843,13 @@ class SchedulerCore:
                 spill_id=seq.num_spills,
                 block_ids=seq.block_ids[:num_blocks],
             )
+            if self._slots.keeps_state:
+                spill.state_slot = seq.state_slot
+                spill.state_tokens = seq.num_computed_tokens
             self._next_spills.append((seq, spill))
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        self._release_slot(seq)
         if mode == "spill":
             seq.status = SequenceStatus.SWAPPED
             self._swapped.append(seq)
@@ -824,7 +858,7 @@ class SchedulerCore:
             self._preempted.push(seq)
         seq.count_preemption(mode)
         self.preemptions[mode] += 1
-        self.ticks.preempted(seq.request_id, mode, num_blocks * self.worker.block_bytes)
+        self.ticks.preempted(seq.request_id, mode, num_bytes)
         self.observer.request_preempted(seq, mode)
 
     def _cancel_load(self, seq: Sequence) -> bool:
@@ -839,6 +873,7 @@ class SchedulerCore:
             return False
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.SWAPPED
         self._swapped.insert(0, seq)
         return True
@@ -855,6 +890,7 @@ class SchedulerCore:
             seq.spilled = None
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        self._release_slot(seq)
         self._requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
 
@@ -901,6 +937,12 @@ class SchedulerCore:
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
 
+    def _release_slot(self, seq: Sequence) -> None:
+        """The sequence holds no blocks any more: nor a state slot (`state_slots`)."""
+        if seq.state_slot is not None:
+            self._slots.release(seq.state_slot)
+            seq.state_slot = None
+
     # --- internals: admission, swap-in, resume --------------------------------------
 
     def _better_ranked_held(self, rank: tuple[int, float, int]) -> bool:
@@ -937,7 +979,7 @@ class SchedulerCore:
         hashes = self._hashes_for_lookup(seq.token_ids, seq.block_hashes)
         hits = self.blocks.lookup(hashes)
         tier = self._tier_blocks(seq, hashes, len(hits)) if use_tier else []
-        if not self.blocks.can_allocate(seq.num_tokens, hits):
+        if not self.blocks.can_allocate(seq.num_tokens, hits) or not self._slots.has_free():
             return None
         bs = self.blocks.block_size
         cached = (len(hits) + len(tier)) * bs
@@ -946,9 +988,10 @@ class SchedulerCore:
         assert block_ids is not None
         seq.block_ids = block_ids
         seq.num_computed_tokens = cached
-        if seq.state_slot is None:  # first admission
-            seq.state_slot = self._slots.take()
-            if self.config.prefix_cache:
+        assert seq.state_slot is None, "a queued sequence holds no slot"
+        seq.state_slot = self._slots.take()
+        if seq.status is SequenceStatus.WAITING:  # first admission
+            if self._prefix_cache_on:
                 self.prefix_query_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += len(hits) * bs
             seq.num_cached_tokens = cached
@@ -968,7 +1011,7 @@ class SchedulerCore:
         """Hashes of the full blocks a lookup may hit: at least one token must be left to
         compute (its logits give the next token)."""
         assert self.blocks is not None
-        if not self.config.prefix_cache:
+        if not self._prefix_cache_on:
             return []
         extend_hashes(chain, token_ids, self.blocks.block_size, self._hash_root)
         return chain[: (len(token_ids) - 1) // self.blocks.block_size]
@@ -996,7 +1039,7 @@ class SchedulerCore:
         assert self.blocks is not None
         if not self.config.spill_store:
             return
-        while len(self._running) < self.max_batch:
+        while len(self._running) < self.max_batch and self._slots.has_free():
             ready = [
                 (s, self._own_hits(s))
                 for s in self._swapped
@@ -1051,6 +1094,7 @@ class SchedulerCore:
         spilled = seq.spilled
         seq.block_ids = block_ids
         seq.num_computed_tokens = spilled.num_tokens
+        seq.state_slot = self._slots.take()
         seq.status = SequenceStatus.RUNNING
         self._running[seq.request_id] = seq
         self.swap_ins += 1
@@ -1065,6 +1109,9 @@ class SchedulerCore:
                 block_ids=block_ids[len(hits) : spilled.num_blocks],
                 first_block=len(hits),
             )
+            if self._slots.keeps_state:
+                restore.state_slot = seq.state_slot
+                restore.state_tokens = spilled.num_tokens
             self._next_loads.append((seq, restore, 0))
             seq.kv_pending = True
         else:  # the prefix cache held it all: the spill is not needed any more
@@ -1123,6 +1170,7 @@ class SchedulerCore:
                 assert self.blocks is not None
                 del self._running[seq.request_id]
                 self.blocks.free(seq.block_ids)
+                self._release_slot(seq)
                 seq.block_ids = []
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.SWAPPED
@@ -1194,7 +1242,7 @@ class SchedulerCore:
 
     def _commit_blocks(self, seq: Sequence) -> None:
         """Registers the sequence's full, computed blocks in the prefix cache."""
-        if self.blocks is None or not self.config.prefix_cache:
+        if self.blocks is None or not self._prefix_cache_on:
             return
         full = seq.num_computed_tokens // self.blocks.block_size
         if full <= seq.num_committed_blocks:
@@ -1237,7 +1285,7 @@ class SchedulerCore:
     def _store_finished(self) -> None:
         """The full blocks of finished sequences go to the shared prefix tier (written by
         the worker before the next step's rows, as the blocks may be reused then)."""
-        if not (self.config.prefix_tier and self.config.prefix_cache) or self.blocks is None:
+        if not (self.config.prefix_tier and self._prefix_cache_on) or self.blocks is None:
             return
         for seq in self._finishing:
             if not seq.block_ids or seq.num_inflight_rows:
@@ -1269,9 +1317,7 @@ class SchedulerCore:
                 assert self.blocks is not None
                 self.blocks.free(seq.block_ids)
             self._forget_worker_state(seq)
-            if seq.state_slot is not None:
-                self._slots.release(seq.state_slot)
-                seq.state_slot = None
+            self._release_slot(seq)
             del self._requests[seq.request_id]
             self.ticks.retired(seq.request_id, seq.finish_reason or "error")
             self.observer.request_retired(seq)

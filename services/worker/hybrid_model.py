@@ -218,6 +218,34 @@ class HybridModel:
         else:
             self.cos, self.sin = self.attn.cos, self.attn.sin
 
+    # Serving: no expert-parallel group, and no decode CUDA graphs (the recurrent layers'
+    # prefill loop reads lengths on the host).
+    experts = None
+    capturable = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def warm_up(self) -> None:
+        """Every projection once, so one-time packing (the CPU backend's) happens at start."""
+        weights = [self.lm_head]
+        for layer in self.layers:
+            for part in (layer.mamba, layer.delta):
+                if part is not None:
+                    weights += [t for t in vars(part).values() if _is_projection(t)]
+            if layer.attention is not None:
+                weights += [layer.attention.qkv, layer.attention.o]
+            shared = (layer.moe.shared_gate_up, layer.moe.shared_down)
+            weights += [t for t in shared if t is not None]
+        with torch.inference_mode():
+            for w in weights:
+                self.ops.linear(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w)
+
     def new_state_pool(self, num_slots: int) -> StatePool:
         return StatePool(state_specs(self.config), num_slots, self.embed.device)
 
@@ -310,12 +338,20 @@ class HybridModel:
         )
 
 
+def _is_projection(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1
+
+
 def ops_split(qkv: torch.Tensor, q_size: int, kv_size: int):
     return qkv.split([q_size, kv_size, kv_size], dim=-1)
 
 
 def load_hybrid_model(
-    folder: Path, config: ModelConfig, ops: KernelOps, dtype: torch.dtype = torch.float32
+    folder: Path,
+    config: ModelConfig,
+    ops: KernelOps,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> HybridModel:
     """A Granite 4.0-H or Qwen3-Next model from a Hugging Face folder."""
     from services.worker.loader import _safetensors_tensors
@@ -323,7 +359,7 @@ def load_hybrid_model(
     loaders = {"granitemoehybrid": load_granite_layers, "qwen3_next": load_qwen3_next_layers}
     if config.architecture not in loaders:
         raise ValueError(f"{config.architecture}: not a hybrid family ({', '.join(loaders)})")
-    tensors = _safetensors_tensors(folder)
+    tensors = {name: t.to(device) for name, t in _safetensors_tensors(folder).items()}
     layers = loaders[config.architecture](tensors, config, dtype)
     embed = tensors.pop("model.embed_tokens.weight").to(dtype)
     lm = tensors.pop("lm_head.weight", None)

@@ -140,6 +140,8 @@ def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInf
         block_bytes=block_bytes(config, runner.block_size, runner.kv_cache.dtype),
         kv_store=transfer is not None and transfer.ping(),
         boot_id=uuid.uuid4().hex,
+        num_state_slots=0 if runner.state_pool is None else runner.state_pool.num_slots,
+        state_slot_bytes=0 if runner.state_pool is None else runner.state_pool.slot_bytes(),
     )
 
 

@@ -126,6 +126,9 @@ class Settings(BaseSettings):
     # A hybrid model's state pool: slots (one per sequence running at once); unset:
     # max_batch. Taken out of the KV cache's memory budget.
     state_slots: int | None = Field(default=None, ge=1)
+    # Its snapshots of states at block boundaries (prefix caching); unset: as many as
+    # state slots; 0: no prefix caching for a hybrid model.
+    state_snapshots: int | None = Field(default=None, ge=0)
     # --- the worker on the CPU ---
     # Math threads of the worker (--threads); unset: every core this process may run on.
     threads: int | None = Field(default=None, ge=1)

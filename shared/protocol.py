@@ -377,6 +377,8 @@ class WorkerInfo(Message):
     # of one slot across the recurrent layers; 0 for a model without recurrent layers.
     num_state_slots: int = Field(default=0, ge=0)
     state_slot_bytes: int = Field(default=0, ge=0)
+    # Snapshots of states at block boundaries (a hybrid model's prefix caching); 0: none.
+    num_state_snapshots: int = Field(default=0, ge=0)
 
 
 class RegisterReply(Message):
@@ -414,6 +416,23 @@ class SequenceUpdate(Message):
     new_block_ids: list[int]
 
 
+class StateSnapshot(Message):
+    """Copy the row's sequence's state, once its first `num_tokens` tokens of this row
+    ran, into snapshot `snapshot` (a hybrid model's prefix caching)."""
+
+    num_tokens: int = Field(ge=1)
+    snapshot: int = Field(ge=0)
+
+
+class StateCopy(Message):
+    """Before the rows: snapshot `snapshot` into the sequence's state slot; its state
+    then stands at `num_tokens` tokens (a prefix hit of a hybrid model)."""
+
+    seq_id: str
+    snapshot: int = Field(ge=0)
+    num_tokens: int = Field(ge=1)
+
+
 class StepRow(Message):
     """One row of a step: tokens to run through the model for one sequence.
 
@@ -430,6 +449,8 @@ class StepRow(Message):
     # Run-ahead: the row's one token is the one the worker sampled last for this sequence
     # (in the step before, whose result the scheduler has not seen); token_ids is empty.
     feed_last: bool = False
+    # Hybrid models: snapshots of the state taken at block boundaries inside this row.
+    state_snapshots: list[StateSnapshot] = Field(default_factory=list)
     # W3C traceparent of the scheduler's span for this row, when traces are exported:
     # the worker's span for the row becomes its child.
     traceparent: str | None = None
@@ -498,6 +519,7 @@ class StepPlan(Message):
     updated_seqs: list[SequenceUpdate] = Field(default_factory=list)
     restores: list[KVRestore] = Field(default_factory=list)
     prefix_loads: list[PrefixLoad] = Field(default_factory=list)
+    state_copies: list[StateCopy] = Field(default_factory=list)
     rows: list[StepRow] = Field(default_factory=list)
 
 

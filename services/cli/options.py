@@ -44,6 +44,9 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
                                      "the next"}),
     ("--state-slots", "state_slots", {"type": int, "help": "hybrid models: recurrent-state "
                                       "slots per worker (sequences running at once)"}),
+    ("--state-snapshots", "state_snapshots", {"type": int, "help": "hybrid models: states "
+                                              "kept at block boundaries for prefix caching "
+                                              "(0: none)"}),
     ("--threads", "threads", {"type": int, "help": "worker math threads on the CPU"}),
     ("--quantize", "quantize", {"choices": ["none", "int8"],
                                 "help": "int8 weights for the CPU projections (faster, changes "
@@ -68,6 +71,7 @@ SHOWN_WHEN_UNSET = {
     "kv_blocks": "sized from memory",
     "threads": "every core available",
     "state_slots": "max-batch",
+    "state_snapshots": "state-slots",
 }
 # Switches that are on unless their --no-... flag is given.
 OFF_SWITCHES = {"prefix_cache", "cuda_graphs", "run_ahead"}

@@ -49,6 +49,7 @@ from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
 from services.scheduler.state_slots import StateSlots
+from services.scheduler.state_snapshots import StateSnapshots
 from services.scheduler.step_plan import make_row, worker_diff
 from services.scheduler.stopping import finish_reason_after_token
 from services.scheduler.tick_report import TickLog
@@ -65,8 +66,11 @@ from shared.protocol import (
     RequestDelta,
     RowResult,
     SpillRef,
+    StateCopy,
+    StateSnapshot,
     StepPlan,
     StepResult,
+    StepRow,
     SubmitRequest,
     TickReport,
     WorkerInfo,
@@ -111,6 +115,9 @@ class SchedulerCore:
         self._finishing: list[Sequence] = []
         self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, arrival, id)
         self._slots = StateSlots()
+        self._snapshots = StateSnapshots()
+        # Snapshot copies for sequences admitted this tick: (sequence, epoch, copy).
+        self._next_state_copies: list[tuple[Sequence, int, StateCopy]] = []
         self._inflight: dict[int, InflightStep] = {}
         # What the next plan carries besides rows (see StepPlan's field order).
         self._worker_must_forget: list[str] = []
@@ -172,6 +179,7 @@ class SchedulerCore:
         self.worker = info
         self.blocks = BlockManager(info.num_kv_blocks, info.block_size)
         self._slots = StateSlots.for_worker(info)
+        self._snapshots = StateSnapshots(info.num_state_snapshots if info.num_state_slots else 0)
         self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
         for seq in self._requests.values():
             seq.block_hashes.clear()  # chained from another root now
@@ -337,8 +345,8 @@ class SchedulerCore:
         """The block hashes of a prompt that the local prefix cache misses: what the
         shell asks the shared tier about (in order; the tier answers how many it holds
         from the first)."""
-        if self.blocks is None or not self._prefix_cache_on:
-            return []
+        if self.blocks is None or not self._prefix_cache_on or self._slots.keeps_state:
+            return []  # (a hybrid worker's blocks are not shared through the tier yet)
         hashes = self._hashes_for_lookup(prompt_token_ids, [])
         return hashes[len(self.blocks.lookup(hashes)) :]
 
@@ -352,8 +360,11 @@ class SchedulerCore:
 
     @property
     def _prefix_cache_on(self) -> bool:
-        """A hybrid worker's blocks resume nothing without the state: no prefix hits."""
-        return self.config.prefix_cache and not self._slots.keeps_state
+        """A hybrid worker's blocks resume nothing without the state: prefix hits only
+        where it keeps state snapshots (`state_snapshots`)."""
+        return self.config.prefix_cache and (
+            not self._slots.keeps_state or self._snapshots.capacity > 0
+        )
 
     @property
     def max_batch(self) -> int:
@@ -445,6 +456,9 @@ class SchedulerCore:
         self._apply_spill_outcomes(step, {(s.seq_id, s.spill_id): s.ok for s in result.spills})
         self._apply_loads(step, set(result.lost_seq_ids))
         self._state_lost(step, result.lost_seq_ids)
+        for seq, epoch, block_hash in step.snapshots:  # usable once their row ran
+            ran = seq.epoch == epoch and seq.request_id not in result.lost_seq_ids
+            self._snapshots.settle(block_hash, ran)
         sampled = {r.seq_id: r for r in result.rows}
         for row in step.rows:
             seq = row.seq
@@ -517,6 +531,8 @@ class SchedulerCore:
             self.last_spill_error = "the step carrying the spill was lost"
         self._apply_spill_outcomes(step, {})
         self._apply_loads(step, {load.seq.request_id for load in step.loads})
+        for _, _, block_hash in step.snapshots:
+            self._snapshots.settle(block_hash, ran=False)
         live: list[Sequence] = []
         for row in step.rows:
             if self._settle_row(row) and row.seq.status is SequenceStatus.RUNNING:
@@ -753,6 +769,7 @@ class SchedulerCore:
             raise AssertionError("a sequence is in no place or in two")
         slots = [s.state_slot for s in self._requests.values() if s.state_slot is not None]
         self._slots.check(slots)
+        self._snapshots.check()
         for seq in self._requests.values():
             holds = seq.status is SequenceStatus.RUNNING or (seq.is_finished and seq.block_ids)
             if seq.state_slot is not None and not holds:
@@ -978,6 +995,10 @@ class SchedulerCore:
         assert self.blocks is not None
         hashes = self._hashes_for_lookup(seq.token_ids, seq.block_hashes)
         hits = self.blocks.lookup(hashes)
+        snapshot = None
+        if self._slots.keeps_state and hits:  # a hit ends where a state snapshot is
+            num_hits, snapshot = self._snapshots.usable(hashes, len(hits))
+            hits = hits[:num_hits]
         tier = self._tier_blocks(seq, hashes, len(hits)) if use_tier else []
         if not self.blocks.can_allocate(seq.num_tokens, hits) or not self._slots.has_free():
             return None
@@ -990,6 +1011,9 @@ class SchedulerCore:
         seq.num_computed_tokens = cached
         assert seq.state_slot is None, "a queued sequence holds no slot"
         seq.state_slot = self._slots.take()
+        if snapshot is not None:
+            copy = StateCopy(seq_id=seq.request_id, snapshot=snapshot, num_tokens=len(hits) * bs)
+            self._next_state_copies.append((seq, seq.epoch, copy))
         if seq.status is SequenceStatus.WAITING:  # first admission
             if self._prefix_cache_on:
                 self.prefix_query_tokens += seq.num_prompt_tokens
@@ -1019,7 +1043,7 @@ class SchedulerCore:
     def _tier_blocks(self, seq: Sequence, hashes: list[int], num_local: int) -> list[int]:
         """The hashes past the local hits that the shared tier held when the request
         arrived (the chain must continue where the local hits end)."""
-        if not seq.tier_hashes or not self.config.prefix_tier:
+        if not seq.tier_hashes or not self.config.prefix_tier or self._slots.keeps_state:
             return []
         tier = set(seq.tier_hashes)
         out: list[int] = []
@@ -1102,7 +1126,7 @@ class SchedulerCore:
         assert self.worker is not None
         read_back = max(0, spilled.num_blocks - len(hits)) * self.worker.block_bytes
         self.ticks.swapped_in(seq.request_id, read_back)
-        if len(hits) < spilled.num_blocks:
+        if len(hits) < spilled.num_blocks or self._slots.keeps_state:  # the state comes back
             restore = KVRestore(
                 seq_id=seq.request_id,
                 spill_id=spilled.spill_id,
@@ -1151,6 +1175,7 @@ class SchedulerCore:
             or self._next_prefix_stores
             or self._next_loads
             or self._worker_must_forget
+            or self._next_state_copies
         )
 
     def _drop_pending_orders(self) -> None:
@@ -1176,6 +1201,7 @@ class SchedulerCore:
                 seq.status = SequenceStatus.SWAPPED
                 self._swapped.append(seq)
         self._next_loads = []
+        self._next_state_copies = []
 
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan | None:
         if not scheduled and not self._has_pending_orders():
@@ -1196,6 +1222,7 @@ class SchedulerCore:
             num_tokens = scheduled[seq.request_id]
             kind: RowKind = "decode" if seq.is_decoding else "prefill"
             row = make_row(seq, num_tokens)
+            self._plan_snapshots(seq, row, step)
             row.traceparent = self.observer.row_planned(seq, row, kind)
             plan.rows.append(row)
             step.rows.append(PlannedRow(seq, seq.epoch, num_tokens, row.sample))
@@ -1218,10 +1245,37 @@ class SchedulerCore:
             if not seq.known_to_worker:  # no row for it this step: the worker needs it
                 plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
         self._next_loads = []
+        for seq, epoch, copy in self._next_state_copies:
+            if seq.status is not SequenceStatus.RUNNING or seq.epoch != epoch:
+                continue
+            plan.state_copies.append(copy)
+            if not seq.known_to_worker:  # no row for it this step: the worker needs its slot
+                plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
+        self._next_state_copies = []
         self._inflight[plan.step_id] = step
         if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
             log.debug("CONC_DIAG %s", self.batch_diagnostics())
         return plan
+
+    def _plan_snapshots(self, seq: Sequence, row: StepRow, step: InflightStep) -> None:
+        """A hybrid worker with snapshots: the row snapshots its sequence's state at each
+        block boundary of the prompt it crosses (the hash of the block it ends names it)."""
+        if not (self._slots.keeps_state and self._prefix_cache_on) or row.feed_last:
+            return
+        assert self.blocks is not None
+        bs = self.blocks.block_size
+        end = min(row.start_pos + len(row.token_ids), seq.num_prompt_tokens)
+        first = row.start_pos // bs + 1
+        if end < first * bs:
+            return
+        hashes = extend_hashes(seq.block_hashes, seq.token_ids, bs, self._hash_root)
+        for b in range(first, end // bs + 1):
+            snapshot = self._snapshots.take(hashes[b - 1])
+            if snapshot is not None:
+                row.state_snapshots.append(
+                    StateSnapshot(num_tokens=b * bs - row.start_pos, snapshot=snapshot)
+                )
+                step.snapshots.append((seq, seq.epoch, hashes[b - 1]))
 
     # --- internals: tokens, finishing, retirement -----------------------------------
 

@@ -127,12 +127,15 @@ class ModelRunner:
         kv_transfer: KVTransfer | None = None,
         sampling: SamplingStates | None = None,
         state_pool: StatePool | None = None,
+        state_snapshots: StatePool | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         # A hybrid model's recurrent states, and per slot (sequence, tokens consumed).
         self.state_pool = state_pool
         self.state_tokens: dict[int, tuple[str, int]] = {}
+        # Snapshots of states at block boundaries (prefix caching); the scheduler names them.
+        self.state_snapshots = state_snapshots
         if kv_transfer is not None:
             kv_transfer.state_pool = state_pool
         # Per-sequence sampling state (penalty counts, regions, grammar matchers).
@@ -182,6 +185,7 @@ class ModelRunner:
             sequences = self._applied(plan)
             self._check_kv_orders(plan)
             self._check_rows(plan.rows, sequences, {n.seq_id for n in plan.new_seqs})
+            self._check_snapshots(plan, sequences)
         except PlanError as e:
             error = ErrorInfo(
                 status=400, message=str(e), type="invalid_request_error", code="invalid_plan"
@@ -199,6 +203,7 @@ class ModelRunner:
         self.sequences = sequences
         self.sampling.apply(plan)
         result.lost_seq_ids = self._bring_kv_in(plan)
+        self._copy_snapshots(plan)
         result.lost_seq_ids += self._states_lost(plan.rows, set(result.lost_seq_ids))
         if group is not None:  # every rank runs the same rows: a row lost on one is lost
             result.lost_seq_ids = group.union(result.lost_seq_ids)
@@ -319,6 +324,15 @@ class ModelRunner:
                 lost.append(load.seq_id)
         return lost
 
+    def _copy_snapshots(self, plan: StepPlan) -> None:
+        """Prefix hits of a hybrid model: each snapshot into its sequence's slot."""
+        for copy in plan.state_copies:
+            slot = self.sequences[copy.seq_id].state_slot
+            assert self.state_pool is not None and self.state_snapshots is not None
+            assert slot is not None
+            self.state_pool.copy_slot(self.state_snapshots, copy.snapshot, slot)
+            self.state_tokens[slot] = (copy.seq_id, copy.num_tokens)
+
     def _states_lost(self, rows: Sequence[StepRow], lost: set[str]) -> list[str]:
         """Rows whose sequence's state is not where the row starts (the scheduler
         recomputes them); a row starting at 0 takes its slot afresh."""
@@ -377,6 +391,20 @@ class ModelRunner:
                 state.block_ids + tuple(update.new_block_ids), state.sampling, state.state_slot
             )
         return sequences
+
+    def _check_snapshots(self, plan: StepPlan, sequences: dict[str, SequenceState]) -> None:
+        count = 0 if self.state_snapshots is None else self.state_snapshots.num_slots
+        wanted = [c.snapshot for c in plan.state_copies]
+        wanted += [s.snapshot for row in plan.rows for s in row.state_snapshots]
+        bad = [s for s in wanted if not 0 <= s < count]
+        if bad:
+            raise PlanError(f"state snapshots {bad[:5]} outside the {count} this worker keeps")
+        for copy in plan.state_copies:
+            if copy.seq_id not in sequences:
+                raise PlanError(f"state copy for unknown sequence {copy.seq_id!r}")
+        for row in plan.rows:
+            if any(s.num_tokens > row_length(row) for s in row.state_snapshots):
+                raise PlanError(f"row for {row.seq_id!r}: a snapshot past its tokens")
 
     def _check_slot(self, seq_id: str, slot: int | None) -> None:
         if self.state_pool is None:
@@ -486,8 +514,9 @@ class ModelRunner:
             assert isinstance(self.model, HybridModel)
             with torch.inference_mode():
                 return self.model.forward(
-                    batch.to(self.model.device), self.kv_cache, self.state_pool
-                )
+                    batch.to(self.model.device), self.kv_cache, self.state_pool,
+                    self.state_snapshots,
+                )  # fmt: skip
         if self.graphs is None or not self.graphs.covers(batch):
             with torch.inference_mode():
                 return self.model.forward(batch.to(self.model.device), self.kv_cache)
@@ -530,10 +559,16 @@ class ModelRunner:
         context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
         max_query_len = max(lengths)
         state_slots = state_fresh = None
+        takes: tuple[tuple[int, int, int], ...] = ()
         if self.state_pool is not None:
             slots_of = [self.sequences[row.seq_id].state_slot for row in rows]
             state_slots = torch.tensor(slots_of, dtype=torch.int64)
             state_fresh = torch.tensor([row.start_pos == 0 for row in rows], dtype=torch.bool)
+            takes = tuple(
+                (r, snap.num_tokens - 1, snap.snapshot)
+                for r, row in enumerate(rows)
+                for snap in row.state_snapshots
+            )
         return ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=positions,
@@ -547,6 +582,7 @@ class ModelRunner:
             decode_only=max_query_len == 1,
             state_slots=state_slots,
             state_fresh=state_fresh,
+            state_takes=takes,
         )
 
 
@@ -622,15 +658,18 @@ def load_hybrid_runner(
     settings: Settings, source: ModelSource, device: torch.device, dtype: torch.dtype, ops
 ) -> tuple[ModelRunner, str]:
     """A hybrid model (Granite 4.0-H, Qwen3-Next): its state pool (one slot per sequence
-    that may run at once: --state-slots, else --max-batch) is allocated first and taken
-    out of the KV cache's memory budget."""
+    that may run at once: --state-slots, else --max-batch) and its snapshots (prefix
+    caching: --state-snapshots, else as many as slots) are allocated first and taken out
+    of the KV cache's memory budget."""
     if settings.expert_parallel > 1:
         raise ValueError(f"{source.model_id}: expert parallelism is not run for hybrid models")
     config = load_model_config(source)
     model = load_hybrid_model(source.path, config, ops, dtype, device)
     num_slots = settings.state_slots or settings.max_batch
     pool = model.new_state_pool(num_slots)
-    pool_bytes = num_slots * slot_bytes(pool.specs)
+    num_snapshots = num_slots if settings.state_snapshots is None else settings.state_snapshots
+    snapshots = model.new_state_pool(num_snapshots) if num_snapshots else None
+    pool_bytes = (num_slots + num_snapshots) * slot_bytes(pool.specs)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         config,
         settings.block_size,
@@ -642,9 +681,10 @@ def load_hybrid_runner(
     kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
     model.warm_up()
     log.info(
-        "loaded %s (%s) on %s as %s with %s kernels; state pool: %d slots x %.1f KiB",
+        "loaded %s (%s) on %s as %s with %s kernels; state pool: %d slots and %d snapshots"
+        " x %.1f KiB",
         source.model_id, config.architecture, device, dtype, ops.name, num_slots,
-        pool.slot_bytes() / 1024,
+        num_snapshots, pool.slot_bytes() / 1024,
     )  # fmt: skip
     runner = ModelRunner(
         model,  # type: ignore[arg-type]
@@ -652,6 +692,7 @@ def load_hybrid_runner(
         kv_transfer=kv_transfer_for(settings, kv_cache),
         sampling=load_sampling_states(settings, source, config),
         state_pool=pool,
+        state_snapshots=snapshots,
     )
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
     return runner, source.model_id

@@ -89,6 +89,13 @@ class StatePool:
                 pool[slot].copy_(flat[offset : offset + n].view(pool[slot].shape))
                 offset += n
 
+    def copy_slot(self, source: StatePool, src: int, dst: int) -> None:
+        """Slot `src` of `source` (a pool of the same layers) into slot `dst` of this."""
+        for mine, theirs in ((self.conv, source.conv), (self.ssm, source.ssm)):
+            for a, b in zip(mine, theirs, strict=True):
+                if a is not None and b is not None:
+                    a[dst].copy_(b[src])
+
     def reset(self, slots: torch.Tensor, fresh: torch.Tensor | None) -> None:
         """Zeroes the slots of the rows flagged fresh ([R] bool): their sequences start at
         position 0 in this step."""

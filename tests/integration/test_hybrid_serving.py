@@ -2,7 +2,8 @@
 real model runner in one process: concurrent greedy requests of mixed lengths through
 chunked prefill equal transformers token for token; under pressure on KV blocks and state
 slots, spilled (with the recurrent state, to a real Redis), recomputed or either (auto),
-every request keeps the tokens of the unpressured run and no slot or block leaks."""
+every request keeps the tokens of the unpressured run and no slot or block leaks; a
+prefix hit resumes from a state snapshot, skips the shared prefill and changes nothing."""
 
 from __future__ import annotations
 
@@ -55,7 +56,12 @@ def _runner(folder, kv_blocks: int, state_slots: int) -> ModelRunner:
 
 
 def _serve_all(
-    folder, kv_blocks: int, state_slots: int, mode: str = "recompute", redis: str | None = None
+    folder,
+    kv_blocks: int,
+    state_slots: int,
+    mode: str = "recompute",
+    redis: str | None = None,
+    prompts: list[list[int]] = PROMPTS,
 ) -> tuple[list[list[int]], SchedulerCore, ModelRunner]:
     runner = _runner(folder, kv_blocks, state_slots)
     config = SchedulerConfig(max_batch=8, max_num_batched_tokens=12)  # prompts go in chunks
@@ -70,10 +76,17 @@ def _serve_all(
     core.attach_worker(info)
     if redis is not None:
         core.spill_store_reported(True, 1 << 40)
-    for i, prompt in enumerate(PROMPTS):
+    return _serve(core, runner, prompts)[0], core, runner
+
+
+def _serve(
+    core: SchedulerCore, runner: ModelRunner, prompts: list[list[int]], tag: str = "r"
+) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's greedy tokens, and its cached tokens (what its prefill skipped)."""
+    for i, prompt in enumerate(prompts):
         error = core.add_request(
             SubmitRequest(
-                request_id=f"r{i}",
+                request_id=f"{tag}{i}",
                 gateway_id="g",
                 prompt_token_ids=prompt,
                 sampling=SamplingParams(temperature=0.0),
@@ -82,21 +95,25 @@ def _serve_all(
             )
         )
         assert error is None
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    outputs: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
     finished: dict[str, RequestDelta] = {}
+    cached: dict[str, int] = {}
     for _ in range(2000):
         plan = core.schedule()
         deltas = [] if plan is None else core.update_from_output(plan, runner.execute(plan))
         for d in [*deltas, *core.end_tick()]:
             outputs[d.request_id] += d.token_ids
+            if d.request_id not in cached:  # the first delta says it
+                cached[d.request_id] = d.num_cached_tokens or 0
             if d.finish_reason is not None:
                 finished[d.request_id] = d
         core.check_integrity()
-        if len(finished) == len(PROMPTS):
+        if len(finished) == len(prompts):
             break
     assert {d.finish_reason for d in finished.values()} == {"length"}
     assert core.kv_usage == 0.0 and core.num_swapped == 0
-    return [outputs[f"r{i}"] for i in range(len(PROMPTS))], core, runner
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    return [outputs[i] for i in ids], [cached[i] for i in ids]
 
 
 def test_concurrent_chunked_requests_equal_transformers(family_dir, want):
@@ -123,3 +140,18 @@ def test_spilled_states_come_back_with_their_blocks(family_dir, want, redis_url,
     if mode == "spill":
         assert core.preemptions["spill"] > 0 and core.swap_ins == core.preemptions["spill"]
     assert sum(core.preemptions.values()) > 0
+
+
+def test_a_prefix_hit_resumes_from_a_state_snapshot(family_dir, want):
+    """PROMPTS[3] runs; then prompts sharing its first 14 tokens (three full blocks and
+    two tokens) with other tails: each resumes from the snapshot at 12 tokens."""
+    got, core, runner = _serve_all(family_dir, kv_blocks=64, state_slots=4, prompts=PROMPTS[3:])
+    assert got == want[3:]
+    head = PROMPTS[3][:14]
+    tails = [[7, 9, 11], [200, 3]]
+    followers, cached = _serve(core, runner, [[*head, *t] for t in tails], tag="f")
+    assert cached == [12, 12]
+    reference = load_reference(family_dir)
+    for prompt, tokens in zip([[*head, *t] for t in tails], followers, strict=True):
+        expected, gap = reference_greedy(reference, prompt, NEW_TOKENS)
+        assert gap > 1e-3 and tokens == expected

@@ -27,27 +27,35 @@ SLOT_BYTES = 1000
 
 
 class HybridWorker(FakeWorker):
-    """A FakeWorker with a state pool of `num_slots` slots, each holding (sequence,
-    tokens its state has consumed), as the real worker tracks it: a spill fails unless
-    the state stands at the spill's tokens, a restore puts the spilled state back, and a
-    row that does not continue its slot's state is reported lost (skipped)."""
+    """A FakeWorker with a state pool of `num_slots` slots and `num_snapshots` snapshots,
+    each state modelled as the tokens it has consumed: a spill fails unless the state
+    stands at the spill's tokens, a restore or a snapshot copy puts a state back (which
+    must be the sequence's own prefix: a wrong hit fails), and a row that does not
+    continue its slot's state is reported lost (skipped), as the real worker does."""
 
-    def __init__(self, block_size: int, num_slots: int) -> None:
+    def __init__(self, block_size: int, num_slots: int, num_snapshots: int = 0) -> None:
         super().__init__(block_size)
         self.num_slots = num_slots
-        self.state: dict[int, tuple[str, int]] = {}
+        self.state: dict[int, tuple[int, ...]] = {}
+        self.snapshots: dict[int, tuple[int, ...]] = {}
+        self.num_snapshots = num_snapshots
         self.slot_of: dict[str, int] = {}
-        self.spilled_state: dict[tuple[str, int], tuple[str, int]] = {}
+        self.spilled_state: dict[tuple[str, int], tuple[int, ...]] = {}
         self.lost_states = 0
         self.state_spills = 0
+        self.copies = 0
+
+    def prefix(self, seq_id: str, n: int) -> tuple[int, ...]:
+        return tuple(self.expected(seq_id, p) for p in range(n))
 
     def step(self, plan: StepPlan) -> StepResult:
         spill_ok = {}
         for spill in plan.spills:  # before anything else, as the real worker does
             assert spill.state_slot is not None, "a hybrid spill without its state"
             held = self.state.get(spill.state_slot)
-            spill_ok[spill.seq_id] = held == (spill.seq_id, spill.state_tokens)
+            spill_ok[spill.seq_id] = held == self.prefix(spill.seq_id, spill.state_tokens)
             if spill_ok[spill.seq_id]:
+                assert held is not None
                 self.spilled_state[(spill.seq_id, spill.spill_id)] = held
                 self.state_spills += 1
         for new in plan.new_seqs:
@@ -59,12 +67,18 @@ class HybridWorker(FakeWorker):
         for restore in plan.restores:
             held = self.spilled_state.get((restore.seq_id, restore.spill_id))
             if held is not None and restore.state_slot is not None:
-                assert held == (restore.seq_id, restore.state_tokens)
+                assert len(held) == restore.state_tokens
                 self.state[restore.state_slot] = held
+        for copy in plan.state_copies:
+            held = self.snapshots[copy.snapshot]
+            assert held == self.prefix(copy.seq_id, copy.num_tokens), "a wrong snapshot hit"
+            self.state[self.slot_of[copy.seq_id]] = held
+            self.copies += 1
         lost = [
             r.seq_id
             for r in plan.rows
-            if r.start_pos > 0 and self.state.get(self.slot_of[r.seq_id]) != (r.seq_id, r.start_pos)
+            if r.start_pos > 0
+            and self.state.get(self.slot_of[r.seq_id]) != self.prefix(r.seq_id, r.start_pos)
         ]
         self.lost_states += len(lost)
         kept = [r for r in plan.rows if r.seq_id not in lost]
@@ -77,17 +91,28 @@ class HybridWorker(FakeWorker):
         return result
 
     def _run_row(self, row):
+        slot = self.slot_of[row.seq_id]
+        before = self.state.get(slot, ()) if row.start_pos > 0 else ()
+        tokens = [self.last_token[row.seq_id]] if row.feed_last else list(row.token_ids)
         out = super()._run_row(row)
-        end = row.start_pos + (1 if row.feed_last else len(row.token_ids))
-        self.state[self.slot_of[row.seq_id]] = (row.seq_id, end)
+        for snap in row.state_snapshots:
+            assert 0 <= snap.snapshot < self.num_snapshots
+            self.snapshots[snap.snapshot] = (*before, *tokens[: snap.num_tokens])
+        self.state[slot] = (*before, *tokens)
         return out
 
 
-def _hybrid_core(num_slots: int, **kwargs):
+def _hybrid_core(num_slots: int, num_snapshots: int = 0, **kwargs):
     core, _ = make_core(**kwargs)
     info = worker_info(**{k: v for k, v in kwargs.items() if k in ("num_kv_blocks", "block_size")})
     core.attach_worker(
-        info.model_copy(update={"num_state_slots": num_slots, "state_slot_bytes": SLOT_BYTES})
+        info.model_copy(
+            update={
+                "num_state_slots": num_slots,
+                "state_slot_bytes": SLOT_BYTES,
+                "num_state_snapshots": num_snapshots,
+            }
+        )
     )
     if kwargs.get("spill_store"):
         core.spill_store_reported(True, 1 << 40)
@@ -204,3 +229,50 @@ def test_slots_are_the_smallest_free_and_a_full_batch_is_one_run():
     assert slots.take() == 1
     with pytest.raises(AssertionError):
         slots.check([0, 1, 2])  # slot 3 leaked
+
+
+def test_a_prefix_hit_resumes_from_the_last_snapshot_before_it():
+    core = _hybrid_core(4, num_snapshots=8, num_kv_blocks=64, block_size=BS)
+    worker = HybridWorker(BS, num_slots=4, num_snapshots=8)
+    shared = list(range(300, 313))  # 13 tokens: three full blocks, then one token
+    submit(core, "a", prompt=[*shared, 7, 8, 9, 10, 11], max_tokens=3)
+    run_to_completion(core, worker)
+    submit(core, "b", prompt=[*shared, 50, 51], max_tokens=4)
+    outcome = run_to_completion(core, worker)["b"]
+    assert outcome.token_ids == expected_tokens("b", 4)
+    assert outcome.deltas[0].num_cached_tokens == 12  # the last boundary with a snapshot
+    assert worker.copies == 1 and worker.lost_states == 0
+    first_b = next(r for p in worker.plans for r in p.rows if r.seq_id == "b")
+    assert first_b.start_pos == 12
+
+
+def test_a_hit_past_the_last_snapshot_is_cut_back_to_it():
+    core = _hybrid_core(4, num_snapshots=1, num_kv_blocks=64, block_size=BS)
+    worker = HybridWorker(BS, num_slots=4, num_snapshots=1)
+    shared = list(range(300, 317))  # four full blocks
+    submit(core, "a", prompt=shared, max_tokens=2)
+    run_to_completion(core, worker)
+    # One snapshot: a's one prefill row took it at its first boundary (4), the others
+    # found it taken. b's KV hit (three blocks, 12 tokens) is cut back to 4.
+    submit(core, "b", prompt=[*shared[:13], 60], max_tokens=2)
+    outcome = run_to_completion(core, worker)["b"]
+    assert outcome.token_ids == expected_tokens("b", 2)
+    assert outcome.deltas[0].num_cached_tokens == 4 and worker.copies == 1
+    assert core.prefix_hit_tokens == 4
+
+
+@pytest.mark.parametrize("mode", ["spill", "recompute", "auto"])
+def test_snapshots_under_pressure_keep_every_output(mode):
+    core = _hybrid_core(
+        3, num_snapshots=4, num_kv_blocks=16, block_size=BS, spill_store=True,
+        preemption_mode=mode,
+    )  # fmt: skip
+    worker = HybridWorker(BS, num_slots=3, num_snapshots=4)
+    for i in range(6):  # a shared head, then each its own tail
+        submit(core, f"r{i}", prompt=[*range(400, 409), *(500 + 13 * i + j for j in range(5))],
+               max_tokens=12)  # fmt: skip
+    outcomes = run_to_completion(core, worker)
+    for i in range(6):
+        assert outcomes[f"r{i}"].token_ids == expected_tokens(f"r{i}", 12)
+    assert worker.lost_states == 0 and worker.copies > 0
+    assert sum(core.preemptions.values()) > 0

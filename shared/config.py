@@ -123,6 +123,12 @@ class Settings(BaseSettings):
     prefix_tier_blocks: int = Field(default=1024, ge=0)
     # Plan step N+1 before step N's result is back (hides bus and bookkeeping time).
     run_ahead: bool = True
+    # A hybrid model's state pool: slots (one per sequence running at once); unset:
+    # max_batch. Taken out of the KV cache's memory budget.
+    state_slots: int | None = Field(default=None, ge=1)
+    # Its snapshots of states at block boundaries (prefix caching); unset: as many as
+    # state slots; 0: no prefix caching for a hybrid model.
+    state_snapshots: int | None = Field(default=None, ge=0)
     # --- the worker on the CPU ---
     # Math threads of the worker (--threads); unset: every core this process may run on.
     threads: int | None = Field(default=None, ge=1)

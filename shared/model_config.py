@@ -205,21 +205,15 @@ SUPPORTED_FAMILIES = (
     "granitemoehybrid", "qwen3_next",
 )  # fmt: skip
 
-# Families whose layers keep a recurrent state per sequence: the model code runs them,
-# but serving refuses them until the scheduler owns state slots (`serving_refusal`).
+# Families whose layers keep a recurrent state per sequence (a slot of the worker's state
+# pool each, spilled with its blocks; no prefix caching).
 HYBRID_FAMILIES = ("granitemoehybrid", "qwen3_next")
 
 
 def serving_refusal(config: ModelConfig) -> str | None:
-    """Why this model cannot be served yet, or None. A hybrid model's recurrent states
-    would be lost by the scheduler's spill, recompute and prefix caching, which move and
-    rebuild KV blocks only."""
-    if config.architecture in HYBRID_FAMILIES:
-        return (
-            f"model_type {config.architecture!r} is a hybrid family ({', '.join(HYBRID_FAMILIES)})"
-            " whose layers keep a recurrent state per sequence: it cannot be served yet,"
-            " because state slots are not yet spilled or cached"
-        )
+    """Why this model cannot be served, or None. Every family whose config parses is
+    served: options the server cannot honour are refused by name when it is read."""
+    del config
     return None
 
 

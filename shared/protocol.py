@@ -373,6 +373,12 @@ class WorkerInfo(Message):
     # Random per worker process: a registration with a new boot id is a restarted worker
     # (empty KV cache) even when its worker id is the same.
     boot_id: str = ""
+    # A hybrid model's state pool: slots (one per running sequence) and the float32 bytes
+    # of one slot across the recurrent layers; 0 for a model without recurrent layers.
+    num_state_slots: int = Field(default=0, ge=0)
+    state_slot_bytes: int = Field(default=0, ge=0)
+    # Snapshots of states at block boundaries (a hybrid model's prefix caching); 0: none.
+    num_state_snapshots: int = Field(default=0, ge=0)
 
 
 class RegisterReply(Message):
@@ -399,6 +405,8 @@ class NewSequence(Message):
     # Tokens the sequence generated so far (non-empty when it comes back after a
     # preemption or spill): per-sequence sampling state is rebuilt from them.
     output_token_ids: list[int] = Field(default_factory=list)
+    # A hybrid model's state slot for it (held while it holds blocks).
+    state_slot: int | None = None
 
 
 class SequenceUpdate(Message):
@@ -406,6 +414,23 @@ class SequenceUpdate(Message):
 
     seq_id: str
     new_block_ids: list[int]
+
+
+class StateSnapshot(Message):
+    """Copy the row's sequence's state, once its first `num_tokens` tokens of this row
+    ran, into snapshot `snapshot` (a hybrid model's prefix caching)."""
+
+    num_tokens: int = Field(ge=1)
+    snapshot: int = Field(ge=0)
+
+
+class StateCopy(Message):
+    """Before the rows: snapshot `snapshot` into the sequence's state slot; its state
+    then stands at `num_tokens` tokens (a prefix hit of a hybrid model)."""
+
+    seq_id: str
+    snapshot: int = Field(ge=0)
+    num_tokens: int = Field(ge=1)
 
 
 class StepRow(Message):
@@ -424,6 +449,8 @@ class StepRow(Message):
     # Run-ahead: the row's one token is the one the worker sampled last for this sequence
     # (in the step before, whose result the scheduler has not seen); token_ids is empty.
     feed_last: bool = False
+    # Hybrid models: snapshots of the state taken at block boundaries inside this row.
+    state_snapshots: list[StateSnapshot] = Field(default_factory=list)
     # W3C traceparent of the scheduler's span for this row, when traces are exported:
     # the worker's span for the row becomes its child.
     traceparent: str | None = None
@@ -436,6 +463,10 @@ class KVSpill(Message):
     seq_id: str
     spill_id: int
     block_ids: list[int]
+    # A hybrid model: the recurrent state in this slot goes too, and must stand at
+    # `state_tokens` tokens (the spill fails otherwise: it would not match the blocks).
+    state_slot: int | None = None
+    state_tokens: int = 0
 
     # W3C traceparent of the scheduler's span for this order, when traces are exported:
     # the worker's span for its I/O becomes its child (a step serves many requests).
@@ -451,6 +482,10 @@ class KVRestore(Message):
     spill_id: int
     block_ids: list[int]
     first_block: int = Field(default=0, ge=0)
+    # A hybrid model: the spilled recurrent state goes into this slot; it then stands at
+    # `state_tokens` tokens.
+    state_slot: int | None = None
+    state_tokens: int = 0
 
     # W3C traceparent of the scheduler's span for this order, when traces are exported:
     # the worker's span for its I/O becomes its child (a step serves many requests).
@@ -484,6 +519,7 @@ class StepPlan(Message):
     updated_seqs: list[SequenceUpdate] = Field(default_factory=list)
     restores: list[KVRestore] = Field(default_factory=list)
     prefix_loads: list[PrefixLoad] = Field(default_factory=list)
+    state_copies: list[StateCopy] = Field(default_factory=list)
     rows: list[StepRow] = Field(default_factory=list)
 
 

@@ -2,6 +2,7 @@
 Workers write and read the KV values directly; the spill store owns the rest.
 
     <NS:>spill:seq:<seq_id>:<spill_id>:<group>   one value per group of spilled blocks
+    <NS:>spill:seq:<seq_id>:<spill_id>:state     a hybrid model's recurrent state
     <NS:>spill:index                             hash: "<seq_id>:<spill_id>" -> record
     <NS:>prefix:block:<hash>                     one full block of the shared prefix tier
     <NS:>prefix:index                            sorted set: hash -> time stored
@@ -23,6 +24,10 @@ class SpillKeys:
 
     def block_group(self, seq_id: str, spill_id: int, group: int) -> str:
         return self.ns.redis_key(f"{SPILL_PREFIX}seq:{seq_id}:{spill_id}:{group}")
+
+    def state(self, seq_id: str, spill_id: int) -> str:
+        """A spilled sequence's recurrent state (hybrid models), beside its blocks."""
+        return self.ns.redis_key(f"{SPILL_PREFIX}seq:{seq_id}:{spill_id}:state")
 
     def spill_pattern(self, seq_id: str, spill_id: int) -> str:
         """Every value of one spill (to delete one whose record never came)."""

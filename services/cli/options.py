@@ -42,6 +42,11 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--no-run-ahead", "run_ahead", {"action": "store_const", "const": False,
                                      "help": "wait for each step's result before planning "
                                      "the next"}),
+    ("--state-slots", "state_slots", {"type": int, "help": "hybrid models: recurrent-state "
+                                      "slots per worker (sequences running at once)"}),
+    ("--state-snapshots", "state_snapshots", {"type": int, "help": "hybrid models: states "
+                                              "kept at block boundaries for prefix caching "
+                                              "(0: none)"}),
     ("--threads", "threads", {"type": int, "help": "worker math threads on the CPU"}),
     ("--quantize", "quantize", {"choices": ["none", "int8"],
                                 "help": "int8 weights for the CPU projections (faster, changes "
@@ -62,7 +67,12 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 SECRET_FIELDS = {"api_key"}
-SHOWN_WHEN_UNSET = {"kv_blocks": "sized from memory", "threads": "every core available"}
+SHOWN_WHEN_UNSET = {
+    "kv_blocks": "sized from memory",
+    "threads": "every core available",
+    "state_slots": "max-batch",
+    "state_snapshots": "state-slots",
+}
 # Switches that are on unless their --no-... flag is given.
 OFF_SWITCHES = {"prefix_cache", "cuda_graphs", "run_ahead"}
 

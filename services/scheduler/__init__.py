@@ -13,7 +13,8 @@ Pure cores (no bus, no asyncio, no torch):
     inflight.py       InflightStep: what the core remembers of a step until its result
     block_manager.py  BlockManager: logical KV blocks, one free queue in eviction order
     prefix_hash.py    chained block hashes (the prefix cache's and the shared tier's keys)
-    slots.py          SlotAllocator: a sequence's state slot, admission to retirement
+    slots.py          SlotAllocator: the smallest free integer
+    state_slots.py    StateSlots: a hybrid worker's state slots, held while blocks are
     request_queue.py  RequestQueue: priority, then arrival
     admission.py      why a submit is refused (400 / 429 / 503)
     preemption.py     PreemptionPolicy: spill or recompute a victim, the store's health

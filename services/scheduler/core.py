@@ -49,7 +49,8 @@ from services.scheduler.preemption import PreemptionPolicy
 from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
-from services.scheduler.slots import SlotAllocator
+from services.scheduler.state_slots import StateSlots
+from services.scheduler.state_snapshots import StateSnapshots
 from services.scheduler.step_plan import make_row, worker_diff
 from services.scheduler.stopping import finish_reason_after_token
 from services.scheduler.tick_report import TickLog
@@ -66,8 +67,11 @@ from shared.protocol import (
     RequestDelta,
     RowResult,
     SpillRef,
+    StateCopy,
+    StateSnapshot,
     StepPlan,
     StepResult,
+    StepRow,
     SubmitRequest,
     TickReport,
     WorkerInfo,
@@ -111,7 +115,10 @@ class SchedulerCore:
         self._swapped: list[Sequence] = []  # in spill order
         self._finishing: list[Sequence] = []
         self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, arrival, id)
-        self._slots = SlotAllocator()
+        self._slots = StateSlots()
+        self._snapshots = StateSnapshots()
+        # Snapshot copies for sequences admitted this tick: (sequence, epoch, copy).
+        self._next_state_copies: list[tuple[Sequence, int, StateCopy]] = []
         self._inflight: dict[int, InflightStep] = {}
         # What the next plan carries besides rows, and the spills the store may delete.
         self.orders = KVOrders()
@@ -155,9 +162,11 @@ class SchedulerCore:
         self._drop_pending_orders()
         for seq in self._finishing:
             self._forget_worker_state(seq)
+            self._release_slot(seq)
         for seq in list(self._running.values()):
             del self._running[seq.request_id]
             self._forget_worker_state(seq)
+            self._release_slot(seq)
             seq.status = SequenceStatus.PREEMPTED
             self._preempted.push(seq)
         if old_layout is not None and old_layout != info.kv_layout:
@@ -166,6 +175,8 @@ class SchedulerCore:
         self.orders.clear_forgets()
         self.worker = info
         self.blocks = BlockManager(info.num_kv_blocks, info.block_size)
+        self._slots = StateSlots.for_worker(info)
+        self._snapshots = StateSnapshots(info.num_state_snapshots if info.num_state_slots else 0)
         self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
         for seq in self._requests.values():
             seq.block_hashes.clear()  # chained from another root now
@@ -216,9 +227,7 @@ class SchedulerCore:
             if seq.spilled is not None and not seq.spilled.confirmed:
                 self.orders.drop_spill(seq)
                 seq.status = SequenceStatus.PREEMPTED
-            if seq.state_slot is not None:
-                self._slots.release(seq.state_slot)
-                seq.state_slot = None
+            self._release_slot(seq)
             del self._requests[seq.request_id]
         self._let_worker_go()
         return leaving
@@ -251,7 +260,6 @@ class SchedulerCore:
                 self._waiting.push(seq)
             else:
                 self.migrations += 1
-                seq.state_slot = self._slots.take()
                 if seq.status is SequenceStatus.SWAPPED and same_layout:
                     self._swapped.append(seq)
                 else:
@@ -327,8 +335,8 @@ class SchedulerCore:
         """The block hashes of a prompt that the local prefix cache misses: what the
         shell asks the shared tier about (in order; the tier answers how many it holds
         from the first)."""
-        if self.blocks is None or not self.config.prefix_cache:
-            return []
+        if self.blocks is None or not self._prefix_cache_on or self._slots.keeps_state:
+            return []  # (a hybrid worker's blocks are not shared through the tier yet)
         hashes = self._hashes_for_lookup(prompt_token_ids, [])
         return hashes[len(self.blocks.lookup(hashes)) :]
 
@@ -339,6 +347,14 @@ class SchedulerCore:
             seq = self._requests.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort")
+
+    @property
+    def _prefix_cache_on(self) -> bool:
+        """A hybrid worker's blocks resume nothing without the state: prefix hits only
+        where it keeps state snapshots (`state_snapshots`)."""
+        return self.config.prefix_cache and (
+            not self._slots.keeps_state or self._snapshots.capacity > 0
+        )
 
     @property
     def max_batch(self) -> int:
@@ -519,6 +535,12 @@ class SchedulerCore:
             self.last_spill_error = outcomes.spill_error
         self._apply_spill_outcomes(step, outcomes.written)
         self._apply_loads(step, outcomes.lost)
+        lost_rows = set(result.lost_seq_ids) if result is not None else set()
+        if result is not None:
+            self._state_lost(step, result.lost_seq_ids)
+        for seq, epoch, block_hash in step.snapshots:  # usable once their row ran
+            ran = result is not None and seq.epoch == epoch and seq.request_id not in lost_rows
+            self._snapshots.settle(block_hash, ran)
 
     def _apply_spill_outcomes(self, step: InflightStep, ok: dict[tuple[str, int], bool]) -> None:
         for spill in step.spills:
@@ -558,6 +580,21 @@ class SchedulerCore:
                 continue
             self.orders.drop_spill(seq)  # a swap-in: the spill is not needed any more
             self.prefix_hit_tokens += load.num_tier_tokens
+
+    def _state_lost(self, step: InflightStep, lost: list[str]) -> None:
+        """Rows the worker skipped because the sequence's recurrent state was not where
+        the row starts (a failed or voided step may have moved it): recomputed."""
+        loaded = {load.seq.request_id for load in step.loads}
+        for row in step.rows:
+            seq = row.seq
+            if (
+                seq.request_id in lost
+                and seq.request_id not in loaded
+                and seq.epoch == row.epoch
+                and seq.status is SequenceStatus.RUNNING
+            ):
+                log.warning("%s: its recurrent state was lost: recomputing", seq.request_id)
+                self._kv_lost(seq)
 
     def _recover_row_cap(self) -> None:
         if self._row_cap is None:
@@ -652,7 +689,7 @@ class SchedulerCore:
             or len(self._preempted)
             or self._swapped
             or self._finishing
-            or self.orders.pending
+            or self._has_pending_orders()
         )
 
     @property
@@ -718,8 +755,12 @@ class SchedulerCore:
         if len(places) != len(set(places)) or set(places) != set(self._requests):
             raise AssertionError("a sequence is in no place or in two")
         slots = [s.state_slot for s in self._requests.values() if s.state_slot is not None]
-        if len(slots) != len(set(slots)) or set(slots) != self._slots.in_use:
-            raise AssertionError("state slots are shared or leaked")
+        self._slots.check(slots)
+        self._snapshots.check()
+        for seq in self._requests.values():
+            holds = seq.status is SequenceStatus.RUNNING or (seq.is_finished and seq.block_ids)
+            if seq.state_slot is not None and not holds:
+                raise AssertionError(f"{seq.request_id} holds a state slot but no blocks")
         if self.blocks is None:
             if self._requests:
                 raise AssertionError("sequences live without a worker")
@@ -784,13 +825,19 @@ class SchedulerCore:
         choice). Its rows in flight become void."""
         assert self.blocks is not None and self.worker is not None
         del self._running[seq.request_id]
+        spill_allowed = self._slots.spill_allowed(seq.num_inflight_rows)
         self._bump_epoch(seq)
         if seq.kv_pending and self._cancel_load(seq):
             return
         self._commit_blocks(seq)  # a recompute may find its own full blocks again
         num_blocks = self.blocks.blocks_for(seq.num_computed_tokens)
-        mode = self.policy.choose(
-            seq.num_computed_tokens, num_blocks * self.worker.block_bytes, self.clock.now()
+        num_bytes = num_blocks * self.worker.block_bytes
+        if self._slots.keeps_state:  # the recurrent state travels with the blocks
+            num_bytes += self._slots.slot_bytes
+        mode = (
+            self.policy.choose(seq.num_computed_tokens, num_bytes, self.clock.now())
+            if spill_allowed
+            else "recompute"
         )
         if mode == "spill":
             seq.num_spills += 1
@@ -800,9 +847,13 @@ class SchedulerCore:
                 spill_id=seq.num_spills,
                 block_ids=seq.block_ids[:num_blocks],
             )
+            if self._slots.keeps_state:
+                spill.state_slot = seq.state_slot
+                spill.state_tokens = seq.num_computed_tokens
             self.orders.spill(seq, spill)
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        self._release_slot(seq)
         if mode == "spill":
             seq.status = SequenceStatus.SWAPPED
             self._swapped.append(seq)
@@ -811,7 +862,7 @@ class SchedulerCore:
             self._preempted.push(seq)
         seq.count_preemption(mode)
         self.preemptions[mode] += 1
-        self.ticks.preempted(seq.request_id, mode, num_blocks * self.worker.block_bytes)
+        self.ticks.preempted(seq.request_id, mode, num_bytes)
         self.observer.request_preempted(seq, mode)
 
     def _cancel_load(self, seq: Sequence) -> bool:
@@ -826,6 +877,7 @@ class SchedulerCore:
             return False
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.SWAPPED
         self._swapped.insert(0, seq)
         return True
@@ -840,6 +892,7 @@ class SchedulerCore:
         self.orders.drop_spill(seq)
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
+        self._release_slot(seq)
         self._requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
 
@@ -885,6 +938,12 @@ class SchedulerCore:
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
 
+    def _release_slot(self, seq: Sequence) -> None:
+        """The sequence holds no blocks any more: nor a state slot (`state_slots`)."""
+        if seq.state_slot is not None:
+            self._slots.release(seq.state_slot)
+            seq.state_slot = None
+
     # --- internals: admission, swap-in, resume --------------------------------------
 
     def _better_ranked_held(self, rank: tuple[int, float, int]) -> bool:
@@ -920,8 +979,12 @@ class SchedulerCore:
         assert self.blocks is not None
         hashes = self._hashes_for_lookup(seq.token_ids, seq.block_hashes)
         hits = self.blocks.lookup(hashes)
+        snapshot = None
+        if self._slots.keeps_state and hits:  # a hit ends where a state snapshot is
+            num_hits, snapshot = self._snapshots.usable(hashes, len(hits))
+            hits = hits[:num_hits]
         tier = self._tier_blocks(seq, hashes, len(hits)) if use_tier else []
-        if not self.blocks.can_allocate(seq.num_tokens, hits):
+        if not self.blocks.can_allocate(seq.num_tokens, hits) or not self._slots.has_free():
             return None
         bs = self.blocks.block_size
         cached = (len(hits) + len(tier)) * bs
@@ -930,9 +993,13 @@ class SchedulerCore:
         assert block_ids is not None
         seq.block_ids = block_ids
         seq.num_computed_tokens = cached
-        if seq.state_slot is None:  # first admission
-            seq.state_slot = self._slots.take()
-            if self.config.prefix_cache:
+        assert seq.state_slot is None, "a queued sequence holds no slot"
+        seq.state_slot = self._slots.take()
+        if snapshot is not None:
+            copy = StateCopy(seq_id=seq.request_id, snapshot=snapshot, num_tokens=len(hits) * bs)
+            self._next_state_copies.append((seq, seq.epoch, copy))
+        if seq.status is SequenceStatus.WAITING:  # first admission
+            if self._prefix_cache_on:
                 self.prefix_query_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += len(hits) * bs
             seq.num_cached_tokens = cached
@@ -952,7 +1019,7 @@ class SchedulerCore:
         """Hashes of the full blocks a lookup may hit: at least one token must be left to
         compute (its logits give the next token)."""
         assert self.blocks is not None
-        if not self.config.prefix_cache:
+        if not self._prefix_cache_on:
             return []
         extend_hashes(chain, token_ids, self.blocks.block_size, self._hash_root)
         return chain[: (len(token_ids) - 1) // self.blocks.block_size]
@@ -960,7 +1027,7 @@ class SchedulerCore:
     def _tier_blocks(self, seq: Sequence, hashes: list[int], num_local: int) -> list[int]:
         """The hashes past the local hits that the shared tier held when the request
         arrived (the chain must continue where the local hits end)."""
-        if not seq.tier_hashes or not self.config.prefix_tier:
+        if not seq.tier_hashes or not self.config.prefix_tier or self._slots.keeps_state:
             return []
         tier = set(seq.tier_hashes)
         out: list[int] = []
@@ -980,7 +1047,7 @@ class SchedulerCore:
         assert self.blocks is not None
         if not self.config.spill_store:
             return
-        while len(self._running) < self.max_batch:
+        while len(self._running) < self.max_batch and self._slots.has_free():
             ready = [
                 (s, self._own_hits(s))
                 for s in self._swapped
@@ -1035,6 +1102,7 @@ class SchedulerCore:
         spilled = seq.spilled
         seq.block_ids = block_ids
         seq.num_computed_tokens = spilled.num_tokens
+        seq.state_slot = self._slots.take()
         seq.status = SequenceStatus.RUNNING
         self._running[seq.request_id] = seq
         self.swap_ins += 1
@@ -1042,13 +1110,16 @@ class SchedulerCore:
         assert self.worker is not None
         read_back = max(0, spilled.num_blocks - len(hits)) * self.worker.block_bytes
         self.ticks.swapped_in(seq.request_id, read_back)
-        if len(hits) < spilled.num_blocks:
+        if len(hits) < spilled.num_blocks or self._slots.keeps_state:  # the state comes back
             restore = KVRestore(
                 seq_id=seq.request_id,
                 spill_id=spilled.spill_id,
                 block_ids=block_ids[len(hits) : spilled.num_blocks],
                 first_block=len(hits),
             )
+            if self._slots.keeps_state:
+                restore.state_slot = seq.state_slot
+                restore.state_tokens = spilled.num_tokens
             self.orders.load(seq, restore, 0)
             seq.kv_pending = True
         else:  # the prefix cache held it all: the spill is not needed any more
@@ -1081,6 +1152,9 @@ class SchedulerCore:
 
     # --- internals: plans -----------------------------------------------------------
 
+    def _has_pending_orders(self) -> bool:
+        return self.orders.pending or bool(self._next_state_copies)
+
     def _drop_pending_orders(self) -> None:
         """Orders for a worker that is gone: spills never made, loads never done."""
         spills, loads = self.orders.discard()
@@ -1097,13 +1171,15 @@ class SchedulerCore:
                 assert self.blocks is not None
                 del self._running[seq.request_id]
                 self.blocks.free(seq.block_ids)
+                self._release_slot(seq)
                 seq.block_ids = []
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.SWAPPED
                 self._swapped.append(seq)
+        self._next_state_copies = []
 
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan | None:
-        if not scheduled and not self.orders.pending:
+        if not scheduled and not self._has_pending_orders():
             return None
         plan = StepPlan(step_id=next(self._step_ids))
         step = InflightStep(plan.step_id)
@@ -1112,6 +1188,7 @@ class SchedulerCore:
             num_tokens = scheduled[seq.request_id]
             kind: RowKind = "decode" if seq.is_decoding else "prefill"
             row = make_row(seq, num_tokens)
+            self._plan_snapshots(seq, row, step)
             row.traceparent = self.observer.row_planned(seq, row, kind)
             plan.rows.append(row)
             step.rows.append(PlannedRow(seq, seq.epoch, num_tokens, row.sample))
@@ -1133,10 +1210,37 @@ class SchedulerCore:
             step.loads.append(PlannedLoad(seq, seq.epoch, tier_tokens))
             if not seq.known_to_worker:  # no row for it this step: the worker needs it
                 plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
+        for seq, epoch, copy in self._next_state_copies:
+            if seq.status is not SequenceStatus.RUNNING or seq.epoch != epoch:
+                continue
+            plan.state_copies.append(copy)
+            if not seq.known_to_worker:  # no row for it this step: the worker needs its slot
+                plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
+        self._next_state_copies = []
         self._inflight[plan.step_id] = step
         if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
             log.debug("CONC_DIAG %s", self.batch_diagnostics())
         return plan
+
+    def _plan_snapshots(self, seq: Sequence, row: StepRow, step: InflightStep) -> None:
+        """A hybrid worker with snapshots: the row snapshots its sequence's state at each
+        block boundary of the prompt it crosses (the hash of the block it ends names it)."""
+        if not (self._slots.keeps_state and self._prefix_cache_on) or row.feed_last:
+            return
+        assert self.blocks is not None
+        bs = self.blocks.block_size
+        end = min(row.start_pos + len(row.token_ids), seq.num_prompt_tokens)
+        first = row.start_pos // bs + 1
+        if end < first * bs:
+            return
+        hashes = extend_hashes(seq.block_hashes, seq.token_ids, bs, self._hash_root)
+        for b in range(first, end // bs + 1):
+            snapshot = self._snapshots.take(hashes[b - 1])
+            if snapshot is not None:
+                row.state_snapshots.append(
+                    StateSnapshot(num_tokens=b * bs - row.start_pos, snapshot=snapshot)
+                )
+                step.snapshots.append((seq, seq.epoch, hashes[b - 1]))
 
     # --- internals: tokens, finishing, retirement -----------------------------------
 
@@ -1157,7 +1261,7 @@ class SchedulerCore:
 
     def _commit_blocks(self, seq: Sequence) -> None:
         """Registers the sequence's full, computed blocks in the prefix cache."""
-        if self.blocks is None or not self.config.prefix_cache:
+        if self.blocks is None or not self._prefix_cache_on:
             return
         full = seq.num_computed_tokens // self.blocks.block_size
         if full <= seq.num_committed_blocks:
@@ -1198,7 +1302,7 @@ class SchedulerCore:
     def _store_finished(self) -> None:
         """The full blocks of finished sequences go to the shared prefix tier (written by
         the worker before the next step's rows, as the blocks may be reused then)."""
-        if not (self.config.prefix_tier and self.config.prefix_cache) or self.blocks is None:
+        if not (self.config.prefix_tier and self._prefix_cache_on) or self.blocks is None:
             return
         for seq in self._finishing:
             if not seq.block_ids or seq.num_inflight_rows:
@@ -1228,9 +1332,7 @@ class SchedulerCore:
                 assert self.blocks is not None
                 self.blocks.free(seq.block_ids)
             self._forget_worker_state(seq)
-            if seq.state_slot is not None:
-                self._slots.release(seq.state_slot)
-                seq.state_slot = None
+            self._release_slot(seq)
             del self._requests[seq.request_id]
             self.ticks.retired(seq.request_id, seq.finish_reason or "error")
             self.observer.request_retired(seq)

@@ -41,6 +41,8 @@ class InflightStep:
     spills: list[PlannedSpill] = field(default_factory=list)
     loads: list[PlannedLoad] = field(default_factory=list)
     forgets: list[str] = field(default_factory=list)
+    # State snapshots its rows take: (sequence, epoch, block hash).
+    snapshots: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

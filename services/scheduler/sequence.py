@@ -87,8 +87,8 @@ class Sequence:
     num_committed_blocks: int = 0  # its leading blocks registered in the prefix cache
     # Hashes the shared prefix tier held, past the local cache, when the request arrived.
     tier_hashes: list[int] = field(default_factory=list)
-    # The state slot: a small integer fixed from first admission to retirement (kept
-    # through preemption, spill and resume). Rows are sorted by it.
+    # The state slot: a small integer held while the sequence holds blocks (a hybrid
+    # worker keeps its recurrent state there; `state_slots`). Rows are sorted by it.
     state_slot: int | None = None
     # Bumped whenever rows already sent stop counting (preempted, spilled, finished,
     # resynced): a row planned under another epoch is void when its result comes.

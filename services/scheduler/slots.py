@@ -1,5 +1,5 @@
-"""State slots: the smallest free integer, held by a sequence from its first admission to
-its retirement (through preemption, spill and resume), so its state keeps one place."""
+"""Slot numbers: the smallest free integer first, so that the sequences holding slots
+usually hold one contiguous run (`state_slots.StateSlots` says who holds them when)."""
 
 from __future__ import annotations
 

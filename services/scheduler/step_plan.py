@@ -45,6 +45,7 @@ def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
             if seq.sampling.repetition_penalty != 1.0
             else None,
             output_token_ids=seq.output_token_ids,
+            state_slot=seq.state_slot,
         )
     if len(seq.block_ids) > seq.num_blocks_sent:
         new_block_ids = seq.block_ids[seq.num_blocks_sent :]

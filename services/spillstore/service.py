@@ -137,6 +137,7 @@ class SpillStore:
     async def _delete_values(self, seq_id: str, spill_id: int, num_keys: int | None) -> None:
         if num_keys is not None:
             keys = [self.keys.block_group(seq_id, spill_id, g) for g in range(num_keys)]
+            keys.append(self.keys.state(seq_id, spill_id))  # a hybrid model's, if any
         else:
             pattern = self.keys.spill_pattern(seq_id, spill_id)
             keys = [k async for k in self.redis.scan_iter(match=pattern, count=100)]

@@ -15,6 +15,7 @@ steps would carry it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +53,10 @@ def gated_delta_mixer(
     query_start: torch.Tensor,  # [R + 1]
     slots: torch.Tensor,  # [R] int64
     max_query_len: int,
+    after_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """[T, hidden]: the layer's output; updates the rows' states in place."""
+    """[T, hidden]: the layer's output; updates the rows' states in place, calling
+    `after_step(j)` once every row's j-th token ran."""
     t = h.shape[0]
     hk, hv, dk, dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     per = hv // hk  # value heads per key head
@@ -87,6 +90,8 @@ def gated_delta_mixer(
             use_qk_l2norm=True,
         )  # [R, Hv, Dv]
         out[idx[has]] = o[has].to(out.dtype)
+        if after_step is not None:  # snapshots of states after token j of their rows
+            after_step(j)
     normed = _norm_then_gate(out.reshape(-1, dv), z.reshape(-1, dv), w.norm, eps)
     return ops.linear(normed.view(t, hv * dv), w.out_proj)
 

@@ -218,12 +218,47 @@ class HybridModel:
         else:
             self.cos, self.sin = self.attn.cos, self.attn.sin
 
+    # Serving: no expert-parallel group, and no decode CUDA graphs (the recurrent layers'
+    # prefill loop reads lengths on the host).
+    experts = None
+    capturable = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def warm_up(self) -> None:
+        """Every projection once, so one-time packing (the CPU backend's) happens at start."""
+        weights = [self.lm_head]
+        for layer in self.layers:
+            for part in (layer.mamba, layer.delta):
+                if part is not None:
+                    weights += [t for t in vars(part).values() if _is_projection(t)]
+            if layer.attention is not None:
+                weights += [layer.attention.qkv, layer.attention.o]
+            shared = (layer.moe.shared_gate_up, layer.moe.shared_down)
+            weights += [t for t in shared if t is not None]
+        with torch.inference_mode():
+            for w in weights:
+                self.ops.linear(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w)
+
     def new_state_pool(self, num_slots: int) -> StatePool:
         return StatePool(state_specs(self.config), num_slots, self.embed.device)
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache, pool: StatePool) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        pool: StatePool,
+        snapshots: StatePool | None = None,
+    ) -> torch.Tensor:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
-        None); writes this step's K/V and updates the rows' states."""
+        None); writes this step's K/V, updates the rows' states and copies them into
+        `snapshots` where `batch.state_takes` says."""
         c, h_cfg, ops = self.config, self.hybrid, self.ops
         eps = c.rms_norm_eps
         slots = batch.state_slots
@@ -231,21 +266,27 @@ class HybridModel:
             raise ValueError("a hybrid model's batch needs state_slots")
         pool.reset(slots, batch.state_fresh)
         x = F.embedding(batch.token_ids, self.embed) * h_cfg.embedding_multiplier
+        takes: dict[int, list[tuple[int, int]]] = {}  # token index j -> (row, snapshot)
+        for row, j, snapshot in batch.state_takes if snapshots is not None else ():
+            takes.setdefault(j, []).append((row, snapshot))
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.attn_norm, eps)
+            after = None
+            if takes and pool.conv[i] is not None:
+                after = _snapshot_taker(takes, slots, pool, snapshots, i)
             if layer.mamba is not None:
                 conv, ssm = pool.conv[i], pool.ssm[i]
                 assert conv is not None and ssm is not None
                 out = mamba2_mixer(
                     ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
-                    batch.max_query_len,
+                    batch.max_query_len, after,
                 )  # fmt: skip
             elif layer.delta is not None:
                 conv, state = pool.conv[i], pool.ssm[i]
                 assert conv is not None and state is not None
                 out = gated_delta_mixer(
                     ops, h_cfg, eps, h, layer.delta, conv, state, batch.query_start, slots,
-                    batch.max_query_len,
+                    batch.max_query_len, after,
                 )  # fmt: skip
             else:
                 out = self._attention(h, layer, batch, kv_cache, i)
@@ -310,12 +351,44 @@ class HybridModel:
         )
 
 
+def _snapshot_taker(
+    takes: dict[int, list[tuple[int, int]]],
+    slots: torch.Tensor,
+    pool: StatePool,
+    snapshots: StatePool | None,
+    layer: int,
+):
+    """After token j of the step: layer `layer`'s states of the rows snapshotted there
+    copied into their snapshots."""
+    assert snapshots is not None
+    conv, ssm = pool.conv[layer], pool.ssm[layer]
+    snap_conv, snap_ssm = snapshots.conv[layer], snapshots.ssm[layer]
+    assert conv is not None and ssm is not None and snap_conv is not None
+    assert snap_ssm is not None
+
+    def after_step(j: int) -> None:
+        for row, snapshot in takes.get(j, ()):
+            slot = int(slots[row])
+            snap_conv[snapshot].copy_(conv[slot])
+            snap_ssm[snapshot].copy_(ssm[slot])
+
+    return after_step
+
+
+def _is_projection(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1
+
+
 def ops_split(qkv: torch.Tensor, q_size: int, kv_size: int):
     return qkv.split([q_size, kv_size, kv_size], dim=-1)
 
 
 def load_hybrid_model(
-    folder: Path, config: ModelConfig, ops: KernelOps, dtype: torch.dtype = torch.float32
+    folder: Path,
+    config: ModelConfig,
+    ops: KernelOps,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> HybridModel:
     """A Granite 4.0-H or Qwen3-Next model from a Hugging Face folder."""
     from services.worker.loader import _safetensors_tensors
@@ -323,7 +396,7 @@ def load_hybrid_model(
     loaders = {"granitemoehybrid": load_granite_layers, "qwen3_next": load_qwen3_next_layers}
     if config.architecture not in loaders:
         raise ValueError(f"{config.architecture}: not a hybrid family ({', '.join(loaders)})")
-    tensors = _safetensors_tensors(folder)
+    tensors = {name: t.to(device) for name, t in _safetensors_tensors(folder).items()}
     layers = loaders[config.architecture](tensors, config, dtype)
     embed = tensors.pop("model.embed_tokens.weight").to(dtype)
     lm = tensors.pop("lm_head.weight", None)

@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.worker.kv_cache import KVCache
+from services.worker.state_pool import StatePool
 from shared.log_safety import error_text, size_text
 from shared.protocol import KVRestore, KVSpill, PrefixBlock, PrefixLoad, SpillOutcome
 from shared.spill_keys import SpillKeys
@@ -71,6 +72,9 @@ class KVTransfer:
         self.ttl_s = ttl_s
         self.timer = timer
         self.counters = TransferCounters()
+        # A hybrid model's state pool: a spill or restore with a state slot moves that
+        # slot's recurrent state too (one more value beside the blocks).
+        self.state_pool: StatePool | None = None
         # One writer thread for the shared tier, so its writes leave the step's path.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
         self._store_slots = threading.BoundedSemaphore(MAX_PENDING_STORES)
@@ -96,6 +100,11 @@ class KVTransfer:
                 total += len(value)
                 key = self.keys.block_group(order.seq_id, order.spill_id, g)
                 pipe.set(key, value, ex=self.ttl_s)
+            if order.state_slot is not None:
+                assert self.state_pool is not None
+                value = _to_bytes(self.state_pool.read_slot(order.state_slot))
+                total += len(value)
+                pipe.set(self.keys.state(order.seq_id, order.spill_id), value, ex=self.ttl_s)
             pipe.execute()
         except (redis.RedisError, OSError) as e:
             # The error's kind, never its text as raised: redis-py quotes the command
@@ -126,9 +135,20 @@ class KVTransfer:
         first, count = order.first_block, len(order.block_ids)
         groups = range(first // n, (first + count - 1) // n + 1) if count else range(0)
         keys = [self.keys.block_group(order.seq_id, order.spill_id, g) for g in groups]
+        state = order.state_slot is not None and self.state_pool is not None
+        if state:
+            keys.append(self.keys.state(order.seq_id, order.spill_id))
         values = self._get_all(keys, order.seq_id)
         if values is None:
             return False
+        if state:
+            assert self.state_pool is not None and order.state_slot is not None
+            state_value = values.pop()
+            if len(state_value) != self.state_pool.slot_bytes():
+                log.warning("spilled state of %s does not match: recomputing", order.seq_id)
+                return False
+            flat = torch.frombuffer(bytearray(state_value), dtype=torch.float32)
+            self.state_pool.write_slot(order.state_slot, flat)
         done = 0
         for g, value in zip(groups, values, strict=True):
             # The spill's blocks g*n .. in this value; those from `first` on are wanted.
@@ -140,7 +160,7 @@ class KVTransfer:
             data = self._from_bytes(value, len(value) // self.block_bytes)
             self.kv.write_blocks(order.block_ids[done : done + take], data[:, :, lo : lo + take])
             done += take
-        num_bytes = sum(len(v) for v in values)
+        num_bytes = sum(len(v) for v in values) + (len(state_value) if state else 0)
         self._count(num_bytes, start)
         self.counters.restored_bytes += num_bytes
         self.counters.restore_s += self.timer() - start

@@ -15,6 +15,7 @@ changing the pool's contents.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,10 @@ def mamba2_mixer(
     query_start: torch.Tensor,  # [R + 1]
     slots: torch.Tensor,  # [R] int64
     max_query_len: int,
+    after_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """[T, hidden]: the mixer's output; updates the rows' states in place."""
+    """[T, hidden]: the mixer's output; updates the rows' states in place, calling
+    `after_step(j)` once every row's j-th token ran."""
     inner, conv_dim = mamba2_dims(c)
     heads, p, g, n = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state
     proj = ops.linear(h, w.in_proj, w.in_proj_bias)  # [T, I + C + H]
@@ -90,6 +93,8 @@ def mamba2_mixer(
             dt_softplus=True,
         )  # [R, H, P]
         y[idx[has]] = out[has].to(y.dtype)
+        if after_step is not None:  # snapshots of states after token j of their rows
+            after_step(j)
     return ops.linear(
         _gated_norm(y.reshape(-1, inner), z, w.norm, g, eps), w.out_proj, w.out_proj_bias
     )

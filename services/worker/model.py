@@ -61,6 +61,9 @@ class ForwardBatch:
     # before the layers run). None for a model without state layers.
     state_slots: torch.Tensor | None = None
     state_fresh: torch.Tensor | None = None
+    # Hybrid models' prefix caching: (row, token index within the row, snapshot), the
+    # row's state copied to that snapshot once that token ran (host-side).
+    state_takes: tuple[tuple[int, int, int], ...] = ()
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The same batch with its tensors on `device` (one copy per tensor)."""

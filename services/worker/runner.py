@@ -17,6 +17,13 @@ brought in is reported lost and its row skipped; the scheduler recomputes it.
 
 Run-ahead rows (`feed_last`) take the token this runner sampled last for their sequence.
 
+A hybrid model (recurrent layers beside attention) keeps each running sequence's state in
+the slot of the state pool the scheduler named (`NewSequence.state_slot`). The runner
+remembers, per slot, whose state it holds and after how many tokens: a row starting at 0
+zeroes its slot, any other row must continue exactly that state, or the sequence is
+reported lost (a failed or voided step may have moved it) and the scheduler recomputes
+it. A spill carries the slot's state only as it stands at the spill's tokens.
+
 A wrong plan (unknown sequence, block or token out of range, too few blocks) is rejected
 whole with a 400 StepResult and leaves the runner's state as it was. A forward that runs
 out of memory is reported as `out_of_memory` (the scheduler sheds one victim and retries).
@@ -36,6 +43,7 @@ from kernels.ops import select_ops
 from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
 from services.worker.ep_group import agree_num_blocks, join_group
 from services.worker.expert_parallel import ExpertGroup
+from services.worker.hybrid_model import HybridModel, load_hybrid_model
 from services.worker.kv_cache import (
     KVCache,
     block_table_tensor,
@@ -47,9 +55,10 @@ from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampling_state import SamplingStates, load_sampling_states
+from services.worker.state_pool import StatePool, slot_bytes
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
-from shared.model_config import ModelConfig, check_servable
+from shared.model_config import ModelConfig, check_servable, load_model_config
 from shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from shared.protocol import (
     OUT_OF_MEMORY_CODE,
@@ -72,6 +81,7 @@ log = logging.getLogger(__name__)
 class SequenceState:
     block_ids: tuple[int, ...]
     sampling: SamplingParams
+    state_slot: int | None = None  # a hybrid model's state pool slot
 
 
 @dataclass(frozen=True)
@@ -116,9 +126,18 @@ class ModelRunner:
         wall_clock_ns: Callable[[], int] = time.time_ns,
         kv_transfer: KVTransfer | None = None,
         sampling: SamplingStates | None = None,
+        state_pool: StatePool | None = None,
+        state_snapshots: StatePool | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        # A hybrid model's recurrent states, and per slot (sequence, tokens consumed).
+        self.state_pool = state_pool
+        self.state_tokens: dict[int, tuple[str, int]] = {}
+        # Snapshots of states at block boundaries (prefix caching); the scheduler names them.
+        self.state_snapshots = state_snapshots
+        if kv_transfer is not None:
+            kv_transfer.state_pool = state_pool
         # Per-sequence sampling state (penalty counts, regions, grammar matchers).
         self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
         self.timer = timer
@@ -166,6 +185,7 @@ class ModelRunner:
             sequences = self._applied(plan)
             self._check_kv_orders(plan)
             self._check_rows(plan.rows, sequences, {n.seq_id for n in plan.new_seqs})
+            self._check_snapshots(plan, sequences)
         except PlanError as e:
             error = ErrorInfo(
                 status=400, message=str(e), type="invalid_request_error", code="invalid_plan"
@@ -183,6 +203,8 @@ class ModelRunner:
         self.sequences = sequences
         self.sampling.apply(plan)
         result.lost_seq_ids = self._bring_kv_in(plan)
+        self._copy_snapshots(plan)
+        result.lost_seq_ids += self._states_lost(plan.rows, set(result.lost_seq_ids))
         if group is not None:  # every rank runs the same rows: a row lost on one is lost
             result.lost_seq_ids = group.union(result.lost_seq_ids)
         self._count_transfers(result)
@@ -199,6 +221,7 @@ class ModelRunner:
                 group.abandon(f"step {plan.step_id} failed: {type(e).__name__}: {e}")
             for row in rows:  # their run-ahead rows must not feed a stale token
                 self.last_token.pop(row.seq_id, None)
+                self._forget_state(row.seq_id)  # the layers may have moved it partway
             if is_out_of_memory(e):
                 log.warning("step %d ran out of memory (%d rows)", plan.step_id, len(rows))
                 result.error = ErrorInfo(
@@ -212,6 +235,11 @@ class ModelRunner:
             return result
         for out in result.rows:
             self.last_token[out.seq_id] = out.token_id
+        if self.state_pool is not None:
+            for row in rows:
+                slot = self.sequences[row.seq_id].state_slot
+                assert slot is not None
+                self.state_tokens[slot] = (row.seq_id, row.start_pos + row_length(row))
         self.num_steps += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -251,6 +279,17 @@ class ModelRunner:
             return SpillOutcome(
                 seq_id=order.seq_id, spill_id=order.spill_id, ok=False, error="no spill store"
             )
+        if order.state_slot is not None and (
+            self.state_pool is None
+            or self.state_tokens.get(order.state_slot) != (order.seq_id, order.state_tokens)
+        ):
+            # The state is not the one at the spill's tokens: it would not match the blocks.
+            return SpillOutcome(
+                seq_id=order.seq_id,
+                spill_id=order.spill_id,
+                ok=False,
+                error="the recurrent state is not at the spilled tokens",
+            )
         start_ns = self.wall_clock_ns()
         outcome = self.kv_transfer.spill(order)
         self.last_kv_io.append(
@@ -265,6 +304,8 @@ class ModelRunner:
         before = self.kv_transfer.counters.restored_bytes
         start_ns = self.wall_clock_ns()
         ok = self.kv_transfer.restore(order)
+        if ok and order.state_slot is not None:
+            self.state_tokens[order.state_slot] = (order.seq_id, order.state_tokens)
         num_bytes = self.kv_transfer.counters.restored_bytes - before
         self.last_kv_io.append(
             KVIo("restore", order.seq_id, order.traceparent, ok, num_bytes,
@@ -282,6 +323,35 @@ class ModelRunner:
             if self.kv_transfer is None or not self.kv_transfer.load_prefix(load):
                 lost.append(load.seq_id)
         return lost
+
+    def _copy_snapshots(self, plan: StepPlan) -> None:
+        """Prefix hits of a hybrid model: each snapshot into its sequence's slot."""
+        for copy in plan.state_copies:
+            slot = self.sequences[copy.seq_id].state_slot
+            assert self.state_pool is not None and self.state_snapshots is not None
+            assert slot is not None
+            self.state_pool.copy_slot(self.state_snapshots, copy.snapshot, slot)
+            self.state_tokens[slot] = (copy.seq_id, copy.num_tokens)
+
+    def _states_lost(self, rows: Sequence[StepRow], lost: set[str]) -> list[str]:
+        """Rows whose sequence's state is not where the row starts (the scheduler
+        recomputes them); a row starting at 0 takes its slot afresh."""
+        if self.state_pool is None:
+            return []
+        out = []
+        for row in rows:
+            slot = self.sequences[row.seq_id].state_slot
+            if row.seq_id in lost or slot is None or row.start_pos == 0:
+                continue
+            if self.state_tokens.get(slot) != (row.seq_id, row.start_pos):
+                log.warning("%s: recurrent state not at %d tokens", row.seq_id, row.start_pos)
+                out.append(row.seq_id)
+        return out
+
+    def _forget_state(self, seq_id: str) -> None:
+        state = self.sequences.get(seq_id)
+        if state is not None and state.state_slot is not None:
+            self.state_tokens.pop(state.state_slot, None)
 
     def _count_transfers(self, result: StepResult) -> None:
         if self.kv_transfer is None:
@@ -308,16 +378,41 @@ class ModelRunner:
             sequences.pop(seq_id, None)
         for new in plan.new_seqs:
             self._check_blocks(new.seq_id, new.block_ids)
-            sequences[new.seq_id] = SequenceState(tuple(new.block_ids), new.sampling)
+            self._check_slot(new.seq_id, new.state_slot)
+            sequences[new.seq_id] = SequenceState(
+                tuple(new.block_ids), new.sampling, new.state_slot
+            )
         for update in plan.updated_seqs:
             state = sequences.get(update.seq_id)
             if state is None:
                 raise PlanError(f"update for unknown sequence {update.seq_id!r}")
             self._check_blocks(update.seq_id, update.new_block_ids)
             sequences[update.seq_id] = SequenceState(
-                state.block_ids + tuple(update.new_block_ids), state.sampling
+                state.block_ids + tuple(update.new_block_ids), state.sampling, state.state_slot
             )
         return sequences
+
+    def _check_snapshots(self, plan: StepPlan, sequences: dict[str, SequenceState]) -> None:
+        count = 0 if self.state_snapshots is None else self.state_snapshots.num_slots
+        wanted = [c.snapshot for c in plan.state_copies]
+        wanted += [s.snapshot for row in plan.rows for s in row.state_snapshots]
+        bad = [s for s in wanted if not 0 <= s < count]
+        if bad:
+            raise PlanError(f"state snapshots {bad[:5]} outside the {count} this worker keeps")
+        for copy in plan.state_copies:
+            if copy.seq_id not in sequences:
+                raise PlanError(f"state copy for unknown sequence {copy.seq_id!r}")
+        for row in plan.rows:
+            if any(s.num_tokens > row_length(row) for s in row.state_snapshots):
+                raise PlanError(f"row for {row.seq_id!r}: a snapshot past its tokens")
+
+    def _check_slot(self, seq_id: str, slot: int | None) -> None:
+        if self.state_pool is None:
+            return
+        if slot is None or not 0 <= slot < self.state_pool.num_slots:
+            raise PlanError(
+                f"sequence {seq_id!r}: state slot {slot} outside 0..{self.state_pool.num_slots - 1}"
+            )
 
     def _check_blocks(self, seq_id: str, block_ids: Sequence[int]) -> None:
         num_blocks = self.kv_cache.num_blocks
@@ -415,6 +510,13 @@ class ModelRunner:
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,
         on the device. An all-decode batch replays a CUDA graph when one holds it."""
+        if self.state_pool is not None:
+            assert isinstance(self.model, HybridModel)
+            with torch.inference_mode():
+                return self.model.forward(
+                    batch.to(self.model.device), self.kv_cache, self.state_pool,
+                    self.state_snapshots,
+                )  # fmt: skip
         if self.graphs is None or not self.graphs.covers(batch):
             with torch.inference_mode():
                 return self.model.forward(batch.to(self.model.device), self.kv_cache)
@@ -456,6 +558,17 @@ class ModelRunner:
         logits_indices = (query_start[1:] - 1)[sampling]  # [S]
         context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
         max_query_len = max(lengths)
+        state_slots = state_fresh = None
+        takes: tuple[tuple[int, int, int], ...] = ()
+        if self.state_pool is not None:
+            slots_of = [self.sequences[row.seq_id].state_slot for row in rows]
+            state_slots = torch.tensor(slots_of, dtype=torch.int64)
+            state_fresh = torch.tensor([row.start_pos == 0 for row in rows], dtype=torch.bool)
+            takes = tuple(
+                (r, snap.num_tokens - 1, snap.snapshot)
+                for r, row in enumerate(rows)
+                for snap in row.state_snapshots
+            )
         return ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=positions,
@@ -467,6 +580,9 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_context_len=int(context_lens.max()),
             decode_only=max_query_len == 1,
+            state_slots=state_slots,
+            state_fresh=state_fresh,
+            state_takes=takes,
         )
 
 
@@ -487,6 +603,8 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     ops = select_ops(
         settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
     )
+    if load_model_config(source).hybrid is not None:
+        return load_hybrid_runner(settings, source, device, dtype, ops)
     config, weights = load_model(source, device, dtype)
     check_expert_parallel(settings, config, source.model_id)
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
@@ -533,6 +651,50 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         except Exception:  # serving slower beats not serving
             log.exception("decode CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None
+    return runner, source.model_id
+
+
+def load_hybrid_runner(
+    settings: Settings, source: ModelSource, device: torch.device, dtype: torch.dtype, ops
+) -> tuple[ModelRunner, str]:
+    """A hybrid model (Granite 4.0-H, Qwen3-Next): its state pool (one slot per sequence
+    that may run at once: --state-slots, else --max-batch) and its snapshots (prefix
+    caching: --state-snapshots, else as many as slots) are allocated first and taken out
+    of the KV cache's memory budget."""
+    if settings.expert_parallel > 1:
+        raise ValueError(f"{source.model_id}: expert parallelism is not run for hybrid models")
+    config = load_model_config(source)
+    model = load_hybrid_model(source.path, config, ops, dtype, device)
+    num_slots = settings.state_slots or settings.max_batch
+    pool = model.new_state_pool(num_slots)
+    num_snapshots = num_slots if settings.state_snapshots is None else settings.state_snapshots
+    snapshots = model.new_state_pool(num_snapshots) if num_snapshots else None
+    pool_bytes = (num_slots + num_snapshots) * slot_bytes(pool.specs)
+    num_blocks = settings.kv_blocks or num_blocks_for_memory(
+        config,
+        settings.block_size,
+        dtype,
+        device,
+        settings.cpu_kv_cache_bytes - pool_bytes,  # on CUDA, the pool is gone from free memory
+        settings.gpu_memory_utilization,
+    )
+    kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
+    model.warm_up()
+    log.info(
+        "loaded %s (%s) on %s as %s with %s kernels; state pool: %d slots and %d snapshots"
+        " x %.1f KiB",
+        source.model_id, config.architecture, device, dtype, ops.name, num_slots,
+        num_snapshots, pool.slot_bytes() / 1024,
+    )  # fmt: skip
+    runner = ModelRunner(
+        model,  # type: ignore[arg-type]
+        kv_cache,
+        kv_transfer=kv_transfer_for(settings, kv_cache),
+        sampling=load_sampling_states(settings, source, config),
+        state_pool=pool,
+        state_snapshots=snapshots,
+    )
+    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
     return runner, source.model_id
 
 

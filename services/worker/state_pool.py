@@ -65,6 +65,37 @@ class StatePool:
         """Bytes one sequence's states take across every state layer (budgets)."""
         return slot_bytes(self.specs)
 
+    def read_slot(self, slot: int) -> torch.Tensor:
+        """One slot's states across every state layer, flat float32 on the host (what a
+        spill stores): each layer's conv state, then its recurrent state."""
+        parts = [
+            pool[slot].reshape(-1)
+            for conv, ssm in zip(self.conv, self.ssm, strict=True)
+            if conv is not None and ssm is not None
+            for pool in (conv, ssm)
+        ]
+        return torch.cat(parts).cpu() if parts else torch.zeros(0)
+
+    def write_slot(self, slot: int, flat: torch.Tensor) -> None:
+        """The inverse of read_slot."""
+        if flat.numel() * flat.element_size() != self.slot_bytes():
+            raise ValueError(f"a slot holds {self.slot_bytes()} bytes, got {flat.numel() * 4}")
+        offset = 0
+        for conv, ssm in zip(self.conv, self.ssm, strict=True):
+            if conv is None or ssm is None:
+                continue
+            for pool in (conv, ssm):
+                n = pool[slot].numel()
+                pool[slot].copy_(flat[offset : offset + n].view(pool[slot].shape))
+                offset += n
+
+    def copy_slot(self, source: StatePool, src: int, dst: int) -> None:
+        """Slot `src` of `source` (a pool of the same layers) into slot `dst` of this."""
+        for mine, theirs in ((self.conv, source.conv), (self.ssm, source.ssm)):
+            for a, b in zip(mine, theirs, strict=True):
+                if a is not None and b is not None:
+                    a[dst].copy_(b[src])
+
     def reset(self, slots: torch.Tensor, fresh: torch.Tensor | None) -> None:
         """Zeroes the slots of the rows flagged fresh ([R] bool): their sequences start at
         position 0 in this step."""

@@ -254,23 +254,6 @@ def test_a_tier_load_that_fails_recomputes_the_prompt():
     assert core.prefix_hit_tokens == 0
 
 
-def test_state_slots_stay_with_a_sequence_through_preemption_and_spill():
-    core, _ = make_core(num_kv_blocks=10, block_size=BS, spill_store=True, preemption_mode="spill")
-    worker = FakeWorker(BS)
-    for i in range(3):
-        submit(core, f"r{i}", prompt=[200 + 17 * i + j for j in range(6)], max_tokens=16)
-    slots: dict[str, set[int]] = {}
-    while core.has_work():
-        tick(core, worker)
-        for rid in ("r0", "r1", "r2"):
-            seq = core.sequence(rid)
-            if seq is not None and seq.state_slot is not None:
-                slots.setdefault(rid, set()).add(seq.state_slot)
-    assert core.preemptions["spill"] > 0
-    assert all(len(s) == 1 for s in slots.values())
-    assert len({next(iter(s)) for s in slots.values()}) == 3
-
-
 def test_eos_mid_run_still_ends_every_request_once():
     def token_fn(seq_id: str, i: int) -> int:
         return EOS if (seq_id == "r1" and i == 5) else 100 + (i * 7 + len(seq_id)) % 800

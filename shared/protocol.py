@@ -497,6 +497,8 @@ class PrefixBlock(Message):
 
     block_id: int
     block_hash: str
+    # A hybrid model: the state snapshot after this block, stored beside it.
+    snapshot: int | None = None
 
 
 class PrefixLoad(Message):
@@ -504,6 +506,10 @@ class PrefixLoad(Message):
 
     seq_id: str
     blocks: list[PrefixBlock]
+    # A hybrid model: the state stored after the last block goes into this slot; it then
+    # stands at `state_tokens` tokens.
+    state_slot: int | None = None
+    state_tokens: int = 0
 
 
 class StepPlan(Message):

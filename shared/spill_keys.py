@@ -5,6 +5,7 @@ Workers write and read the KV values directly; the spill store owns the rest.
     <NS:>spill:seq:<seq_id>:<spill_id>:state     a hybrid model's recurrent state
     <NS:>spill:index                             hash: "<seq_id>:<spill_id>" -> record
     <NS:>prefix:block:<hash>                     one full block of the shared prefix tier
+    <NS:>prefix:state:<hash>                     a hybrid model's state after that block
     <NS:>prefix:index                            sorted set: hash -> time stored
     <NS:>spillstore:probe                        a short-lived key the spill store
                                                  writes to learn whether Redis takes writes
@@ -42,6 +43,9 @@ class SpillKeys:
 
     def prefix_block(self, block_hash: str) -> str:
         return self.ns.redis_key(f"{PREFIX_TIER}block:{block_hash}")
+
+    def prefix_state(self, block_hash: str) -> str:
+        return self.ns.redis_key(f"{PREFIX_TIER}state:{block_hash}")
 
     def prefix_index(self) -> str:
         return self.ns.redis_key(f"{PREFIX_TIER}index")

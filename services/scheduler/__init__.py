@@ -15,6 +15,7 @@ Pure cores (no bus, no asyncio, no torch):
     prefix_hash.py    chained block hashes (the prefix cache's and the shared tier's keys)
     slots.py          SlotAllocator: the smallest free integer
     state_slots.py    StateSlots: a hybrid worker's state slots, held while blocks are
+    state_snapshots.py StateSnapshots: states at block boundaries (hybrid prefix hits)
     request_queue.py  RequestQueue: priority, then arrival
     admission.py      why a submit is refused (400 / 429 / 503)
     preemption.py     PreemptionPolicy: spill or recompute a victim, the store's health

@@ -335,8 +335,8 @@ class SchedulerCore:
         """The block hashes of a prompt that the local prefix cache misses: what the
         shell asks the shared tier about (in order; the tier answers how many it holds
         from the first)."""
-        if self.blocks is None or not self._prefix_cache_on or self._slots.keeps_state:
-            return []  # (a hybrid worker's blocks are not shared through the tier yet)
+        if self.blocks is None or not self._prefix_cache_on:
+            return []
         hashes = self._hashes_for_lookup(prompt_token_ids, [])
         return hashes[len(self.blocks.lookup(hashes)) :]
 
@@ -995,7 +995,7 @@ class SchedulerCore:
         seq.num_computed_tokens = cached
         assert seq.state_slot is None, "a queued sequence holds no slot"
         seq.state_slot = self._slots.take()
-        if snapshot is not None:
+        if snapshot is not None and not tier:  # (a tier load brings a later state)
             copy = StateCopy(seq_id=seq.request_id, snapshot=snapshot, num_tokens=len(hits) * bs)
             self._next_state_copies.append((seq, seq.epoch, copy))
         if seq.status is SequenceStatus.WAITING:  # first admission
@@ -1009,6 +1009,8 @@ class SchedulerCore:
                 for i, h in enumerate(tier)
             ]
             load = PrefixLoad(seq_id=seq.request_id, blocks=blocks)
+            if self._slots.keeps_state:  # the state stored after the last of them
+                load.state_slot, load.state_tokens = seq.state_slot, cached
             self.orders.load(seq, load, len(tier) * bs)
             seq.kv_pending = True
         seq.status = SequenceStatus.RUNNING
@@ -1027,7 +1029,7 @@ class SchedulerCore:
     def _tier_blocks(self, seq: Sequence, hashes: list[int], num_local: int) -> list[int]:
         """The hashes past the local hits that the shared tier held when the request
         arrived (the chain must continue where the local hits end)."""
-        if not seq.tier_hashes or not self.config.prefix_tier or self._slots.keeps_state:
+        if not seq.tier_hashes or not self.config.prefix_tier:
             return []
         tier = set(seq.tier_hashes)
         out: list[int] = []
@@ -1316,7 +1318,11 @@ class SchedulerCore:
                     self._tier_stored.move_to_end(h)
                     continue
                 self._tier_stored[h] = None
-                self.orders.store_prefix(PrefixBlock(block_id=block_id, block_hash=hash_hex(h)))
+                self.orders.store_prefix(
+                    PrefixBlock(
+                        block_id=block_id, block_hash=hash_hex(h), snapshot=self._snapshots.peek(h)
+                    )
+                )
         while len(self._tier_stored) > self.config.prefix_tier_blocks:
             self._tier_stored.popitem(last=False)
 

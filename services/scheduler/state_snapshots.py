@@ -15,6 +15,10 @@ block they end, like the prefix cache names blocks:
 Snapshots are few and bounded: a new one takes a free snapshot, else the least recently
 used confirmed one (a copy planned from it runs first in its step, before any row takes
 it again). A snapshot pending in a step that fails or is voided goes back free.
+
+The shared prefix tier keeps a snapshot beside its block (`PrefixBlock.snapshot`, written
+by the worker with the block); the spill store cuts a lookup back to the last block that
+has one, and a tier load brings that state into the sequence's slot.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ class StateSnapshots:
             self._confirmed[block_hash] = snapshot
         else:
             self._free.append(snapshot)
+
+    def peek(self, block_hash: int) -> int | None:
+        """The confirmed snapshot after that block, if any (the LRU order unchanged)."""
+        return self._confirmed.get(block_hash)
 
     def usable(self, hashes: list[int], num_hits: int) -> tuple[int, int | None]:
         """(blocks, snapshot): the longest prefix of the first `num_hits` blocks that ends

@@ -147,19 +147,24 @@ class SpillStore:
     # --- the shared prefix tier -----------------------------------------------------
 
     async def lookup(self, block_hashes: list[str]) -> int:
-        """How many of the hashes, from the first, the tier holds."""
+        """How many of the hashes, from the first, the tier holds. A hybrid model's
+        blocks resume only where a state was stored after one: where the held blocks
+        have states, the count is cut back to the last of them."""
         if not block_hashes:
             return 0
         pipe = self.redis.pipeline(transaction=False)
         for h in block_hashes:
             pipe.exists(self.keys.prefix_block(h))
+            pipe.exists(self.keys.prefix_state(h))
         found = await pipe.execute()
-        hits = 0
-        for present in found:
-            if not present:
+        hits = last_state = 0
+        for block, state in zip(found[::2], found[1::2], strict=True):
+            if not block:
                 break
             hits += 1
-        return hits
+            if state:
+                last_state = hits
+        return last_state or hits
 
     async def trim_prefix_tier(self) -> None:
         """Evicts the oldest blocks beyond the capacity."""
@@ -172,6 +177,7 @@ class SpillStore:
         names = [m.decode() if isinstance(m, bytes) else m for m, _ in oldest]
         if names:
             await self.redis.delete(*(self.keys.prefix_block(h) for h in names))
+            await self.redis.delete(*(self.keys.prefix_state(h) for h in names))
         self.prefix_blocks -= len(names)
         self.prefix_evicted_total += len(names)
 

@@ -75,6 +75,7 @@ class KVTransfer:
         # A hybrid model's state pool: a spill or restore with a state slot moves that
         # slot's recurrent state too (one more value beside the blocks).
         self.state_pool: StatePool | None = None
+        self.state_snapshots: StatePool | None = None  # and its snapshots (the tier's)
         # One writer thread for the shared tier, so its writes leave the step's path.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
         self._store_slots = threading.BoundedSemaphore(MAX_PENDING_STORES)
@@ -179,11 +180,18 @@ class KVTransfer:
             log.debug("prefix tier writer busy: %d blocks not stored", len(blocks))
             return
         values = {b.block_hash: _to_bytes(self.kv.read_blocks([b.block_id])) for b in blocks}
-        self._writer.submit(self._write_prefix, values)
+        states = {
+            b.block_hash: _to_bytes(self.state_snapshots.read_slot(b.snapshot))
+            for b in blocks
+            if b.snapshot is not None and self.state_snapshots is not None
+        }
+        self._writer.submit(self._write_prefix, values, states)
 
-    def _write_prefix(self, values: dict[str, bytes]) -> None:
+    def _write_prefix(self, values: dict[str, bytes], states: dict[str, bytes]) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
+            for block_hash, value in states.items():  # before the block: a lookup that
+                pipe.set(self.keys.prefix_state(block_hash), value)  # sees it sees both
             for block_hash, value in values.items():
                 pipe.set(self.keys.prefix_block(block_hash), value)
             now = time.time()
@@ -207,8 +215,20 @@ class KVTransfer:
     def load_prefix(self, load: PrefixLoad) -> bool:
         start = self.timer()
         keys = [self.keys.prefix_block(b.block_hash) for b in load.blocks]
+        state = load.state_slot is not None and self.state_pool is not None and load.blocks
+        if state:
+            keys.append(self.keys.prefix_state(load.blocks[-1].block_hash))
         values = self._get_all(keys, load.seq_id)
-        if values is None or any(len(v) != self.block_bytes for v in values):
+        if values is None:
+            return False
+        if state:
+            assert self.state_pool is not None and load.state_slot is not None
+            state_value = values.pop()
+            if len(state_value) != self.state_pool.slot_bytes():
+                return False
+            flat = torch.frombuffer(bytearray(state_value), dtype=torch.float32)
+            self.state_pool.write_slot(load.state_slot, flat)
+        if any(len(v) != self.block_bytes for v in values):
             return False
         for block, value in zip(load.blocks, values, strict=True):
             self.kv.write_blocks([block.block_id], self._from_bytes(value, 1))

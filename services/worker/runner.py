@@ -138,6 +138,7 @@ class ModelRunner:
         self.state_snapshots = state_snapshots
         if kv_transfer is not None:
             kv_transfer.state_pool = state_pool
+            kv_transfer.state_snapshots = state_snapshots
         # Per-sequence sampling state (penalty counts, regions, grammar matchers).
         self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
         self.timer = timer
@@ -322,6 +323,8 @@ class ModelRunner:
         for load in plan.prefix_loads:
             if self.kv_transfer is None or not self.kv_transfer.load_prefix(load):
                 lost.append(load.seq_id)
+            elif load.state_slot is not None:
+                self.state_tokens[load.state_slot] = (load.seq_id, load.state_tokens)
         return lost
 
     def _copy_snapshots(self, plan: StepPlan) -> None:

@@ -7,6 +7,7 @@ prefix hit resumes from a state snapshot, skips the shared prefill and changes n
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import replace
 
@@ -15,6 +16,8 @@ import pytest
 from kernels import ssm_reference
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.prefix_hash import hash_hex
+from services.spillstore.service import SpillStore
 from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.runner import ModelRunner, load_runner
 from services.worker.service import worker_info
@@ -80,7 +83,11 @@ def _serve_all(
 
 
 def _serve(
-    core: SchedulerCore, runner: ModelRunner, prompts: list[list[int]], tag: str = "r"
+    core: SchedulerCore,
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    tag: str = "r",
+    tier: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], list[int]]:
     """Each prompt's greedy tokens, and its cached tokens (what its prefill skipped)."""
     for i, prompt in enumerate(prompts):
@@ -92,7 +99,8 @@ def _serve(
                 sampling=SamplingParams(temperature=0.0),
                 max_tokens=NEW_TOKENS,
                 ignore_eos=True,
-            )
+            ),
+            None if tier is None else tier[i],
         )
         assert error is None
     outputs: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
@@ -108,7 +116,7 @@ def _serve(
             if d.finish_reason is not None:
                 finished[d.request_id] = d
         core.check_integrity()
-        if len(finished) == len(prompts):
+        if len(finished) == len(prompts) and not core.has_work():
             break
     assert {d.finish_reason for d in finished.values()} == {"length"}
     assert core.kv_usage == 0.0 and core.num_swapped == 0
@@ -155,3 +163,51 @@ def test_a_prefix_hit_resumes_from_a_state_snapshot(family_dir, want):
     for prompt, tokens in zip([[*head, *t] for t in tails], followers, strict=True):
         expected, gap = reference_greedy(reference, prompt, NEW_TOKENS)
         assert gap > 1e-3 and tokens == expected
+
+
+def _tiered(folder, namespace: str, redis: str) -> tuple[SchedulerCore, ModelRunner]:
+    runner = _runner(folder, kv_blocks=64, state_slots=4)
+    runner.kv_transfer = KVTransfer(
+        connect_kv_store(redis, 2.0), SpillKeys(namespace), runner.kv_cache
+    )
+    runner.kv_transfer.state_pool = runner.state_pool
+    runner.kv_transfer.state_snapshots = runner.state_snapshots
+    config = SchedulerConfig(
+        max_batch=8, max_num_batched_tokens=12, spill_store=True, prefix_tier=True
+    )
+    core = SchedulerCore(FakeClock(), config)
+    core.attach_worker(worker_info("w", "tiny", runner))
+    return core, runner
+
+
+def _tier_lookup(redis: str, namespace: str, hashes: list[int]) -> int:
+    import redis.asyncio as aioredis
+
+    async def ask() -> int:
+        client = aioredis.from_url(redis)
+        try:
+            store = SpillStore(client, SpillKeys(namespace), 1 << 30)
+            return await store.lookup([hash_hex(h) for h in hashes])
+        finally:
+            await client.aclose()
+
+    return asyncio.run(ask())
+
+
+def test_the_redis_tier_serves_a_snapshot_to_a_fresh_worker(family_dir, want, redis_url):
+    namespace = uuid.uuid4().hex[:8]
+    core, runner = _tiered(family_dir, namespace, redis_url)
+    got, _ = _serve(core, runner, [PROMPTS[3]])  # its blocks and snapshots go to the tier
+    assert got == want[3:]
+    assert runner.kv_transfer is not None
+    runner.kv_transfer.flush()
+    fresh_core, fresh = _tiered(family_dir, namespace, redis_url)  # a restarted worker
+    prompt = [*PROMPTS[3][:14], 8, 6]
+    hashes = fresh_core.prefix_lookup_hashes(prompt)
+    assert len(hashes) == 3  # nothing local; three full blocks to ask the tier about
+    held = _tier_lookup(redis_url, namespace, hashes)
+    assert held == 3
+    tokens, cached = _serve(fresh_core, fresh, [prompt], tag="t", tier=[hashes[:held]])
+    assert cached == [12] and fresh_core.prefix_hit_tokens == 12
+    expected, gap = reference_greedy(load_reference(family_dir), prompt, NEW_TOKENS)
+    assert gap > 1e-3 and tokens == [expected]

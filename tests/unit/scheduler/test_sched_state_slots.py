@@ -44,6 +44,7 @@ class HybridWorker(FakeWorker):
         self.lost_states = 0
         self.state_spills = 0
         self.copies = 0
+        self.tier_states: dict[str, tuple[int, ...]] = {}
 
     def prefix(self, seq_id: str, n: int) -> tuple[int, ...]:
         return tuple(self.expected(seq_id, p) for p in range(n))
@@ -58,9 +59,17 @@ class HybridWorker(FakeWorker):
                 assert held is not None
                 self.spilled_state[(spill.seq_id, spill.spill_id)] = held
                 self.state_spills += 1
+        for block in plan.prefix_stores:
+            if block.snapshot is not None:
+                self.tier_states[block.block_hash] = self.snapshots[block.snapshot]
         for new in plan.new_seqs:
             assert new.state_slot is not None
             self.slot_of[new.seq_id] = new.state_slot
+        for load in plan.prefix_loads:  # the state stored after the last block
+            assert load.state_slot is not None
+            held = self.tier_states[load.blocks[-1].block_hash]
+            assert held == self.prefix(load.seq_id, load.state_tokens), "a wrong tier state"
+            self.state[load.state_slot] = held
         slots = [self.slot_of[r.seq_id] for r in plan.rows]
         assert slots == sorted(slots), f"rows not in slot order: {slots}"
         assert len(set(slots)) == len(slots) and all(0 <= s < self.num_slots for s in slots)
@@ -276,3 +285,26 @@ def test_snapshots_under_pressure_keep_every_output(mode):
         assert outcomes[f"r{i}"].token_ids == expected_tokens(f"r{i}", 12)
     assert worker.lost_states == 0 and worker.copies > 0
     assert sum(core.preemptions.values()) > 0
+
+
+def test_the_shared_tier_serves_a_state_to_a_fresh_worker():
+    prompt = list(range(300, 318))
+    core = _hybrid_core(4, num_snapshots=8, num_kv_blocks=64, block_size=BS, spill_store=True)
+    worker = HybridWorker(BS, num_slots=4, num_snapshots=8)
+    submit(core, "a", prompt=prompt, max_tokens=3)
+    run_to_completion(core, worker)
+    stored = [b for p in worker.plans for b in p.prefix_stores]
+    assert stored and all(b.snapshot is not None for b in stored[:4])
+    # A restarted worker: nothing local; the tier (the same fake store) holds blocks and
+    # states. The spill store would answer how many blocks, cut back to the last state.
+    fresh_core = _hybrid_core(4, num_snapshots=8, num_kv_blocks=64, block_size=BS,
+                              spill_store=True)  # fmt: skip
+    fresh = HybridWorker(BS, num_slots=4, num_snapshots=8)
+    fresh.tier, fresh.tier_states = dict(worker.tier), dict(worker.tier_states)
+    hashes = fresh_core.prefix_lookup_hashes([*prompt[:14], 99, 98])
+    assert len(hashes) == 3
+    submit(fresh_core, "b", prompt=[*prompt[:14], 99, 98], max_tokens=3, tier_hashes=hashes)
+    outcome = run_to_completion(fresh_core, fresh)["b"]
+    assert outcome.token_ids == expected_tokens("b", 3)
+    assert outcome.deltas[0].num_cached_tokens == 12
+    assert fresh.lost_states == 0 and fresh_core.prefix_hit_tokens == 12

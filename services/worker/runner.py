@@ -47,6 +47,7 @@ from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampling_state import SamplingStates, load_sampling_states
+from services.worker.speculative import extra_logprobs, row_drafts, verify_drafts
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
 from shared.model_config import ModelConfig, check_servable
@@ -63,6 +64,7 @@ from shared.protocol import (
     StepResult,
     StepRow,
 )
+from shared.speculative import speculation_refusal
 from shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class StepPhases:
     prepare_s: float
     forward_s: float
     sample_s: float
+    accept_s: float | None = None  # deciding which drafts stand (a step with drafts)
 
 
 class PlanError(ValueError):
@@ -211,7 +214,7 @@ class ModelRunner:
                 )
             return result
         for out in result.rows:
-            self.last_token[out.seq_id] = out.token_id
+            self.last_token[out.seq_id] = (out.extra_token_ids or [out.token_id])[-1]
         self.num_steps += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -226,6 +229,7 @@ class ModelRunner:
         result.forward_s = phases.forward_s
         result.prepare_s = phases.prepare_s
         result.sample_s = phases.sample_s
+        result.accept_s = phases.accept_s
         if group is not None:
             c = group.counters
             result.expert_tokens = c.expert_tokens
@@ -314,8 +318,11 @@ class ModelRunner:
             if state is None:
                 raise PlanError(f"update for unknown sequence {update.seq_id!r}")
             self._check_blocks(update.seq_id, update.new_block_ids)
+            kept = state.block_ids
+            if update.num_kept_blocks is not None:  # rejected drafts' blocks went back
+                kept = kept[: update.num_kept_blocks]
             sequences[update.seq_id] = SequenceState(
-                state.block_ids + tuple(update.new_block_ids), state.sampling
+                kept + tuple(update.new_block_ids), state.sampling
             )
         return sequences
 
@@ -346,6 +353,10 @@ class ModelRunner:
                 raise PlanError(f"row for {row.seq_id!r} has no tokens")
             elif min(row.token_ids) < 0 or max(row.token_ids) >= vocab:
                 raise PlanError(f"row for {row.seq_id!r} has a token id outside 0..{vocab - 1}")
+            if row.num_draft_tokens and (
+                not row.sample or row.feed_last or row.num_draft_tokens >= len(row.token_ids)
+            ):
+                raise PlanError(f"row for {row.seq_id!r}: drafts must follow a sampled token")
             end = row.start_pos + row_length(row)
             if row.start_pos < 0 or end > self.max_model_len:
                 raise PlanError(
@@ -362,6 +373,8 @@ class ModelRunner:
 
     def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], StepPhases]:
         prepare_start = self.timer()
+        if not self.follower:
+            rows = [self._usable(row) if row.num_draft_tokens else row for row in rows]
         batch = self.host_batch(rows)
         sampled_rows = [row for row in rows if row.sample]
         group = self.model.experts
@@ -371,28 +384,53 @@ class ModelRunner:
             return self._run_follower(batch, sampled_rows)
         # Grammar masks start filling here, on a helper thread, while the forward runs.
         prepared = self.sampling.prepare(
-            [(r.seq_id, self.sequences[r.seq_id].sampling, r.output_index) for r in sampled_rows]
+            [
+                (r.seq_id, self.sequences[r.seq_id].sampling, r.output_index, row_drafts(r))
+                for r in sampled_rows
+            ]
         )
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
-            logits = self.logits(batch)  # [S, V]
+            logits = self.logits(batch)  # [P, V]: a position per sampled token or draft
             sample_start = self.timer()
             token_ids, logprobs = (
                 self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
             )
+        accept_start = self.timer()
+        emitted = verify_drafts(prepared.drafts, token_ids, logprobs)
+        accept_s = self.timer() - accept_start
         if group is not None:  # the other ranks feed these to their run-ahead rows
-            group.share(token_ids)
+            group.share([tokens for tokens, _ in emitted])
         end = self.timer()
         phases = StepPhases(
-            prepare_s=start - prepare_start, forward_s=end - start, sample_s=end - sample_start
+            prepare_s=start - prepare_start,
+            forward_s=end - start,
+            sample_s=end - sample_start,
+            accept_s=accept_s if any(prepared.drafts) else None,
         )
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
-        self.sampling.accept(prepared, token_ids)
+        self.sampling.accept(prepared, [tokens for tokens, _ in emitted])
         results = [
-            RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
-            for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
+            RowResult(
+                seq_id=row.seq_id,
+                token_id=tokens[0],
+                logprobs=lps[0],
+                extra_token_ids=tokens[1:],
+                extra_logprobs=extra_logprobs(lps),
+            )
+            for row, (tokens, lps) in zip(sampled_rows, emitted, strict=True)
         ]
         return results, phases
+
+    def _usable(self, row: StepRow) -> StepRow:
+        """The row with only the drafts its grammar allows (fewer tokens to compute)."""
+        drafts = row_drafts(row)
+        params = self.sequences[row.seq_id].sampling
+        n = self.sampling.usable_drafts(row.seq_id, params, row.output_index, drafts)
+        if n == len(drafts):
+            return row
+        cut = len(row.token_ids) - len(drafts) + n
+        return row.model_copy(update={"token_ids": row.token_ids[:cut], "num_draft_tokens": n})
 
     def _run_follower(
         self, batch: ForwardBatch, sampled_rows: list[StepRow]
@@ -404,11 +442,11 @@ class ModelRunner:
         start = self.timer()
         with torch.inference_mode():
             self.logits(batch)
-        token_ids = group.share(None)
+        emitted = group.share(None)
         phases = StepPhases(prepare_s=0.0, forward_s=self.timer() - start, sample_s=0.0)
         results = [
-            RowResult(seq_id=row.seq_id, token_id=token)
-            for row, token in zip(sampled_rows, token_ids, strict=True)
+            RowResult(seq_id=row.seq_id, token_id=tokens[0], extra_token_ids=tokens[1:])
+            for row, tokens in zip(sampled_rows, emitted, strict=True)
         ]
         return results, phases
 
@@ -452,8 +490,13 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.int64)[token_rows] + offsets  # [T]
         block_tables = block_table_tensor(block_lists, torch.device("cpu"))  # [R, MB]
         slots = slot_mapping_tensor(block_tables, token_rows, positions, bs)  # [T]
-        sampling = torch.tensor([row.sample for row in rows], dtype=torch.bool)
-        logits_indices = (query_start[1:] - 1)[sampling]  # [S]
+        # Logits at a sampling row's last position, and before it at each of its drafts'
+        # (the position before a draft predicts it): [P] in row order.
+        wanted: list[int] = []
+        for row, end in zip(rows, query_start[1:].tolist(), strict=True):
+            if row.sample:
+                wanted.extend(range(end - 1 - row.num_draft_tokens, end))
+        logits_indices = torch.tensor(wanted, dtype=torch.int64)
         context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
         max_query_len = max(lengths)
         return ForwardBatch(
@@ -488,6 +531,9 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
     )
     config, weights = load_model(source, device, dtype)
+    refusal = speculation_refusal(settings, config)
+    if refusal is not None:
+        raise ValueError(refusal)
     check_expert_parallel(settings, config, source.model_id)
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
     if group is not None:

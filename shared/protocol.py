@@ -246,6 +246,8 @@ class SchedulerStats(Message):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = Field(default_factory=list)
+    # Its phases timed: spec_draft (lookups, here), spec_verify and spec_accept (worker).
+    spec_phases: dict[str, PhaseHistogram] = Field(default_factory=dict)
     # The spill store's last answer (None: none yet, or it does not answer).
     spill_store: SpillStats | None = None
     scheduler_id: str = ""

@@ -53,6 +53,7 @@ from services.scheduler.preemption import RecentSpillFailures, spill_reason, spi
 from services.scheduler.prefix_hash import hash_hex
 from services.scheduler.registry import RegisteredWorker, WorkerRegistry, registration_error
 from services.scheduler.sequence import Sequence
+from services.scheduler.speculation import merged as merged_speculation
 from services.scheduler.step_timing import StepTimings
 from services.scheduler.tracing import SpanObserver
 from shared import subjects
@@ -377,6 +378,7 @@ class SchedulerService:
                 preemptions[mode] = preemptions.get(mode, 0) + n
         num_blocks, kv_usage = _pooled_kv(cores)
         first = next(iter(self.lanes), None)
+        spec, spec_phases = merged_speculation([c.spec for c in cores if c.spec is not None])
         return SchedulerStats(
             num_workers=len(self.registry),
             num_running=sum(c.num_running for c in cores),
@@ -407,6 +409,10 @@ class SchedulerService:
             scheduler_id=self.scheduler_id,
             worker_id=first,
             workers=[_load_of(lane) for lane in self.lanes.values()],
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=spec.accepted_per_position,
+            spec_phases=spec_phases,
         )
 
     async def _on_register(self, info: WorkerInfo, ctx: Context, raw: Msg) -> RegisterReply:

@@ -33,7 +33,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.phase_stats import PhaseStats
 from services.scheduler.sequence import Sequence
 from shared.clock import Clock
-from shared.protocol import StepResult
+from shared.protocol import PhaseHistogram, StepResult
 
 # A draft token's cost relative to a plain decode row's, in a step's time: small while a
 # step is bound by reading the weights (one stream on a CPU, a small batch on a GPU).
@@ -188,3 +188,27 @@ class Speculation:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+
+
+def merged(specs: list[Speculation]) -> tuple[SpecTotals, dict[str, PhaseHistogram]]:
+    """Several cores' speculation as one scheduler's: totals summed, histograms merged."""
+    totals = SpecTotals()
+    phases: dict[str, PhaseHistogram] = {}
+    for spec in specs:
+        totals.draft_tokens += spec.totals.draft_tokens
+        totals.accepted_tokens += spec.totals.accepted_tokens
+        per_position = spec.totals.accepted_per_position
+        if len(totals.accepted_per_position) < len(per_position):
+            totals.accepted_per_position.extend(
+                [0] * (len(per_position) - len(totals.accepted_per_position))
+            )
+        for i, n in enumerate(per_position):
+            totals.accepted_per_position[i] += n
+        for name, h in spec.phases.snapshot().items():
+            into = phases.get(name)
+            if into is None:
+                phases[name] = h
+            else:
+                into.counts = [a + b for a, b in zip(into.counts, h.counts, strict=True)]
+                into.sum += h.sum
+    return totals, phases

@@ -12,6 +12,7 @@ from services.scheduler.speculation import (
     SpecState,
     best_num_drafts,
     expected_accepted,
+    merged,
 )
 from shared.clock import FakeClock
 from shared.protocol import RowResult, SamplingParams, StepPlan, StepResult, SubmitRequest
@@ -64,7 +65,7 @@ PROMPT = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
 
 
 def _core(**fields) -> SchedulerCore:
-    config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4, **fields)
+    config = SchedulerConfig(**{"speculative": "ngram", "num_speculative_tokens": 4, **fields})
     core = SchedulerCore(FakeClock(), config)
     core.attach_worker(worker_info(num_kv_blocks=16, block_size=4))
     return core
@@ -171,3 +172,17 @@ def test_a_speculating_sequence_runs_no_row_ahead_of_its_verify():
     plan = core.schedule()
     assert plan is not None and plan.rows[0].num_draft_tokens
     assert core.can_schedule() and core.schedule() is None  # waits for the verify
+
+
+def test_several_cores_speculation_adds_up():
+    a, b = _core(), _core(num_speculative_tokens=2)
+    assert a.spec is not None and b.spec is not None
+    a.spec.totals.add(4, 2)
+    b.spec.totals.add(2, 2)
+    a.spec.phases.observe("spec_draft", 0.001)
+    b.spec.phases.observe("spec_draft", 0.003)
+    totals, phases = merged([a.spec, b.spec])
+    assert (totals.draft_tokens, totals.accepted_tokens) == (6, 4)
+    assert totals.accepted_per_position == [2, 2, 0, 0]
+    assert sum(phases["spec_draft"].counts) == 2
+    assert phases["spec_draft"].sum == 0.004

@@ -30,6 +30,7 @@ _DEFAULT_REGION_SAMPLING: dict[RegionName, RegionSampling] = {
     "code": RegionSampling(temperature=0.2),
     "tool_call": RegionSampling(temperature=0.0),
 }
+SpeculativeMethod = Literal["none", "ngram", "draft", "mtp"]
 MarkerName = Literal["think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end"]
 
 
@@ -54,6 +55,12 @@ class Settings(BaseSettings):
     nats_url: str = Field(default=DEFAULT_NATS_URL, validation_alias="NATS_URL")
     redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias="REDIS_URL")
     otlp_endpoint: str | None = Field(default=None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT")
+    # Speculative decoding (CONTRACT section 7): who proposes drafts, how many per step,
+    # the draft model (for "draft"), and the longest n-gram looked up (for "ngram").
+    speculative: SpeculativeMethod = "none"
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    draft_model: str | None = None
+    ngram_max: int = Field(default=4, ge=1, le=16)
 
     # --- the project's own knobs ---
     attention_backend: AttentionBackend = "auto"

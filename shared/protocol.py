@@ -242,6 +242,12 @@ class SchedulerStats(Message):
     run_ahead: bool = False
     # The end-of-tick phases (and schedule / update), timed in the scheduler process.
     phases: dict[str, PhaseHistogram] = Field(default_factory=dict)
+    # Speculative decoding: drafts proposed and accepted, and accepted per draft position.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = Field(default_factory=list)
+    # Its phases timed: spec_draft (lookups, here), spec_verify and spec_accept (worker).
+    spec_phases: dict[str, PhaseHistogram] = Field(default_factory=dict)
     # The spill store's last answer (None: none yet, or it does not answer).
     spill_store: SpillStats | None = None
     scheduler_id: str = ""
@@ -414,6 +420,9 @@ class SequenceUpdate(Message):
 
     seq_id: str
     new_block_ids: list[int]
+    # Speculative decoding: the table is first cut to its first this many blocks (the
+    # scheduler freed the blocks that held only rejected drafts), then extended.
+    num_kept_blocks: int | None = Field(default=None, ge=0)
 
 
 class StateSnapshot(Message):
@@ -451,6 +460,10 @@ class StepRow(Message):
     feed_last: bool = False
     # Hybrid models: snapshots of the state taken at block boundaries inside this row.
     state_snapshots: list[StateSnapshot] = Field(default_factory=list)
+    # Speculative decoding: the last num_draft_tokens of token_ids are drafts. The row
+    # samples at each of its last num_draft_tokens + 1 positions (output indices
+    # output_index, output_index + 1, ...) and keeps drafts while the samples confirm them.
+    num_draft_tokens: int = Field(default=0, ge=0)
     # W3C traceparent of the scheduler's span for this row, when traces are exported:
     # the worker's span for the row becomes its child.
     traceparent: str | None = None
@@ -533,6 +546,11 @@ class RowResult(Message):
     seq_id: str
     token_id: int
     logprobs: SampledLogprobs | None = None
+    # A row with drafts: the tokens it emits after token_id (the drafts confirmed after
+    # the first, then the one sampled where the drafts stop), with their logprobs. The
+    # first len(extra_token_ids) drafts were accepted.
+    extra_token_ids: list[int] = Field(default_factory=list)
+    extra_logprobs: list[SampledLogprobs] | None = None
 
 
 class SpillOutcome(Message):
@@ -553,6 +571,8 @@ class StepResult(Message):
     # for, counts as sampling).
     prepare_s: float | None = None
     sample_s: float | None = None
+    # A step with drafts: the time spent deciding which drafts stand (part of sample_s).
+    accept_s: float | None = None
     error: ErrorInfo | None = None
     spills: list[SpillOutcome] = Field(default_factory=list)
     # Sequences whose restore or prefix load failed (data gone, store down): their rows

@@ -36,6 +36,14 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--otlp-endpoint", "otlp_endpoint", {"help": "OTLP/HTTP base URL for traces"}),
     ("--trace-file", "trace_file", {"help": "also append every span to this file, one OTLP "
                                     "JSON line each (read by `spillway trace`)"}),
+    ("--speculative", "speculative", {"choices": ["none", "ngram", "draft", "mtp"],
+                                      "help": "speculative decoding: who proposes drafts"}),
+    ("--num-speculative-tokens", "num_speculative_tokens", {"type": int,
+                                                            "help": "drafts per step (K)"}),
+    ("--draft-model", "draft_model", {"help": "--speculative draft: the draft model (same "
+                                      "tokenizer)"}),
+    ("--ngram-max", "ngram_max", {"type": int, "help": "--speculative ngram: longest n-gram "
+                                  "looked up in the sequence so far"}),
     ("--attention-backend", "attention_backend", {"choices": ["auto", "torch", "triton"],
                                                   "help": "worker kernels: auto = Triton on "
                                                   "CUDA, torch elsewhere"}),

@@ -128,6 +128,7 @@ class SchedulerStatsCollector(Collector):
             yield counter
         yield from _worker_metrics(each)
         yield from _phase_histograms(each)
+        yield from _spec_decode_metrics(each)
         store = next((s.spill_store for _, s in each if s.spill_store is not None), None)
         yield from _spill_store_metrics(store)
 
@@ -261,6 +262,40 @@ def _phase_histograms(each: Sequence[tuple[str, SchedulerStats]]) -> Iterator[Me
                 buckets.append((_le(bound), cumulative))
             family.add_metric([phase, sid], buckets, h.sum)
     yield family
+
+
+def _spec_decode_metrics(each: Sequence[tuple[str, SchedulerStats]]) -> Iterator[Metric]:
+    """Speculative decoding (CONTRACT section 7): drafts proposed and accepted, accepted
+    by draft position, and the draft / verify / accept phases' times."""
+    drafts = _labelled(CounterMetricFamily, "spillway_spec_decode_draft_tokens",
+                       "Draft tokens proposed for verification")  # fmt: skip
+    accepted = _labelled(CounterMetricFamily, "spillway_spec_decode_accepted_tokens",
+                         "Draft tokens the target model accepted")  # fmt: skip
+    per_position = _labelled(
+        CounterMetricFamily,
+        "spillway_spec_decode_accepted_tokens_per_position",
+        "Draft tokens accepted at each position of a row's drafts (0: the first)",
+        "position",
+    )
+    phases = _labelled(
+        HistogramMetricFamily,
+        "spillway_spec_decode_phase_seconds",
+        "Time in each phase of speculative decoding: draft (proposing), verify (the "
+        "forward of a step with drafts), accept (deciding which drafts stand)",
+        "phase",
+    )
+    for sid, stats in each:
+        drafts.add_metric([sid], stats.spec_draft_tokens)
+        accepted.add_metric([sid], stats.spec_accepted_tokens)
+        for position, n in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([str(position), sid], n)
+        for phase, h in sorted(stats.spec_phases.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+                cumulative += count
+                buckets.append((_le(bound), cumulative))
+            phases.add_metric([phase.removeprefix("spec_"), sid], buckets, h.sum)
+    yield from (drafts, accepted, per_position, phases)
 
 
 def _le(bound: float) -> str:

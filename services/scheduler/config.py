@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import PreemptionMode, Settings
+from shared.config import PreemptionMode, Settings, SpeculativeMethod
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,13 @@ class SchedulerConfig:
     prefix_tier: bool = False  # finished sequences' full blocks go to the shared tier
     prefix_tier_blocks: int = 4096  # hashes remembered as already stored there
     run_ahead: bool = False  # plan step N+1 before step N's result is applied
+    # Speculative decoding: "ngram" drafts are looked up here (the other methods' drafts
+    # come from the worker); K drafts at most per row; the longest n-gram looked up; no
+    # drafts while more than spec_max_batch sequences run (steps are compute-bound).
+    speculative: SpeculativeMethod = "none"
+    num_speculative_tokens: int = 3
+    ngram_max: int = 4
+    spec_max_batch: int = 16
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerConfig:
@@ -33,4 +40,7 @@ class SchedulerConfig:
             prefix_tier=settings.spill_store and settings.prefix_tier_blocks > 0,
             prefix_tier_blocks=settings.prefix_tier_blocks,
             run_ahead=settings.run_ahead,
+            speculative=settings.speculative,
+            num_speculative_tokens=settings.num_speculative_tokens,
+            ngram_max=settings.ngram_max,
         )

@@ -49,6 +49,7 @@ from services.scheduler.preemption import PreemptionPolicy
 from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
+from services.scheduler.speculation import Speculation
 from services.scheduler.state_slots import StateSlots
 from services.scheduler.state_snapshots import StateSnapshots
 from services.scheduler.step_plan import make_row, worker_diff
@@ -147,6 +148,9 @@ class SchedulerCore:
         self._good_steps = 0
         # What this tick's phases did: a TickReport at its end (tick_report()).
         self.ticks = TickLog()
+        # Speculative decoding (None: off); the drafts of the step being planned.
+        self.spec = Speculation.for_config(config, clock)
+        self._drafts: dict[str, list[int]] = {}
 
     # --- worker ---------------------------------------------------------------------
 
@@ -229,6 +233,8 @@ class SchedulerCore:
                 seq.status = SequenceStatus.PREEMPTED
             self._release_slot(seq)
             del self._requests[seq.request_id]
+            if self.spec is not None:
+                self.spec.forget(seq.request_id)
         self._let_worker_go()
         return leaving
 
@@ -387,10 +393,11 @@ class SchedulerCore:
             self._swap_in()
             self._resume_preempted()
         scheduled: dict[str, int] = {}  # request id -> tokens this step
+        self._drafts = {}
         preemptions_before = sum(self.preemptions.values())
         order = sorted(self._running.values(), key=lambda s: (not s.is_decoding, s.rank))
         for seq in order:
-            budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+            budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -398,6 +405,8 @@ class SchedulerCore:
             num_tokens = self._next_row_tokens(seq, budget)
             if num_tokens > 0 and self._make_room(seq, num_tokens, scheduled):
                 scheduled[seq.request_id] = num_tokens
+                if self.spec is not None:
+                    self._plan_drafts(seq, budget - num_tokens)
         # After a preemption the cache is short: new requests would only be victims next.
         if sum(self.preemptions.values()) == preemptions_before:
             self._admit_waiting(scheduled)
@@ -407,11 +416,21 @@ class SchedulerCore:
         self.ticks.timed("admit", end - start)
         return plan
 
+    def _num_planned(self, scheduled: dict[str, int]) -> int:
+        """Tokens the step being planned computes so far, drafts included."""
+        return sum(scheduled.values()) + sum(len(d) for d in self._drafts.values())
+
     def _next_row_tokens(self, seq: Sequence, budget: int) -> int:
         if seq.num_inflight_samples == 0:
             return min(seq.num_unscheduled_tokens, budget)
         # Its next token is being sampled by the step in flight: a run-ahead row feeds it,
-        # unless that token is its last by length (the over-run would be wasted).
+        # unless that token is its last by length (the over-run would be wasted), or the
+        # row in flight verifies drafts (where the next row starts is not known yet), or
+        # the sequence would rather wait to speculate.
+        if self.spec is not None and (
+            seq.num_inflight_drafts or self.spec.wants(seq, len(self._running))
+        ):
+            return 0
         assert seq.num_unscheduled_tokens == 1, "a sampling row in flight ends the sequence"
         assert self.worker is not None
         coming = seq.num_output_tokens + seq.num_inflight_samples
@@ -457,10 +476,14 @@ class SchedulerCore:
             if out is None:
                 missing = ErrorInfo(message=f"the worker returned no token for {seq.request_id}")
                 self._finish(seq, "error", missing)
+            elif row.drafts:
+                num_sampled += self._apply_verified(seq, row.drafts, out)
             else:
                 self._append_token(seq, out)
                 num_sampled += 1
         self.ticks.stepped(len(step.rows), num_tokens, num_sampled)
+        if self.spec is not None and any(row.drafts for row in step.rows):
+            self.spec.step_timed(result)
         self._observe_step(step, result)
         self.moe.observe(result)
         self._recover_row_cap()
@@ -525,6 +548,7 @@ class SchedulerCore:
         seq.num_inflight_tokens -= row.num_tokens
         seq.num_inflight_samples -= int(row.sample)
         seq.num_inflight_rows -= 1
+        seq.num_inflight_drafts -= len(row.drafts)
         return True
 
     def _apply_kv_outcomes(self, step: InflightStep, result: StepResult | None) -> None:
@@ -927,6 +951,7 @@ class SchedulerCore:
         seq.num_inflight_tokens = 0
         seq.num_inflight_samples = 0
         seq.num_inflight_rows = 0
+        seq.num_inflight_drafts = 0
 
     def _forget_worker_state(self, seq: Sequence) -> None:
         """The sequence's KV is gone (or moved): the worker must drop it."""
@@ -956,7 +981,7 @@ class SchedulerCore:
     def _admit_waiting(self, scheduled: dict[str, int]) -> None:
         assert self.blocks is not None
         while len(self._running) < self.max_batch:
-            budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+            budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
             seq = self._waiting.peek()
             if budget <= 0 or seq is None:
                 return
@@ -1191,9 +1216,14 @@ class SchedulerCore:
             kind: RowKind = "decode" if seq.is_decoding else "prefill"
             row = make_row(seq, num_tokens)
             self._plan_snapshots(seq, row, step)
+            drafts = self._drafts.get(seq.request_id, [])
+            if drafts:
+                row.token_ids = [*row.token_ids, *drafts]
+                row.num_draft_tokens = len(drafts)
+                seq.num_inflight_drafts += len(drafts)
             row.traceparent = self.observer.row_planned(seq, row, kind)
             plan.rows.append(row)
-            step.rows.append(PlannedRow(seq, seq.epoch, num_tokens, row.sample))
+            step.rows.append(PlannedRow(seq, seq.epoch, num_tokens, row.sample, drafts))
             seq.num_inflight_tokens += num_tokens
             seq.num_inflight_samples += int(row.sample)
             seq.num_inflight_rows += 1
@@ -1219,6 +1249,7 @@ class SchedulerCore:
             if not seq.known_to_worker:  # no row for it this step: the worker needs its slot
                 plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
         self._next_state_copies = []
+        self._drafts = {}
         self._inflight[plan.step_id] = step
         if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
             log.debug("CONC_DIAG %s", self.batch_diagnostics())
@@ -1243,6 +1274,77 @@ class SchedulerCore:
                     StateSnapshot(num_tokens=b * bs - row.start_pos, snapshot=snapshot)
                 )
                 step.snapshots.append((seq, seq.epoch, hashes[b - 1]))
+
+    # --- internals: speculative decoding --------------------------------------------
+
+    def _plan_drafts(self, seq: Sequence, budget: int) -> None:
+        """Drafts after a decoding sequence's row, when it speculates: no more than the
+        step's token budget, max_tokens and the context leave, and no more than the
+        blocks it holds or can get without preempting anyone (drafts never cost a
+        sequence its place)."""
+        assert self.spec is not None and self.blocks is not None and self.worker is not None
+        if seq.num_inflight_samples or not seq.is_decoding:
+            return
+        if not self.spec.wants(seq, len(self._running)):
+            return
+        room = min(budget, self.worker.max_model_len - seq.num_tokens - 1)
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
+        drafts = self.spec.propose(seq, room)
+        if not drafts:
+            return
+        end = seq.num_scheduled_tokens + 1  # the row's last token, drafts after it
+        held = len(seq.block_ids) * self.blocks.block_size
+        if end + len(drafts) > held:
+            more = self.blocks.append_slots(seq.block_ids, end + len(drafts))
+            if more is None:
+                drafts = drafts[: held - end]
+            else:
+                seq.block_ids.extend(more)
+        if drafts:
+            self._drafts[seq.request_id] = drafts
+
+    def _apply_verified(self, seq: Sequence, drafts: list[int], out: RowResult) -> int:
+        """A row that verified drafts: the tokens it emits are appended one by one (a
+        stop or the length ends it mid-way: nothing past it counts), the accepted drafts'
+        KV counts as computed, and blocks that held only rejected drafts go back.
+        Returns the tokens appended."""
+        assert self.spec is not None and self.blocks is not None
+        emitted = [out.token_id, *out.extra_token_ids]
+        logprobs = [out.logprobs, *(out.extra_logprobs or [None] * len(out.extra_token_ids))]
+        num_accepted = len(emitted) - 1
+        if emitted[:num_accepted] != drafts[:num_accepted] or num_accepted > len(drafts):
+            wrong = ErrorInfo(message=f"the worker accepted drafts it was not given for "
+                              f"{seq.request_id}")  # fmt: skip
+            self._finish(seq, "error", wrong)
+            return 0
+        seq.num_computed_tokens += num_accepted  # the row's own token counted already
+        appended = 0
+        for token_id, lp in zip(emitted, logprobs, strict=True):
+            self._append_token(seq, RowResult(seq_id=seq.request_id, token_id=token_id,
+                                              logprobs=lp))  # fmt: skip
+            appended += 1
+            if seq.is_finished:
+                break
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        self._commit_blocks(seq)
+        self.spec.verified(seq, len(drafts), num_accepted)
+        if seq.status is SequenceStatus.RUNNING:
+            self._release_draft_blocks(seq)
+        return appended
+
+    def _release_draft_blocks(self, seq: Sequence) -> None:
+        """Frees the tail blocks past the sequence's tokens (they held rejected drafts
+        only: no later step reads them), and has the worker cut its table too."""
+        assert self.blocks is not None
+        keep = self.blocks.blocks_for(seq.num_tokens)
+        if len(seq.block_ids) <= keep:
+            return
+        self.blocks.free(seq.block_ids[keep:])
+        del seq.block_ids[keep:]
+        if seq.num_blocks_sent > keep:
+            seq.num_blocks_sent = keep
+            seq.blocks_cut = True
 
     # --- internals: tokens, finishing, retirement -----------------------------------
 
@@ -1340,6 +1442,8 @@ class SchedulerCore:
             self._forget_worker_state(seq)
             self._release_slot(seq)
             del self._requests[seq.request_id]
+            if self.spec is not None:
+                self.spec.forget(seq.request_id)
             self.ticks.retired(seq.request_id, seq.finish_reason or "error")
             self.observer.request_retired(seq)
         self._finishing = keep

@@ -75,6 +75,7 @@ from services.scheduler.placement import Candidate, place
 from services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
 from services.scheduler.registry import RegisteredWorker, WorkerRegistry, registration_error
 from services.scheduler.sequence import Sequence
+from services.scheduler.speculation import merged as merged_speculation
 from services.scheduler.step_timing import StepTimings
 from shared.clock import Clock
 from shared.config import Settings
@@ -375,6 +376,7 @@ class Fleet:
             for mode, n in core.preemptions.items():
                 preemptions[mode] = preemptions.get(mode, 0) + n
         num_blocks, kv_usage = pooled_kv(cores)
+        spec, spec_phases = merged_speculation([c.spec for c in cores if c.spec is not None])
         return SchedulerStats(
             num_workers=len(self.registry),
             num_running=sum(c.num_running for c in cores),
@@ -405,6 +407,10 @@ class Fleet:
             scheduler_id=self.scheduler_id,
             worker_id=next(iter(self.lanes), None),
             workers=[load_of(lane) for lane in self.lanes.values()],
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=spec.accepted_per_position,
+            spec_phases=spec_phases,
         )
 
     # --- requests -----------------------------------------------------------------------

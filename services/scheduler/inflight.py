@@ -17,6 +17,7 @@ class PlannedRow:
     epoch: int
     num_tokens: int
     sample: bool
+    drafts: list[int] = field(default_factory=list)  # speculative, after its last token
 
 
 @dataclass

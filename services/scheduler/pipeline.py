@@ -289,6 +289,10 @@ class Pipeline:
         if not self.inflight:
             self._last_result_at = None
             deltas += self.core.end_tick()
+            # Its retire and resume phases may have freed blocks and resumed a sequence
+            # that the plan above had no room for: it runs now, or nothing would wake it.
+            self._fill()
+        if not self.inflight:
             self.observer.end_tick({"spillway.step.rows": 0})
             self._publish(deltas)
             return False

@@ -96,6 +96,11 @@ class Sequence:
     num_inflight_tokens: int = 0
     num_inflight_samples: int = 0
     num_inflight_rows: int = 0
+    # Drafts in a row in flight (speculative decoding): its next row waits for the result.
+    num_inflight_drafts: int = 0
+    # Blocks that held only rejected drafts were freed: the worker's table is cut to
+    # num_blocks_sent blocks with the next update.
+    blocks_cut: bool = False
     spilled: SpilledKV | None = None
     # A restore or prefix load is ordered for its blocks and not yet known to have worked.
     kv_pending: bool = False

@@ -47,8 +47,12 @@ def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
             output_token_ids=seq.output_token_ids,
             state_slot=seq.state_slot,
         )
-    if len(seq.block_ids) > seq.num_blocks_sent:
+    if len(seq.block_ids) > seq.num_blocks_sent or seq.blocks_cut:
         new_block_ids = seq.block_ids[seq.num_blocks_sent :]
+        kept = seq.num_blocks_sent if seq.blocks_cut else None
         seq.num_blocks_sent = len(seq.block_ids)
-        return SequenceUpdate(seq_id=seq.request_id, new_block_ids=new_block_ids)
+        seq.blocks_cut = False
+        return SequenceUpdate(
+            seq_id=seq.request_id, new_block_ids=new_block_ids, num_kept_blocks=kept
+        )
     return None

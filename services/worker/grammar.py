@@ -97,5 +97,12 @@ class GrammarEngine:
                 matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask
 
+    def allocate(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, ceil(V / 32)] int32 masks allowing every token."""
+        return self._ready.result()[0].allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def fill_row(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -55,6 +55,7 @@ from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampling_state import SamplingStates, load_sampling_states
+from services.worker.speculative import extra_logprobs, row_drafts, verify_drafts
 from services.worker.state_pool import StatePool, slot_bytes
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
@@ -72,6 +73,7 @@ from shared.protocol import (
     StepResult,
     StepRow,
 )
+from shared.speculative import speculation_refusal
 from shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class StepPhases:
     prepare_s: float
     forward_s: float
     sample_s: float
+    accept_s: float | None = None  # deciding which drafts stand (a step with drafts)
 
 
 class PlanError(ValueError):
@@ -235,7 +238,7 @@ class ModelRunner:
                 )
             return result
         for out in result.rows:
-            self.last_token[out.seq_id] = out.token_id
+            self.last_token[out.seq_id] = (out.extra_token_ids or [out.token_id])[-1]
         if self.state_pool is not None:
             for row in rows:
                 slot = self.sequences[row.seq_id].state_slot
@@ -255,6 +258,7 @@ class ModelRunner:
         result.forward_s = phases.forward_s
         result.prepare_s = phases.prepare_s
         result.sample_s = phases.sample_s
+        result.accept_s = phases.accept_s
         if group is not None:
             c = group.counters
             result.expert_tokens = c.expert_tokens
@@ -390,8 +394,11 @@ class ModelRunner:
             if state is None:
                 raise PlanError(f"update for unknown sequence {update.seq_id!r}")
             self._check_blocks(update.seq_id, update.new_block_ids)
+            kept = state.block_ids
+            if update.num_kept_blocks is not None:  # rejected drafts' blocks went back
+                kept = kept[: update.num_kept_blocks]
             sequences[update.seq_id] = SequenceState(
-                state.block_ids + tuple(update.new_block_ids), state.sampling, state.state_slot
+                kept + tuple(update.new_block_ids), state.sampling, state.state_slot
             )
         return sequences
 
@@ -444,6 +451,10 @@ class ModelRunner:
                 raise PlanError(f"row for {row.seq_id!r} has no tokens")
             elif min(row.token_ids) < 0 or max(row.token_ids) >= vocab:
                 raise PlanError(f"row for {row.seq_id!r} has a token id outside 0..{vocab - 1}")
+            if row.num_draft_tokens and (
+                not row.sample or row.feed_last or row.num_draft_tokens >= len(row.token_ids)
+            ):
+                raise PlanError(f"row for {row.seq_id!r}: drafts must follow a sampled token")
             end = row.start_pos + row_length(row)
             if row.start_pos < 0 or end > self.max_model_len:
                 raise PlanError(
@@ -460,6 +471,8 @@ class ModelRunner:
 
     def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], StepPhases]:
         prepare_start = self.timer()
+        if not self.follower:
+            rows = [self._usable(row) if row.num_draft_tokens else row for row in rows]
         batch = self.host_batch(rows)
         sampled_rows = [row for row in rows if row.sample]
         group = self.model.experts
@@ -469,28 +482,53 @@ class ModelRunner:
             return self._run_follower(batch, sampled_rows)
         # Grammar masks start filling here, on a helper thread, while the forward runs.
         prepared = self.sampling.prepare(
-            [(r.seq_id, self.sequences[r.seq_id].sampling, r.output_index) for r in sampled_rows]
+            [
+                (r.seq_id, self.sequences[r.seq_id].sampling, r.output_index, row_drafts(r))
+                for r in sampled_rows
+            ]
         )
         start_ns, start = self.wall_clock_ns(), self.timer()
         with torch.inference_mode():
-            logits = self.logits(batch)  # [S, V]
+            logits = self.logits(batch)  # [P, V]: a position per sampled token or draft
             sample_start = self.timer()
             token_ids, logprobs = (
                 self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
             )
+        accept_start = self.timer()
+        emitted = verify_drafts(prepared.drafts, token_ids, logprobs)
+        accept_s = self.timer() - accept_start
         if group is not None:  # the other ranks feed these to their run-ahead rows
-            group.share(token_ids)
+            group.share([tokens for tokens, _ in emitted])
         end = self.timer()
         phases = StepPhases(
-            prepare_s=start - prepare_start, forward_s=end - start, sample_s=end - sample_start
+            prepare_s=start - prepare_start,
+            forward_s=end - start,
+            sample_s=end - sample_start,
+            accept_s=accept_s if any(prepared.drafts) else None,
         )
         self.last_forward_ns = (start_ns, self.wall_clock_ns())
-        self.sampling.accept(prepared, token_ids)
+        self.sampling.accept(prepared, [tokens for tokens, _ in emitted])
         results = [
-            RowResult(seq_id=row.seq_id, token_id=token, logprobs=lp)
-            for row, token, lp in zip(sampled_rows, token_ids, logprobs, strict=True)
+            RowResult(
+                seq_id=row.seq_id,
+                token_id=tokens[0],
+                logprobs=lps[0],
+                extra_token_ids=tokens[1:],
+                extra_logprobs=extra_logprobs(lps),
+            )
+            for row, (tokens, lps) in zip(sampled_rows, emitted, strict=True)
         ]
         return results, phases
+
+    def _usable(self, row: StepRow) -> StepRow:
+        """The row with only the drafts its grammar allows (fewer tokens to compute)."""
+        drafts = row_drafts(row)
+        params = self.sequences[row.seq_id].sampling
+        n = self.sampling.usable_drafts(row.seq_id, params, row.output_index, drafts)
+        if n == len(drafts):
+            return row
+        cut = len(row.token_ids) - len(drafts) + n
+        return row.model_copy(update={"token_ids": row.token_ids[:cut], "num_draft_tokens": n})
 
     def _run_follower(
         self, batch: ForwardBatch, sampled_rows: list[StepRow]
@@ -502,11 +540,11 @@ class ModelRunner:
         start = self.timer()
         with torch.inference_mode():
             self.logits(batch)
-        token_ids = group.share(None)
+        emitted = group.share(None)
         phases = StepPhases(prepare_s=0.0, forward_s=self.timer() - start, sample_s=0.0)
         results = [
-            RowResult(seq_id=row.seq_id, token_id=token)
-            for row, token in zip(sampled_rows, token_ids, strict=True)
+            RowResult(seq_id=row.seq_id, token_id=tokens[0], extra_token_ids=tokens[1:])
+            for row, tokens in zip(sampled_rows, emitted, strict=True)
         ]
         return results, phases
 
@@ -557,8 +595,13 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.int64)[token_rows] + offsets  # [T]
         block_tables = block_table_tensor(block_lists, torch.device("cpu"))  # [R, MB]
         slots = slot_mapping_tensor(block_tables, token_rows, positions, bs)  # [T]
-        sampling = torch.tensor([row.sample for row in rows], dtype=torch.bool)
-        logits_indices = (query_start[1:] - 1)[sampling]  # [S]
+        # Logits at a sampling row's last position, and before it at each of its drafts'
+        # (the position before a draft predicts it): [P] in row order.
+        wanted: list[int] = []
+        for row, end in zip(rows, query_start[1:].tolist(), strict=True):
+            if row.sample:
+                wanted.extend(range(end - 1 - row.num_draft_tokens, end))
+        logits_indices = torch.tensor(wanted, dtype=torch.int64)
         context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
         max_query_len = max(lengths)
         state_slots = state_fresh = None
@@ -606,7 +649,11 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     ops = select_ops(
         settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
     )
-    if load_model_config(source).hybrid is not None:
+    model_config = load_model_config(source)
+    refusal = speculation_refusal(settings, model_config)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if model_config.hybrid is not None:
         return load_hybrid_runner(settings, source, device, dtype, ops)
     config, weights = load_model(source, device, dtype)
     check_expert_parallel(settings, config, source.model_id)

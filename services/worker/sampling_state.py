@@ -19,10 +19,11 @@ runs on the grammar engine's helper thread while the forward runs):
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -134,6 +135,47 @@ class SequenceSampling:
                 self._grammar_done = True
         return None if self._grammar_done else self._matcher
 
+    def params_after(self, drafts: Sequence[int]) -> list[SamplingParams]:
+        """The params for the next token and for each token after `drafts[:j]`: the
+        region those drafts would lead to decides (adaptive sampling)."""
+        if not self.params.region_sampling:
+            return [self.params] * (len(drafts) + 1)
+        out = [self.params_here()]
+        tracker, self.tracker = self.tracker, copy.copy(self.tracker)
+        try:
+            for token in drafts:
+                self.tracker.advance(token)
+                out.append(self.params_here())
+        finally:
+            self.tracker = tracker
+        return out
+
+    def usable_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts may be verified: those the grammar takes (a draft it
+        refuses could never be sampled), and none past the end of a think block that a
+        grammar follows (the grammar's masks start there)."""
+        if self._compiled is None:
+            return len(drafts)
+        if self.grammar_from is None:  # thinking: the grammar starts after the block
+            tracker = copy.copy(self.tracker)
+            for n, token in enumerate(drafts):
+                if tracker.advance(token) != "think":
+                    return n
+            return len(drafts)
+        matcher = self.synced_matcher()
+        if matcher is None:
+            return len(drafts)
+        n = 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            n += 1
+            if matcher.is_terminated():
+                break
+        if n:
+            matcher.rollback(n)
+        return n
+
     def restarted(self, num_tokens: int) -> SequenceSampling:
         """A fresh state holding only the first `num_tokens` generated tokens."""
         fresh = SequenceSampling(
@@ -150,10 +192,11 @@ class SequenceSampling:
 
 @dataclass
 class PreparedSampling:
-    rows: list[RowSampling]
-    states: list[SequenceSampling]
-    mask_rows: list[int]  # rows whose next token the grammar masks
+    rows: list[RowSampling]  # one per sampled position: a row's first, then its drafts'
+    states: list[SequenceSampling]  # one per sampling row
+    mask_rows: list[int]  # positions whose token the grammar masks
     masks: Future[torch.Tensor] | None = None
+    drafts: list[list[int]] = field(default_factory=list)  # per sampling row
 
 
 class SamplingStates:
@@ -221,24 +264,45 @@ class SamplingStates:
         self._states[seq_id] = state
         return state
 
-    def prepare(self, rows: Sequence[tuple[str, SamplingParams, int]]) -> PreparedSampling:
-        """rows: (seq_id, the sequence's params, output index) of each sampling row."""
-        states = [self._state(seq_id, params, index) for seq_id, params, index in rows]
-        sampling = [
-            RowSampling(
-                state.params_here(),
-                index,
-                output_ids=state.output,
-                prompt_ids=state.prompt_ids,
-                banned_ids=state.banned_ids(self.eos_token_ids),
-            )
-            for state, (_, _, index) in zip(states, rows, strict=True)
-        ]
-        mask_rows = [i for i, state in enumerate(states) if state.constrained]
-        prepared = PreparedSampling(sampling, states, mask_rows)
+    def usable_drafts(
+        self, seq_id: str, params: SamplingParams, output_index: int, drafts: Sequence[int]
+    ) -> int:
+        """How many of a row's leading drafts may be verified (see SequenceSampling's)."""
+        return self._state(seq_id, params, output_index).usable_drafts(drafts)
+
+    def prepare(
+        self, rows: Sequence[tuple[str, SamplingParams, int, Sequence[int]]]
+    ) -> PreparedSampling:
+        """rows: (seq_id, the sequence's params, output index, drafts) of each sampling
+        row. A row with k drafts samples k + 1 positions, position j as if drafts[:j]
+        had been sampled: their penalties, region and grammar state, output index + j."""
+        states = [self._state(seq_id, params, index) for seq_id, params, index, _ in rows]
+        sampling: list[RowSampling] = []
+        mask_rows: list[int] = []
+        for state, (_, _, index, drafts) in zip(states, rows, strict=True):
+            for j, params in enumerate(state.params_after(drafts)):
+                if state.constrained:
+                    mask_rows.append(len(sampling))
+                output = state.output if j == 0 else [*state.output, *drafts[:j]]
+                banned = state.banned_ids(self.eos_token_ids)
+                if banned and len(state.output) + j >= params.min_tokens:
+                    banned = []
+                sampling.append(
+                    RowSampling(
+                        params,
+                        index + j,
+                        output_ids=output,
+                        prompt_ids=state.prompt_ids,
+                        banned_ids=banned,
+                    )
+                )
+        all_drafts = [list(drafts) for *_, drafts in rows]
+        prepared = PreparedSampling(sampling, states, mask_rows, drafts=all_drafts)
         if mask_rows and self.engine is not None:
             constrained = [state if state.constrained else None for state in states]
-            prepared.masks = self.engine.submit(_masks, self.engine, constrained)
+            prepared.masks = self.engine.submit(
+                _masks, self.engine, constrained, all_drafts, len(sampling)
+            )
         return prepared
 
     def sample(
@@ -251,16 +315,40 @@ class SamplingStates:
         rows = prepared.mask_rows
         return sample(logits, prepared.rows, lambda out: apply_token_bitmask(out, bitmask, rows))
 
-    def accept(self, prepared: PreparedSampling, token_ids: Sequence[int]) -> None:
-        for state, token in zip(prepared.states, token_ids, strict=True):
-            state.accept(token)
+    def accept(self, prepared: PreparedSampling, emitted: Sequence[Sequence[int]]) -> None:
+        """Each sampling row's emitted tokens (one, or more when drafts stood)."""
+        for state, tokens in zip(prepared.states, emitted, strict=True):
+            for token in tokens:
+                state.accept(token)
 
 
-def _masks(engine: GrammarEngine, states: list[SequenceSampling | None]) -> torch.Tensor:
-    """On the grammar thread: [S, W] masks, one row per batch row; an unconstrained row (or
-    a grammar that just finished) allows every token."""
-    matchers = [state.synced_matcher() if state is not None else None for state in states]
-    return engine.fill(matchers)
+def _masks(
+    engine: GrammarEngine,
+    states: list[SequenceSampling | None],
+    drafts: list[list[int]],
+    num_positions: int,
+) -> torch.Tensor:
+    """On the grammar thread: [P, W] masks, one per sampled position; an unconstrained
+    row (or a grammar that just finished) allows every token. A row's draft positions
+    are masked from the grammar state after the drafts before them (taken in, then
+    rolled back: the matcher follows emitted tokens only)."""
+    bitmask = engine.allocate(num_positions)
+    at = 0
+    for state, row_drafts in zip(states, drafts, strict=True):
+        matcher = state.synced_matcher() if state is not None else None
+        if matcher is not None:
+            taken = 0
+            for j in range(len(row_drafts) + 1):
+                engine.fill_row(matcher, bitmask, at + j)
+                if j == len(row_drafts) or not matcher.accept_token(row_drafts[j]):
+                    break
+                taken += 1
+                if matcher.is_terminated():
+                    break
+            if taken:
+                matcher.rollback(taken)
+        at += len(row_drafts) + 1
+    return bitmask
 
 
 def load_sampling_states(

@@ -179,3 +179,33 @@ def test_health_says_spill_is_degraded_while_redis_is_down():
     assert spill_health([lease("ok"), told])["reason"] == "redis refuses writes (OOM)"
     assert spill_status("recompute", None) == "off"
     assert spill_status("spill", None) == "unavailable"
+
+
+def test_speculative_decoding_counters_and_phases_per_scheduler():
+    """CONTRACT section 7's names, by scheduler and draft position."""
+    phases = PhaseStats()
+    phases.observe("spec_verify", 0.004)
+    phases.observe("spec_draft", 0.00002)
+    metrics = GatewayMetrics()
+    metrics.scheduler.update(
+        {
+            "s1": SchedulerStats(
+                num_workers=1,
+                num_running=1,
+                num_waiting=0,
+                spec_draft_tokens=30,
+                spec_accepted_tokens=17,
+                spec_accepted_per_position=[9, 6, 2],
+                spec_phases=phases.snapshot(),
+            )
+        }
+    )
+    text = metrics.render().decode()
+    s1 = 'scheduler="s1"'
+    assert metric_value(text, f"spillway_spec_decode_draft_tokens_total{{{s1}}}") == 30
+    assert metric_value(text, f"spillway_spec_decode_accepted_tokens_total{{{s1}}}") == 17
+    name = "spillway_spec_decode_accepted_tokens_per_position_total"
+    assert [metric_value(text, f'{name}{{position="{p}",{s1}}}') for p in "012"] == [9, 6, 2]
+    name = "spillway_spec_decode_phase_seconds"
+    assert metric_value(text, f'{name}_count{{phase="verify",{s1}}}') == 1
+    assert metric_value(text, f'{name}_sum{{phase="draft",{s1}}}') == pytest.approx(2e-5)

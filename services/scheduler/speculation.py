@@ -1,0 +1,214 @@
+"""Speculative decoding, the scheduler's part: n-gram drafts, how many a row gets, and
+what was accepted.
+
+A decoding sequence's row normally carries its last token and samples the next. With
+drafts it carries the last token plus k guessed continuations; the worker samples at each
+of the k + 1 positions (the same seeded draws it would make one step at a time) and keeps
+drafts while its samples confirm them, so a row emits 1..k+1 tokens and the output is the
+one plain decoding gives, token for token.
+
+    token_ids:  [ ... p q r | s ]                  s: the last token (not computed yet)
+    row:                    [ s d1 d2 d3 ]          drafts d1..d3 looked up, see below
+    worker samples:            t1 t2 t3 t4          t_j drawn after s d1 .. d_{j-1}
+    emits t1 = d1, t2 = d2, t3 != d3: [d1 d2 t3]   KV of s d1 d2 is kept, d3's is not
+
+N-gram drafts (prompt lookup): the longest suffix of the sequence (up to ngram_max tokens,
+then shorter) that occurred before, and the tokens that followed its latest occurrence.
+An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
+per lookup.
+
+Speculation that does not pay stops: each sequence keeps a running mean of the drafts it
+gets accepted per verifying row; a sequence that proposes nothing, or whose drafts keep
+failing, stops speculating for a while (doubling each time) and runs plain rows, which may
+run ahead; and the number of drafts k is the one that maximises the expected tokens per
+unit of step cost (see `best_num_drafts`). With many rows a step is compute-bound and
+drafts stop being nearly free: above `max_batch` running sequences nobody speculates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.phase_stats import PhaseStats
+from services.scheduler.sequence import Sequence
+from shared.clock import Clock
+from shared.protocol import PhaseHistogram, StepResult
+
+# A draft token's cost relative to a plain decode row's, in a step's time: small while a
+# step is bound by reading the weights (one stream on a CPU, a small batch on a GPU).
+DRAFT_COST = 0.1
+# Prior per-draft acceptance of a sequence that has not verified anything yet.
+PRIOR_ACCEPTANCE = 0.6
+EWMA_WEIGHT = 0.3  # weight of the newest verify in the running acceptance
+# Below this many accepted tokens expected per draft token, a sequence stops speculating.
+MIN_ACCEPTANCE = 0.15
+BACKOFF_TOKENS = 8  # first pause, in generated tokens; doubles up to MAX_BACKOFF_TOKENS
+MAX_BACKOFF_TOKENS = 256
+
+
+class NgramIndex:
+    """Latest start of every n-gram (n <= n_max) of a token list that is followed by
+    another token; grown incrementally as the list grows (it never shrinks)."""
+
+    def __init__(self, n_max: int) -> None:
+        self.n_max = n_max
+        self._latest: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # tokens seen
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest
+        matching suffix; [] when no suffix occurred before."""
+        self._extend(token_ids)
+        for n in range(min(self.n_max, len(token_ids) - 1), 0, -1):
+            start = self._latest.get(tuple(token_ids[-n:]))
+            if start is not None:
+                return token_ids[start + n : start + n + k]
+        return []
+
+    def _extend(self, token_ids: list[int]) -> None:
+        # Token j makes every n-gram ending just before it a followed one.
+        for j in range(max(self._indexed, 1), len(token_ids)):
+            for n in range(1, min(self.n_max, j) + 1):
+                self._latest[tuple(token_ids[j - n : j])] = j - n
+        self._indexed = len(token_ids)
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Drafts accepted on average out of k when each stands with probability alpha once
+    the ones before it stood: alpha + alpha^2 + ... + alpha^k."""
+    return sum(alpha**i for i in range(1, k + 1))
+
+
+def best_num_drafts(alpha: float, k_max: int, draft_cost: float = DRAFT_COST) -> int:
+    """The k in 0..k_max with the most tokens per unit of step cost: (1 + E[accepted]) /
+    (1 + draft_cost * k); 0 (a plain row) when no k beats it."""
+    best, best_rate = 0, 1.0
+    for k in range(1, k_max + 1):
+        rate = (1.0 + expected_accepted(alpha, k)) / (1.0 + draft_cost * k)
+        if rate > best_rate + 1e-9:
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation: its n-gram index and how its drafts fare."""
+
+    index: NgramIndex
+    acceptance: float = PRIOR_ACCEPTANCE  # running mean of accepted / drafted
+    paused_until: int = 0  # output tokens: no drafts before this many are out
+    backoff: int = BACKOFF_TOKENS
+
+    def record(self, num_drafts: int, num_accepted: int, num_output_tokens: int) -> None:
+        """A verifying row's outcome (num_drafts == 0: a lookup that found nothing)."""
+        rate = num_accepted / num_drafts if num_drafts else 0.0
+        self.acceptance += EWMA_WEIGHT * (rate - self.acceptance)
+        if self.acceptance < MIN_ACCEPTANCE:
+            self.paused_until = num_output_tokens + self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
+            self.acceptance = PRIOR_ACCEPTANCE  # a fresh start after the pause
+        elif num_accepted:
+            self.backoff = BACKOFF_TOKENS
+
+
+@dataclass
+class SpecTotals:
+    """What every sequence's drafts came to (the CONTRACT's counters)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+class Speculation:
+    """The core's speculation: n-gram drafts per sequence, the pauses, the totals, and
+    the phases timed (draft: the lookups, here; verify and accept: the worker's)."""
+
+    def __init__(self, config: SchedulerConfig, clock: Clock) -> None:
+        self.num_tokens = config.num_speculative_tokens
+        self.ngram_max = config.ngram_max
+        self.max_batch = config.spec_max_batch
+        self.clock = clock
+        self.totals = SpecTotals(accepted_per_position=[0] * self.num_tokens)
+        self.phases = PhaseStats()  # spec_draft, spec_verify, spec_accept
+        self._states: dict[str, SpecState] = {}
+
+    @classmethod
+    def for_config(cls, config: SchedulerConfig, clock: Clock) -> Speculation | None:
+        return cls(config, clock) if config.speculative == "ngram" else None
+
+    def state(self, request_id: str) -> SpecState:
+        state = self._states.get(request_id)
+        if state is None:
+            state = SpecState(NgramIndex(self.ngram_max))
+            self._states[request_id] = state
+        return state
+
+    def wants(self, seq: Sequence, num_running: int) -> bool:
+        """Whether the sequence would verify drafts now (then it runs no row ahead: its
+        next row's start depends on how many drafts stand)."""
+        if num_running > self.max_batch:
+            return False
+        return seq.num_output_tokens >= self.state(seq.request_id).paused_until
+
+    def propose(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for a decoding sequence whose last token is known: at most `room` (what
+        max_tokens, the context and the step's budget leave). A lookup that finds nothing
+        counts as a failed verify (a sequence with nothing to copy soon stops looking)."""
+        if room <= 0:
+            return []
+        start = self.clock.now()
+        state = self.state(seq.request_id)
+        k = min(best_num_drafts(state.acceptance, self.num_tokens), room)
+        drafts = state.index.propose(seq.token_ids, k) if k > 0 else []
+        if not drafts:
+            state.record(0, 0, seq.num_output_tokens)
+        self.phases.observe("spec_draft", self.clock.now() - start)
+        return drafts
+
+    def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self.totals.add(num_drafts, num_accepted)
+        self.state(seq.request_id).record(num_drafts, num_accepted, seq.num_output_tokens)
+
+    def step_timed(self, result: StepResult) -> None:
+        """A step that verified drafts: its forward (verify) and acceptance times."""
+        accept_s = result.accept_s or 0.0
+        self.phases.observe("spec_verify", max(0.0, result.forward_s - accept_s))
+        if result.accept_s is not None:
+            self.phases.observe("spec_accept", accept_s)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+
+def merged(specs: list[Speculation]) -> tuple[SpecTotals, dict[str, PhaseHistogram]]:
+    """Several cores' speculation as one scheduler's: totals summed, histograms merged."""
+    totals = SpecTotals()
+    phases: dict[str, PhaseHistogram] = {}
+    for spec in specs:
+        totals.draft_tokens += spec.totals.draft_tokens
+        totals.accepted_tokens += spec.totals.accepted_tokens
+        per_position = spec.totals.accepted_per_position
+        if len(totals.accepted_per_position) < len(per_position):
+            totals.accepted_per_position.extend(
+                [0] * (len(per_position) - len(totals.accepted_per_position))
+            )
+        for i, n in enumerate(per_position):
+            totals.accepted_per_position[i] += n
+        for name, h in spec.phases.snapshot().items():
+            into = phases.get(name)
+            if into is None:
+                phases[name] = h
+            else:
+                into.counts = [a + b for a, b in zip(into.counts, h.counts, strict=True)]
+                into.sum += h.sum
+    return totals, phases

@@ -1,0 +1,22 @@
+"""Which speculative decoding a worker can serve for a model, checked at start."""
+
+from __future__ import annotations
+
+from shared.config import Settings
+from shared.model_config import ModelConfig
+
+
+def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
+    """Why `--speculative` cannot run with this model and these settings, or None."""
+    method = settings.speculative
+    if method == "none":
+        return None
+    if method in ("draft", "mtp"):
+        return f"--speculative {method} is not supported yet (use ngram or none)"
+    if config.hybrid is not None:
+        # A recurrent state cannot step back to the last accepted draft.
+        return f"--speculative {method}: model_type {config.architecture!r} keeps recurrent state"
+    if settings.expert_parallel > 1:
+        # The ranks run each row alike: cutting a row's drafts on rank 0 alone would not.
+        return f"--speculative {method} with --expert-parallel {settings.expert_parallel}"
+    return None

@@ -100,6 +100,63 @@ def bench_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     return out
 
 
+def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
+    """All projections of one few-row forward from GGUF blocks (Q4_1 layers, a Q8_0 lm_head,
+    as SmolLM2's file holds them), in each native form: the blocks turned into float32 (the
+    exact mode), read with integer products against int8 activations (`--quantize int8`,
+    once per 8-bit dot product this CPU runs), and the dequantized weights requantized to
+    int8 per row. Differences are against the float32 form."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from kernels import cpu_matvec
+    from kernels.cpu_info import int8_dots
+
+    gen = torch.Generator().manual_seed(2)
+    h, i = shape.hidden, shape.intermediate
+    qkv_out = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
+    sizes = [(qkv_out, h), (h, shape.q_heads * shape.head_dim), (2 * i, h), (h, i)]
+    shapes = [(n, k, "q4_1") for _ in range(shape.layers) for n, k in sizes]
+    blocks, q8 = [], []
+    for n, k, kind in [*shapes, (shape.vocab, h, "q8_0")]:
+        qtype = GGMLQuantizationType[kind.upper()]
+        raw = quants.quantize((torch.randn(n, k, generator=gen) / k**0.5).numpy(), qtype)
+        blocks.append(cpu_matvec.BlockWeight(torch.from_numpy(np.array(raw)), kind, k))
+        dense = np.array(quants.dequantize(raw, qtype), dtype=np.float32)
+        q8.append(cpu_matvec.quantize_q8(torch.from_numpy(dense)))
+    builds = {dot: cpu_matvec.load(dot=dot) for dot in int8_dots()}
+    kernels = next((k for k in builds.values() if k is not None), None)
+    if kernels is None:
+        return []
+    out: list[Row] = []
+    for m in rows:
+        if m > cpu_matvec.MAX_ROWS:
+            continue
+        inputs = {k: torch.randn(m, k, generator=gen) for k in (h, i)}
+
+        def run(
+            project: Callable[[torch.Tensor, int], torch.Tensor], inputs: dict = inputs
+        ) -> Callable[[], list]:
+            return lambda: [project(inputs[b.in_features], j) for j, b in enumerate(blocks)]
+
+        forms = {
+            "blocks -> float32 (exact)": run(lambda x, j: kernels.linear_blocks(x, blocks[j], None))
+        }
+        for dot, k in builds.items():
+            if k is not None:
+                forms[f"blocks x int8 ({dot})"] = run(
+                    lambda x, j, k=k: k.linear_blocks_q8(x, blocks[j], None)
+                )
+        if kernels.features & cpu_matvec.HAS_Q8:
+            forms["int8 per row (dense)"] = run(lambda x, j: kernels.linear_q8(x, q8[j], None))
+        results = {name: fn() for name, fn in forms.items()}
+        first = next(iter(results.values()))
+        for name, ms in _median_ms(forms, rounds).items():
+            size = f"M={m} x {len(blocks)} weights"
+            out.append(Row("linear (GGUF)", name, size, ms, _max_diff(results[name], first)))
+    return out
+
+
 def bench_decode_attention(shape: Shape, batch: int, context: int, rounds: int) -> list[Row]:
     """One decode step's attention over every layer's cache, rows of about `context`."""
     gen = torch.Generator().manual_seed(1)
@@ -162,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape(layers=args.layers)
     print(f"threads: {torch.get_num_threads()}   oneDNN packing: {onednn_packing_available()}")
     rows = bench_linear(shape, args.rows, args.rounds)
+    rows += bench_block_linear(shape, args.rows, args.rounds)
     rows += bench_decode_attention(shape, args.batch, args.context, args.rounds)
     print(format_rows(rows))
     return 0

@@ -9,8 +9,9 @@ to the bit (the tests hold them equal).
 
 `DecodeLayers.run` takes a step only when every piece would have gone native call by
 call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations and cache,
-and every projection's weight in the form the native few-row kernel takes (float32, or
-int8 under `--quantize int8`); otherwise it returns None and the caller loops in Python.
+and every projection's weight in the form the native few-row kernel takes (float32 or the
+model file's blocks of its values; under `--quantize int8` the file's blocks read with
+integer products, or int8); otherwise it returns None and the caller loops in Python.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from kernels import cpu_matvec, cpu_native
 from kernels.cpu_decode_ops import DecodeOps
-from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight, MatvecKernels, Q8Weight
+from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight, IntegerBlocks, MatvecKernels, Q8Weight
 from kernels.cpu_native import NativeKernels
 
 SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
@@ -41,14 +42,15 @@ _FAILURES: dict[int, tuple[type[Exception], str]] = {
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in (
-        "linear_f32", "linear_q8", "linear_blocks", "add_rms_norm", "rotary", "store_kv",
-        "silu_mul", "attention",
+        "linear_f32", "linear_q8", "linear_blocks", "linear_blocks_q8", "add_rms_norm",
+        "rotary", "store_kv", "silu_mul", "attention",
     )]  # fmt: skip
 
 
 class _Projection(ctypes.Structure):
     _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("blocks", _PTR),
-                ("block_type", _I64), ("bias", _PTR), ("n", _I64), ("k", _I64)]  # fmt: skip
+                ("block_type", _I64), ("integer", _I64), ("bias", _PTR), ("n", _I64),
+                ("k", _I64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -86,7 +88,7 @@ class FewRowLinear(Protocol):
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight | None: ...
+    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | None: ...
 
 
 @dataclass(frozen=True)
@@ -247,17 +249,20 @@ class DecodeLayers:
 
 
 def _projection(
-    form: torch.Tensor | Q8Weight | BlockWeight, bias: torch.Tensor | None
+    form: torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks, bias: torch.Tensor | None
 ) -> _Projection:
     bias_ptr = None if bias is None else bias.data_ptr()
     n, k = form.shape
     if isinstance(form, Q8Weight):
         ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
-        return _Projection(*ptrs, None, 0, bias_ptr, n, k)
+        return _Projection(*ptrs, None, 0, 0, bias_ptr, n, k)
+    integer = isinstance(form, IntegerBlocks)
+    if isinstance(form, IntegerBlocks):
+        form = form.blocks
     if isinstance(form, BlockWeight):
-        kind = BLOCK_TYPES[form.kind]
-        return _Projection(None, None, None, None, form.data.data_ptr(), kind, bias_ptr, n, k)
-    return _Projection(form.data_ptr(), None, None, None, None, 0, bias_ptr, n, k)
+        data, kind = form.data.data_ptr(), BLOCK_TYPES[form.kind]
+        return _Projection(None, None, None, None, data, kind, int(integer), bias_ptr, n, k)
+    return _Projection(form.data_ptr(), None, None, None, None, 0, 0, bias_ptr, n, k)
 
 
 def load(

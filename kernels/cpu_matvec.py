@@ -48,11 +48,13 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_native
-from kernels.cpu_info import cpu_flags
+from kernels.cpu_info import cpu_flags, int8_dot
 from kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "matvec.c"
-HAS_F32, HAS_Q8, HAS_BLOCKS = 1, 2, 4
+HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8 = 1, 2, 4, 8
+# matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
+INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
 # The model file's block formats `linear_blocks` reads (BLOCK_* in matvec.c).
 BLOCK_TYPES = {"q4_1": 0, "q8_0": 1}
 BLOCK_VALUES = 32
@@ -70,13 +72,18 @@ PARALLEL_MIN_BYTES_CHOICES = (1 << 21, 1 << 18)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def compile_flags() -> list[str]:
+def compile_flags(dot: str | None = None) -> list[str]:
+    """cpu_native's flags, AVX-512 where this CPU has it, and the 8-bit dot product `dot`
+    (a name of `cpu_info.INT8_DOTS` this CPU runs; by default the best it has)."""
     flags = cpu_native.compile_flags()
     have = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl"} <= have:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
-        if "avx512_vnni" in have:
-            flags.append("-mavx512vnni")
+    dot = int8_dot() if dot is None else dot
+    if dot == "avx512_vnni":
+        flags.append("-mavx512vnni")
+    elif dot == "avx_vnni":
+        flags.append("-mavxvnni")
     return flags
 
 
@@ -116,10 +123,26 @@ class BlockWeight:
         return self.data.shape[0], self.in_features
 
 
+@dataclass(frozen=True)
+class IntegerBlocks:
+    """A block weight read with integer products: `linear_blocks_q8` quantizes x per block
+    of 32 to int8 and sums products as integers (llama.cpp's Q8_1 dots), instead of
+    turning the blocks into float32."""
+
+    blocks: BlockWeight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape
+
+
 class MatvecKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         library.matvec_features.restype = ctypes.c_int
         self.features = int(library.matvec_features())
+        library.matvec_int8_dot.restype = ctypes.c_int
+        # The instruction the integer block products use (a name of cpu_info.INT8_DOTS).
+        self.int8_dot = INT8_DOT_CODES.get(int(library.matvec_int8_dot()))
         f32 = library.linear_f32
         f32.restype = None
         f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64]
@@ -129,7 +152,10 @@ class MatvecKernels:
         blocks = library.linear_blocks_f32
         blocks.restype = ctypes.c_int
         blocks.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64]
-        self._f32, self._q8, self._blocks = f32, q8, blocks
+        blocks_q8 = library.linear_blocks_q8
+        blocks_q8.restype = ctypes.c_int
+        blocks_q8.argtypes = blocks.argtypes
+        self._f32, self._q8, self._blocks, self._blocks_q8 = f32, q8, blocks, blocks_q8
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
 
     def tune(self, run: Callable[[], object], rounds: int = 5) -> int:
@@ -151,6 +177,7 @@ class MatvecKernels:
             "linear_f32": address_of(self._f32),
             "linear_q8": address_of(self._q8),
             "linear_blocks": address_of(self._blocks),
+            "linear_blocks_q8": address_of(self._blocks_q8),
         }
 
     def _few_rows(self, feature: int, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -176,11 +203,18 @@ class MatvecKernels:
         n, k = weight.shape
         return self._few_rows(HAS_Q8, x, None) and k % Q8_BLOCK == 0 and n % 4 == 0
 
-    def fits_blocks(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
-        """Whether `linear_blocks` takes x against this block weight."""
+    def fits_blocks(
+        self,
+        x: torch.Tensor,
+        weight: BlockWeight,
+        bias: torch.Tensor | None,
+        feature: int = HAS_BLOCKS,
+    ) -> bool:
+        """Whether `linear_blocks` (with feature HAS_BLOCKS_Q8: `linear_blocks_q8`) takes x
+        against this block weight."""
         n, k = weight.shape
         return (
-            self._few_rows(HAS_BLOCKS, x, bias)
+            self._few_rows(feature, x, bias)
             and x.shape[1] == k
             and k % BLOCK_VALUES == 0
             and n % 4 == 0
@@ -193,13 +227,31 @@ class MatvecKernels:
     ) -> torch.Tensor:
         """x [M, K] against a weight in the model file's blocks (+ b) -> [M, N] float32,
         the float32 weight's result."""
+        return self._call_blocks(self._blocks, x, weight, bias)
+
+    def linear_blocks_q8(
+        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K], quantized per block of 32 to int8, against a weight in the model file's
+        blocks with integer products (+ b) -> [M, N] float32."""
+        return self._call_blocks(self._blocks_q8, x, weight, bias)
+
+    def _call_blocks(
+        self,
+        fn: ctypes._CFuncPtr,
+        x: torch.Tensor,
+        weight: BlockWeight,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         x = x.contiguous()
         (m, k), n = x.shape, weight.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        code = self._blocks(
+        code = fn(
             x.data_ptr(), m, k, weight.data.data_ptr(), BLOCK_TYPES[weight.kind], n,
             None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,
         )  # fmt: skip
+        if code == -1:
+            raise MemoryError("native block projection could not allocate its buffers")
         if code != 0:
             raise ValueError(f"native block projection refused {tuple(x.shape)} x {n} ({code})")
         return y
@@ -244,10 +296,13 @@ class MatvecKernels:
         return y
 
 
-def load(cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR) -> MatvecKernels | None:
-    """The kernels, built on first use; None where they cannot be built here or this CPU
-    has none of their fast paths."""
-    library = cpu_native.build(SOURCE, compile_flags(), cache_dir)
+def load(
+    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, dot: str | None = None
+) -> MatvecKernels | None:
+    """The kernels, built on first use (with the 8-bit dot product `dot`, by default the
+    best this CPU has); None where they cannot be built here or this CPU has none of their
+    fast paths."""
+    library = cpu_native.build(SOURCE, compile_flags(dot), cache_dir)
     if library is None:
         return None
     kernels = MatvecKernels(library)

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_matvec import BlockWeight, MatvecKernels, Q8Weight, quantize_q8
+from kernels.cpu_matvec import (
+    HAS_BLOCKS,
+    HAS_BLOCKS_Q8,
+    BlockWeight,
+    IntegerBlocks,
+    MatvecKernels,
+    Q8Weight,
+    quantize_q8,
+)
 
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
@@ -116,25 +124,38 @@ class PackedLinear:
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | None:
+    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | None:
         """The weight a call with these (few) rows hands the native kernel: the float32
-        weight itself, or its int8 form; None when such a call goes elsewhere."""
+        weight itself, the model file's blocks of it, or an int8 form; None when such a
+        call goes elsewhere."""
         if self.matvec is None or not self._packable(x, weight, bias):
             return None
         return self._few_form(x, weight, bias) if self._few_rows(x, weight, bias) else None
 
     def _few_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight:
+    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks:
+        blocks = self._source_blocks(x, weight, bias)
+        return weight if blocks is None else blocks
+
+    def _source_blocks(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        feature: int = HAS_BLOCKS,
+    ) -> BlockWeight | None:
+        """The model file's blocks of this weight, where the kernel with `feature` (by
+        default the float32 block kernel) takes them with x."""
         assert self.matvec is not None
         entry = self._blocks.get(id(weight))
         if (
             entry is not None
             and entry[0]() is weight
-            and self.matvec.fits_blocks(x, entry[1], bias)
+            and self.matvec.fits_blocks(x, entry[1], bias, feature)
         ):
             return entry[1]
-        return weight
+        return None
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
@@ -194,28 +215,44 @@ class Int8Linear(PackedLinear):
     the worst outliers) 40.918; per-row scales 39.795; per-row scales with the down
     projection in int8 too 40.240, which is what this class does: every projection int8.
 
-    A few rows go to the native int8 kernel instead (`matvec`, where given and built), which
-    quantizes activations per block of 64 values (an outlier costs only its own block).
+    A few rows go to the native kernels instead (`matvec`, where given and built). A weight
+    whose model file holds it in blocks (GGUF Q4_1, Q8_0) is read in those blocks, with x
+    quantized per block of 32 to int8 and integer products (`linear_blocks_q8`, llama.cpp's
+    way): 0.625 bytes a Q4_1 weight, the file's own values. Any other weight goes to the
+    int8 kernel, which quantizes activations per block of 64 values (an outlier costs only
+    its own block).
     """
 
     def __init__(self, enabled: bool | None = None, matvec: MatvecKernels | None = None) -> None:
         super().__init__(int8_available() if enabled is None else enabled, matvec)
         self._q8 = WeightCache(quantize_q8)
+        # id(weight) -> its blocks' integer form (one object per weight: callers key on it)
+        self._integer: dict[int, IntegerBlocks] = {}
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
-        return self.matvec.fits_q8(x, weight)
+        integer = self._source_blocks(x, weight, bias, HAS_BLOCKS_Q8) is not None
+        return integer or self.matvec.fits_q8(x, weight)
 
     def _few_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> Q8Weight:
-        return self._q8.get(weight)
+    ) -> Q8Weight | IntegerBlocks:
+        blocks = self._source_blocks(x, weight, bias, HAS_BLOCKS_Q8)
+        if blocks is None:
+            return self._q8.get(weight)
+        form = self._integer.get(id(weight))
+        if form is None or form.blocks is not blocks:
+            form = self._integer[id(weight)] = IntegerBlocks(blocks)
+        return form
 
     def _apply_few(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert self.matvec is not None
-        return self.matvec.linear_q8(x, self._few_form(x, weight, bias), bias)
+        form = self._few_form(x, weight, bias)
+        if isinstance(form, IntegerBlocks):
+            return self.matvec.linear_blocks_q8(x, form.blocks, bias)
+        return self.matvec.linear_q8(x, form, bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
         w = weight.detach().float()

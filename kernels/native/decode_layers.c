@@ -12,7 +12,9 @@
  * neighbours in each qkv row); k, v into their cache slots; attention over each row's
  * cached context; x = attn Wo^T; h = norm(residual += x); x = (silu(g) * u) Wdown^T with
  * [g u] = h Wgate_up^T. Layer 0 starts from residual = x. Each projection is float32, int8
- * (`Projection.q` set) or the model file's blocks of the float32 values (`.blocks`). On return x and residual hold the last layer's output.
+ * (`Projection.q` set) or the model file's blocks (`.blocks`), read as the float32 values
+ * or, with `.integer`, with integer products against x quantized to int8. On return x and
+ * residual hold the last layer's output.
  */
 #include <stdint.h>
 #include <string.h>
@@ -45,6 +47,7 @@ typedef struct {
     linear_f32_fn linear_f32;
     linear_q8_fn linear_q8;
     linear_blocks_fn linear_blocks;
+    linear_blocks_fn linear_blocks_q8;
     norm_fn add_rms_norm;
     rotary_fn rotary;
     store_kv_fn store_kv;
@@ -59,6 +62,7 @@ typedef struct {
     const float *wsum;      /* [n, k / 64] */
     const uint8_t *blocks;  /* the model file's blocks of the float32 weight's values */
     int64_t block_type;
+    int64_t integer;        /* blocks read with x quantized to int8 (linear_blocks_q8) */
     const float *bias;      /* [n] or NULL */
     int64_t n, k;
 } Projection;
@@ -86,6 +90,9 @@ static int project(const Kernels *f, const Projection *p, const float *x, int64_
     if (p->q)
         return f->linear_q8(x, rows, p->k, p->q, p->scales, p->wsum, p->n, p->bias, y,
                             parallel_min_bytes);
+    if (p->blocks && p->integer)
+        return f->linear_blocks_q8(x, rows, p->k, p->blocks, (int)p->block_type, p->n, p->bias,
+                                   y, parallel_min_bytes);
     if (p->blocks)
         return f->linear_blocks(x, rows, p->k, p->blocks, (int)p->block_type, p->n, p->bias, y,
                                 parallel_min_bytes);

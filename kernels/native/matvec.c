@@ -16,6 +16,9 @@
  *               product is |x| * (w with x's sign) (maddubs, u8 x s8 -> s16 pairs): both
  *               sides lie in -127..127, so a pair's sum (at most 2 * 127 * 127) never
  *               saturates 16 bits, and wsum goes unused. Both give the same integer dots.
+ *   linear_blocks_f32, linear_blocks_q8: W in the model file's own blocks (GGUF Q4_1,
+ *               Q8_0), turned into float32 in registers, or read with integer products
+ *               against x quantized per block of 32 (see each below).
  *
  * x [M, K] and y [M, N] are contiguous float32; bias may be NULL. A projection under
  * `parallel_min_bytes` of weights runs on the calling thread alone: waking a sleeping
@@ -34,7 +37,7 @@
  * scheduling costs nothing against the chunk's bytes. */
 #define CHUNK 64
 
-enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4 };
+enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4, HAS_BLOCKS_Q8 = 8 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_VNNI 1
@@ -54,7 +57,7 @@ int matvec_features(void) {
     f |= HAS_Q8;
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    f |= HAS_BLOCKS;
+    f |= HAS_BLOCKS | HAS_BLOCKS_Q8;
 #endif
     return f;
 }
@@ -370,6 +373,168 @@ int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, in
 #else
 int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                       int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    (void)x, (void)m, (void)k, (void)w, (void)type, (void)n, (void)bias, (void)y;
+    (void)parallel_min_bytes;
+    return -4; /* not built with AVX2, FMA and F16C: matvec_features() says so */
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* linear_blocks_q8: y ~ x W^T + b with W in the model file's blocks (Q4_1, Q8_0) and x
+ * quantized here per block of 32 values to int8 (one float scale per block, and for Q4_1
+ * its sum: llama.cpp's Q8_1), the products summed as integers, as llama.cpp's
+ * ggml_vec_dot_q4_1_q8_1 and ggml_vec_dot_q8_0_q8_0 do. Per block of 32:
+ *
+ *   Q4_1 (w = d q + m, q in 0..15):  d dx sum(q qx) + m (dx sum(qx))
+ *   Q8_0 (w = d q, q in -127..127):  d dx sum(q qx)
+ *
+ * The integer sums take u8 x s8 products: the nibbles are the unsigned side as they are;
+ * for Q8_0, |qx| times q with qx's sign. The instruction is VNNI's dpbusd where the CPU
+ * has it (AVX-512 VNNI in 256-bit form, or AVX-VNNI), else AVX2's maddubs (pairs summed
+ * to 16 bits: 2 * 15 * 127 and 2 * 127 * 127 fit) and madd; both give the same integers,
+ * so the outputs are the same on either path. One row reads 0.625 (Q4_1) bytes a weight
+ * with next to no arithmetic per byte: the weights stream at memory speed. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define INT8_DOT 3
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#elif defined(__AVXVNNI__)
+#define INT8_DOT 2
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+}
+#else
+#define INT8_DOT 1
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+/* Which integer dot product linear_blocks_q8 was built with: 1 AVX2 (maddubs), 2
+ * AVX-VNNI, 3 AVX-512 VNNI; 0 none. */
+int matvec_int8_dot(void) { return INT8_DOT; }
+
+/* One row of x [k] -> q [k] int8, scale d and d * sum(q) per block of 32 (round to
+ * nearest even, the scale amax / 127: q in -127..127). */
+static void quantize_blocks32(const float *restrict x, int64_t k, int8_t *restrict q,
+                              float *restrict d, float *restrict s) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *p = x + 32 * b;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float top = _mm_cvtss_f32(m4);
+        const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        const __m256 scale = _mm256_set1_ps(inv);
+        __m256i i32[4];
+        for (int i = 0; i < 4; i++) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                             _mm256_add_epi32(i32[2], i32[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        /* packs interleave the 128-bit lanes: the permute puts the 32 values back in order */
+        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
+        const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
+        const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), order);
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), i8);
+        d[b] = top / 127.0f;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* Output rows j..j+3 of one quantized input row; row r's blocks start at w + r * row_bytes.
+ * The integer sum of each block is scaled into float32 lanes (8 per row); Q4_1's offset
+ * term is one scalar per block. */
+static inline void dot4_blocks_q8(const int8_t *restrict xq, const float *restrict xd,
+                                  const float *restrict xs, const uint8_t *restrict w,
+                                  int64_t row_bytes, int64_t nb, int type, float *restrict out) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+        const float dx = xd[b];
+        if (type == BLOCK_Q4_1) {
+            const float sx = xs[b];
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *blk = w + r * row_bytes + b * 20;
+                _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
+                uint32_t dm;
+                memcpy(&dm, blk, sizeof dm);
+                const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+                const __m128i packed = _mm_loadu_si128((const __m128i *)(blk + 4));
+                /* bytes 0-15: values 0-15 (low nibbles); 16-31: values 16-31 (high) */
+                const __m256i wv = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+                const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wv, xv));
+                c[r] = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dmf) * dx), dot, c[r]);
+                offset[r] += _mm_cvtss_f32(_mm_movehdup_ps(dmf)) * sx;
+            }
+        } else {
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *blk = w + r * row_bytes + b * 34;
+                _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(ax, _mm256_sign_epi8(qv, xv)));
+                c[r] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * dx), dot, c[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum256(c[r]) + offset[r];
+}
+
+/* Returns 0, -1 when out of memory, -2 when K is not a multiple of 32 or N of 4, -3 for an
+ * unknown block type. */
+int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                     int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    if (k % 32 != 0 || n % 4 != 0) return -2;
+    if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
+    const int64_t nb = k / 32, block_bytes = type == BLOCK_Q4_1 ? 20 : 34;
+    const int64_t row_bytes = nb * block_bytes;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    float *xs = xd + m * nb;
+    for (int64_t row = 0; row < m; row++)
+        quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xs + row * nb);
+    const int parallel = n * row_bytes >= parallel_min_bytes;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
+        const int64_t n1 = min64(n0 + CHUNK, n);
+        for (int64_t row = 0; row < m; row++) {
+            float *out = y + row * n;
+            for (int64_t j = n0; j < n1; j += 4)
+                dot4_blocks_q8(xq + row * k, xd + row * nb, xs + row * nb, w + j * row_bytes,
+                               row_bytes, nb, type, out + j);
+            if (bias)
+                for (int64_t j = n0; j < n1; j++) out[j] += bias[j];
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
+#else
+int matvec_int8_dot(void) { return 0; }
+
+int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                     int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
     (void)x, (void)m, (void)k, (void)w, (void)type, (void)n, (void)bias, (void)y;
     (void)parallel_min_bytes;
     return -4; /* not built with AVX2, FMA and F16C: matvec_features() says so */

@@ -66,7 +66,10 @@ class ForwardBatch:
     state_takes: tuple[tuple[int, int, int], ...] = ()
 
     def to(self, device: torch.device) -> ForwardBatch:
-        """The same batch with its tensors on `device` (one copy per tensor)."""
+        """The same batch with its tensors on `device` (one copy per tensor); itself where
+        they are there already (a CPU step: nothing to copy, nothing to rebuild)."""
+        if self.token_ids.device == device:  # every tensor of a batch shares one device
+            return self
         idx = self.logits_indices
         return replace(
             self,

@@ -577,6 +577,12 @@ class ModelRunner:
 
     def host_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """The step's index tensors, built on the host (then moved in one copy per tensor)."""
+        if all(row.feed_last or len(row.token_ids) == 1 for row in rows):
+            return self._decode_batch(rows)
+        return self._packed_batch(rows)
+
+    def _packed_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
+        """`host_batch` of any rows (prefill chunks and decode rows, packed)."""
         bs = self.block_size
         token_ids: list[int] = []
         lengths, starts, block_lists = [], [], []
@@ -629,6 +635,34 @@ class ModelRunner:
             state_slots=state_slots,
             state_fresh=state_fresh,
             state_takes=takes,
+        )
+
+    def _decode_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
+        """`host_batch` of rows of one token each, in plain Python: a batch-1 step's host
+        work is on its critical path, and the general path's tensor arithmetic (a dozen
+        small torch calls) cost more than the few integers it computes."""
+        bs = self.block_size
+        tokens, positions, slots, block_lists, sampled = [], [], [], [], []
+        for i, row in enumerate(rows):
+            tokens.append(self.last_token[row.seq_id] if row.feed_last else row.token_ids[0])
+            pos = row.start_pos
+            blocks = self.sequences[row.seq_id].block_ids[: pos // bs + 1]
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            block_lists.append(blocks)
+            if row.sample:
+                sampled.append(i)
+        return ForwardBatch(
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=block_table_tensor(block_lists, torch.device("cpu")),
+            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+            query_start=torch.arange(len(rows) + 1, dtype=torch.int32),
+            logits_indices=torch.tensor(sampled, dtype=torch.int64),
+            max_query_len=1,
+            max_context_len=max(positions) + 1,
+            decode_only=True,
         )
 
 

@@ -6,14 +6,16 @@ import pytest
 import torch
 
 from kernels import cpu_matvec
-from kernels.cpu_info import cpu_flags
+from kernels.cpu_info import INT8_DOTS, cpu_flags, int8_dot, int8_dots
 from kernels.cpu_matvec import (
     HAS_BLOCKS,
+    HAS_BLOCKS_Q8,
     HAS_F32,
     HAS_Q8,
     MAX_ROWS,
     Q8_BLOCK,
     BlockWeight,
+    IntegerBlocks,
     quantize_q8,
 )
 from kernels.linear import Int8Linear, PackedLinear, int8_available, onednn_packing_available
@@ -165,3 +167,98 @@ def test_blocks_refuse_what_they_do_not_read(matvec):
     assert not matvec.fits_blocks(torch.ones(MAX_ROWS + 1, 32), blocks, None)
     assert not matvec.fits_blocks(torch.ones(1, 32), BlockWeight(blocks.data, "q5_k", 32), None)
     assert not matvec.fits_blocks(torch.ones(1, 32), BlockWeight(blocks.data[:6], "q4_1", 32), None)
+
+
+@pytest.fixture(scope="module")
+def dot_builds(tmp_path_factory) -> dict[str, cpu_matvec.MatvecKernels]:
+    """The kernels built with each 8-bit dot product this CPU runs (the best one first)."""
+    folder = tmp_path_factory.mktemp("dots")
+    builds = {dot: cpu_matvec.load(folder, dot) for dot in int8_dots()}
+    return {dot: k for dot, k in builds.items() if k is not None and k.int8_dot == dot}
+
+
+def _quantized_blocks(kind: str, n: int, k: int, g: torch.Generator):
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind.upper()]
+    w = torch.randn(n, k, generator=g) * 0.05
+    raw = quants.quantize(w.numpy(), qtype)
+    dense = torch.from_numpy(np.array(quants.dequantize(raw, qtype), dtype=np.float32))
+    return BlockWeight(torch.from_numpy(np.array(raw)), kind, k), dense
+
+
+@pytest.mark.parametrize("dot", list(INT8_DOTS))
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, MAX_ROWS])
+def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows):
+    """x quantized per block of 32 against the file's blocks, integer products: the float64
+    product of those quantized activations with the dequantized weight, and within the
+    activations' rounding (half a step per value) of the float activations' product."""
+    if dot not in dot_builds:
+        pytest.skip(f"this CPU has no {dot}")
+    matvec = dot_builds[dot]
+    seed = torch.seed()  # fresh inputs each run; the seed is in any failure's message
+    g = torch.Generator().manual_seed(seed)
+    blocks, dense = _quantized_blocks(kind, 4100, 160, g)  # 4100: odd chunk tails
+    x = torch.randn(rows, 160, generator=g)
+    x[0, 7] *= 40.0  # an outlier costs its own block's precision only
+    x[-1, 32:64] = 0.0  # an all-zero block
+    bias = torch.randn(4100, generator=g)
+    assert matvec.fits_blocks(x, blocks, bias, HAS_BLOCKS_Q8)
+    got = matvec.linear_blocks_q8(x, blocks, bias).double()
+    # The activations as the kernel rounds them: float32 scale 127 / amax, half to even.
+    per_block = x.view(rows, -1, 32)
+    amax = per_block.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    step = (amax / 127.0).double()
+    xq = (torch.round(per_block * inv).double() * step).view(rows, -1)
+    want = xq @ dense.double().T + bias.double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+    full = x.double() @ dense.double().T + bias.double()
+    bound = (step / 2).expand_as(per_block).reshape(rows, -1) @ dense.double().abs().T
+    assert ((got - full).abs() <= bound + 1e-4).all(), f"seed {seed}"
+    assert (got - full).abs().max() > 1e-6  # quantized: not the float product
+
+
+def test_integer_blocks_are_the_same_on_every_dot_product(dot_builds):
+    """VNNI and AVX2's multiply-adds sum the same integers: equal outputs."""
+    if len(dot_builds) < 2:
+        pytest.skip("this CPU runs one 8-bit dot product only")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 576, generator=g)
+    for kind in ("q4_1", "q8_0"):
+        blocks, _ = _quantized_blocks(kind, 64, 576, g)
+        outs = [k.linear_blocks_q8(x, blocks, None) for k in dot_builds.values()]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
+def test_int8_linear_reads_the_files_blocks_with_integer_products(matvec):
+    if not matvec.features & HAS_BLOCKS_Q8:
+        pytest.skip("integer block kernel not built (needs AVX2, FMA and F16C)")
+    g = torch.Generator().manual_seed(9)
+    blocks, dense = _quantized_blocks("q4_1", 96, 128, g)
+    x = torch.randn(9, 128, generator=g)
+    int8 = Int8Linear(matvec=matvec)
+    int8.use_blocks([(dense, blocks)])
+    form = int8.few_row_form(x[:1], dense, None)
+    assert isinstance(form, IntegerBlocks) and form.blocks is blocks
+    assert int8.few_row_form(x[:2], dense, None) is form  # one form per weight
+    few = int8(x[:2], dense)
+    assert torch.equal(few, matvec.linear_blocks_q8(x[:2], blocks, None))
+    assert len(int8) == 0  # nothing packed for fbgemm
+    int8(x, dense)  # more rows than the native kernels take: fbgemm
+    assert len(int8) == 1
+    other = torch.randn(96, 128, generator=g)  # no blocks: the int8 kernel
+    assert isinstance(int8.few_row_form(x[:1], other, None), cpu_matvec.Q8Weight)
+
+
+def test_the_best_dot_product_a_cpu_has_is_chosen():
+    base = {"avx2", "fma", "f16c"}
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert int8_dot(frozenset(base | avx512 | {"avx_vnni"})) == "avx512_vnni"
+    assert int8_dots(frozenset(base | avx512 | {"avx_vnni"})) == list(INT8_DOTS)
+    assert int8_dot(frozenset(base | {"avx512f", "avx_vnni"})) == "avx_vnni"
+    assert int8_dot(frozenset(base | {"avx512f", "avx512bw"})) == "avx2"
+    assert int8_dot(frozenset({"avx2", "fma"})) is None  # no F16C: no block kernels

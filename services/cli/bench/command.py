@@ -176,6 +176,8 @@ async def step_split(nats_url: str, namespace: str) -> dict[str, float | None] |
         "forward": stats.step_forward_s,
         "scheduler_bookkeeping": stats.step_bookkeeping_s,
         "bus": stats.step_bus_s,
+        # between two results of back-to-back steps, the time the worker was not computing
+        "outside_forward": stats.step_overhead_s,
         "spill_store_share": stats.step_kv_io_share,
     }
 

@@ -188,3 +188,23 @@ def test_a_bad_position_or_slot_raises_as_the_layer_loop_does(weights, position,
             torch.zeros(1, 2, dtype=torch.int32), torch.tensor([position + 1], dtype=torch.int32),
             model.cos, model.sin, geometry,
         )  # fmt: skip
+
+
+def test_int8_reads_the_model_files_blocks_with_integer_products(block_weights, monkeypatch):
+    """--quantize int8 on a model with blocks: the one-call loop reads every projection's
+    blocks with integer products, equal to the layer loop's calls to the bit."""
+    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS_Q8:
+        pytest.skip("integer block kernel not built (needs AVX2, FMA and F16C)")
+    read = []
+    real = cpu_matvec.MatvecKernels.linear_blocks_q8
+    monkeypatch.setattr(
+        cpu_matvec.MatvecKernels, "linear_blocks_q8", lambda *a: read.append(1) or real(*a)
+    )
+    loop_tokens, loop_logits = _steps(_runner(block_weights, "int8", at_once=False), 2)
+    assert read  # the layer loop read the blocks (and the lm_head's)
+    once = _runner(block_weights, "int8", at_once=True)
+    once_tokens, once_logits = _steps(once, 2)
+    prepared = once.model.ops._decode_layers._prepared
+    for layer in prepared.array:
+        assert all(getattr(layer, p).integer for p in ("qkv", "o", "gate_up", "down"))
+    assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)

@@ -138,3 +138,31 @@ def test_recomputed_sequence_samples_the_same_tokens(runner):
     again = generate(runner, [PROMPT, PROMPT[:6]], 10, chunk=5, sampling=SAMPLED, shuffle_seed=3)
     assert again[0] == first[0]
     assert again[1] != first[0]
+
+
+def test_a_decode_steps_batch_is_the_packed_paths(runner):
+    """Rows of one token each take a plain-Python batch: the general path's tensors."""
+    import dataclasses
+
+    import torch
+
+    _reset(runner)
+    plan = StepPlan(
+        step_id=1,
+        new_seqs=[_new("a", [3, 4, 7]), _new("b", [5, 6])],
+        rows=[_row("a", PROMPT), _row("b", PROMPT[:15])],
+    )
+    assert runner.execute(plan).error is None
+    rows = [
+        StepRow(seq_id="b", token_ids=[], start_pos=15, feed_last=True, sample=False),
+        _row("a", [42], start=18),  # in its second block (of 16 positions)
+    ]
+    fast, packed = runner._decode_batch(rows), runner._packed_batch(rows)
+    assert fast.decode_only and packed.decode_only
+    for field in dataclasses.fields(fast):
+        a, b = getattr(fast, field.name), getattr(packed, field.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), field.name
+        else:
+            assert a == b, field.name
+    assert fast.token_ids[0] == runner.last_token["b"] and fast.slot_mapping.tolist() == [95, 66]

@@ -71,25 +71,34 @@ def gated_delta_mixer(
     out = torch.zeros(t, hv, dv, dtype=h.dtype, device=h.device)
     starts = query_start[:-1].to(torch.int64)
     lens = query_start[1:].to(torch.int64) - starts
+    decode = max_query_len == 1 and t == slots.numel()  # token r is row r's
     for j in range(max_query_len):
-        # Row r's j-th token, or padding (slot -1) where the row has fewer tokens; a step
-        # every row takes part in keeps the slots as given (a contiguous run stays one).
-        has = lens > j
-        idx = torch.clamp(starts + j, max=t - 1)
-        step_slots = slots if bool(has.all()) else torch.where(has, slots, -1)
-        conv = ops.causal_conv1d_update(mixed[idx], conv_state, w.conv_weight, None, step_slots)
+        if decode:  # no gathering: every row's one token, in order
+            has, idx, step_slots, x_in, g_in, beta_in = None, None, slots, mixed, g, beta
+        else:
+            # Row r's j-th token, or padding (slot -1) where the row has fewer tokens; a
+            # step every row takes part in keeps the slots as given (a run stays one).
+            has = lens > j
+            idx = torch.clamp(starts + j, max=t - 1)
+            step_slots = slots if bool(has.all()) else torch.where(has, slots, -1)
+            x_in, g_in, beta_in = mixed[idx], g[idx], beta[idx]
+        conv = ops.causal_conv1d_update(x_in, conv_state, w.conv_weight, None, step_slots)
         cq, ck, cv = conv.split([key_dim, key_dim, hv * dv], dim=-1)
         o = ops.gated_delta_rule_step(
             cq.reshape(-1, hk, dk),
             ck.reshape(-1, hk, dk),
             cv.reshape(-1, hv, dv),
-            g[idx],
-            beta[idx],
+            g_in,
+            beta_in,
             state,
             step_slots,
             use_qk_l2norm=True,
         )  # [R, Hv, Dv]
-        out[idx[has]] = o[has].to(out.dtype)
+        if decode:
+            out = o.to(out.dtype)
+        else:
+            assert idx is not None and has is not None
+            out[idx[has]] = o[has].to(out.dtype)
         if after_step is not None:  # snapshots of states after token j of their rows
             after_step(j)
     normed = _norm_then_gate(out.reshape(-1, dv), z.reshape(-1, dv), w.norm, eps)

@@ -69,21 +69,27 @@ def mamba2_mixer(
     starts = query_start[:-1].to(torch.int64)
     lens = query_start[1:].to(torch.int64) - starts
     last = h.shape[0] - 1
+    decode = max_query_len == 1 and h.shape[0] == slots.numel()  # token r is row r's
     for j in range(max_query_len):
-        # Row r's j-th token, or padding (slot -1) where the row has fewer tokens.
-        has = lens > j
-        idx = torch.clamp(starts + j, max=last)
-        # A step every row takes part in keeps the slots as given, so a contiguous run of
-        # them still takes the kernels' in-place path.
-        step_slots = slots if bool(has.all()) else torch.where(has, slots, -1)
+        if decode:  # no gathering: every row's one token, in order
+            has, idx, step_slots = None, None, slots
+            x_in, dt_in = xbc.contiguous(), dt.contiguous()  # as a gather leaves them
+        else:
+            # Row r's j-th token, or padding (slot -1) where the row has fewer tokens.
+            has = lens > j
+            idx = torch.clamp(starts + j, max=last)
+            # A step every row takes part in keeps the slots as given, so a contiguous
+            # run of them still takes the kernels' in-place path.
+            step_slots = slots if bool(has.all()) else torch.where(has, slots, -1)
+            x_in, dt_in = xbc[idx], dt[idx]
         conv_out = ops.causal_conv1d_update(
-            xbc[idx], conv_state, w.conv_weight, w.conv_bias, step_slots, "silu"
+            x_in, conv_state, w.conv_weight, w.conv_bias, step_slots, "silu"
         )  # [R, C]
         x, b, cc = conv_out.split([inner, g * n, g * n], dim=-1)
         out = ops.selective_state_update(
             ssm_state,
             x.reshape(-1, heads, p),
-            dt[idx],
+            dt_in,
             w.A,
             b.reshape(-1, g, n),
             cc.reshape(-1, g, n),
@@ -92,7 +98,11 @@ def mamba2_mixer(
             dt_bias=w.dt_bias,
             dt_softplus=True,
         )  # [R, H, P]
-        y[idx[has]] = out[has].to(y.dtype)
+        if decode:
+            y = out.to(y.dtype)
+        else:
+            assert idx is not None and has is not None
+            y[idx[has]] = out[has].to(y.dtype)
         if after_step is not None:  # snapshots of states after token j of their rows
             after_step(j)
     return ops.linear(

@@ -113,7 +113,8 @@ class HybridWorker(FakeWorker):
 
 def _hybrid_core(num_slots: int, num_snapshots: int = 0, **kwargs):
     core, _ = make_core(**kwargs)
-    info = worker_info(**{k: v for k, v in kwargs.items() if k in ("num_kv_blocks", "block_size")})
+    geometry = ("num_kv_blocks", "block_size", "worker_id")
+    info = worker_info(**{k: v for k, v in kwargs.items() if k in geometry})
     core.attach_worker(
         info.model_copy(
             update={
@@ -308,3 +309,25 @@ def test_the_shared_tier_serves_a_state_to_a_fresh_worker():
     assert outcome.token_ids == expected_tokens("b", 3)
     assert outcome.deltas[0].num_cached_tokens == 12
     assert fresh.lost_states == 0 and fresh_core.prefix_hit_tokens == 12
+
+
+def test_a_swapped_sequence_takes_its_state_to_another_worker():
+    a = _hybrid_core(3, num_kv_blocks=14, block_size=BS, spill_store=True,
+                     preemption_mode="spill", worker_id="wa")  # fmt: skip
+    b = _hybrid_core(3, num_kv_blocks=14, block_size=BS, spill_store=True,
+                     preemption_mode="spill", worker_id="wb")  # fmt: skip
+    worker_a, worker_b = HybridWorker(BS, num_slots=3), HybridWorker(BS, num_slots=3)
+    worker_b.spilled, worker_b.spilled_state = worker_a.spilled, worker_a.spilled_state
+    _submit_all(core=a)
+    outcomes: dict = {}
+    while not any(s.spilled is not None and s.spilled.confirmed for s in a._swapped):
+        collect(outcomes, tick(a, worker_a)[1])
+    moved = a.evacuate()
+    swapped = {s.request_id for s in moved if s.spilled is not None}
+    assert swapped and all(s.state_slot is None for s in moved)
+    b.adopt(moved, kv_layout="")
+    b.check_integrity()
+    run_to_completion(b, worker_b, outcomes)
+    _check(outcomes)
+    restored = {r.seq_id for p in worker_b.plans for r in p.restores if r.state_slot is not None}
+    assert swapped <= restored and worker_b.lost_states == 0

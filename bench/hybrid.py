@@ -1,0 +1,179 @@
+"""A tiny-ish hybrid model (Granite 4.0-H or Qwen3-Next): the worker's runner against
+transformers' batched `generate` on the same weights, in the same run.
+
+    python -m bench.hybrid [--family granitemoehybrid|qwen3_next] [--batch 16]
+                           [--prompt 32] [--new 32] [--rounds 3]
+
+Saves a random model of the family (transformers writes the folder), then per round:
+B greedy sequences of P prompt tokens and N new tokens each, through the runner (one
+prefill step for all rows, then one decode step per token, rows in slots 0..B-1: the
+batched path) and through `model.generate` on a [B, P] batch. Decode is timed apart on
+both sides: the runner's decode steps, and transformers' N-token generate minus its
+1-token generate (its prefill). Prints tok/s (median over rounds, alternating A B), the
+ratios, and whether the greedy tokens agree. Float32 on the CPU; the machines are shared
+and noisy: read the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import ssm_reference
+from services.worker.runner import ModelRunner, load_runner
+from shared.config import load_settings
+from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+
+GREEDY = SamplingParams(temperature=0.0)
+SHAPES = dict(
+    vocab_size=4096, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
+    initializer_range=0.2, rms_norm_eps=1e-6,
+)  # fmt: skip
+FAMILY = {
+    "granitemoehybrid": dict(
+        num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"],
+        position_embedding_type="rope", num_local_experts=8, num_experts_per_tok=2,
+        intermediate_size=128, shared_intermediate_size=256, mamba_n_heads=8,
+        mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_expand=1,
+        mamba_chunk_size=64,
+    ),
+    "qwen3_next": dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "linear_attention",
+        "linear_attention", "full_attention"], num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=256,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+    ),
+}  # fmt: skip
+
+
+def save_model(folder: Path, family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **{**SHAPES, **FAMILY[family]})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def runner_generate(
+    runner: ModelRunner, prompts: list[list[int]], new: int
+) -> tuple[list[list[int]], float]:
+    """All rows prefilled in one step, then one decode step per token; the tokens and the
+    decode steps' seconds."""
+    bs = runner.block_size
+    runner.execute(StepPlan(step_id=0, finished_seq_ids=list(runner.sequences)))
+    per_seq = (len(prompts[0]) + new + bs - 1) // bs
+    new_seqs = [
+        NewSequence(seq_id=f"s{i}", sampling=GREEDY, state_slot=i,
+                    block_ids=list(range(i * per_seq, (i + 1) * per_seq)))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    rows = [
+        StepRow(seq_id=f"s{i}", token_ids=p, start_pos=0, sample=True, output_index=0)
+        for i, p in enumerate(prompts)
+    ]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    plan = StepPlan(step_id=1, new_seqs=new_seqs, rows=rows)
+    decode_start = 0.0
+    for step in range(new):
+        if step == 1:
+            decode_start = time.perf_counter()
+        result = runner.execute(plan)
+        if result.error is not None:
+            raise SystemExit(result.error.message)
+        for i, row in enumerate(result.rows):
+            outputs[i].append(row.token_id)
+        plan = StepPlan(
+            step_id=step + 2,
+            rows=[
+                StepRow(seq_id=f"s{i}", token_ids=[out[-1]], start_pos=len(p) + step,
+                        sample=True, output_index=step + 1)
+                for i, (p, out) in enumerate(zip(prompts, outputs, strict=True))
+            ],
+        )  # fmt: skip
+    return outputs, time.perf_counter() - decode_start
+
+
+def hf_generate(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[:, ids.shape[1] :].tolist()
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--family", default="granitemoehybrid", choices=sorted(FAMILY))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
+    reference = save_model(folder, args.family)
+    blocks = args.batch * ((args.prompt + args.new) // 16 + 1) + 1
+    settings = load_settings(
+        model=str(folder), kv_blocks=blocks, device="cpu", dtype="float32",
+        state_slots=args.batch, state_snapshots=0,
+    )  # fmt: skip
+    runner, _ = load_runner(settings)
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(3, SHAPES["vocab_size"]) for _ in range(args.prompt)]
+        for _ in range(args.batch)
+    ]
+    ours_s, ours_decode_s, theirs_s, theirs_decode_s = [], [], [], []
+    ours_out = theirs_out = None
+    ssm_reference.PATHS.clear()
+    for r in range(args.rounds):
+        for which in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
+            if which == "ours":
+                (ours_out, decode_s), total = timed(runner_generate, runner, prompts, args.new)
+                ours_s.append(total)
+                ours_decode_s.append(decode_s)
+            else:
+                theirs_out, total = timed(hf_generate, reference, prompts, args.new)
+                _, prefill = timed(hf_generate, reference, prompts, 1)
+                theirs_s.append(total)
+                theirs_decode_s.append(total - prefill)
+    tokens, decode_tokens = args.batch * args.new, args.batch * (args.new - 1)
+    ours, theirs = tokens / statistics.median(ours_s), tokens / statistics.median(theirs_s)
+    ours_dec = decode_tokens / statistics.median(ours_decode_s)
+    theirs_dec = decode_tokens / statistics.median(theirs_decode_s)
+    same = sum(a == b for a, b in zip(ours_out or [], theirs_out or [], strict=True))
+    pool = runner.state_pool
+    assert pool is not None
+    print(
+        f"{args.family}: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens,"
+        f" {torch.get_num_threads()} threads, float32 CPU;"
+        f" state {pool.slot_bytes() / 1024:.1f} KiB per sequence"
+    )
+    print(f"  decode      spillway {ours_dec:8.1f} tok/s   transformers {theirs_dec:8.1f} tok/s"
+          f"   ratio {ours_dec / theirs_dec:5.2f}x")  # fmt: skip
+    print(f"  end to end  spillway {ours:8.1f} tok/s   transformers {theirs:8.1f} tok/s"
+          f"   ratio {ours / theirs:5.2f}x")  # fmt: skip
+    print(f"  recurrent steps: batched (contiguous slots) {ssm_reference.PATHS['view']},"
+          f" per-sequence fallback {ssm_reference.PATHS['gather']}")  # fmt: skip
+    print(f"  greedy sequences equal: {same}/{args.batch}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,10 @@
   for the sequence, the sequence finished or preempted, an idle moment, the worker's stop).
 - `worker.kv.spill` / `worker.kv.restore`: each spill and restore, with bytes and
   seconds, children of the scheduler's `scheduler.spill` / `scheduler.restore`.
+- Speculative decoding: a step with drafts gets `worker.spec.verify` (its forward and
+  sampling) and `worker.spec.accept` (deciding which drafts stand), children of its
+  `worker.batch`, which counts the drafts and the accepted ones; a request's
+  `worker.forward` counts its own.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class _Run:
     batch_tokens: int = 0
     steps: int = 0
     tokens: int = 0
+    drafts: int = 0
+    accepted: int = 0
     error: str | None = None
 
 
@@ -67,6 +73,7 @@ class StepSpans:
         start_ns, end_ns = forward_ns
         ran = result.error is None
         batch_tokens = sum(len(row.token_ids) or 1 for row in plan.rows)
+        accepted = {out.seq_id: len(out.extra_token_ids) for out in result.rows}
         links: list[Link] = []
         for row in plan.rows:
             if not row.traceparent:
@@ -80,6 +87,8 @@ class StepSpans:
                 self._runs[row.seq_id] = run
             run.steps += 1
             run.tokens += len(row.token_ids) or 1
+            run.drafts += row.num_draft_tokens
+            run.accepted += accepted.get(row.seq_id, 0) if row.num_draft_tokens else 0
             run.end_ns = end_ns
             if not ran:
                 run.error = result.error.message if result.error else "failed"
@@ -97,11 +106,28 @@ class StepSpans:
                 "spillway.batch.tokens": batch_tokens,
             },
         )
+        drafts = sum(row.num_draft_tokens for row in plan.rows)
+        if drafts and ran:
+            self._spec_spans(forward, drafts, sum(accepted.values()), result, start_ns, end_ns)
         if not ran:
             assert result.error is not None
             forward.set_status(Status(StatusCode.ERROR, result.error.message))
         forward.end(end_time=end_ns if ran else None)
         return spills
+
+    def _spec_spans(
+        self, batch: Span, drafts: int, accepted: int, result: StepResult, start: int, end: int
+    ) -> None:
+        """The verify and accept phases of a step with drafts (accept ends the forward)."""
+        batch.set_attribute("spillway.spec.draft_tokens", drafts)
+        batch.set_attribute("spillway.spec.accepted_tokens", accepted)
+        ctx = trace.set_span_in_context(batch)
+        split = end - int(1e9 * (result.accept_s or 0.0))
+        for name, a, b in (
+            ("worker.spec.verify", start, split),
+            ("worker.spec.accept", split, end),
+        ):
+            self.tracer.start_span(name, context=ctx, start_time=a).end(end_time=b)
 
     def flush(self) -> None:
         """Ends every open run (the worker is idle: no step may extend them soon)."""
@@ -127,6 +153,8 @@ class StepSpans:
                 "spillway.tokens": run.tokens,
                 "spillway.batch.rows": run.batch_rows,
                 "spillway.batch.tokens": run.batch_tokens,
+                "spillway.spec.draft_tokens": run.drafts,
+                "spillway.spec.accepted_tokens": run.accepted,
             },
         )
         if run.error is not None:

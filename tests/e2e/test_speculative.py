@@ -94,7 +94,7 @@ def test_concurrent_greedy_requests_equal_transformers(spec_system, model_dir, r
     # A stop string taken from the middle of the first output: the text ends before it.
     first_text = tok.decode(wants[0], skip_special_tokens=True)
     stop = first_text[len(first_text) // 2 : len(first_text) // 2 + 3]
-    assert len(stop.strip()) == 3
+    assert len(stop) == 3 and stop.strip()
     bodies = [
         {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
          "logprobs": 0, "return_tokens_as_token_ids": True}

@@ -17,7 +17,15 @@ from services.scheduler.core import SchedulerCore
 from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.service import worker_info
 from shared.clock import FakeClock
-from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
+from shared.protocol import (
+    NewSequence,
+    RequestDelta,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    StepRow,
+    SubmitRequest,
+)
 from shared.spill_keys import SpillKeys
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
@@ -30,7 +38,7 @@ PROMPTS = [
     [100, 101, 102, 103, 104] * 3 + [100, 101],
     [(3 * j * j + 1) % 240 + 3 for j in range(30)],
 ]
-NEW_TOKENS = 48
+NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +54,12 @@ def _serve(
     run_ahead: bool = True,
     spill_to: str | None = None,
     requests: list[dict] | None = None,
+    prompts: list[list[int]] = PROMPTS,
+    max_batch: int = 6,
 ) -> tuple[dict[str, list[int]], dict[str, RequestDelta], dict[str, list], SchedulerCore]:
     runner = tiny_runner(model_dir, kv_blocks=kv_blocks)
     config = SchedulerConfig(
-        max_batch=6,
+        max_batch=max_batch,
         max_num_batched_tokens=48,
         run_ahead=run_ahead,
         speculative=speculative,  # type: ignore[arg-type]
@@ -63,8 +73,8 @@ def _serve(
     core.attach_worker(worker_info("w", "tiny", runner))
     if spill_to is not None:
         core.spill_store_reported(True, 1 << 40)
-    requests = requests or [{} for _ in PROMPTS]
-    for i, (prompt, extra) in enumerate(zip(PROMPTS, requests, strict=True)):
+    requests = requests or [{} for _ in prompts]
+    for i, (prompt, extra) in enumerate(zip(prompts, requests, strict=True)):
         fields = {"max_tokens": NEW_TOKENS, "ignore_eos": True, **extra}
         error = core.add_request(
             SubmitRequest(
@@ -76,8 +86,8 @@ def _serve(
             )
         )
         assert error is None
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    logprobs: dict[str, list] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    logprobs: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
     finished: dict[str, RequestDelta] = {}
 
     def take(deltas: list[RequestDelta]) -> None:
@@ -102,9 +112,9 @@ def _serve(
         take(core.finish_tick())
         if not inflight:
             core.check_integrity()
-        if len(finished) == len(PROMPTS) and not inflight:
+        if len(finished) == len(prompts) and not inflight:
             break
-    assert len(finished) == len(PROMPTS)
+    assert len(finished) == len(prompts)
     assert core.kv_usage == 0.0 and core.num_swapped == 0
     return outputs, finished, logprobs, core
 
@@ -114,10 +124,24 @@ GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.1, top_p=0.9)
 
 
-@pytest.mark.parametrize("run_ahead", [True, False], ids=["run-ahead", "in-step"])
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+_PLAIN: dict[tuple[str, bool], dict[str, list[int]]] = {}
+
+
+def _plain(model_dir, sampling: SamplingParams, run_ahead: bool = True) -> dict[str, list[int]]:
+    """Outputs without speculation (run once per module for each setting)."""
+    key = (sampling.model_dump_json(), run_ahead)
+    if key not in _PLAIN:
+        _PLAIN[key] = _serve(model_dir, "none", sampling, run_ahead=run_ahead)[0]
+    return _PLAIN[key]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "run_ahead"),
+    [(GREEDY, True), (SEEDED, True), (GREEDY, False)],
+    ids=["greedy-run-ahead", "seeded-run-ahead", "greedy-in-step"],
+)
 def test_ngram_drafts_change_no_token(model_dir, sampling, run_ahead):
-    plain, _, _, _ = _serve(model_dir, "none", sampling, run_ahead=run_ahead)
+    plain = _plain(model_dir, sampling, run_ahead)
     spec, _, _, core = _serve(model_dir, "ngram", sampling, run_ahead=run_ahead)
     assert spec == plain
     assert all(len(tokens) == NEW_TOKENS for tokens in spec.values())
@@ -130,7 +154,7 @@ def test_ngram_drafts_change_no_token(model_dir, sampling, run_ahead):
 def test_stops_and_lengths_inside_drafts_logprobs_and_penalties(model_dir):
     """Stop tokens and max_tokens end a row's emitted tokens mid-way; logprobs and the
     penalties of every emitted token are those of plain decoding."""
-    plain, _, _, _ = _serve(model_dir, "none", GREEDY)
+    plain = _plain(model_dir, GREEDY)
     # Stop at a token each repetitive output produces after a few tokens.
     stops = {i: plain[f"r{i}"][7] for i in (0, 2, 4)}
     requests = [
@@ -162,7 +186,7 @@ def test_stops_and_lengths_inside_drafts_logprobs_and_penalties(model_dir):
 
 
 def test_under_kv_pressure_recomputed(model_dir):
-    roomy, _, _, _ = _serve(model_dir, "none", SEEDED)
+    roomy = _plain(model_dir, SEEDED)
     tight, _, _, core = _serve(model_dir, "ngram", SEEDED, kv_blocks=12)
     assert core.preemptions["recompute"] > 0
     assert tight == roomy
@@ -171,7 +195,100 @@ def test_under_kv_pressure_recomputed(model_dir):
 def test_under_kv_pressure_spilled(model_dir, redis_url):
     """Spilled victims' KV holds their accepted tokens only: read back, it continues as
     plain decoding would."""
-    roomy, _, _, _ = _serve(model_dir, "none", GREEDY)
+    roomy = _plain(model_dir, GREEDY)
     tight, _, _, core = _serve(model_dir, "ngram", GREEDY, kv_blocks=12, spill_to=redis_url)
     assert core.preemptions["spill"] > 0 and core.swap_ins > 0
     assert tight == roomy
+
+
+def chi_square_critical(dof: int, z: float) -> float:
+    """The chi-square quantile for `dof` degrees of freedom at the normal quantile z
+    (Wilson-Hilferty; within 1% for dof >= 3 in the upper tail used here)."""
+    h = 2.0 / (9.0 * dof)
+    return dof * (1.0 - h + z * h**0.5) ** 3
+
+
+def homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's chi-square statistic that two samples come from one distribution, and its
+    degrees of freedom (values seen fewer than 10 times in both together pooled)."""
+    counts: dict[object, list[int]] = {}
+    for i, sample in enumerate((a, b)):
+        for value in sample:
+            counts.setdefault(value, [0, 0])[i] += 1
+    bins, rare = [], [0, 0]
+    for pair in counts.values():
+        if sum(pair) >= 10:
+            bins.append(pair)
+        else:
+            rare = [rare[0] + pair[0], rare[1] + pair[1]]
+    if sum(rare):
+        bins.append(rare)
+    n_a, n_b = len(a), len(b)
+    stat = 0.0
+    for pair in bins:
+        total = sum(pair)
+        for observed, n in zip(pair, (n_a, n_b), strict=True):
+            expected = total * n / (n_a + n_b)
+            stat += (observed - expected) ** 2 / expected
+    return stat, len(bins) - 1
+
+
+def _sample(runner, prompt: list[int], drafts_at: list[int] | None) -> list[list[int]]:
+    """SAMPLES seeded sequences of OUT tokens after `prompt`, all in one batch per step;
+    with `drafts_at`, each decoding row carries drafts_at[j], drafts_at[j + 1], ... (j: its
+    output index) as its drafts."""
+    params = SamplingParams(temperature=0.8)
+    ids = [f"s{i}" for i in range(SAMPLES)]
+    new = [NewSequence(seq_id=sid, sampling=params.model_copy(update={"seed": i}),
+                       block_ids=[2 * i, 2 * i + 1]) for i, sid in enumerate(ids)]  # fmt: skip
+    rows = [StepRow(seq_id=sid, token_ids=prompt, start_pos=0, sample=True) for sid in ids]
+    result = runner.execute(StepPlan(step_id=1, finished_seq_ids=ids, new_seqs=new, rows=rows))
+    outputs = {r.seq_id: [r.token_id] for r in result.rows}
+    for step in range(2, 2 + OUT):
+        rows = []
+        for sid in ids:
+            out = outputs[sid]
+            if len(out) >= OUT:
+                continue
+            drafts = drafts_at[len(out) : OUT - 1] if drafts_at is not None else []
+            rows.append(StepRow(seq_id=sid, token_ids=[out[-1], *drafts], sample=True,
+                                start_pos=len(prompt) + len(out) - 1, output_index=len(out),
+                                num_draft_tokens=len(drafts)))  # fmt: skip
+        if not rows:
+            break
+        result = runner.execute(StepPlan(step_id=step, rows=rows))
+        assert result.error is None, result.error
+        for r in result.rows:
+            outputs[r.seq_id] += [r.token_id, *r.extra_token_ids]
+    return [outputs[sid][:OUT] for sid in ids]
+
+
+# z of a one-sided 0.001 tail: each comparison below raises a false alarm once in a
+# thousand runs if the distributions are equal (three comparisons: about 0.3% of runs).
+Z_0_001 = 3.0902
+SAMPLES = 300
+OUT = 4
+
+
+def test_sampled_tokens_follow_the_distribution_of_plain_decoding(model_dir):
+    """Many seeded samples of the first tokens after a prompt, drawn one token per step
+    and drawn with drafts (at each position the token plain decoding draws most often: a
+    draft that stands some of the time): each position's token distribution is the same
+    (Pearson's chi-square homogeneity test at a 0.001 false-alarm rate per position).
+    The draws are even the same seed by seed; the test would hold if only the
+    distribution were kept."""
+    runner = tiny_runner(model_dir, kv_blocks=2 * SAMPLES)
+    prompt = PROMPTS[4]
+    plain = _sample(runner, prompt, None)
+    modes = [max(set(col), key=col.count) for col in zip(*plain, strict=True)]
+    spec = _sample(runner, prompt, [0, *modes[1:]])
+    stood = sum(
+        s[j] == modes[j] for s in spec for j in range(1, OUT)
+    )  # drafts at positions 1.. that a sample confirmed
+    assert 0 < stood < SAMPLES * (OUT - 1)
+    for position in range(1, OUT):
+        a = [tokens[position] for tokens in plain]
+        b = [tokens[position] for tokens in spec]
+        stat, dof = homogeneity(a, b)
+        assert dof >= 1
+        assert stat < chi_square_critical(dof, Z_0_001), (position, stat, dof)

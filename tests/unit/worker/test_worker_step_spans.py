@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.worker.runner import KVIo
 from services.worker.step_spans import StepSpans
-from shared.protocol import StepPlan, StepResult, StepRow
+from shared.protocol import RowResult, StepPlan, StepResult, StepRow
 from shared.telemetry import Telemetry, inject
 
 
@@ -90,3 +90,26 @@ def test_kv_io_spans_hang_under_their_order_with_bytes_and_seconds():
     lost = finished["worker.kv.restore"]
     assert lost.parent.span_id == batch.get_span_context().span_id  # no order context: the step's
     assert not lost.attributes["spillway.kv.ok"] and not lost.status.is_ok
+
+
+def test_a_step_with_drafts_has_verify_and_accept_spans_and_counts_what_stood():
+    tracer, exporter = _setup()
+    spans = StepSpans(tracer, "m")
+    batch, _ = _parent(tracer, "scheduler.batch")
+    _, decode_tp = _parent(tracer, "scheduler.decode")
+    ctx = trace.set_span_in_context(batch)
+    row = StepRow(seq_id="a", token_ids=[5, 6, 7, 8], start_pos=9, sample=True,
+                  num_draft_tokens=3, traceparent=decode_tp)  # fmt: skip
+    result = StepResult(
+        step_id=1, accept_s=2e-9, rows=[RowResult(seq_id="a", token_id=6, extra_token_ids=[7, 1])]
+    )
+    spans.step(StepPlan(step_id=1, rows=[row]), ctx, result, (100, 120), [])
+    spans.flush()
+    finished = {s.name: s for s in exporter.get_finished_spans()}
+    step = finished["worker.batch"]
+    assert step.attributes["spillway.spec.draft_tokens"] == 3
+    assert step.attributes["spillway.spec.accepted_tokens"] == 2
+    verify, accept = finished["worker.spec.verify"], finished["worker.spec.accept"]
+    assert verify.parent.span_id == step.context.span_id == accept.parent.span_id
+    assert (verify.start_time, verify.end_time, accept.end_time) == (100, 118, 120)
+    assert finished["worker.forward"].attributes["spillway.spec.accepted_tokens"] == 2

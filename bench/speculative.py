@@ -1,0 +1,229 @@
+"""Speculative decoding on one stream: spillway with `--speculative ngram` against itself
+without speculation, and llama.cpp's prompt-lookup decoding on the same GGUF weights.
+
+    python -m bench.speculative [--repeats 3] [--max-tokens 160] [--k 3] [--llama PYTHON]
+
+Two workloads, greedy, one request at a time:
+  copy     a code file to edit ("rename x to y"), and a text to answer with quotes from:
+           the answer copies long runs of the prompt (prompt lookup's best case);
+  nothing  short creative prompts: nothing to copy (its cost when it does not pay).
+
+For each: tokens per second (completion tokens / request time, median of the repeats),
+and from spillway's /metrics the acceptance rate (accepted / drafted), the mean tokens a
+verifying row emits (1 + accepted / verify steps) and the draft / verify / accept phase
+times. Both spillway runs must produce the same tokens (greedy outputs are exact).
+llama.cpp runs in the Python given by --llama (one with llama-cpp-python), greedy, with
+and without `LlamaPromptLookupDecoding`; a machine without one skips it and says so.
+Run it alone on the machine: ratios within one run are what count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from services.cli.launcher import System
+from shared.model_files import resolve_model
+
+CODE = '''def parse_config(path):
+    """Reads a key = value file into a dict, skipping comments and blank lines."""
+    config = {}
+    with open(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if "=" not in line:
+                raise ValueError(f"{path}:{line_number}: expected key = value")
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config
+
+
+def merge_configs(base, override):
+    """A new dict: base's entries, replaced by override's where both have a key."""
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = value
+    return merged
+'''
+
+TEXT = (
+    "The lighthouse stood on a narrow spit of rock at the mouth of the harbour. Every "
+    "evening at dusk the keeper climbed the one hundred and twelve steps to the lamp room, "
+    "trimmed the wick, polished the great lens and lit the flame. Ships coming home in the "
+    "dark steered by its beam, and the fishermen said that as long as the light turned, "
+    "nobody on the water was ever truly lost. In the winter of the great storm the keeper "
+    "fell ill, and his daughter climbed the steps in his place every night for a month."
+)
+
+COPY = [
+    f"Here is a Python file:\n\n{CODE}\nRewrite the whole file with the variable `config` "
+    "renamed to `settings`. Output only the code.",
+    f"Read this text:\n\n{TEXT}\n\nQuote, word for word, the sentences of the text that "
+    "describe what the keeper did every evening and what happened in the winter.",
+]
+NOTHING = [
+    "Write a short poem about the colour of the sea at dawn.",
+    "Invent a new board game and explain its rules in a few sentences.",
+]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def spec_figures(metrics: str) -> dict[str, float]:
+    """The speculative decoding counters and phase sums/counts in a /metrics text."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if not line.startswith("spillway_spec_decode"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        key = name.split("{")[0]
+        if "phase=" in name:
+            key += "/" + name.split('phase="')[1].split('"')[0]
+        if "_bucket" in key:
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def run_spillway(mode: str, prompts: dict[str, list[list[int]]], args) -> dict:
+    extra = ["--speculative", mode, "--num-speculative-tokens", str(args.k)]
+    system = System("--namespace", f"bench-spec-{mode}", "--max-batch", "4", *extra)
+    results: dict = {}
+    try:
+        with httpx.Client(base_url=system.url, timeout=600) as c:
+            body = {"prompt": prompts["copy"][0], "max_tokens": 8, "temperature": 0}
+            c.post("/v1/completions", json=body).raise_for_status()  # warm-up
+            for name, workload in prompts.items():
+                before = spec_figures(c.get("/metrics").text)
+                rates, outputs = [], []
+                for _ in range(args.repeats):
+                    for prompt in workload:
+                        body = {"prompt": prompt, "max_tokens": args.max_tokens,
+                                "temperature": 0, "logprobs": 0,
+                                "return_tokens_as_token_ids": True}  # fmt: skip
+                        start = time.perf_counter()
+                        r = c.post("/v1/completions", json=body)
+                        elapsed = time.perf_counter() - start
+                        r.raise_for_status()
+                        choice = r.json()["choices"][0]
+                        tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+                        rates.append(len(tokens) / elapsed)
+                        outputs.append(tokens)
+                after = spec_figures(c.get("/metrics").text)
+                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                results[name] = {"tok_s": statistics.median(rates), "outputs": outputs,
+                                 "spec": delta}  # fmt: skip
+    finally:
+        system.stop()
+    return results
+
+
+LLAMA_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+spec = json.load(sys.stdin)
+out = {}
+for lookup in (False, True):
+    draft = (LlamaPromptLookupDecoding(num_pred_tokens=spec["k"], max_ngram_size=spec["ngram"])
+             if lookup else None)
+    llm = Llama(model_path=spec["model"], n_ctx=2048, n_threads=spec["threads"], verbose=False,
+                draft_model=draft, logits_all=False)
+    for name, prompts in spec["prompts"].items():
+        rates = []
+        for _ in range(spec["repeats"]):
+            for p in prompts:
+                llm.reset()
+                t = time.perf_counter()
+                r = llm.create_completion(p, max_tokens=spec["max_tokens"], temperature=0.0)
+                rates.append(r["usage"]["completion_tokens"] / (time.perf_counter() - t))
+        rates.sort()
+        out[f"{name}/{'lookup' if lookup else 'plain'}"] = rates[len(rates) // 2]
+print(json.dumps(out))
+"""
+
+
+def run_llama(python: str, prompts: dict[str, list[list[int]]], args) -> dict[str, float] | None:
+    if not Path(python).exists():
+        print(f"llama.cpp: no Python with llama-cpp-python at {python}: skipped")
+        return None
+    spec = {"model": str(resolve_model("SmolLM2-135M-Instruct").path), "prompts": prompts,
+            "k": args.k, "ngram": 4, "repeats": args.repeats, "max_tokens": args.max_tokens,
+            "threads": len(os.sched_getaffinity(0))}  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(LLAMA_SCRIPT)
+    done = subprocess.run([python, f.name], input=json.dumps(spec), capture_output=True,
+                          text=True, timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        print(f"llama.cpp failed: {done.stderr[-2000:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--llama", default="/work/peers/llama/bin/python")
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    src = resolve_model("SmolLM2-135M-Instruct")
+    tokenizer = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    prompts = {"copy": [chat_ids(tokenizer, t) for t in COPY],
+               "nothing": [chat_ids(tokenizer, t) for t in NOTHING]}  # fmt: skip
+    plain = run_spillway("none", prompts, args)
+    spec = run_spillway("ngram", prompts, args)
+    llama = run_llama(args.llama, prompts, args)
+    figures: dict = {}
+    print(f"one stream, greedy, {args.max_tokens} tokens, K={args.k}, median of {args.repeats}")
+    for name in prompts:
+        s, p = spec[name], plain[name]
+        d = s["spec"]
+        drafted = d.get("spillway_spec_decode_draft_tokens_total", 0.0)
+        accepted = d.get("spillway_spec_decode_accepted_tokens_total", 0.0)
+        verifies = d.get("spillway_spec_decode_phase_seconds_count/verify", 0.0)
+        row = {
+            "spillway_tok_s": p["tok_s"],
+            "spillway_ngram_tok_s": s["tok_s"],
+            "speedup": s["tok_s"] / p["tok_s"],
+            "identical_outputs": s["outputs"] == p["outputs"],
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_tokens_per_verify": 1 + accepted / verifies if verifies else 0.0,
+        }
+        for phase in ("draft", "verify", "accept"):
+            n = d.get(f"spillway_spec_decode_phase_seconds_count/{phase}", 0.0)
+            total = d.get(f"spillway_spec_decode_phase_seconds_sum/{phase}", 0.0)
+            row[f"{phase}_ms"] = 1e3 * total / n if n else 0.0
+        if llama is not None:
+            row["llama_tok_s"] = llama[f"{name}/plain"]
+            row["llama_lookup_tok_s"] = llama[f"{name}/lookup"]
+            row["vs_llama_lookup"] = s["tok_s"] / llama[f"{name}/lookup"]
+        figures[name] = row
+        print(f"{name:8s} " + "  ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+        ))  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

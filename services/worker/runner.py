@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -610,17 +610,6 @@ class ModelRunner:
         logits_indices = torch.tensor(wanted, dtype=torch.int64)
         context_lens = torch.tensor(starts, dtype=torch.int64) + lens  # [R]
         max_query_len = max(lengths)
-        state_slots = state_fresh = None
-        takes: tuple[tuple[int, int, int], ...] = ()
-        if self.state_pool is not None:
-            slots_of = [self.sequences[row.seq_id].state_slot for row in rows]
-            state_slots = torch.tensor(slots_of, dtype=torch.int64)
-            state_fresh = torch.tensor([row.start_pos == 0 for row in rows], dtype=torch.bool)
-            takes = tuple(
-                (r, snap.num_tokens - 1, snap.snapshot)
-                for r, row in enumerate(rows)
-                for snap in row.state_snapshots
-            )
         return ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=positions,
@@ -632,10 +621,24 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_context_len=int(context_lens.max()),
             decode_only=max_query_len == 1,
-            state_slots=state_slots,
-            state_fresh=state_fresh,
-            state_takes=takes,
+            **self._state_fields(rows),
         )
+
+    def _state_fields(self, rows: Sequence[StepRow]) -> dict[str, Any]:
+        """A hybrid model's batch fields: each row's state slot, whether it starts from a
+        zero state, and the snapshots to take inside the rows (none for other models)."""
+        if self.state_pool is None:
+            return {}
+        slots_of = [self.sequences[row.seq_id].state_slot for row in rows]
+        return {
+            "state_slots": torch.tensor(slots_of, dtype=torch.int64),
+            "state_fresh": torch.tensor([row.start_pos == 0 for row in rows], dtype=torch.bool),
+            "state_takes": tuple(
+                (r, snap.num_tokens - 1, snap.snapshot)
+                for r, row in enumerate(rows)
+                for snap in row.state_snapshots
+            ),
+        }
 
     def _decode_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """`host_batch` of rows of one token each, in plain Python: a batch-1 step's host
@@ -663,6 +666,7 @@ class ModelRunner:
             max_query_len=1,
             max_context_len=max(positions) + 1,
             decode_only=True,
+            **self._state_fields(rows),
         )
 
 

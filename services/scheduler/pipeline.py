@@ -288,10 +288,13 @@ class Pipeline:
         deltas = self.take_pending()
         if not self.inflight:
             self._last_result_at = None
+            running = self.core.num_running
             deltas += self.core.end_tick()
             self.observer.end_tick({"spillway.step.rows": 0})
             self._publish(deltas)
-            return False
+            # Its retirements may have made room for a swap-in or a resume: those need a
+            # step now (nothing else would wake an idle lane for them).
+            return self.core.num_running > running and self._begin_tick()
         self._tick = _Tick(clock.now(), bookkeeping, deltas)
         return True
 

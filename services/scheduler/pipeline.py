@@ -288,6 +288,7 @@ class Pipeline:
         deltas = self.take_pending()
         if not self.inflight:
             self._last_result_at = None
+            running = self.core.num_running
             deltas += self.core.end_tick()
             # Its retire and resume phases may have freed blocks and resumed a sequence
             # that the plan above had no room for: it runs now, or nothing would wake it.
@@ -295,7 +296,9 @@ class Pipeline:
         if not self.inflight:
             self.observer.end_tick({"spillway.step.rows": 0})
             self._publish(deltas)
-            return False
+            # Its retirements may have made room for a swap-in or a resume: those need a
+            # step now (nothing else would wake an idle lane for them).
+            return self.core.num_running > running and self._begin_tick()
         self._tick = _Tick(clock.now(), bookkeeping, deltas)
         return True
 

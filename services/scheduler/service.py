@@ -310,8 +310,9 @@ class SchedulerService:
         interval = self.fleet.settings.tick_interval_s
         while True:
             self._timer_wake.clear()
-            due = self.fleet.next_wakeup()
-            timeout = interval if due is None else min(interval, max(0.0, due - self.clock.now()))
+            due, now = self.fleet.next_wakeup(), self.clock.now()
+            # A time already past was handled (or its worker kept: our connection was down).
+            timeout = interval if due is None or due <= now else min(interval, due - now)
             await wait_event(self._timer_wake, timeout)
             await self._feed(Ticked(connected=self.bus.is_connected))
 

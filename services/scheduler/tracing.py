@@ -180,7 +180,11 @@ class SpanObserver:
         assert lane is not None
         if self.tel.exporting:
             attributes = {"spillway.worker.id": worker_id} if worker_id else None
-            lane.span = self.tracer.start_span("scheduler.tick", attributes=attributes)
+            # A root of its own: the fleet may tick in a handler that carries a request's
+            # context, and a tick belongs to no one request.
+            lane.span = self.tracer.start_span(
+                "scheduler.tick", context=Context(), attributes=attributes
+            )
 
     def end_tick(self, attributes: dict[str, int]) -> None:
         lane = self._current

@@ -277,9 +277,14 @@ class HybridModel:
             if layer.mamba is not None:
                 conv, ssm = pool.conv[i], pool.ssm[i]
                 assert conv is not None and ssm is not None
+                snaps = None
+                if snapshots is not None and batch.state_takes:
+                    snap_conv, snap_ssm = snapshots.conv[i], snapshots.ssm[i]
+                    assert snap_conv is not None and snap_ssm is not None
+                    snaps = (snap_conv, snap_ssm)
                 out = mamba2_mixer(
                     ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
-                    batch.max_query_len, after,
+                    batch.max_query_len, batch.state_takes if snaps else (), snaps,
                 )  # fmt: skip
             elif layer.delta is not None:
                 conv, state = pool.conv[i], pool.ssm[i]

@@ -5,10 +5,10 @@ rope and the softmax scale `attention_multiplier`, and the multipliers on the em
 each residual branch and the logits.
 
 One forward runs a flat batch (`model.ForwardBatch`) whose `state_slots` name each row's
-state slot; rows flagged `state_fresh` start from zero. The model is tested against
-transformers directly; serving refuses these families until the scheduler owns state
-slots (`shared.model_config.serving_refusal`). It never takes the one-call Llama decode
-loop (its layers are not plain).
+state slot; rows flagged `state_fresh` start from zero, and `state_takes` copy a row's
+states at a block boundary into a snapshot (prefix caching). The model is tested against
+transformers directly and served by `runner.load_hybrid_runner`. It never takes the
+one-call Llama decode loop (its layers are not plain).
 """
 
 from __future__ import annotations

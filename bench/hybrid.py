@@ -9,9 +9,10 @@ B greedy sequences of P prompt tokens and N new tokens each, through the runner 
 prefill step for all rows, then one decode step per token, rows in slots 0..B-1: the
 batched path) and through `model.generate` on a [B, P] batch. Decode is timed apart on
 both sides: the runner's decode steps, and transformers' N-token generate minus its
-1-token generate (its prefill). Prints tok/s (median over rounds, alternating A B), the
-ratios, and whether the greedy tokens agree. Float32 on the CPU; the machines are shared
-and noisy: read the ratios within one run.
+1-token generate (its prefill). The runner also runs with its rows in slots 0, 2, 4, ...
+(never one run: the per-sequence fallback) to show what the fallback costs. Prints tok/s
+(median over rounds, alternating), the ratios, and whether the greedy tokens agree.
+Float32 on the CPU; the machines are shared and noisy: read the ratios within one run.
 """
 
 from __future__ import annotations
@@ -65,15 +66,15 @@ def save_model(folder: Path, family: str):
 
 
 def runner_generate(
-    runner: ModelRunner, prompts: list[list[int]], new: int
+    runner: ModelRunner, prompts: list[list[int]], new: int, stride: int = 1
 ) -> tuple[list[list[int]], float]:
-    """All rows prefilled in one step, then one decode step per token; the tokens and the
-    decode steps' seconds."""
+    """All rows prefilled in one step, then one decode step per token, row i in slot
+    i * stride; the tokens and the decode steps' seconds."""
     bs = runner.block_size
     runner.execute(StepPlan(step_id=0, finished_seq_ids=list(runner.sequences)))
     per_seq = (len(prompts[0]) + new + bs - 1) // bs
     new_seqs = [
-        NewSequence(seq_id=f"s{i}", sampling=GREEDY, state_slot=i,
+        NewSequence(seq_id=f"s{i}", sampling=GREEDY, state_slot=i * stride,
                     block_ids=list(range(i * per_seq, (i + 1) * per_seq)))
         for i in range(len(prompts))
     ]  # fmt: skip
@@ -132,7 +133,7 @@ def main() -> None:
     blocks = args.batch * ((args.prompt + args.new) // 16 + 1) + 1
     settings = load_settings(
         model=str(folder), kv_blocks=blocks, device="cpu", dtype="float32",
-        state_slots=args.batch, state_snapshots=0,
+        state_slots=2 * args.batch, state_snapshots=0,
     )  # fmt: skip
     runner, _ = load_runner(settings)
     rng = random.Random(0)
@@ -140,15 +141,21 @@ def main() -> None:
         [rng.randrange(3, SHAPES["vocab_size"]) for _ in range(args.prompt)]
         for _ in range(args.batch)
     ]
-    ours_s, ours_decode_s, theirs_s, theirs_decode_s = [], [], [], []
+    ours_s, ours_decode_s, theirs_s, theirs_decode_s, scattered_s = [], [], [], [], []
     ours_out = theirs_out = None
-    ssm_reference.PATHS.clear()
+    paths: dict[str, int] = {}
     for r in range(args.rounds):
-        for which in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
-            if which == "ours":
+        order = ("ours", "theirs", "scattered") if r % 2 == 0 else ("scattered", "theirs", "ours")
+        for which in order:
+            if which == "scattered":
+                (_, decode_s), _ = timed(runner_generate, runner, prompts, args.new, 2)
+                scattered_s.append(decode_s)
+            elif which == "ours":
+                ssm_reference.PATHS.clear()
                 (ours_out, decode_s), total = timed(runner_generate, runner, prompts, args.new)
                 ours_s.append(total)
                 ours_decode_s.append(decode_s)
+                paths = dict(ssm_reference.PATHS)  # this run's recurrent steps
             else:
                 theirs_out, total = timed(hf_generate, reference, prompts, args.new)
                 _, prefill = timed(hf_generate, reference, prompts, 1)
@@ -158,6 +165,7 @@ def main() -> None:
     ours, theirs = tokens / statistics.median(ours_s), tokens / statistics.median(theirs_s)
     ours_dec = decode_tokens / statistics.median(ours_decode_s)
     theirs_dec = decode_tokens / statistics.median(theirs_decode_s)
+    scattered = decode_tokens / statistics.median(scattered_s)
     same = sum(a == b for a, b in zip(ours_out or [], theirs_out or [], strict=True))
     pool = runner.state_pool
     assert pool is not None
@@ -170,8 +178,10 @@ def main() -> None:
           f"   ratio {ours_dec / theirs_dec:5.2f}x")  # fmt: skip
     print(f"  end to end  spillway {ours:8.1f} tok/s   transformers {theirs:8.1f} tok/s"
           f"   ratio {ours / theirs:5.2f}x")  # fmt: skip
-    print(f"  recurrent steps: batched (contiguous slots) {ssm_reference.PATHS['view']},"
-          f" per-sequence fallback {ssm_reference.PATHS['gather']}")  # fmt: skip
+    print(f"  recurrent steps: batched (contiguous slots) {paths.get('view', 0)},"
+          f" per-sequence fallback {paths.get('gather', 0)}")  # fmt: skip
+    print(f"  decode in slots 0, 2, 4, ... (the fallback) {scattered:8.1f} tok/s"
+          f"   {scattered / ours_dec:5.2f}x of the batched path")  # fmt: skip
     print(f"  greedy sequences equal: {same}/{args.batch}")
 
 

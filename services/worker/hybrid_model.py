@@ -5,10 +5,10 @@ rope and the softmax scale `attention_multiplier`, and the multipliers on the em
 each residual branch and the logits.
 
 One forward runs a flat batch (`model.ForwardBatch`) whose `state_slots` name each row's
-state slot; rows flagged `state_fresh` start from zero. The model is tested against
-transformers directly; serving refuses these families until the scheduler owns state
-slots (`shared.model_config.serving_refusal`). It never takes the one-call Llama decode
-loop (its layers are not plain).
+state slot; rows flagged `state_fresh` start from zero, and `state_takes` copy a row's
+states at a block boundary into a snapshot (prefix caching). The model is tested against
+transformers directly and served by `runner.load_hybrid_runner`. It never takes the
+one-call Llama decode loop (its layers are not plain).
 """
 
 from __future__ import annotations
@@ -266,27 +266,27 @@ class HybridModel:
             raise ValueError("a hybrid model's batch needs state_slots")
         pool.reset(slots, batch.state_fresh)
         x = F.embedding(batch.token_ids, self.embed) * h_cfg.embedding_multiplier
-        takes: dict[int, list[tuple[int, int]]] = {}  # token index j -> (row, snapshot)
-        for row, j, snapshot in batch.state_takes if snapshots is not None else ():
-            takes.setdefault(j, []).append((row, snapshot))
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.attn_norm, eps)
-            after = None
-            if takes and pool.conv[i] is not None:
-                after = _snapshot_taker(takes, slots, pool, snapshots, i)
+            snaps = None
+            if snapshots is not None and batch.state_takes and pool.conv[i] is not None:
+                snap_conv, snap_ssm = snapshots.conv[i], snapshots.ssm[i]
+                assert snap_conv is not None and snap_ssm is not None
+                snaps = (snap_conv, snap_ssm)
+            takes = batch.state_takes if snaps is not None else ()
             if layer.mamba is not None:
                 conv, ssm = pool.conv[i], pool.ssm[i]
                 assert conv is not None and ssm is not None
                 out = mamba2_mixer(
                     ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
-                    batch.max_query_len, after,
+                    batch.max_query_len, takes, snaps,
                 )  # fmt: skip
             elif layer.delta is not None:
                 conv, state = pool.conv[i], pool.ssm[i]
                 assert conv is not None and state is not None
                 out = gated_delta_mixer(
                     ops, h_cfg, eps, h, layer.delta, conv, state, batch.query_start, slots,
-                    batch.max_query_len, after,
+                    batch.max_query_len, takes, snaps,
                 )  # fmt: skip
             else:
                 out = self._attention(h, layer, batch, kv_cache, i)
@@ -349,30 +349,6 @@ class HybridModel:
         return self.ops.linear(
             self.ops.silu_mul(self.ops.linear(h, w.shared_gate_up)), w.shared_down
         )
-
-
-def _snapshot_taker(
-    takes: dict[int, list[tuple[int, int]]],
-    slots: torch.Tensor,
-    pool: StatePool,
-    snapshots: StatePool | None,
-    layer: int,
-):
-    """After token j of the step: layer `layer`'s states of the rows snapshotted there
-    copied into their snapshots."""
-    assert snapshots is not None
-    conv, ssm = pool.conv[layer], pool.ssm[layer]
-    snap_conv, snap_ssm = snapshots.conv[layer], snapshots.ssm[layer]
-    assert conv is not None and ssm is not None and snap_conv is not None
-    assert snap_ssm is not None
-
-    def after_step(j: int) -> None:
-        for row, snapshot in takes.get(j, ()):
-            slot = int(slots[row])
-            snap_conv[snapshot].copy_(conv[slot])
-            snap_ssm[snapshot].copy_(ssm[slot])
-
-    return after_step
 
 
 def _is_projection(t: object) -> bool:

@@ -5,17 +5,18 @@ dt; a short causal convolution (state: its last K - 1 inputs) feeds the selectiv
 space update (state [H, P, N] per sequence), whose output is normed with the gate
 (grouped RMSNorm of y * silu(z)) and projected out.
 
-Every token goes through the decode-step kernels (`KernelOps.causal_conv1d_update`,
-`selective_state_update`): a prefill chunk of L tokens runs L steps, each taking the next
-token of every row that still has one (the others pass slot -1, padding, which the kernels
-leave alone). The recurrence is then exactly the decode step's, the state carries from
-chunk to chunk through the pool, and a chunked scan can replace the loop later without
-changing the pool's contents.
+Rows of one token (decode) go through the decode-step kernels
+(`KernelOps.causal_conv1d_update`, `selective_state_update`), all rows in one call. A row
+of several tokens (a prefill chunk) runs at once in torch (`_scan_row`): the causal conv
+over its window and the state space dual form, [L, L] decay-weighted products per head,
+from its slot's states to the states after its last token, which it leaves in the pool,
+so the state carries from chunk to chunk. `chunked=False` runs every token through the
+step kernels instead (L steps, the others passing slot -1, padding), as a check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,14 @@ def mamba2_mixer(
     query_start: torch.Tensor,  # [R + 1]
     slots: torch.Tensor,  # [R] int64
     max_query_len: int,
-    after_step: Callable[[int], None] | None = None,
+    takes: Sequence[tuple[int, int, int]] = (),
+    snapshots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunked: bool = True,
 ) -> torch.Tensor:
-    """[T, hidden]: the mixer's output; updates the rows' states in place, calling
-    `after_step(j)` once every row's j-th token ran."""
+    """[T, hidden]: the mixer's output; updates the rows' states in place. `takes`
+    (row, j, snapshot): the row's conv and SSM states once its token j ran are copied into
+    that snapshot of `snapshots` (this layer's conv and SSM snapshot pools). Rows of
+    several tokens take the chunked scan (`chunked`), others the decode-step kernels."""
     inner, conv_dim = mamba2_dims(c)
     heads, p, g, n = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state
     proj = ops.linear(h, w.in_proj, w.in_proj_bias)  # [T, I + C + H]
@@ -70,13 +75,18 @@ def mamba2_mixer(
     lens = query_start[1:].to(torch.int64) - starts
     last = h.shape[0] - 1
     decode = max_query_len == 1 and h.shape[0] == slots.numel()  # token r is row r's
-    for j in range(max_query_len):
+    scan = torch.zeros_like(lens, dtype=torch.bool) if decode or not chunked else lens >= 2
+    steps = 1 if decode or bool(scan.any()) else max_query_len
+    for j in range(steps):
         if decode:  # no gathering: every row's one token, in order
             has, idx, step_slots = None, None, slots
             x_in, dt_in = xbc.contiguous(), dt.contiguous()  # as a gather leaves them
         else:
-            # Row r's j-th token, or padding (slot -1) where the row has fewer tokens.
-            has = lens > j
+            # Row r's j-th token, or padding (slot -1) where the row has fewer tokens or
+            # takes the scan below.
+            has = (lens > j) & ~scan
+            if not bool(has.any()):
+                break
             idx = torch.clamp(starts + j, max=last)
             # A step every row takes part in keeps the slots as given, so a contiguous
             # run of them still takes the kernels' in-place path.
@@ -103,11 +113,75 @@ def mamba2_mixer(
         else:
             assert idx is not None and has is not None
             y[idx[has]] = out[has].to(y.dtype)
-        if after_step is not None:  # snapshots of states after token j of their rows
-            after_step(j)
+        for row, at, snapshot in takes:  # the states after token j, from the pool
+            if at == j and not bool(scan[row]):
+                assert snapshots is not None
+                slot = int(slots[row])
+                snapshots[0][snapshot].copy_(conv_state[slot])
+                snapshots[1][snapshot].copy_(ssm_state[slot])
+    for row in scan.nonzero().flatten().tolist():
+        lo, hi, slot = int(starts[row]), int(starts[row] + lens[row]), int(slots[row])
+        row_takes = [(at, snapshot) for r, at, snapshot in takes if r == row]
+        y[lo:hi] = _scan_row(
+            c, w, xbc[lo:hi], dt[lo:hi], conv_state[slot], ssm_state[slot], row_takes, snapshots
+        ).to(y.dtype)
     return ops.linear(
         _gated_norm(y.reshape(-1, inner), z, w.norm, g, eps), w.out_proj, w.out_proj_bias
     )
+
+
+def _scan_row(
+    c: HybridConfig,
+    w: Mamba2Weights,
+    xbc: torch.Tensor,  # [L, C]: one row's convolution inputs
+    dt: torch.Tensor,  # [L, H]: its raw time steps
+    conv: torch.Tensor,  # [C, K - 1] float32, its slot's conv state (updated in place)
+    h0: torch.Tensor,  # [H, P, N] float32, its slot's SSM state (updated in place)
+    takes: list[tuple[int, int]],
+    snapshots: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The L tokens of one row at once (the state space dual form): the causal conv over
+    the state's K - 1 inputs and the row's, then, with cum_t the running sum of dt_s A,
+
+        h_t = exp(cum_t) h0 + sum_{s <= t} exp(cum_t - cum_s) dt_s x_s B_s^T
+        y_t = C_t h_t + D x_t
+
+    as [L, L] decay-weighted products per head. Returns y [L, H, P] float32; the slot's
+    states end at the row's last token, and each take (j, snapshot) gets them at token j."""
+    f32 = torch.float32
+    inner, _ = mamba2_dims(c)
+    heads, p, g, n = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state
+    length, width = xbc.shape[0], w.conv_weight.shape[1]
+    window = torch.cat([conv, xbc.to(f32).T], dim=1)  # [C, K - 1 + L]
+    conv_out = (window.unfold(1, width, 1) * w.conv_weight.to(f32)[:, None, :]).sum(-1)
+    if w.conv_bias is not None:
+        conv_out = conv_out + w.conv_bias.to(f32)[:, None]
+    x, b, cm = F.silu(conv_out).T.split([inner, g * n, g * n], dim=-1)  # [L, ...]
+    x = x.reshape(length, heads, p)
+    b = b.reshape(length, g, n).repeat_interleave(heads // g, dim=1)  # [L, H, N]
+    cm = cm.reshape(length, g, n).repeat_interleave(heads // g, dim=1)
+    dtf = F.softplus(dt.to(f32) + w.dt_bias.to(f32))  # [L, H]
+    cum = (dtf * w.A).cumsum(0)  # [L, H], non-increasing
+    u = dtf[:, :, None] * x  # [L, H, P]
+    causal = torch.ones(length, length, dtype=torch.bool, device=xbc.device).tril()
+    seg = (cum[:, None, :] - cum[None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
+    mix = seg.exp() * torch.einsum("thn,shn->tsh", cm, b)  # [t, s, H]
+    y = torch.einsum("tsh,shp->thp", mix, u)
+    y = y + cum.exp()[:, :, None] * torch.einsum("thn,hpn->thp", cm, h0)
+    y = y + x * w.D.to(f32)[None, :, None]
+
+    def state_at(t: int) -> torch.Tensor:  # [H, P, N] after token t
+        weights = (cum[t][None, :] - cum[: t + 1]).exp()  # [s, H]
+        added = torch.einsum("sh,shp,shn->hpn", weights, u[: t + 1], b[: t + 1])
+        return cum[t].exp()[:, None, None] * h0 + added
+
+    for at, snapshot in takes:
+        assert snapshots is not None
+        snapshots[0][snapshot].copy_(window[:, at + 1 : at + width])
+        snapshots[1][snapshot].copy_(state_at(at))
+    h0.copy_(state_at(length - 1))
+    conv.copy_(window[:, window.shape[1] - (width - 1) :])
+    return y
 
 
 def _gated_norm(

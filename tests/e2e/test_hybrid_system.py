@@ -1,7 +1,8 @@
 """Tiny hybrid models (Granite 4.0-H: Mamba2 + attention + MoE; Qwen3-Next: gated DeltaNet +
 gated attention + MoE) served through the whole system: concurrent greedy requests of
 mixed lengths, their prompts in several chunks, with fewer state slots and KV blocks than
-they want at once, give transformers' tokens."""
+they want at once, give transformers' tokens; a prompt sharing another's first blocks
+resumes from its state snapshot (cached_tokens says so) with the same tokens."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def hybrid_dir(request, tmp_path_factory, reference_tokenizer):
 
 def test_concurrent_chunked_requests_equal_transformers(hybrid_dir, nats_url, redis_url):
     reference = load_reference(hybrid_dir)
+    follower = [*PROMPTS[1][:13], 4000, 17]  # PROMPTS[1]'s first three blocks, then its own
     want = []
-    for prompt in PROMPTS:
+    for prompt in [*PROMPTS, follower]:
         tokens, gap = reference_greedy(reference, prompt, NEW_TOKENS)
         assert gap > 1e-3
         want.append(tokens)
@@ -47,13 +49,16 @@ def test_concurrent_chunked_requests_equal_transformers(hybrid_dir, nats_url, re
         "--kv-blocks", "10",
         "--block-size", "4",
         "--state-slots", "3",
+        "--state-snapshots", "16",
         "--dtype", "float32",
         env={"SPILLWAY_MAX_NUM_BATCHED_TOKENS": "16"},  # prompts in chunks
     )  # fmt: skip
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: generate(s.url, p, NEW_TOKENS), PROMPTS))
+        generate(s.url, PROMPTS[1], NEW_TOKENS)  # its blocks cached last
+        hit = generate(s.url, follower, NEW_TOKENS)
     finally:
         assert s.stop() == 0, s.tail()
-    assert [g.tokens for g in got] == want
-    assert all(g.cached_tokens == 0 for g in got)
+    assert [g.tokens for g in got] == want[:-1]
+    assert hit.tokens == want[-1] and hit.cached_tokens == 12

@@ -134,9 +134,13 @@ def test_concurrent_chunked_requests_equal_transformers(family_dir, want):
 
 
 def test_few_slots_queue_requests_and_recompute_under_block_pressure(family_dir, want):
+    ssm_reference.PATHS.clear()
     got, core, _ = _serve_all(family_dir, kv_blocks=10, state_slots=3)
     assert got == want
     assert core.preemptions["recompute"] > 0
+    # Rows stay sorted by slot through preemptions and resumes: steps whose slots are
+    # one run take the batched path, the others (a gap left by a victim) the fallback.
+    assert ssm_reference.PATHS["view"] > 0
 
 
 @pytest.mark.parametrize("mode", ["spill", "auto"])

@@ -124,3 +124,38 @@ def test_a_reused_slot_starts_from_zero(qwen3_next) -> None:
     ours, _ = _run(config, layer, fresh, [0, 1, 2], pool)
     for got, seq in zip(ours, fresh, strict=True):
         torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(qwen3_next):
+    """One step of mixed rows (a decode row, prompt chunks of several tokens) from
+    non-zero states, with snapshots inside and at the end of rows: the chunked form (rows
+    of several tokens) and the per-token steps give the same outputs, pools, snapshots."""
+    config, layer = qwen3_next
+    w = _weights(layer)
+    ops = TorchOps(native=None)
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(n, config.hidden_size, generator=gen) for n in (1, 7, 3)]
+    slots = torch.tensor([5, 1, 3])
+    takes = [(0, 0, 0), (1, 2, 1), (1, 6, 2), (2, 0, 3)]
+    results = []
+    for chunked in (True, False):
+        pool, snaps = _pool(config, 8), _pool(config, 4)
+        g2 = torch.Generator().manual_seed(9)
+        for t in (*pool.conv, *pool.ssm):
+            assert t is not None
+            t.copy_(torch.randn(t.shape, generator=g2) * 0.3)
+        lens = torch.tensor([r.shape[0] for r in rows])
+        qs = torch.zeros(4, dtype=torch.int32)
+        qs[1:] = lens.cumsum(0)
+        conv, state, sconv, sstate = pool.conv[0], pool.ssm[0], snaps.conv[0], snaps.ssm[0]
+        assert conv is not None and state is not None
+        assert sconv is not None and sstate is not None
+        with torch.inference_mode():
+            y = gated_delta_mixer(
+                ops, config.hybrid, config.rms_norm_eps, torch.cat(rows), w, conv, state, qs,
+                slots, 7, takes, (sconv, sstate), chunked=chunked,
+            )  # fmt: skip
+        results.append((y, conv.clone(), state.clone(), sconv.clone(), sstate.clone()))
+    for chunked_out, stepped in zip(*results, strict=True):
+        assert stepped.abs().max() > 1e-3
+        torch.testing.assert_close(chunked_out, stepped, atol=1e-5, rtol=1e-4)

@@ -137,3 +137,38 @@ def test_a_reused_slot_starts_from_zero(granite) -> None:
     ours, _ = _run(config, layer, fresh, [0, 1, 2], pool)
     for got, seq in zip(ours, fresh, strict=True):
         torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_the_chunked_scan_equals_the_step_kernels_and_snapshots_the_same_states(granite):
+    """One step of mixed rows (a decode row, prompt chunks of several tokens) from
+    non-zero states, with snapshots inside and at the end of rows: the scan (rows of
+    several tokens) and the per-token steps give the same outputs, pools and snapshots."""
+    config, layer = granite
+    c = config.hybrid
+    w = _weights(layer)
+    ops = TorchOps(native=None)
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(n, config.hidden_size, generator=gen) for n in (1, 6, 3)]
+    slots = torch.tensor([5, 1, 3])
+    takes = [(0, 0, 0), (1, 1, 1), (1, 5, 2), (2, 2, 3)]
+    results = []
+    for chunked in (True, False):
+        pool, snaps = _pool(c, 8), _pool(c, 4)
+        g2 = torch.Generator().manual_seed(9)
+        for t in (*pool.conv, *pool.ssm):
+            assert t is not None
+            t.copy_(torch.randn(t.shape, generator=g2) * 0.3)
+        lens = torch.tensor([r.shape[0] for r in rows])
+        qs = torch.zeros(4, dtype=torch.int32)
+        qs[1:] = lens.cumsum(0)
+        conv, ssm, sconv, sssm = pool.conv[0], pool.ssm[0], snaps.conv[0], snaps.ssm[0]
+        assert conv is not None and ssm is not None and sconv is not None and sssm is not None
+        with torch.inference_mode():
+            y = mamba2_mixer(
+                ops, c, config.rms_norm_eps, torch.cat(rows), w, conv, ssm, qs, slots, 6,
+                takes, (sconv, sssm), chunked=chunked,
+            )  # fmt: skip
+        results.append((y, conv.clone(), ssm.clone(), sconv.clone(), sssm.clone()))
+    for scanned, stepped in zip(*results, strict=True):
+        assert stepped.abs().max() > 1e-3
+        torch.testing.assert_close(scanned, stepped, atol=1e-5, rtol=1e-4)

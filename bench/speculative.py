@@ -79,10 +79,10 @@ NOTHING = [
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def spec_figures(metrics: str) -> dict[str, float]:

@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     draft_model: str | None = None
     ngram_max: int = Field(default=4, ge=1, le=16)
+    # A draft's cost relative to a decode row's, for how many drafts pay; unset: measured
+    # from the steps (SPILLWAY_SPEC_DRAFT_COST pins it, e.g. for tests on a busy machine).
+    spec_draft_cost: float | None = Field(default=None, ge=0)
 
     # --- the project's own knobs ---
     attention_backend: AttentionBackend = "auto"

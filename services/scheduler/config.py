@@ -27,6 +27,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 3
     ngram_max: int = 4
     spec_max_batch: int = 16
+    # A draft's cost relative to a decode row's; None: measured from the steps.
+    spec_draft_cost: float | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerConfig:
@@ -43,4 +45,5 @@ class SchedulerConfig:
             speculative=settings.speculative,
             num_speculative_tokens=settings.num_speculative_tokens,
             ngram_max=settings.ngram_max,
+            spec_draft_cost=settings.spec_draft_cost,
         )

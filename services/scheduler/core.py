@@ -482,8 +482,10 @@ class SchedulerCore:
                 self._append_token(seq, out)
                 num_sampled += 1
         self.ticks.stepped(len(step.rows), num_tokens, num_sampled)
-        if self.spec is not None and any(row.drafts for row in step.rows):
-            self.spec.step_timed(result)
+        if self.spec is not None:
+            drafts = sum(len(row.drafts) for row in step.rows)
+            decode_only = all(row.num_tokens == 1 and row.sample for row in step.rows)
+            self.spec.step_timed(len(step.rows), drafts, decode_only, result)
         self._observe_step(step, result)
         self.moe.observe(result)
         self._recover_row_cap()

@@ -290,10 +290,6 @@ class Pipeline:
             self._last_result_at = None
             running = self.core.num_running
             deltas += self.core.end_tick()
-            # Its retire and resume phases may have freed blocks and resumed a sequence
-            # that the plan above had no room for: it runs now, or nothing would wake it.
-            self._fill()
-        if not self.inflight:
             self.observer.end_tick({"spillway.step.rows": 0})
             self._publish(deltas)
             # Its retirements may have made room for a swap-in or a resume: those need a

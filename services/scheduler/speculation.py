@@ -35,9 +35,13 @@ from services.scheduler.sequence import Sequence
 from shared.clock import Clock
 from shared.protocol import PhaseHistogram, StepResult
 
-# A draft token's cost relative to a plain decode row's, in a step's time: small while a
-# step is bound by reading the weights (one stream on a CPU, a small batch on a GPU).
+# A draft token's cost relative to a plain decode row's, in a step's time, until measured:
+# small while a step is bound by reading the weights (a small batch on a GPU), close to 1
+# where it is bound by arithmetic (a busy CPU). Measured from the steps themselves (see
+# StepCosts) once a few of each kind ran.
 DRAFT_COST = 0.1
+COST_WEIGHT = 0.2  # weight of the newest step in the running step costs
+MIN_COST_SAMPLES = 3
 # Prior per-draft acceptance of a sequence that has not verified anything yet.
 PRIOR_ACCEPTANCE = 0.6
 EWMA_WEIGHT = 0.3  # weight of the newest verify in the running acceptance
@@ -92,6 +96,38 @@ def best_num_drafts(alpha: float, k_max: int, draft_cost: float = DRAFT_COST) ->
 
 
 @dataclass
+class StepCosts:
+    """What a draft costs, measured: the running mean of a plain decode step's forward
+    time per row, and of a verifying step's extra time per draft beyond that."""
+
+    per_row_s: float = 0.0
+    per_draft_s: float = 0.0
+    plain_steps: int = 0
+    verify_steps: int = 0
+
+    def observe(self, rows: int, drafts: int, forward_s: float) -> None:
+        """A decode step of `rows` rows (none a prefill chunk) carrying `drafts` drafts."""
+        if rows <= 0 or forward_s <= 0:
+            return
+        if not drafts:
+            self.plain_steps += 1
+            w = 1.0 if self.plain_steps == 1 else COST_WEIGHT
+            self.per_row_s += w * (forward_s / rows - self.per_row_s)
+        elif self.plain_steps:
+            extra = max(0.0, forward_s - self.per_row_s * rows) / drafts
+            self.verify_steps += 1
+            w = 1.0 if self.verify_steps == 1 else COST_WEIGHT
+            self.per_draft_s += w * (extra - self.per_draft_s)
+
+    @property
+    def draft_cost(self) -> float:
+        """A draft's cost relative to a row's (DRAFT_COST until both kinds were seen)."""
+        if min(self.plain_steps, self.verify_steps) < MIN_COST_SAMPLES or self.per_row_s <= 0:
+            return DRAFT_COST
+        return self.per_draft_s / self.per_row_s
+
+
+@dataclass
 class SpecState:
     """One sequence's speculation: its n-gram index and how its drafts fare."""
 
@@ -140,6 +176,8 @@ class Speculation:
         self.clock = clock
         self.totals = SpecTotals(accepted_per_position=[0] * self.num_tokens)
         self.phases = PhaseStats()  # spec_draft, spec_verify, spec_accept
+        self.costs = StepCosts()
+        self.fixed_cost = config.spec_draft_cost
         self._states: dict[str, SpecState] = {}
 
     @classmethod
@@ -168,7 +206,8 @@ class Speculation:
             return []
         start = self.clock.now()
         state = self.state(seq.request_id)
-        k = min(best_num_drafts(state.acceptance, self.num_tokens), room)
+        cost = self.costs.draft_cost if self.fixed_cost is None else self.fixed_cost
+        k = min(best_num_drafts(state.acceptance, self.num_tokens, cost), room)
         drafts = state.index.propose(seq.token_ids, k) if k > 0 else []
         if not drafts:
             state.record(0, 0, seq.num_output_tokens)
@@ -179,8 +218,13 @@ class Speculation:
         self.totals.add(num_drafts, num_accepted)
         self.state(seq.request_id).record(num_drafts, num_accepted, seq.num_output_tokens)
 
-    def step_timed(self, result: StepResult) -> None:
-        """A step that verified drafts: its forward (verify) and acceptance times."""
+    def step_timed(self, rows: int, drafts: int, decode_only: bool, result: StepResult) -> None:
+        """A step's forward time (for the costs when it decoded only); with drafts, its
+        verify and acceptance times."""
+        if decode_only:
+            self.costs.observe(rows, drafts, result.forward_s)
+        if not drafts:
+            return
         accept_s = result.accept_s or 0.0
         self.phases.observe("spec_verify", max(0.0, result.forward_s - accept_s))
         if result.accept_s is not None:

@@ -55,7 +55,12 @@ from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
 from services.worker.sampling_state import SamplingStates, load_sampling_states
-from services.worker.speculative import extra_logprobs, row_drafts, verify_drafts
+from services.worker.speculative import (
+    as_decode_rows,
+    extra_logprobs,
+    row_drafts,
+    verify_drafts,
+)
 from services.worker.state_pool import StatePool, slot_bytes
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
@@ -576,7 +581,11 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache, sizes, self.max_model_len, capture)
 
     def host_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
-        """The step's index tensors, built on the host (then moved in one copy per tensor)."""
+        """The step's index tensors, built on the host (then moved in one copy per tensor).
+        A row with drafts runs as one-token rows, one per position (see
+        `speculative.as_decode_rows`)."""
+        if any(row.num_draft_tokens for row in rows):
+            rows = as_decode_rows(rows)
         if all(row.feed_last or len(row.token_ids) == 1 for row in rows):
             return self._decode_batch(rows)
         return self._packed_batch(rows)

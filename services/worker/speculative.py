@@ -26,6 +26,37 @@ from collections.abc import Sequence
 from shared.protocol import SampledLogprobs, StepRow
 
 
+def as_decode_rows(rows: Sequence[StepRow]) -> list[StepRow]:
+    """The rows with each row that carries drafts split into one-token rows, one per
+    position from its last token on (a longer chunk before it stays one row that does
+    not sample). Each runs as a decode row of the same sequence: its KV is written before
+    any row's attention reads the cache, so a position sees the drafts before it, and a
+    step of a few such rows takes the decode path (on the CPU, the native few-row layers
+    over the checkpoint's own blocks; on CUDA, the decode graphs) instead of the prefill
+    path, which costs several times more per step there. It also computes each position
+    exactly as a one-token step would."""
+    out: list[StepRow] = []
+    for row in rows:
+        n = row.num_draft_tokens
+        if not n:
+            out.append(row)
+            continue
+        head = len(row.token_ids) - n - 1
+        if head:
+            out.append(
+                row.model_copy(
+                    update={"token_ids": row.token_ids[:head], "sample": False,
+                            "num_draft_tokens": 0}
+                )
+            )  # fmt: skip
+        for i, token in enumerate(row.token_ids[head:]):
+            out.append(
+                StepRow(seq_id=row.seq_id, token_ids=[token], start_pos=row.start_pos + head + i,
+                        sample=True)
+            )  # fmt: skip
+    return out
+
+
 def row_drafts(row: StepRow) -> list[int]:
     """The drafts a row carries (the last num_draft_tokens of its tokens)."""
     n = row.num_draft_tokens

@@ -4,12 +4,16 @@ appended up to a stop, computed tokens, blocks of rejected drafts released)."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.speculation import (
     BACKOFF_TOKENS,
+    DRAFT_COST,
     NgramIndex,
     SpecState,
+    StepCosts,
     best_num_drafts,
     expected_accepted,
     merged,
@@ -186,3 +190,18 @@ def test_several_cores_speculation_adds_up():
     assert totals.accepted_per_position == [2, 2, 0, 0]
     assert sum(phases["spec_draft"].counts) == 2
     assert phases["spec_draft"].sum == 0.004
+
+
+def test_the_cost_of_a_draft_is_measured_from_the_steps():
+    costs = StepCosts()
+    assert costs.draft_cost == DRAFT_COST  # nothing measured yet
+    for _ in range(3):
+        costs.observe(rows=2, drafts=0, forward_s=0.020)  # 10 ms a row
+        costs.observe(rows=1, drafts=3, forward_s=0.025)  # 5 ms a draft
+    assert costs.draft_cost == pytest.approx(0.5)
+    assert best_num_drafts(0.7, 4, costs.draft_cost) > 0
+    # Drafts that cost as much as rows never pay, whatever the acceptance.
+    for _ in range(20):
+        costs.observe(rows=1, drafts=3, forward_s=0.040)
+    assert costs.draft_cost == pytest.approx(1.0, abs=0.05)
+    assert best_num_drafts(0.7, 4, costs.draft_cost) == 0

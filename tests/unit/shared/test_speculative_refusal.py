@@ -1,0 +1,27 @@
+"""Which `--speculative` settings a worker refuses at start, and why."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from shared.config import Settings
+from shared.speculative import speculation_refusal
+
+DENSE = SimpleNamespace(architecture="llama", hybrid=None)
+HYBRID = SimpleNamespace(architecture="qwen3_next", hybrid=object())
+
+
+def test_ngram_is_served_and_the_other_methods_are_refused_by_name():
+    assert speculation_refusal(Settings(), DENSE) is None  # type: ignore[arg-type]
+    assert speculation_refusal(Settings(speculative="ngram"), DENSE) is None  # type: ignore[arg-type]
+    for method in ("draft", "mtp"):
+        reason = speculation_refusal(Settings(speculative=method), DENSE)  # type: ignore[arg-type]
+        assert reason is not None and f"--speculative {method}" in reason
+
+
+def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
+    reason = speculation_refusal(Settings(speculative="ngram"), HYBRID)  # type: ignore[arg-type]
+    assert reason is not None and "qwen3_next" in reason
+    settings = Settings(speculative="ngram", expert_parallel=2)
+    reason = speculation_refusal(settings, DENSE)  # type: ignore[arg-type]
+    assert reason is not None and "--expert-parallel 2" in reason

@@ -29,7 +29,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry.context import Context, attach, detach
 from pydantic import BaseModel, ValidationError
 
-from shared.log_safety import safe_text
+from shared.log_safety import error_text, safe_text
 from shared.protocol import ErrorInfo, ErrorReply, decode, encode
 from shared.subjects import Namespace
 from shared.telemetry import extract, inject
@@ -277,6 +277,7 @@ class Bus:
         handler: Handler,
         queue: str = "",
         on_invalid: InvalidHandler | None = None,
+        overlap: bool = False,
     ) -> Subscription:
         """The one way a service takes messages: each message on `subject` is validated
         as `model` (`bytes`: a body the handler validates itself, such as the external
@@ -287,15 +288,30 @@ class Bus:
 
         A malformed message goes to `on_invalid` when given; otherwise it gets an error
         reply (when it has a reply subject) or a log line. A handler that raises gets an
-        error reply too, and the subscription goes on."""
+        error reply too, and the subscription goes on.
 
-        async def on_message(raw: Msg) -> None:
+        Messages are handled one after another, unless `overlap`: then each handler runs as
+        its own task, started in arrival order, and the next message is taken while it
+        waits (a handler that hands its work to one FIFO, as the worker's steps go to its
+        one thread, keeps the order and finds the next message already queued)."""
+
+        async def handle(raw: Msg) -> None:
             ctx = extract(raw.headers)
             token = attach(ctx)
             try:
                 await self._handle(raw, ctx, subject, model, handler, on_invalid)
             finally:
                 detach(token)
+
+        running: set[asyncio.Task[None]] = set()
+
+        async def on_message(raw: Msg) -> None:
+            if not overlap:
+                await handle(raw)
+                return
+            task = asyncio.create_task(handle(raw))
+            running.add(task)  # a strong reference until it ends
+            task.add_done_callback(_forget_task(running))
 
         sub = await self.nc.subscribe(self.subject(subject), queue=queue, cb=on_message)
         # Requests sent after subscribe() returns must find the subscription.
@@ -352,6 +368,16 @@ class Bus:
             await self.nc.drain()
         except Exception:  # already closing or disconnected: nothing left to flush
             await self.nc.close()
+
+
+def _forget_task(running: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def forget(task: asyncio.Task[None]) -> None:
+        running.discard(task)
+        error = None if task.cancelled() else task.exception()  # taken: never "unretrieved"
+        if error is not None:
+            log.warning("a handler's task failed: %s", error_text(error))
+
+    return forget
 
 
 def sender_of(raw: Msg) -> str:

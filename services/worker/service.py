@@ -178,8 +178,12 @@ class WorkerService:
         self.spans = StepSpans(tel.tracer, info.model_id)
 
     async def run(self, stop: asyncio.Event) -> None:
+        # Overlapping handlers: a plan sent ahead (run-ahead) is queued on the step thread
+        # while the step before it runs, and starts the moment that one ends, instead of
+        # after its result is sent and the loop has taken the next message (two thread
+        # wake-ups on every step's critical path).
         step_sub = await self.bus.serve(
-            subjects.worker_step(self.info.worker_id), StepPlan, self._on_step
+            subjects.worker_step(self.info.worker_id), StepPlan, self._on_step, overlap=True
         )
         # worker.discover has an empty body: no model to validate against.
         discover_sub = await self.bus.subscribe(subjects.WORKER_DISCOVER, bytes, self._on_discover)

@@ -79,3 +79,39 @@ async def test_a_request_right_after_serve_always_finds_the_service(nats_url):
         assert reply.ok
         await server.close()
         await client.close()
+
+
+async def test_overlapping_handlers_take_the_next_message_while_one_waits(nats_url):
+    """Handled one after another, a waiting handler holds back the next message; with
+    overlap the next one starts (in arrival order) and both replies come."""
+    import asyncio
+
+    server = await Bus.connect(nats_url, "", "server")
+    client = await Bus.connect(nats_url, "", "client")
+    release = asyncio.Event()
+    started: list[str] = []
+
+    async def handle(msg: AbortRequest, ctx, raw):
+        started.append(msg.request_ids[0])
+        if msg.request_ids[0] == "first":
+            await release.wait()
+        return SubmitReply(ok=True)
+
+    await server.serve("t.serial", AbortRequest, handle)
+    await server.serve("t.overlap", AbortRequest, handle, overlap=True)
+    for subject in ("t.serial", "t.overlap"):
+        started.clear()
+        release.clear()
+        ask = [
+            asyncio.create_task(
+                client.request(subject, AbortRequest(request_ids=[i]), SubmitReply, 5)
+            )
+            for i in ("first", "second")
+        ]
+        await asyncio.sleep(0.3)
+        assert started == (["first"] if subject == "t.serial" else ["first", "second"])
+        release.set()
+        assert all(r.ok for r in await asyncio.gather(*ask))
+        assert started == ["first", "second"]
+    await server.close()
+    await client.close()

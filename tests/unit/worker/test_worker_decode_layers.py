@@ -10,7 +10,6 @@ import torch
 
 from kernels import cpu_matvec
 from kernels.cpu_decode_layers import Geometry
-from kernels.cpu_info import cpu_flags
 from kernels.cpu_matvec import BlockWeight
 from kernels.ops import TorchOps
 from services.worker.kv_cache import KVCache
@@ -158,10 +157,8 @@ def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, mo
         assert all(getattr(layer, p).blocks for p in ("qkv", "o", "gate_up", "down"))
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
     assert loop_tokens == want_tokens
-    if "avx512f" in cpu_flags():  # the float32 kernel sums in 16 lanes there
-        torch.testing.assert_close(loop_logits, want_logits, rtol=1e-5, atol=1e-5)
-    else:  # the same products in the same order: the float32 path's logits to the bit
-        assert torch.equal(loop_logits, want_logits)
+    # the same products in the same order: the float32 path's logits to the bit
+    assert torch.equal(loop_logits, want_logits)
 
 
 def test_more_rows_than_the_native_path_takes_loop_in_python(weights, monkeypatch):

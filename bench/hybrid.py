@@ -127,16 +127,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, help="math threads (default: every core)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
     reference = save_model(folder, args.family)
     blocks = args.batch * ((args.prompt + args.new) // 16 + 1) + 1
     settings = load_settings(
         model=str(folder), kv_blocks=blocks, device="cpu", dtype="float32",
-        state_slots=2 * args.batch, state_snapshots=0,
+        state_slots=2 * args.batch, state_snapshots=0, threads=args.threads,
     )  # fmt: skip
     runner, _ = load_runner(settings)
     rng = random.Random(0)

@@ -2,7 +2,7 @@
 transformers' batched `generate` on the same weights, in the same run.
 
     python -m bench.hybrid [--family granitemoehybrid|qwen3_next] [--batch 16]
-                           [--prompt 32] [--new 32] [--rounds 3]
+                           [--prompt 32] [--new 32] [--rounds 3] [--threads N]
 
 Saves a random model of the family (transformers writes the folder), then per round:
 B greedy sequences of P prompt tokens and N new tokens each, through the runner (one
@@ -127,13 +127,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="math threads (default: every core)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
     reference = save_model(folder, args.family)
     blocks = args.batch * ((args.prompt + args.new) // 16 + 1) + 1
     settings = load_settings(
         model=str(folder), kv_blocks=blocks, device="cpu", dtype="float32",
-        state_slots=2 * args.batch, state_snapshots=0,
+        state_slots=2 * args.batch, state_snapshots=0, threads=args.threads,
     )  # fmt: skip
     runner, _ = load_runner(settings)
     rng = random.Random(0)

@@ -13,7 +13,9 @@ one plain decoding gives, token for token.
     emits t1 = d1, t2 = d2, t3 != d3: [d1 d2 t3]   KV of s d1 d2 is kept, d3's is not
 
 N-gram drafts (prompt lookup): the longest suffix of the sequence (up to ngram_max tokens,
-then shorter) that occurred before, and the tokens that followed its latest occurrence.
+then shorter, down to NGRAM_MIN) that occurred before, and the tokens that followed its
+latest occurrence. A single repeated token predicts little in text with nothing to copy
+(its drafts mostly fail there and cost the step their time), hence the floor of two.
 An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
 per lookup.
 
@@ -51,12 +53,16 @@ BACKOFF_TOKENS = 8  # first pause, in generated tokens; doubles up to MAX_BACKOF
 MAX_BACKOFF_TOKENS = 256
 
 
+NGRAM_MIN = 2
+
+
 class NgramIndex:
     """Latest start of every n-gram (n <= n_max) of a token list that is followed by
     another token; grown incrementally as the list grows (it never shrinks)."""
 
-    def __init__(self, n_max: int) -> None:
+    def __init__(self, n_max: int, n_min: int = NGRAM_MIN) -> None:
         self.n_max = n_max
+        self.n_min = min(n_min, n_max)
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # tokens seen
 
@@ -64,7 +70,7 @@ class NgramIndex:
         """Up to k tokens that followed the latest earlier occurrence of the longest
         matching suffix; [] when no suffix occurred before."""
         self._extend(token_ids)
-        for n in range(min(self.n_max, len(token_ids) - 1), 0, -1):
+        for n in range(min(self.n_max, len(token_ids) - 1), self.n_min - 1, -1):
             start = self._latest.get(tuple(token_ids[-n:]))
             if start is not None:
                 return token_ids[start + n : start + n + k]
@@ -73,7 +79,7 @@ class NgramIndex:
     def _extend(self, token_ids: list[int]) -> None:
         # Token j makes every n-gram ending just before it a followed one.
         for j in range(max(self._indexed, 1), len(token_ids)):
-            for n in range(1, min(self.n_max, j) + 1):
+            for n in range(self.n_min, min(self.n_max, j) + 1):
                 self._latest[tuple(token_ids[j - n : j])] = j - n
         self._indexed = len(token_ids)
 

@@ -35,8 +35,9 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
 def test_ngram_falls_back_to_shorter_matches_and_never_to_the_suffix_itself():
     index = NgramIndex(4)
     assert index.propose([1, 2, 3, 4], 3) == []
-    index = NgramIndex(4)
+    index = NgramIndex(4, n_min=1)
     assert index.propose([5, 1, 6, 7, 1], 3) == [6, 7, 1]  # unigram 1 at 1
+    assert NgramIndex(4).propose([5, 1, 6, 7, 1], 3) == []  # two tokens at least by default
     index = NgramIndex(2)
     assert index.propose([3, 3, 3], 4) == [3]  # [3, 3] at 0 is followed by one token
 

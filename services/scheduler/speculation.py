@@ -19,12 +19,14 @@ latest occurrence. A single repeated token predicts little in text with nothing 
 An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
 per lookup.
 
-Speculation that does not pay stops: each sequence keeps a running mean of the drafts it
-gets accepted per verifying row; a sequence that proposes nothing, or whose drafts keep
-failing, stops speculating for a while (doubling each time) and runs plain rows, which may
-run ahead; and the number of drafts k is the one that maximises the expected tokens per
-unit of step cost (see `best_num_drafts`). With many rows a step is compute-bound and
-drafts stop being nearly free: above `max_batch` running sequences nobody speculates.
+Speculation that does not pay stops. A sequence waits for each step's result before it
+looks up drafts (no row runs ahead of a lookup), so one whose lookups find nothing runs
+ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running mean of the
+share of its drafts accepted; the number of drafts k is the one that maximises the
+expected tokens per unit of step cost (`best_num_drafts`, a draft's cost measured by
+`StepCosts`), and one whose drafts keep failing (or for which no k pays) stops
+speculating for 8 tokens, then 16, ... With many rows a step is compute-bound: above
+`spec_max_batch` running sequences nobody speculates.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ EWMA_WEIGHT = 0.3  # weight of the newest verify in the running acceptance
 MIN_ACCEPTANCE = 0.15
 BACKOFF_TOKENS = 8  # first pause, in generated tokens; doubles up to MAX_BACKOFF_TOKENS
 MAX_BACKOFF_TOKENS = 256
+# After a lookup that found nothing, the sequence runs ahead for this many tokens before
+# it looks again (it waits for a step's result to look): doubling while lookups miss.
+MISS_BACKOFF_TOKENS = 2
+MAX_MISS_BACKOFF_TOKENS = 64
 
 
 NGRAM_MIN = 2
@@ -141,9 +147,16 @@ class SpecState:
     acceptance: float = PRIOR_ACCEPTANCE  # running mean of accepted / drafted
     paused_until: int = 0  # output tokens: no drafts before this many are out
     backoff: int = BACKOFF_TOKENS
+    miss_backoff: int = MISS_BACKOFF_TOKENS
+
+    def missed(self, num_output_tokens: int) -> None:
+        """A lookup found nothing: no waiting to look again for a while."""
+        self.paused_until = num_output_tokens + self.miss_backoff
+        self.miss_backoff = min(2 * self.miss_backoff, MAX_MISS_BACKOFF_TOKENS)
 
     def record(self, num_drafts: int, num_accepted: int, num_output_tokens: int) -> None:
-        """A verifying row's outcome (num_drafts == 0: a lookup that found nothing)."""
+        """A verifying row's outcome (num_drafts == 0: no k paid)."""
+        self.miss_backoff = MISS_BACKOFF_TOKENS
         rate = num_accepted / num_drafts if num_drafts else 0.0
         self.acceptance += EWMA_WEIGHT * (rate - self.acceptance)
         if self.acceptance < MIN_ACCEPTANCE:
@@ -207,16 +220,21 @@ class Speculation:
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence whose last token is known: at most `room` (what
         max_tokens, the context and the step's budget leave). A lookup that finds nothing
-        counts as a failed verify (a sequence with nothing to copy soon stops looking)."""
+        pauses the sequence's lookups (2 tokens, doubling while they miss): one with
+        nothing to copy rarely gives up running ahead."""
         if room <= 0:
             return []
         start = self.clock.now()
         state = self.state(seq.request_id)
         cost = self.costs.draft_cost if self.fixed_cost is None else self.fixed_cost
         k = min(best_num_drafts(state.acceptance, self.num_tokens, cost), room)
-        drafts = state.index.propose(seq.token_ids, k) if k > 0 else []
-        if not drafts:
+        if k <= 0:
             state.record(0, 0, seq.num_output_tokens)
+            drafts = []
+        else:
+            drafts = state.index.propose(seq.token_ids, k)
+            if not drafts:
+                state.missed(seq.num_output_tokens)
         self.phases.observe("spec_draft", self.clock.now() - start)
         return drafts
 

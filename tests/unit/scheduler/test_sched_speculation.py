@@ -11,6 +11,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.speculation import (
     BACKOFF_TOKENS,
     DRAFT_COST,
+    MISS_BACKOFF_TOKENS,
     NgramIndex,
     SpecState,
     StepCosts,
@@ -58,12 +59,23 @@ def test_a_sequence_whose_drafts_fail_pauses_longer_each_time():
             break
     assert state.paused_until == 20 + BACKOFF_TOKENS
     for _ in range(10):
-        state.record(0, 0, num_output_tokens=40)
+        state.record(2, 0, num_output_tokens=40)
         if state.paused_until > 40:
             break
     assert state.paused_until == 40 + 2 * BACKOFF_TOKENS
     state.record(3, 3, num_output_tokens=60)
     assert state.backoff == BACKOFF_TOKENS  # success resets the backoff
+
+
+def test_lookups_that_find_nothing_wait_longer_each_time():
+    state = SpecState(NgramIndex(2))
+    state.missed(10)
+    state.missed(12)
+    state.missed(16)
+    assert state.paused_until == 16 + 4 * MISS_BACKOFF_TOKENS
+    state.record(3, 2, num_output_tokens=30)  # drafts found again
+    state.missed(40)
+    assert state.paused_until == 40 + MISS_BACKOFF_TOKENS
 
 
 PROMPT = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]

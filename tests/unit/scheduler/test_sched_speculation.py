@@ -218,3 +218,19 @@ def test_the_cost_of_a_draft_is_measured_from_the_steps():
         costs.observe(rows=1, drafts=3, forward_s=0.040)
     assert costs.draft_cost == pytest.approx(1.0, abs=0.05)
     assert best_num_drafts(0.7, 4, costs.draft_cost) == 0
+
+
+def test_drafts_shrink_to_the_blocks_that_can_be_had():
+    config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4)
+    core = SchedulerCore(FakeClock(), config)
+    core.attach_worker(worker_info(num_kv_blocks=3, block_size=4))  # 12 slots in all
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    plan = core.schedule()
+    assert plan is not None
+    # 11 tokens in 3 blocks, the row's token at position 10: room for one draft only.
+    assert plan.rows[0].num_draft_tokens == 1
+    assert sum(core.preemptions.values()) == 0
+    core.check_integrity()

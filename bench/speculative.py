@@ -8,7 +8,9 @@ Two workloads, greedy, one request at a time:
            the answer copies long runs of the prompt (prompt lookup's best case);
   nothing  short creative prompts: nothing to copy (its cost when it does not pay).
 
-For each: tokens per second (completion tokens / request time, median of the repeats),
+The two spillway systems run side by side, each request sent to one then the other, so
+the machine's load weighs on both alike. For each workload: tokens per second
+(completion tokens / request time, median of the repeats),
 and from spillway's /metrics the acceptance rate (accepted / drafted), the mean tokens a
 verifying row emits (1 + accepted / verify steps) and the draft / verify / accept phase
 times. Both spillway runs must produce the same tokens (greedy outputs are exact).
@@ -101,36 +103,51 @@ def spec_figures(metrics: str) -> dict[str, float]:
     return out
 
 
-def run_spillway(mode: str, prompts: dict[str, list[list[int]]], args) -> dict:
-    extra = ["--speculative", mode, "--num-speculative-tokens", str(args.k)]
-    system = System("--namespace", f"bench-spec-{mode}", "--max-batch", "4", *extra)
-    results: dict = {}
+def _complete(c: httpx.Client, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    start = time.perf_counter()
+    r = c.post("/v1/completions", json=body)
+    elapsed = time.perf_counter() - start
+    r.raise_for_status()
+    tokens = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    return tokens, len(tokens) / elapsed
+
+
+def run_spillway(prompts: dict[str, list[list[int]]], args) -> dict[str, dict]:
+    """Both systems up at once, each request sent to one then the other (the machine's
+    load moves both alike); one request at a time."""
+    modes = ("none", "ngram")
+    systems = {
+        mode: System("--namespace", f"bench-spec-{mode}", "--max-batch", "4",
+                     "--speculative", mode, "--num-speculative-tokens", str(args.k))
+        for mode in modes
+    }  # fmt: skip
+    results: dict[str, dict] = {mode: {} for mode in modes}
     try:
-        with httpx.Client(base_url=system.url, timeout=600) as c:
-            body = {"prompt": prompts["copy"][0], "max_tokens": 8, "temperature": 0}
-            c.post("/v1/completions", json=body).raise_for_status()  # warm-up
-            for name, workload in prompts.items():
-                before = spec_figures(c.get("/metrics").text)
-                rates, outputs = [], []
-                for _ in range(args.repeats):
-                    for prompt in workload:
-                        body = {"prompt": prompt, "max_tokens": args.max_tokens,
-                                "temperature": 0, "logprobs": 0,
-                                "return_tokens_as_token_ids": True}  # fmt: skip
-                        start = time.perf_counter()
-                        r = c.post("/v1/completions", json=body)
-                        elapsed = time.perf_counter() - start
-                        r.raise_for_status()
-                        choice = r.json()["choices"][0]
-                        tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
-                        rates.append(len(tokens) / elapsed)
-                        outputs.append(tokens)
-                after = spec_figures(c.get("/metrics").text)
-                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-                results[name] = {"tok_s": statistics.median(rates), "outputs": outputs,
-                                 "spec": delta}  # fmt: skip
+        clients = {mode: httpx.Client(base_url=systems[mode].url, timeout=600) for mode in modes}
+        for c in clients.values():
+            _complete(c, prompts["copy"][0], 8)  # warm-up
+        for name, workload in prompts.items():
+            before = spec_figures(clients["ngram"].get("/metrics").text)
+            rates: dict[str, list[float]] = {mode: [] for mode in modes}
+            outputs: dict[str, list[list[int]]] = {mode: [] for mode in modes}
+            for _ in range(args.repeats):
+                for prompt in workload:
+                    for mode in modes:
+                        tokens, rate = _complete(clients[mode], prompt, args.max_tokens)
+                        rates[mode].append(rate)
+                        outputs[mode].append(tokens)
+            after = spec_figures(clients["ngram"].get("/metrics").text)
+            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            for mode in modes:
+                results[mode][name] = {"tok_s": statistics.median(rates[mode]),
+                                       "outputs": outputs[mode], "spec": delta}  # fmt: skip
+        for c in clients.values():
+            c.close()
     finally:
-        system.stop()
+        for system in systems.values():
+            system.stop()
     return results
 
 
@@ -190,8 +207,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
     prompts = {"copy": [chat_ids(tokenizer, t) for t in COPY],
                "nothing": [chat_ids(tokenizer, t) for t in NOTHING]}  # fmt: skip
-    plain = run_spillway("none", prompts, args)
-    spec = run_spillway("ngram", prompts, args)
+    both = run_spillway(prompts, args)
+    plain, spec = both["none"], both["ngram"]
     llama = run_llama(args.llama, prompts, args)
     figures: dict = {}
     print(f"one stream, greedy, {args.max_tokens} tokens, K={args.k}, median of {args.repeats}")

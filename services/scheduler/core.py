@@ -67,6 +67,7 @@ from shared.protocol import (
     PrefixLoad,
     RequestDelta,
     RowResult,
+    SampledLogprobs,
     SpillRef,
     StateCopy,
     StateSnapshot,
@@ -1313,7 +1314,10 @@ class SchedulerCore:
         Returns the tokens appended."""
         assert self.spec is not None and self.blocks is not None
         emitted = [out.token_id, *out.extra_token_ids]
-        logprobs = [out.logprobs, *(out.extra_logprobs or [None] * len(out.extra_token_ids))]
+        extra: list[SampledLogprobs | None] = [None] * len(out.extra_token_ids)
+        if out.extra_logprobs is not None:
+            extra = list(out.extra_logprobs)
+        logprobs = [out.logprobs, *extra]
         num_accepted = len(emitted) - 1
         if emitted[:num_accepted] != drafts[:num_accepted] or num_accepted > len(drafts):
             wrong = ErrorInfo(message=f"the worker accepted drafts it was not given for "

@@ -13,16 +13,20 @@ one plain decoding gives, token for token.
     emits t1 = d1, t2 = d2, t3 != d3: [d1 d2 t3]   KV of s d1 d2 is kept, d3's is not
 
 N-gram drafts (prompt lookup): the longest suffix of the sequence (up to ngram_max tokens,
-then shorter) that occurred before, and the tokens that followed its latest occurrence.
+then shorter, down to NGRAM_MIN) that occurred before, and the tokens that followed its
+latest occurrence. A single repeated token predicts little in text with nothing to copy
+(its drafts mostly fail there and cost the step their time), hence the floor of two.
 An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
 per lookup.
 
-Speculation that does not pay stops: each sequence keeps a running mean of the drafts it
-gets accepted per verifying row; a sequence that proposes nothing, or whose drafts keep
-failing, stops speculating for a while (doubling each time) and runs plain rows, which may
-run ahead; and the number of drafts k is the one that maximises the expected tokens per
-unit of step cost (see `best_num_drafts`). With many rows a step is compute-bound and
-drafts stop being nearly free: above `max_batch` running sequences nobody speculates.
+Speculation that does not pay stops. A sequence waits for each step's result before it
+looks up drafts (no row runs ahead of a lookup), so one whose lookups find nothing runs
+ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running mean of the
+share of its drafts accepted; the number of drafts k is the one that maximises the
+expected tokens per unit of step cost (`best_num_drafts`, a draft's cost measured by
+`StepCosts`), and one whose drafts keep failing (or for which no k pays) stops
+speculating for 8 tokens, then 16, ... With many rows a step is compute-bound: above
+`spec_max_batch` running sequences nobody speculates.
 """
 
 from __future__ import annotations
@@ -49,14 +53,22 @@ EWMA_WEIGHT = 0.3  # weight of the newest verify in the running acceptance
 MIN_ACCEPTANCE = 0.15
 BACKOFF_TOKENS = 8  # first pause, in generated tokens; doubles up to MAX_BACKOFF_TOKENS
 MAX_BACKOFF_TOKENS = 256
+# After a lookup that found nothing, the sequence runs ahead for this many tokens before
+# it looks again (it waits for a step's result to look): doubling while lookups miss.
+MISS_BACKOFF_TOKENS = 2
+MAX_MISS_BACKOFF_TOKENS = 64
+
+
+NGRAM_MIN = 2
 
 
 class NgramIndex:
     """Latest start of every n-gram (n <= n_max) of a token list that is followed by
     another token; grown incrementally as the list grows (it never shrinks)."""
 
-    def __init__(self, n_max: int) -> None:
+    def __init__(self, n_max: int, n_min: int = NGRAM_MIN) -> None:
         self.n_max = n_max
+        self.n_min = min(n_min, n_max)
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # tokens seen
 
@@ -64,7 +76,7 @@ class NgramIndex:
         """Up to k tokens that followed the latest earlier occurrence of the longest
         matching suffix; [] when no suffix occurred before."""
         self._extend(token_ids)
-        for n in range(min(self.n_max, len(token_ids) - 1), 0, -1):
+        for n in range(min(self.n_max, len(token_ids) - 1), self.n_min - 1, -1):
             start = self._latest.get(tuple(token_ids[-n:]))
             if start is not None:
                 return token_ids[start + n : start + n + k]
@@ -73,7 +85,7 @@ class NgramIndex:
     def _extend(self, token_ids: list[int]) -> None:
         # Token j makes every n-gram ending just before it a followed one.
         for j in range(max(self._indexed, 1), len(token_ids)):
-            for n in range(1, min(self.n_max, j) + 1):
+            for n in range(self.n_min, min(self.n_max, j) + 1):
                 self._latest[tuple(token_ids[j - n : j])] = j - n
         self._indexed = len(token_ids)
 
@@ -135,9 +147,16 @@ class SpecState:
     acceptance: float = PRIOR_ACCEPTANCE  # running mean of accepted / drafted
     paused_until: int = 0  # output tokens: no drafts before this many are out
     backoff: int = BACKOFF_TOKENS
+    miss_backoff: int = MISS_BACKOFF_TOKENS
+
+    def missed(self, num_output_tokens: int) -> None:
+        """A lookup found nothing: no waiting to look again for a while."""
+        self.paused_until = num_output_tokens + self.miss_backoff
+        self.miss_backoff = min(2 * self.miss_backoff, MAX_MISS_BACKOFF_TOKENS)
 
     def record(self, num_drafts: int, num_accepted: int, num_output_tokens: int) -> None:
-        """A verifying row's outcome (num_drafts == 0: a lookup that found nothing)."""
+        """A verifying row's outcome (num_drafts == 0: no k paid)."""
+        self.miss_backoff = MISS_BACKOFF_TOKENS
         rate = num_accepted / num_drafts if num_drafts else 0.0
         self.acceptance += EWMA_WEIGHT * (rate - self.acceptance)
         if self.acceptance < MIN_ACCEPTANCE:
@@ -201,16 +220,21 @@ class Speculation:
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence whose last token is known: at most `room` (what
         max_tokens, the context and the step's budget leave). A lookup that finds nothing
-        counts as a failed verify (a sequence with nothing to copy soon stops looking)."""
+        pauses the sequence's lookups (2 tokens, doubling while they miss): one with
+        nothing to copy rarely gives up running ahead."""
         if room <= 0:
             return []
         start = self.clock.now()
         state = self.state(seq.request_id)
         cost = self.costs.draft_cost if self.fixed_cost is None else self.fixed_cost
         k = min(best_num_drafts(state.acceptance, self.num_tokens, cost), room)
-        drafts = state.index.propose(seq.token_ids, k) if k > 0 else []
-        if not drafts:
+        if k <= 0:
             state.record(0, 0, seq.num_output_tokens)
+            drafts = []
+        else:
+            drafts = state.index.propose(seq.token_ids, k)
+            if not drafts:
+                state.missed(seq.num_output_tokens)
         self.phases.observe("spec_draft", self.clock.now() - start)
         return drafts
 

@@ -11,6 +11,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.speculation import (
     BACKOFF_TOKENS,
     DRAFT_COST,
+    MISS_BACKOFF_TOKENS,
     NgramIndex,
     SpecState,
     StepCosts,
@@ -35,8 +36,9 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
 def test_ngram_falls_back_to_shorter_matches_and_never_to_the_suffix_itself():
     index = NgramIndex(4)
     assert index.propose([1, 2, 3, 4], 3) == []
-    index = NgramIndex(4)
+    index = NgramIndex(4, n_min=1)
     assert index.propose([5, 1, 6, 7, 1], 3) == [6, 7, 1]  # unigram 1 at 1
+    assert NgramIndex(4).propose([5, 1, 6, 7, 1], 3) == []  # two tokens at least by default
     index = NgramIndex(2)
     assert index.propose([3, 3, 3], 4) == [3]  # [3, 3] at 0 is followed by one token
 
@@ -57,12 +59,23 @@ def test_a_sequence_whose_drafts_fail_pauses_longer_each_time():
             break
     assert state.paused_until == 20 + BACKOFF_TOKENS
     for _ in range(10):
-        state.record(0, 0, num_output_tokens=40)
+        state.record(2, 0, num_output_tokens=40)
         if state.paused_until > 40:
             break
     assert state.paused_until == 40 + 2 * BACKOFF_TOKENS
     state.record(3, 3, num_output_tokens=60)
     assert state.backoff == BACKOFF_TOKENS  # success resets the backoff
+
+
+def test_lookups_that_find_nothing_wait_longer_each_time():
+    state = SpecState(NgramIndex(2))
+    state.missed(10)
+    state.missed(12)
+    state.missed(16)
+    assert state.paused_until == 16 + 4 * MISS_BACKOFF_TOKENS
+    state.record(3, 2, num_output_tokens=30)  # drafts found again
+    state.missed(40)
+    assert state.paused_until == 40 + MISS_BACKOFF_TOKENS
 
 
 PROMPT = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
@@ -205,3 +218,19 @@ def test_the_cost_of_a_draft_is_measured_from_the_steps():
         costs.observe(rows=1, drafts=3, forward_s=0.040)
     assert costs.draft_cost == pytest.approx(1.0, abs=0.05)
     assert best_num_drafts(0.7, 4, costs.draft_cost) == 0
+
+
+def test_drafts_shrink_to_the_blocks_that_can_be_had():
+    config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4)
+    core = SchedulerCore(FakeClock(), config)
+    core.attach_worker(worker_info(num_kv_blocks=3, block_size=4))  # 12 slots in all
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    plan = core.schedule()
+    assert plan is not None
+    # 11 tokens in 3 blocks, the row's token at position 10: room for one draft only.
+    assert plan.rows[0].num_draft_tokens == 1
+    assert sum(core.preemptions.values()) == 0
+    core.check_integrity()

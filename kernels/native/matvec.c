@@ -500,54 +500,71 @@ static void quantize_blocks32(const float *restrict x, int64_t k, int8_t *restri
     }
 }
 
-/* Output rows j..j+3 of one quantized input row; row r's blocks start at w + r * row_bytes.
- * The integer sum of each block is scaled into float32 lanes (8 per row); Q4_1's offset
- * term is one scalar per block. */
+/* Output rows j..j+3 of all m (1 to 4) quantized input rows; row r's blocks start at
+ * w + r * row_bytes, input row i's at xq + i * k, its outputs at out + i * n. Each weight
+ * block is unpacked once for the m rows. The integer sum of each block is scaled into
+ * float32 lanes (8 per output); Q4_1's offset term is one scalar per block. Called with a
+ * literal m, so that each count gets its own loops, accumulators in registers. Measured
+ * on a loaded AVX-512 EPYC, one thread, CPU time of 32 of SmolLM2's Q4_1 projections
+ * against unpacking the weights again for each row: 1.51 / 1.52 ms at one row, 1.93 /
+ * 2.41 at two, 2.55 / 4.05 at four (equal outputs). */
 static inline void dot4_blocks_q8(const int8_t *restrict xq, const float *restrict xd,
-                                  const float *restrict xs, const uint8_t *restrict w,
-                                  int64_t row_bytes, int64_t nb, int type, float *restrict out) {
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                                  const float *restrict xs, int64_t k, const uint8_t *restrict w,
+                                  int64_t row_bytes, int64_t nb, int type, const int m,
+                                  int64_t n, float *restrict out) {
+    __m256 c[4][4];
+    float offset[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < m; i++) {
+            c[r][i] = _mm256_setzero_ps();
+            offset[r][i] = 0.0f;
+        }
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-        const float dx = xd[b];
+        __m256i xv[4];
+        for (int i = 0; i < m; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(xq + i * k + 32 * b));
         if (type == BLOCK_Q4_1) {
-            const float sx = xs[b];
             for (int r = 0; r < 4; r++) {
                 const uint8_t *blk = w + r * row_bytes + b * 20;
                 _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
                 uint32_t dm;
                 memcpy(&dm, blk, sizeof dm);
                 const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+                const float d = _mm_cvtss_f32(dmf), mo = _mm_cvtss_f32(_mm_movehdup_ps(dmf));
                 const __m128i packed = _mm_loadu_si128((const __m128i *)(blk + 4));
                 /* bytes 0-15: values 0-15 (low nibbles); 16-31: values 16-31 (high) */
                 const __m256i wv = _mm256_and_si256(
                     _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-                const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wv, xv));
-                c[r] = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dmf) * dx), dot, c[r]);
-                offset[r] += _mm_cvtss_f32(_mm_movehdup_ps(dmf)) * sx;
+                for (int i = 0; i < m; i++) {
+                    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wv, xv[i]));
+                    c[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[i * nb + b]), dot, c[r][i]);
+                    offset[r][i] += mo * xs[i * nb + b];
+                }
             }
         } else {
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
             for (int r = 0; r < 4; r++) {
                 const uint8_t *blk = w + r * row_bytes + b * 34;
                 _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
                 const __m256i qv = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(ax, _mm256_sign_epi8(qv, xv)));
-                c[r] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(blk) * dx), dot, c[r]);
+                const float d = half_to_float(blk);
+                for (int i = 0; i < m; i++) {
+                    const __m256i ax = _mm256_sign_epi8(xv[i], xv[i]);
+                    const __m256 dot =
+                        _mm256_cvtepi32_ps(dot_u8s8(ax, _mm256_sign_epi8(qv, xv[i])));
+                    c[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[i * nb + b]), dot, c[r][i]);
+                }
             }
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum256(c[r]) + offset[r];
+    for (int i = 0; i < m; i++)
+        for (int r = 0; r < 4; r++) out[i * n + r] = hsum256(c[r][i]) + offset[r][i];
 }
 
-/* Returns 0, -1 when out of memory, -2 when K is not a multiple of 32 or N of 4, -3 for an
- * unknown block type. */
+/* Returns 0, -1 when out of memory, -2 when K is not a multiple of 32, N of 4 or M is not
+ * 1 to 4, -3 for an unknown block type. */
 int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                      int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
-    if (k % 32 != 0 || n % 4 != 0) return -2;
+    if (k % 32 != 0 || n % 4 != 0 || m < 1 || m > 4) return -2;
     if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
     const int64_t nb = k / 32, block_bytes = type == BLOCK_Q4_1 ? 20 : 34;
     const int64_t row_bytes = nb * block_bytes;
@@ -565,14 +582,20 @@ int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
         const int64_t n1 = min64(n0 + CHUNK, n);
-        for (int64_t row = 0; row < m; row++) {
-            float *out = y + row * n;
-            for (int64_t j = n0; j < n1; j += 4)
-                dot4_blocks_q8(xq + row * k, xd + row * nb, xs + row * nb, w + j * row_bytes,
-                               row_bytes, nb, type, out + j);
-            if (bias)
-                for (int64_t j = n0; j < n1; j++) out[j] += bias[j];
+        for (int64_t j = n0; j < n1; j += 4) {
+            const uint8_t *wj = w + j * row_bytes;
+#define DOT(rows) dot4_blocks_q8(xq, xd, xs, k, wj, row_bytes, nb, type, rows, n, y + j)
+            switch (m) {
+            case 1: DOT(1); break;
+            case 2: DOT(2); break;
+            case 3: DOT(3); break;
+            default: DOT(4); break;
+            }
+#undef DOT
         }
+        if (bias)
+            for (int64_t row = 0; row < m; row++)
+                for (int64_t j = n0; j < n1; j++) y[row * n + j] += bias[j];
     }
     free(xq);
     free(xd);

@@ -3,10 +3,11 @@
 A scheduler (with its worker) keeps the KV of the prompts it served in its prefix cache,
 so a prompt that shares a long prefix with one served before runs fastest where that one
 ran. The gateway remembers, for windows of a prompt's leading tokens (hashes chained
-window by window, as the scheduler's prefix cache keys its blocks), the scheduler that
-took it last, and sends a new prompt to the one holding its longest remembered prefix,
-unless that scheduler is busier than the least busy by more than `slack` requests (then
-load wins: a hot prefix must not pile every request onto one worker). Prompts with no
+window by window, as the scheduler's prefix cache keys its blocks), the scheduler it was
+last sent to (recorded when chosen, then as the scheduler's reply names it), and sends a
+new prompt to the one holding its longest remembered prefix, unless that scheduler is
+busier than the least busy by more than `slack` requests (then load wins: a hot prefix
+must not pile every request onto one worker). Prompts with no
 remembered prefix go to the least busy.
 
 Pure: the leases are handed in (each with its load), the choice among equals is the

@@ -5,7 +5,8 @@ when one goes quiet.
                            a worker and are not draining, the one that took a prompt
                            sharing the longest prefix with this one, unless it is much
                            busier than the least busy (affinity.py); else the least busy;
-                           loads count what we sent since each lease (recent_sends.py)
+                           loads count what we sent since each lease (recent_sends.py);
+                           the choice is remembered for the prompt's prefixes at once
     note(id, prompt)       a scheduler took one of our requests (its lease may not have
                            reached us yet: it is watched from now on all the same)
     on_gone(id, reason)    called once when a scheduler holding our requests may have
@@ -87,6 +88,11 @@ class SchedulerWatch:
         if lease is None:
             return None
         self.recent.sent(lease.scheduler_id)
+        # Remembered now, not when the scheduler's reply comes: a prompt sharing this
+        # prefix picked before that reply (a burst, or a slow reply on a loaded machine)
+        # goes to the same scheduler rather than by load alone. The reply's note() then
+        # records the one that really took it (another, should the chosen one refuse).
+        self.affinity.record(prompt, lease.scheduler_id)
         return lease.scheduler_id
 
     def live(self) -> list[SchedulerLease]:

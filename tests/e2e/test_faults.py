@@ -110,6 +110,18 @@ async def _until_load(client: httpx.AsyncClient, n: int) -> None:
     await asyncio.wait_for(poll(), 30)
 
 
+async def _until_loads(client: httpx.AsyncClient, want: list[int], timeout: float = 10) -> list:
+    """The schedulers' loads, sorted, once the leases the gateway hears show `want` (each
+    lease is up to an interval old); the last ones seen when they never do."""
+    loads: list[int] = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while loads != want and asyncio.get_running_loop().time() < deadline:
+        schedulers = (await _health(client)).json()["schedulers"]
+        loads = sorted(s["running"] + s["waiting"] for s in schedulers)
+        await asyncio.sleep(0.05)
+    return loads
+
+
 async def _generate(nc, body: dict):
     return await nc.request(f"{NS}.llm.generate", json.dumps(body).encode(), timeout=120)
 
@@ -158,15 +170,16 @@ async def test_two_systems_share_a_namespace_without_cross_talk(
             # Prefix affinity: streams sharing a long prefix all go where the first went
             # (with --max-batch 2 the third waits there), though by load alone the second
             # would go to the idle scheduler.
+            # The leases first show the requests above gone: a lease still counting one of
+            # them would make a load total look reached before its stream was placed.
+            await _until_load(one, 0)
             shared = "The river authority's quarterly report on the northern dams says " * 12
             streams: list[asyncio.Task] = []
             for i in range(3):
                 body = {**LONG, "prompt": f"{shared}Question {i}:"}
                 streams.append(asyncio.ensure_future(sse_events(one, COMP, body)))
                 await _until_load(one, i + 1)
-            loads = sorted(
-                s["running"] + s["waiting"] for s in (await _health(one)).json()["schedulers"]
-            )
+            loads = await _until_loads(one, [0, 3])
             for task in streams:
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)

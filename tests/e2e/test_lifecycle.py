@@ -21,8 +21,25 @@ def _metric(client, name: str) -> float:
     return float(m.group(1))
 
 
-def test_client_disconnect_frees_blocks_within_a_second(client, system):
-    body = {"prompt": "Tell a long story:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+def _finished(client, reason: str) -> float:
+    """Requests the gateway saw finish with `reason` (0 before the first one)."""
+    text = client.get("/metrics").text
+    pattern = rf'^spillway_requests_finished_total\{{finish_reason="{reason}"\}} (\S+)$'
+    m = re.search(pattern, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_client_disconnect_frees_blocks_long_before_the_stream_would_end(client, system):
+    """A dropped stream's blocks are freed by the abort it causes, not by the request running
+    out: it ends with "abort", not "length", having made a small part of its tokens. The
+    wait is loose (how soon depends on the machine's load; the abort itself takes tens of
+    milliseconds): what fails it is an abort that never comes, as the run to max_tokens then
+    ends with "length" or holds its blocks past the wait."""
+    max_tokens = 2000
+    body = {"prompt": "Tell a long story:", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    aborted, lengths = _finished(client, "abort"), _finished(client, "length")
+    made = _metric(client, "spillway_generation_tokens_total")
     with (
         httpx.Client(base_url=system.url, timeout=60) as c,
         c.stream("POST", "/v1/completions", json=body) as r,
@@ -36,15 +53,17 @@ def test_client_disconnect_frees_blocks_within_a_second(client, system):
                 break
         assert _metric(client, "spillway_requests_running") >= 1
         assert _metric(client, "spillway_kv_cache_usage_ratio") > 0
-    closed = time.monotonic()
     freed = wait_until(
         lambda: (
             _metric(client, "spillway_kv_cache_usage_ratio") == 0
             and _metric(client, "spillway_requests_running") == 0
         ),
-        timeout=1.0,
+        timeout=15.0,
     )
-    assert freed, f"blocks still held {time.monotonic() - closed:.2f}s after the disconnect"
+    assert freed, "blocks still held after the disconnect"
+    assert _finished(client, "abort") == aborted + 1
+    assert _finished(client, "length") == lengths
+    assert _metric(client, "spillway_generation_tokens_total") - made < max_tokens / 2
 
 
 def test_deadline_ends_request_with_timeout_close_to_budget(client):

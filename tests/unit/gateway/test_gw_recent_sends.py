@@ -51,3 +51,19 @@ def test_a_lease_replaces_the_count_with_what_it_says():
     watch.recent.lease_heard("a")
     assert watch.recent.of("b") == 2
     assert watch.pick(prompt=[1]) == "b"
+
+
+def test_a_burst_sharing_a_long_prefix_follows_the_first_pick_before_any_reply():
+    """Affinity is remembered when the gateway picks, not when the scheduler replies: the
+    second and third prompts sharing a prefix go where the first went (within the slack)
+    though no reply has come yet and by load alone they would spread."""
+    watch = _watch()
+    shared = list(range(100, 100 + 3 * 32))  # three full windows
+    first = watch.pick(prompt=[*shared, 1])
+    assert [watch.pick(prompt=[*shared, i]) for i in (2, 3)] == [first, first]
+    # A scheduler that refused it: the reply names the one that took it, which wins.
+    other = "b" if first == "a" else "a"
+    watch.note(other, [*shared, 4])
+    assert watch.pick(prompt=[*shared, 5]) == other
+    # A prompt without a remembered prefix still goes by load: 3 sent to one, 1 to the other.
+    assert watch.pick(prompt=[7]) == other

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import shlex
 import sys
 import time
@@ -59,7 +60,10 @@ def bench_main(args: argparse.Namespace) -> int:
         print("spillway bench: give --url or --launch, not both", file=sys.stderr)
         return 2
     # The in-process peers' OpenMP threads wait as the worker's do (before torch loads), so
-    # that a busy machine costs both sides alike.
+    # that a busy machine costs both sides alike. A peer in its own process (llama.cpp)
+    # runs with the environment as it was: our wait policy is not its setting (passive
+    # waits cost llama.cpp's per-operation barriers two thirds of its speed).
+    peer_env = dict(os.environ)
     apply_openmp_environment(load_settings())
     try:
         source = resolve_model(args.model)
@@ -106,7 +110,8 @@ def bench_main(args: argparse.Namespace) -> int:
     }
     if args.compare:
         name = "spillway (HTTP, whole system)" if system else f"{model} at {url}"
-        report.update(compare(args, source, requests, name, ours, [r.text for r in records]))
+        texts = [r.text for r in records]
+        report.update(compare(args, source, requests, name, ours, texts, peer_env))
     if args.perplexity:
         report["perplexity"] = measure_perplexity(source)
     if args.json:
@@ -189,6 +194,7 @@ def compare(
     ours_name: str,
     ours,
     our_texts: list[str],
+    peer_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     the_machine = machine_mod.describe_machine()
     print(f"\nmachine: {the_machine.line()}", flush=True)
@@ -204,7 +210,9 @@ def compare(
         gguf = args.llama_cpp_model or (str(source.path) if source.kind == "gguf" else None)
         if gguf:
             print("peer: llama.cpp ...", flush=True)
-            peers.append(run_subprocess_peer("llama.cpp", llama_python, gguf, requests, batch))
+            peers.append(
+                run_subprocess_peer("llama.cpp", llama_python, gguf, requests, batch, env=peer_env)
+            )
     tokenizer = _tokenizer(source)
     agreements = {
         p.name: agreement(our_texts, [tokenizer.decode(ids) for ids in p.output_ids])

@@ -111,8 +111,10 @@ def run_subprocess_peer(
     batch_size: int | None = None,
     threads: int | None = None,
     timeout_s: float = 3600.0,
+    env: dict[str, str] | None = None,
 ) -> PeerResult:
-    """Runs the peer script of `name` under another environment's `python`."""
+    """Runs the peer script of `name` under another environment's `python` (`env`: its
+    process environment; None: this process's)."""
     spec = {
         "model": model_path,
         "prompts": [list(r.prompt_ids) for r in requests],
@@ -128,6 +130,7 @@ def run_subprocess_peer(
             capture_output=True,
             text=True,
             timeout=timeout_s,
+            env=env,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         result.error = f"{type(e).__name__}: {e}"

@@ -32,3 +32,32 @@ def test_up_lists_the_worker_cpu_options(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--threads THREADS worker math threads on the CPU (default: every core" in text
     assert "--quantize {none,int8}" in text
+
+
+def test_a_subprocess_peer_runs_with_the_environment_it_is_given(tmp_path, monkeypatch):
+    """llama.cpp runs with the environment from before the bench set our OpenMP wait policy
+    (passive waits would cost its barriers most of its speed): the peer process gets the
+    `env` handed in, not this process's."""
+    import json
+    import os
+    import sys
+
+    from services.cli.bench import peers
+    from services.cli.bench.workload import BenchRequest
+
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "spec = json.loads(sys.stdin.read())\n"
+        "policy = os.environ.get('OMP_WAIT_POLICY', 'unset')\n"
+        "print(json.dumps({'output_ids': [[1]], 'duration_s': 0.5, 'note': policy}))\n"
+    )
+    monkeypatch.setitem(peers.PEER_SCRIPTS, "probe", script)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    requests = [BenchRequest(0, [5, 6], 1, 0.0)]
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    given = peers.run_subprocess_peer("probe", sys.executable, "m.gguf", requests, env=clean)
+    inherited = peers.run_subprocess_peer("probe", sys.executable, "m.gguf", requests)
+    assert given.error is None and given.note == "unset", given.error
+    assert inherited.note == "PASSIVE"
+    assert json.dumps(given.output_ids) == "[[1]]"

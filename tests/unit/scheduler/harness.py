@@ -36,6 +36,8 @@ from shared.protocol import (
 )
 
 EOS = 2
+STALE_KV = -1  # a slot written by a row that ran on KV its sequence never had
+STALE_TOKEN = 1  # what such a row samples: never a model token, never EOS
 TokenFn = Callable[[str, int], int]
 
 
@@ -129,6 +131,12 @@ class FakeWorker:
     tokens the sequence has there (prompt, then `token_fn` outputs): a wrong prefix hit, a
     bad restore, a block overwritten under another sequence or a row that skips or
     repeats positions fails at once. Spills and the shared prefix tier are dicts.
+
+    The one exception is a plan sent while an earlier step's failure is on its way back
+    (`behind_failure`, set by the driver): the scheduler voids it once it reads that
+    failure, but the real worker cannot tell and runs it on whatever its blocks hold. So
+    does this one: a row that finds KV its sequence never had (the failed step did not
+    write it) writes STALE_KV and samples STALE_TOKEN, which no row that counts may read.
     """
 
     def __init__(self, block_size: int, token_fn: TokenFn = model_token) -> None:
@@ -142,6 +150,7 @@ class FakeWorker:
         self.plans: list[StepPlan] = []
         self.store_down = False  # spills fail, restores and loads are lost
         self.oom_rows_above: int | None = None  # a step with more rows runs out of memory
+        self.behind_failure = False  # the plan being run will be voided (see above)
 
     def expected(self, seq_id: str, pos: int) -> int:
         prompt = PROMPTS[seq_id]
@@ -207,26 +216,41 @@ class FakeWorker:
     def _run_row(self, row) -> list[RowResult]:
         table = self.tables[row.seq_id]
         bs = self.block_size
-        for pos in range(row.start_pos):
-            got = self.slots.get((table[pos // bs], pos % bs))
-            assert got == self.expected(row.seq_id, pos), (
-                f"{row.seq_id}: KV at position {pos} holds {got}, "
-                f"expected {self.expected(row.seq_id, pos)}"
-            )
         tokens = [self.last_token[row.seq_id]] if row.feed_last else list(row.token_ids)
         assert not row.feed_last or not row.token_ids
         end = row.start_pos + len(tokens)
         assert len(table) * bs >= end, "table too short"
+        stale = self._stale_input(row, tokens[0])
+        assert stale is None or self.behind_failure, stale
         for i, token in enumerate(tokens):
             pos = row.start_pos + i
-            assert token == self.expected(row.seq_id, pos), f"{row.seq_id}: wrong token at {pos}"
-            self.slots[(table[pos // bs], pos % bs)] = token
+            if i > 0 or not row.feed_last:  # the plan's own tokens are always right
+                assert token == self.expected(row.seq_id, pos), (
+                    f"{row.seq_id}: wrong token at {pos}"
+                )
+            self.slots[(table[pos // bs], pos % bs)] = token if stale is None else STALE_KV
         if not row.sample:
             return []
-        token = self.token_fn(row.seq_id, row.output_index)
+        token = self.token_fn(row.seq_id, row.output_index) if stale is None else STALE_TOKEN
         assert row.output_index == end - len(PROMPTS[row.seq_id]), "wrong output index"
         self.last_token[row.seq_id] = token
         return [RowResult(seq_id=row.seq_id, token_id=token)]
+
+    def _stale_input(self, row, first_token: int) -> str | None:
+        """What the row reads that its sequence does not have there: KV before it, or
+        the token a run-ahead row feeds (None: all of it is right)."""
+        table = self.tables[row.seq_id]
+        bs = self.block_size
+        for pos in range(row.start_pos):
+            got = self.slots.get((table[pos // bs], pos % bs))
+            if got != self.expected(row.seq_id, pos):
+                return (
+                    f"{row.seq_id}: KV at position {pos} holds {got}, "
+                    f"expected {self.expected(row.seq_id, pos)}"
+                )
+        if row.feed_last and first_token != self.expected(row.seq_id, row.start_pos):
+            return f"{row.seq_id}: fed {first_token} at {row.start_pos}"
+        return None
 
     def _read(self, block_id: int) -> list[int | None]:
         return [self.slots.get((block_id, o)) for o in range(self.block_size)]
@@ -329,8 +353,17 @@ class Pipeline:
 
     def send_step(self, worker_id: str, plan: StepPlan, context: object | None) -> int:
         ticket = next(self.tickets)
-        self.results[ticket] = self.worker.step(plan)
+        # A step in flight that failed voids this one when its result is applied.
+        self.worker.behind_failure = any(self._failed(step) for step in self.lane.inflight)
+        try:
+            self.results[ticket] = self.worker.step(plan)
+        finally:
+            self.worker.behind_failure = False
         return ticket
+
+    def _failed(self, step) -> bool:
+        result = step.result if step.ready else self.results.get(step.ticket)
+        return result is not None and result.error is not None
 
     def publish(self, deltas: list[RequestDelta], core: SchedulerCore | None) -> None:
         self._deltas += deltas

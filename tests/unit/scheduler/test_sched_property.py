@@ -7,7 +7,7 @@ worker wrote is dropped from the store by the end."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.prefix_hash import hash_hex
@@ -74,6 +74,27 @@ def _tier_hits(core, worker: FakeWorker, prompt: list[int]) -> list[int]:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(scenarios())
+# Out of memory on a step whose prefill chunk the next step (already sent) continues: that
+# step runs on KV never written and must be voided, its sequence recomputed.
+@example(
+    {
+        "block_size": 4,
+        "num_kv_blocks": 6,
+        "max_batch": 3,
+        "max_num_batched_tokens": 16,
+        "mode": "spill",
+        "prefix_cache": False,
+        "depth": 2,
+        "requests": [
+            dict(shared=0, own=own, max_tokens=1, priority=0, deadline_ms=None, arrive_at=0)
+            for own in (1, 1, 15)
+        ],
+        "aborts": [],
+        "store_down": [],
+        "lose_spills_at": None,
+        "oom_at": 0,
+    }
+)
 def test_invariants_hold_and_every_request_ends_exactly_once(sc):
     core, clock = make_core(
         num_kv_blocks=sc["num_kv_blocks"],

@@ -290,21 +290,18 @@ class SchedulerCore:
         nothing here (no blocks, no slot, no KV order, nothing the worker knows of).
         Preempted and swapped ones never qualify: their KV or spill is tied to this
         worker. Nothing changes until `give_up_waiting`."""
-        movable: list[Sequence] = []
-        for seq in sorted(self._waiting, key=lambda s: s.rank):
-            if len(movable) >= n:
-                break
-            if (
+
+        def movable(seq: Sequence) -> bool:
+            return not (
                 seq.block_ids
                 or seq.state_slot is not None
                 or seq.known_to_worker
                 or seq.kv_pending
                 or seq.spilled is not None
                 or seq.request_id in self._news
-            ):
-                continue
-            movable.append(seq)
-        return movable
+            )
+
+        return heapq.nsmallest(n, filter(movable, self._waiting), key=lambda s: s.rank)
 
     def give_up_waiting(self, seq: Sequence) -> None:
         """A sequence from `movable_waiting` leaves this core (another core `adopt`s it,

@@ -2,7 +2,8 @@
 
 Pure cores (no bus, no asyncio, no torch):
     fleet.py          Fleet: every worker together, events in, effects out (placement,
-                      membership, migration, drains, hangs, outages, gateways, lease, stats)
+                      membership, migration, rebalancing, drains, hangs, outages,
+                      gateways, lease, stats)
     fleet_events.py   what happens to a scheduler (submitted, step returned, ticked, ...)
     fleet_effects.py  what the fleet asks of the shell (send step, send deltas, drop spills)
     fleet_stats.py    ended lanes' counters, pooled KV usage, each worker's load

@@ -284,6 +284,34 @@ class SchedulerCore:
                 )
         return self._take_news()
 
+    def movable_waiting(self, n: int) -> list[Sequence]:
+        """Up to `n` sequences waiting for their first admission, in queue order, that
+        another worker of this scheduler could run as well as this one: they hold
+        nothing here (no blocks, no slot, no KV order, nothing the worker knows of).
+        Preempted and swapped ones never qualify: their KV or spill is tied to this
+        worker. Nothing changes until `give_up_waiting`."""
+
+        def movable(seq: Sequence) -> bool:
+            return not (
+                seq.block_ids
+                or seq.state_slot is not None
+                or seq.known_to_worker
+                or seq.kv_pending
+                or seq.spilled is not None
+                or seq.request_id in self._news
+            )
+
+        return heapq.nsmallest(n, filter(movable, self._waiting), key=lambda s: s.rank)
+
+    def give_up_waiting(self, seq: Sequence) -> None:
+        """A sequence from `movable_waiting` leaves this core (another core `adopt`s it,
+        keeping its fields and rank). Its deadline entry here is skipped once it is due."""
+        assert seq.status is SequenceStatus.WAITING and seq.request_id in self._waiting
+        self._waiting.remove(seq.request_id)
+        del self._requests[seq.request_id]
+        if self.spec is not None:
+            self.spec.forget(seq.request_id)
+
     def hand_back(self, error: ErrorInfo) -> list[RequestDelta]:
         """Ends, with `error`, every request that has produced no token yet (waiting,
         or still in its prefill): the gateway runs them again on another scheduler. What

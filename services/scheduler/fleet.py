@@ -9,6 +9,9 @@ its core and its steps in flight), and decides everything that concerns several 
 - placement: a submit goes to one accepting worker (placement.py: the longest
   prefix-cache hit where there is room, then the most free blocks); `tier_query` says
   on whose behalf the service asks the shared prefix tier first;
+- rebalancing: requests waiting behind a full batch (never admitted, so holding no KV)
+  move, in queue order, to a worker with room in its batch (one that joined, or whose
+  batch thinned out), rather than wait for a running stream to end;
 - membership: a registration starts a pipeline; a worker that stops (its heartbeats
   lapse, it drained to the end, it hung) has its requests moved to the others (swapped
   ones swap in from their spills, the others are recomputed from their prompt and the
@@ -288,6 +291,7 @@ class Fleet:
             case Stopped():
                 self._stop()
         if not isinstance(event, Submitted | Aborted):
+            self._rebalance()
             self._advance_woken()
         out, self._out = self._out, []
         return out
@@ -745,6 +749,71 @@ class Fleet:
                 ", ".join(f"{n} to {w}" for w, n in moved.items()),
                 swapped,
             )
+
+    def _rebalance(self) -> None:
+        """Requests that wait behind a full batch move to a worker with room now (one
+        that just joined, or whose batch thinned out), instead of waiting for a running
+        stream there to end. Only those never admitted move (they hold no KV anywhere),
+        first in queue order, keeping their rank; only what exceeds the holder's batch
+        moves, and only to a batch that it does not fill past its size, so nothing moves
+        back and forth. Cheap when nothing waits: a look at each lane's counts."""
+        if self.stopping or self.draining or len(self.lanes) < 2:
+            return
+        for source in list(self.lanes.values()):
+            core = source.core
+            excess = min(core.num_waiting, core.num_live - core.max_batch)
+            if excess <= 0 or core.worker is None or source.resync:
+                continue
+            targets = [lane for lane in self.lanes.values() if self._has_room(lane, source)]
+            if not targets:
+                continue
+            layout = core.worker.kv_layout
+            moved: dict[str, int] = {}
+            for seq in core.movable_waiting(excess):
+                target = self._room_for(seq.token_ids, targets)
+                if target is None:
+                    break  # the next in line waits here too: order is kept
+                core.give_up_waiting(seq)
+                target.pending += target.core.adopt([seq], layout)
+                self.observer.request_migrated(seq, source.worker_id, target.worker_id)
+                self._wake(target)
+                moved[target.worker_id] = moved.get(target.worker_id, 0) + 1
+                targets = [t for t in targets if self._has_room(t, source)]
+            if moved:
+                log.info(
+                    "worker %s: %d waiting request(s) moved to workers with room (%s)",
+                    source.worker_id,
+                    sum(moved.values()),
+                    ", ".join(f"{n} to {w}" for w, n in moved.items()),
+                )
+                self._wake(source)
+
+    @staticmethod
+    def _has_room(lane: Pipeline, source: Pipeline) -> bool:
+        """The lane may take a waiting request of `source` now (a free place in its
+        batch)."""
+        core = lane.core
+        return (
+            lane is not source
+            and lane.accepting
+            and not lane.resync
+            and core.worker is not None
+            and core.num_live < core.max_batch
+        )
+
+    @staticmethod
+    def _room_for(token_ids: list[int], targets: list[Pipeline]) -> Pipeline | None:
+        """The target whose blocks (after its own queue) hold the sequence now, the
+        prefix-cache hit first, as placement prefers (None: none)."""
+        best: tuple[tuple[int, int, int], Pipeline] | None = None
+        for lane in targets:
+            needed, hits, headroom = lane.core.placement(token_ids)
+            if headroom < needed - hits:
+                continue
+            key = (hits, headroom, -lane.core.num_live)
+            if best is None or key > best[0]:
+                best = (key, lane)
+        return best[1] if best is not None else None
 
     # --- PipelineHost -------------------------------------------------------------------
 

@@ -304,3 +304,76 @@ def test_an_idle_fleet_sends_nothing_on_its_timers():
     rig.tick(2.0)  # heartbeats and timers, nothing to do
     assert (len(rig.sent), rig.reports) == (sent, reports)
     assert not rig.fleet.ticking
+
+
+def _waiting_on(rig: FleetRig, worker_id: str) -> int:
+    return rig.fleet.lanes[worker_id].core.num_waiting
+
+
+def test_a_joining_worker_takes_the_requests_waiting_behind_a_full_batch_in_order():
+    rig = FleetRig(max_batch=2)
+    rig.register("w1")
+    rig.submit("a", max_tokens=12)
+    rig.submit("b", max_tokens=12)
+    rig.wake()
+    _run_until_tokens(rig, "a", 2)
+    # Waiting behind the full batch: "c" resumed (its first scheduler died after three
+    # tokens), "d", and "e" and "f" behind them (a lower priority first, then arrival).
+    rig.submit("c", max_tokens=8, output_token_ids=expected_tokens("c", 3))
+    rig.submit("d", max_tokens=8)
+    rig.submit("e", max_tokens=8, priority=1)
+    rig.submit("f", max_tokens=8, priority=-1)
+    rig.wake()
+    assert _waiting_on(rig, "w1") == 4
+    rig.register("w2")  # joins with an empty batch of two
+    assert _waiting_on(rig, "w1") == 2
+    assert [r.seq_id for r in rig.sent[-1].plan.rows] == ["f", "c"]
+    assert rig.sent[-1].worker_id == "w2"
+    rig.run()
+    for rid in ("a", "b"):
+        assert rig.outcomes[rid].token_ids == expected_tokens(rid, 12)
+        assert not rig.rows_on("w2", rid)
+    for rid in ("d", "e"):
+        assert rig.outcomes[rid].token_ids == expected_tokens(rid, 8)
+    assert rig.outcomes["f"].token_ids == expected_tokens("f", 8)
+    assert not rig.rows_on("w1", "f") and not rig.rows_on("w1", "c")
+    # The resumed request kept its tokens: only the later ones went out.
+    assert rig.outcomes["c"].token_ids == expected_tokens("c", 8)[3:]
+    assert rig.rows_on("w2", "c")[0].start_pos == 0
+    assert rig.fleet.stats().migrations == 0  # nothing had KV to recompute
+
+
+def test_nothing_waiting_moves_while_no_other_batch_has_room():
+    rig = _two_workers(max_batch=2)
+    for i in range(4):
+        rig.submit(f"r{i}", max_tokens=10)
+    rig.wake()
+    _run_until_tokens(rig, "r0", 1)
+    rig.submit("late1", max_tokens=4)
+    rig.submit("late2", max_tokens=4)
+    rig.wake()
+    held = {w: [r for r in ("late1", "late2") if rig.fleet.lanes[w].core.sequence(r)]
+            for w in ("w1", "w2")}  # fmt: skip
+    rig.tick(0.5)
+    assert sum(map(len, held.values())) == 2
+    for worker_id, rids in held.items():
+        for rid in rids:
+            assert rig.fleet.lanes[worker_id].core.sequence(rid) is not None
+            assert not rig.rows_on("w1", rid) and not rig.rows_on("w2", rid)
+    rig.run()  # (once a batch thins out, what waits on the other may move there)
+    for rid in ("late1", "late2"):
+        assert rig.outcomes[rid].token_ids == expected_tokens(rid, 4)
+
+
+def test_a_waiting_request_moves_only_to_a_worker_whose_blocks_hold_it():
+    rig = FleetRig(max_batch=1)
+    rig.register("w1")
+    rig.submit("a", max_tokens=6)
+    rig.submit("b", max_tokens=6, prompt=list(range(300, 340)))
+    rig.wake()
+    rig.register("w2", num_kv_blocks=4)  # room in its batch, not in its blocks (16 tokens)
+    assert _waiting_on(rig, "w1") == 1
+    rig.register("w3")
+    assert _waiting_on(rig, "w1") == 0 and rig.fleet.lanes["w3"].core.sequence("b")
+    rig.run()
+    assert rig.outcomes["b"].token_ids == expected_tokens("b", 6)

@@ -53,6 +53,21 @@ ops = st.one_of(
 # An idle tick's retirement made room to resume a preempted sequence, which then waited
 # for a wake that never came.
 @example(burst=[28, 1, 12], events=[("submit", 1, "g1")], run_ahead=False, blocks=8)
+# A worker joins while another's batch is full and requests wait behind it: they move.
+@example(
+    burst=[30, 30, 30, 30],
+    events=[
+        ("kill", "w2"),
+        ("tick", 1.5),
+        ("submit", 5, "g1"),
+        ("submit", 6, "g2"),
+        ("submit", 7, "g1"),
+        ("restart", "w2"),
+        ("deliver", 0),
+    ],
+    run_ahead=True,
+    blocks=64,
+)
 def test_every_request_ends_exactly_once_whatever_the_order_of_events(
     burst, events, run_ahead, blocks
 ):

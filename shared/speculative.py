@@ -11,6 +11,11 @@ def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
     method = settings.speculative
     if method == "none":
         return None
+    if method == "mtp" and not config.num_mtp_layers:
+        return (
+            f"--speculative mtp: model_type {config.architecture!r} has no "
+            "multi-token-prediction layers (num_nextn_predict_layers)"
+        )
     if method in ("draft", "mtp"):
         return f"--speculative {method} is not supported yet (use ngram or none)"
     if config.hybrid is not None:

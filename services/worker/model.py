@@ -196,26 +196,40 @@ class LlamaModel:
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers one by one: (x, residual) after the last."""
-        eps = self.config.rms_norm_eps
-        residual = x
+        residual: torch.Tensor | None = None
         for i, (layer, k_cache, v_cache) in enumerate(
             zip(self.weights.layers, kv_cache.k, kv_cache.v, strict=True)
         ):
-            if i == 0:
-                h = self.ops.rms_norm(x, layer.attn_norm, eps)
-            else:
-                h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
-            x = self._attention(h, layer, batch, k_cache, v_cache, self.config.window(i))
-            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
-            if layer.moe is not None:
-                assert self.config.moe is not None
-                if self.experts is not None:
-                    x = self.experts.forward(self.ops, self.config.moe, h, layer.moe)
-                else:
-                    x = moe_forward(self.ops, self.config.moe, h, layer.moe)
-            else:
-                x = self._swiglu(h, layer)
+            x, residual = self.decoder_layer(
+                x, residual, layer, batch, k_cache, v_cache, self.config.window(i)
+            )
+        assert residual is not None
         return x, residual
+
+    def decoder_layer(
+        self,
+        x: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # None: the first layer (x is the residual)
+        layer: LayerWeights,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer: (its output, the residual stream before that output)."""
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            residual, h = x, self.ops.rms_norm(x, layer.attn_norm, eps)
+        else:
+            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
+        x = self._attention(h, layer, batch, k_cache, v_cache, window)
+        h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
+        if layer.moe is not None:
+            assert self.config.moe is not None
+            if self.experts is not None:
+                return self.experts.forward(self.ops, self.config.moe, h, layer.moe), residual
+            return moe_forward(self.ops, self.config.moe, h, layer.moe), residual
+        return self._swiglu(h, layer), residual
 
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from shared.config import Settings
 from shared.speculative import speculation_refusal
 
-DENSE = SimpleNamespace(architecture="llama", hybrid=None)
-HYBRID = SimpleNamespace(architecture="qwen3_next", hybrid=object())
+DENSE = SimpleNamespace(architecture="llama", hybrid=None, num_mtp_layers=0)
+HYBRID = SimpleNamespace(architecture="qwen3_next", hybrid=object(), num_mtp_layers=0)
 
 
 def test_ngram_is_served_and_the_other_methods_are_refused_by_name():
@@ -25,3 +25,8 @@ def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
     settings = Settings(speculative="ngram", expert_parallel=2)
     reason = speculation_refusal(settings, DENSE)  # type: ignore[arg-type]
     assert reason is not None and "--expert-parallel 2" in reason
+
+
+def test_mtp_is_refused_for_a_model_without_mtp_layers():
+    reason = speculation_refusal(Settings(speculative="mtp"), DENSE)  # type: ignore[arg-type]
+    assert reason is not None and "no multi-token-prediction layers" in reason

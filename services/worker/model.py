@@ -192,6 +192,21 @@ class LlamaModel:
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, eps)
         return self.ops.linear(h, self.weights.lm_head).float()  # [S, V]
 
+    def forward_with_hidden(
+        self, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and every token's final normed hidden state [T, H] (what a
+        multi-token-prediction layer reads)."""
+        x = F.embedding(batch.token_ids, self.weights.embed)
+        at_once = (
+            self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
+        )
+        x, residual = at_once if at_once is not None else self._layers(x, batch, kv_cache)
+        h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, self.config.rms_norm_eps)
+        idx = batch.logits_indices
+        last = h if idx is None else h[idx]
+        return self.ops.linear(last, self.weights.lm_head).float(), h
+
     def _layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:

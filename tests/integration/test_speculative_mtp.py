@@ -103,3 +103,23 @@ def test_mtp_drafts_change_no_token_and_are_counted(model_dir):
     totals = core.spec.totals if core.spec is not None else None
     assert totals is not None and totals.draft_tokens > 0
     assert 0 <= totals.accepted_tokens <= totals.draft_tokens
+
+
+@pytest.fixture(scope="module")
+def predictive_dir(tmp_path_factory):
+    return save_tiny_deepseek_mtp(tmp_path_factory.mktemp("tiny-mtp-good"), predictive=True)
+
+
+def test_an_mtp_layer_that_predicts_the_model_gets_its_drafts_accepted(predictive_dir):
+    reference = load_reference(predictive_dir)
+    expected = {}
+    for i, prompt in enumerate(PROMPTS):
+        tokens, gap = reference_greedy(reference, prompt, NEW_TOKENS)
+        assert gap > 1e-3
+        expected[f"r{i}"] = tokens
+    spec, core, _ = _serve(predictive_dir, "mtp")
+    assert spec == expected
+    totals = core.spec.totals if core.spec is not None else None
+    assert totals is not None and totals.draft_tokens > 0
+    assert totals.accepted_tokens > totals.draft_tokens // 2
+    assert totals.accepted_per_position[K - 1] > 0  # chained drafts stand too

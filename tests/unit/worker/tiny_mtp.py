@@ -10,13 +10,31 @@ import torch
 from tests.unit.worker.tiny_families import save_tiny_family
 
 
-def save_tiny_deepseek_mtp(folder: Path, seed: int = 0) -> Path:
+def save_tiny_deepseek_mtp(folder: Path, seed: int = 0, predictive: bool = False) -> Path:
+    """With `predictive`, an MTP layer that predicts what the model will: the model's
+    layers barely move its residual stream (their output projections scaled down), so
+    its next token follows from the last token's embedding alone, and the MTP layer
+    passes that embedding straight to the model's own norm and head."""
     save_tiny_family(folder, "deepseek_v3", seed=seed, num_nextn_predict_layers=1)
-    save_mtp_layer(folder, seed=seed + 1)
+    if predictive:
+        _quiet_layers(folder)
+    tensors = save_mtp_layer(folder, seed=seed + 1, predictive=predictive)
+    del tensors
     return folder
 
 
-def save_mtp_layer(folder, seed: int = 1) -> dict[str, torch.Tensor]:
+def _quiet_layers(folder: Path, scale: float = 0.002) -> None:
+    from safetensors.torch import load_file, save_file
+
+    (path,) = folder.glob("model*.safetensors")
+    weights = load_file(str(path))
+    for name, t in weights.items():
+        if "o_proj" in name or "down_proj" in name:
+            t.mul_(scale)
+    save_file(weights, str(path), metadata={"format": "pt"})
+
+
+def save_mtp_layer(folder, seed: int = 1, predictive: bool = False) -> dict[str, torch.Tensor]:
     """Adds model.layers.{L}: a decoder layer (MoE, as DeepSeek-V3's is) with enorm,
     hnorm, eh_proj and shared_head, in a file of its own; returns those tensors."""
     from safetensors.torch import save_file
@@ -42,6 +60,18 @@ def save_mtp_layer(folder, seed: int = 1) -> dict[str, torch.Tensor]:
         "shared_head.norm.weight": 1.0 + 0.2 * torch.randn(h),
         "shared_head.head.weight": 0.2 * torch.randn(v, h),
     }
+    if predictive:  # the layer adds nothing; enorm(embed) goes through the model's head
+        from safetensors.torch import load_file
+
+        (path,) = folder.glob("model*.safetensors")
+        model = load_file(str(path))
+        for name, t in tensors.items():
+            if "o_proj" in name or "down_proj" in name:
+                t.zero_()
+        tensors["enorm.weight"] = torch.ones(h)
+        tensors["eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        tensors["shared_head.norm.weight"] = model["model.norm.weight"].clone()
+        tensors["shared_head.head.weight"] = model["lm_head.weight"].clone()
     prefix = f"model.layers.{config.num_hidden_layers}."
     save_file({prefix + k: t.contiguous() for k, t in tensors.items()}, folder / "mtp.safetensors")
     return tensors

@@ -19,6 +19,11 @@ latest occurrence. A single repeated token predicts little in text with nothing 
 An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
 per lookup.
 
+MTP drafts (`--speculative mtp`) come from the worker instead: each sampled row's result
+carries the drafts its model's multi-token-prediction layer proposes after the row's last
+token (`offered`), and the sequence's next row takes them while the sequence still ends
+with that token (stale ones are dropped: they are only guesses, never needed).
+
 Speculation that does not pay stops. A sequence waits for each step's result before it
 looks up drafts (no row runs ahead of a lookup), so one whose lookups find nothing runs
 ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running mean of the

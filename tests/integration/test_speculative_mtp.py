@@ -123,3 +123,11 @@ def test_an_mtp_layer_that_predicts_the_model_gets_its_drafts_accepted(predictiv
     assert totals is not None and totals.draft_tokens > 0
     assert totals.accepted_tokens > totals.draft_tokens // 2
     assert totals.accepted_per_position[K - 1] > 0  # chained drafts stand too
+
+
+def test_mtp_under_kv_pressure_recomputed(predictive_dir):
+    """Preempted sequences recompute their target and MTP entries alike; outputs hold."""
+    roomy, _, _ = _serve(predictive_dir, "mtp")
+    tight, core, _ = _serve(predictive_dir, "mtp", kv_blocks=14)
+    assert core.preemptions["recompute"] > 0
+    assert tight == roomy

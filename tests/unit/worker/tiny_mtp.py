@@ -4,18 +4,21 @@ it out (transformers builds the model but not that layer: it is added beside it)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tests.unit.worker.tiny_families import save_tiny_family
 
 
-def save_tiny_deepseek_mtp(folder: Path, seed: int = 0, predictive: bool = False) -> Path:
+def save_tiny_deepseek_mtp(
+    folder: Path, seed: int = 0, predictive: bool = False, **changes: Any
+) -> Path:
     """With `predictive`, an MTP layer that predicts what the model will: the model's
     layers barely move its residual stream (their output projections scaled down), so
     its next token follows from the last token's embedding alone, and the MTP layer
     passes that embedding straight to the model's own norm and head."""
-    save_tiny_family(folder, "deepseek_v3", seed=seed, num_nextn_predict_layers=1)
+    save_tiny_family(folder, "deepseek_v3", seed=seed, num_nextn_predict_layers=1, **changes)
     if predictive:
         _quiet_layers(folder)
     tensors = save_mtp_layer(folder, seed=seed + 1, predictive=predictive)

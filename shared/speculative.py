@@ -16,8 +16,8 @@ def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
             f"--speculative mtp: model_type {config.architecture!r} has no "
             "multi-token-prediction layers (num_nextn_predict_layers)"
         )
-    if method == "draft":
-        return "--speculative draft is not supported yet (use ngram, mtp or none)"
+    if method == "draft" and not settings.draft_model:
+        return "--speculative draft needs --draft-model"
     if config.hybrid is not None:
         # A recurrent state cannot step back to the last accepted draft.
         return f"--speculative {method}: model_type {config.architecture!r} keeps recurrent state"

@@ -19,7 +19,8 @@ latest occurrence. A single repeated token predicts little in text with nothing 
 An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
 per lookup.
 
-MTP drafts (`--speculative mtp`) come from the worker instead: each sampled row's result
+MTP drafts (`--speculative mtp`) and a draft model's (`--speculative draft`) come
+from the worker instead: each sampled row's result
 carries the drafts its model's multi-token-prediction layer proposes after the row's last
 token (`offered`), and the sequence's next row takes them while the sequence still ends
 with that token (stale ones are dropped: they are only guesses, never needed).
@@ -199,8 +200,9 @@ class Speculation:
     def __init__(self, config: SchedulerConfig, clock: Clock) -> None:
         self.num_tokens = config.num_speculative_tokens
         self.ngram_max = config.ngram_max
-        # Drafts from the worker (its MTP layer, after each sampled row) instead of lookups.
-        self.from_worker = config.speculative == "mtp"
+        # Drafts from the worker (its MTP layer or draft model, after each sampled row)
+        # instead of lookups.
+        self.from_worker = config.speculative in ("mtp", "draft")
         self.max_batch = config.spec_max_batch
         self.clock = clock
         self.totals = SpecTotals(accepted_per_position=[0] * self.num_tokens)
@@ -211,7 +213,7 @@ class Speculation:
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, clock: Clock) -> Speculation | None:
-        return cls(config, clock) if config.speculative in ("ngram", "mtp") else None
+        return cls(config, clock) if config.speculative != "none" else None
 
     def state(self, request_id: str) -> SpecState:
         state = self._states.get(request_id)

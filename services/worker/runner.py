@@ -42,11 +42,13 @@ import torch
 
 from kernels.ops import select_ops
 from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
+from services.worker.draft_model import DraftModelDrafter
 from services.worker.ep_group import agree_num_blocks, join_group
 from services.worker.expert_parallel import ExpertGroup
 from services.worker.hybrid_model import HybridModel, load_hybrid_model
 from services.worker.kv_cache import (
     KVCache,
+    block_bytes,
     block_table_tensor,
     blocks_needed,
     num_blocks_for_memory,
@@ -64,6 +66,7 @@ from services.worker.speculative import (
     verify_drafts,
 )
 from services.worker.state_pool import StatePool, slot_bytes
+from services.worker.weights import ModelWeights
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
 from shared.model_config import ModelConfig, check_servable, load_model_config
@@ -157,6 +160,8 @@ class ModelRunner:
         self.kv_layout = ""  # see kv_layout(); set by load_runner
         # `--speculative mtp`: the model's MTP layer drafts after each sampled row.
         self.mtp: MtpDrafter | None = None
+        # `--speculative draft`: a small model with its own cache drafts likewise.
+        self.draft: DraftModelDrafter | None = None
         self.sequences: dict[str, SequenceState] = {}
         # Each sequence's last sampled token, which a run-ahead row feeds.
         self.last_token: dict[str, int] = {}
@@ -525,6 +530,15 @@ class ModelRunner:
                     self._packed_batch,
                     self._held_positions,
                 )
+        if self.draft is not None:
+            with torch.inference_mode():
+                drafts = self.draft.propose(
+                    rows,
+                    [[self.last_token[r.seq_id]] if r.feed_last else r.token_ids for r in rows],
+                    [tokens for tokens, _ in emitted],
+                    self._packed_batch,
+                    self._held_positions,
+                )
         end = self.timer()
         phases = StepPhases(
             prepare_s=start - prepare_start,
@@ -734,6 +748,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
     if group is not None:
         group.shard(weights.layers)
+    draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         # The MTP layer's cache plane shares the target's blocks: one more layer a block.
         dataclasses.replace(config, num_layers=config.num_layers + 1) if mtp else config,
@@ -743,6 +758,10 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.cpu_kv_cache_bytes,
         settings.gpu_memory_utilization,
     )
+    if draft is not None and not settings.kv_blocks:  # the draft's cache takes its share
+        own = block_bytes(config, settings.block_size, dtype)
+        other = block_bytes(draft[0], settings.block_size, dtype)
+        num_blocks = max(1, num_blocks * own // (own + other))
     num_blocks = agree_num_blocks(num_blocks)
     kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
     model = LlamaModel(config, weights, ops)
@@ -768,6 +787,10 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     if weights.mtp is not None:
         cache = MtpCache(kv_cache)
         runner.mtp = MtpDrafter(model, weights.mtp, cache, settings.num_speculative_tokens)
+    if draft is not None:
+        draft_model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
+        draft_cache = KVCache(draft[0], num_blocks, settings.block_size, dtype, device)
+        runner.draft = DraftModelDrafter(draft_model, draft_cache, settings.num_speculative_tokens)
     if runner.mtp is not None:
         log.info("decode CUDA graphs off: the MTP drafter reads each step's hidden states")
     elif graphs_wanted(settings, device, ops.name) and not model.capturable:
@@ -782,6 +805,25 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
             log.exception("decode CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None
     return runner, source.model_id
+
+
+def load_draft_model(
+    settings: Settings, target: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelConfig, ModelWeights]:
+    """`--draft-model`'s config and weights; refused unless its vocabulary is the target's
+    and it keeps no recurrent state."""
+    assert settings.draft_model is not None
+    source = resolve_model(settings.draft_model)
+    check_servable(source)
+    if load_model_config(source).hybrid is not None:
+        raise ValueError(f"--draft-model {settings.draft_model}: a hybrid model cannot draft")
+    config, weights = load_model(source, device, dtype)
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--draft-model {settings.draft_model}: vocabulary of {config.vocab_size} tokens,"
+            f" the model's has {target.vocab_size} (the draft needs the same tokenizer)"
+        )
+    return config, weights
 
 
 def load_hybrid_runner(

@@ -44,6 +44,9 @@ class ModelConfig:
     mla: MLAConfig | None = None
     # Hybrid families (Mamba2 or gated DeltaNet layers among the attention layers).
     hybrid: HybridConfig | None = None
+    # Multi-token-prediction layers after the decoder layers (DeepSeek-V3's
+    # num_nextn_predict_layers): each predicts one token further ahead (`mtp`).
+    num_mtp_layers: int = 0
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -267,6 +270,7 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         moe=_moe_config(arch, cfg),
         mla=mla,
         hybrid=_hybrid_config(arch, cfg),
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
     )
 
 

@@ -551,6 +551,9 @@ class RowResult(Message):
     # first len(extra_token_ids) drafts were accepted.
     extra_token_ids: list[int] = Field(default_factory=list)
     extra_logprobs: list[SampledLogprobs] | None = None
+    # Drafts the worker's own drafter (an MTP layer) proposes after the row's last emitted
+    # token: the scheduler may put them after that token in the sequence's next row.
+    drafts: list[int] = Field(default_factory=list)
 
 
 class SpillOutcome(Message):

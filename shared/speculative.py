@@ -11,8 +11,13 @@ def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
     method = settings.speculative
     if method == "none":
         return None
-    if method in ("draft", "mtp"):
-        return f"--speculative {method} is not supported yet (use ngram or none)"
+    if method == "mtp" and not config.num_mtp_layers:
+        return (
+            f"--speculative mtp: model_type {config.architecture!r} has no "
+            "multi-token-prediction layers (num_nextn_predict_layers)"
+        )
+    if method == "draft" and not settings.draft_model:
+        return "--speculative draft needs --draft-model"
     if config.hybrid is not None:
         # A recurrent state cannot step back to the last accepted draft.
         return f"--speculative {method}: model_type {config.architecture!r} keeps recurrent state"

@@ -22,7 +22,8 @@ Pure cores (no bus, no asyncio, no torch):
     preemption.py     PreemptionPolicy: spill or recompute a victim, the store's health
     placement.py      which worker a new sequence goes to (several workers)
     stopping.py       stop conditions after a token
-    speculation.py    speculative decoding: n-gram drafts, how many pay, what stood
+    speculation.py    speculative decoding: n-gram (or the worker's MTP) drafts, how many
+                      pay, what stood
     step_plan.py      rows and block-table diffs for the worker
     deltas.py         one delta per request per tick
     observer.py       SchedulerObserver: what the core reports (spans, timings)

@@ -510,6 +510,8 @@ class SchedulerCore:
             else:
                 self._append_token(seq, out)
                 num_sampled += 1
+            if out is not None and out.drafts and self.spec is not None:
+                self.spec.offered(seq, out.drafts)
         self.ticks.stepped(len(step.rows), num_tokens, num_sampled)
         if self.spec is not None:
             drafts = sum(len(row.drafts) for row in step.rows)

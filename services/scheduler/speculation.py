@@ -19,6 +19,12 @@ latest occurrence. A single repeated token predicts little in text with nothing 
 An index of every n-gram's latest start, grown as tokens arrive, makes it O(ngram_max)
 per lookup.
 
+MTP drafts (`--speculative mtp`) and a draft model's (`--speculative draft`) come
+from the worker instead: each sampled row's result
+carries the drafts its model's multi-token-prediction layer proposes after the row's last
+token (`offered`), and the sequence's next row takes them while the sequence still ends
+with that token (stale ones are dropped: they are only guesses, never needed).
+
 Speculation that does not pay stops. A sequence waits for each step's result before it
 looks up drafts (no row runs ahead of a lookup), so one whose lookups find nothing runs
 ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running mean of the
@@ -148,6 +154,9 @@ class SpecState:
     paused_until: int = 0  # output tokens: no drafts before this many are out
     backoff: int = BACKOFF_TOKENS
     miss_backoff: int = MISS_BACKOFF_TOKENS
+    # The worker's drafts (MTP), for the sequence once it holds offered_at tokens.
+    offered: list[int] = field(default_factory=list)
+    offered_at: int = -1
 
     def missed(self, num_output_tokens: int) -> None:
         """A lookup found nothing: no waiting to look again for a while."""
@@ -191,6 +200,9 @@ class Speculation:
     def __init__(self, config: SchedulerConfig, clock: Clock) -> None:
         self.num_tokens = config.num_speculative_tokens
         self.ngram_max = config.ngram_max
+        # Drafts from the worker (its MTP layer or draft model, after each sampled row)
+        # instead of lookups.
+        self.from_worker = config.speculative in ("mtp", "draft")
         self.max_batch = config.spec_max_batch
         self.clock = clock
         self.totals = SpecTotals(accepted_per_position=[0] * self.num_tokens)
@@ -201,7 +213,7 @@ class Speculation:
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, clock: Clock) -> Speculation | None:
-        return cls(config, clock) if config.speculative == "ngram" else None
+        return cls(config, clock) if config.speculative != "none" else None
 
     def state(self, request_id: str) -> SpecState:
         state = self._states.get(request_id)
@@ -231,12 +243,21 @@ class Speculation:
         if k <= 0:
             state.record(0, 0, seq.num_output_tokens)
             drafts = []
+        elif self.from_worker:
+            # Offered for the sequence as it stands, or stale (a row ran since): none.
+            ok = state.offered_at == len(seq.token_ids)
+            drafts = state.offered[:k] if ok else []
         else:
             drafts = state.index.propose(seq.token_ids, k)
             if not drafts:
                 state.missed(seq.num_output_tokens)
         self.phases.observe("spec_draft", self.clock.now() - start)
         return drafts
+
+    def offered(self, seq: Sequence, drafts: list[int]) -> None:
+        """The worker's drafts to follow the sequence's tokens as they now stand."""
+        state = self.state(seq.request_id)
+        state.offered, state.offered_at = list(drafts), len(seq.token_ids)
 
     def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         self.totals.add(num_drafts, num_accepted)

@@ -23,7 +23,7 @@ from kernels.cpu_info import cpu_flags
 from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
 from services.worker.mla import MLAWeights, q_width
 from services.worker.moe import MoEWeights
-from services.worker.weights import LayerWeights, ModelWeights
+from services.worker.weights import LayerWeights, ModelWeights, MtpWeights
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
 
@@ -84,9 +84,10 @@ def time_matmul(dtype: torch.dtype, rows: int = 64, size: int = 1024, rounds: in
 
 
 def load_model(
-    source: ModelSource, device: torch.device, dtype: torch.dtype
+    source: ModelSource, device: torch.device, dtype: torch.dtype, mtp: bool = False
 ) -> tuple[ModelConfig, ModelWeights]:
-    """The model's config (tie_word_embeddings as found in the weights) and its weights."""
+    """The model's config (tie_word_embeddings as found in the weights) and its weights
+    (with `mtp`, its multi-token-prediction layer too: Hugging Face folders only)."""
     if source.kind == "synthetic":
         from services.worker.synthetic import synthetic_weights
 
@@ -105,7 +106,7 @@ def load_model(
         config = load_model_config(source)
         tensors, raw_blocks = _safetensors_tensors(source.path), {}
         names = HF_NAMES
-    weights = _assemble(tensors, names, config, device, dtype, raw_blocks)
+    weights = _assemble(tensors, names, config, device, dtype, raw_blocks, mtp=mtp)
     tied = weights.lm_head is weights.embed
     if tied != config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=tied)
@@ -235,7 +236,10 @@ def _assemble(
     device: torch.device,
     dtype: torch.dtype,
     raw_blocks: dict[str, BlockWeight] | None = None,
+    mtp: bool = False,
 ) -> ModelWeights:
+    """The model's weights; with `mtp`, its first multi-token-prediction layer too (left
+    out otherwise: DeepSeek-V3's is a whole MoE layer)."""
     raw_blocks = raw_blocks or {}
     blocks: list[tuple[torch.Tensor, BlockWeight]] = []
 
@@ -260,34 +264,39 @@ def _assemble(
         keep_blocks(fused, parts)
         return fused
 
-    layers = []
-    moe = config.moe
-    for i in range(config.num_layers):
-        n = lambda role, i=i: names.layer(i, role)  # noqa: E731
+    def layer_weights(i: int) -> LayerWeights:
+        n = lambda role: names.layer(i, role)  # noqa: E731
         has_bias = n("q_bias") in tensors
-        sparse = moe is not None and moe.sparse_layers[i]
-        mla = _mla_weights(tensors, config, i, take) if config.mla is not None else None
-        layers.append(
-            LayerWeights(
-                attn_norm=take(n("attn_norm")),
-                qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
-                qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
-                o=take(n("o")),
-                ffn_norm=take(n("ffn_norm")),
-                gate_up=None if sparse else fuse(n("gate"), n("up")),
-                down=None if sparse else take(n("down")),
-                q_norm=take(n("q_norm")) if config.qk_norm else None,
-                k_norm=take(n("k_norm")) if config.qk_norm else None,
-                moe=_moe_weights(tensors, config, i, take) if sparse else None,
-                mla=mla[1] if mla else None,
-            )
+        # An MTP layer lies past the decoder layers: its router's presence says MoE.
+        sparse = config.moe is not None and (
+            config.moe.sparse_layers[i]
+            if i < config.num_layers
+            else f"model.layers.{i}.mlp.gate.weight" in tensors
         )
+        mla = _mla_weights(tensors, config, i, take) if config.mla is not None else None
+        return LayerWeights(
+            attn_norm=take(n("attn_norm")),
+            qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
+            qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
+            o=take(n("o")),
+            ffn_norm=take(n("ffn_norm")),
+            gate_up=None if sparse else fuse(n("gate"), n("up")),
+            down=None if sparse else take(n("down")),
+            q_norm=take(n("q_norm")) if config.qk_norm else None,
+            k_norm=take(n("k_norm")) if config.qk_norm else None,
+            moe=_moe_weights(tensors, config, i, take) if sparse else None,
+            mla=mla[1] if mla else None,
+        )
+
+    layers = [layer_weights(i) for i in range(config.num_layers)]
     embed = take(names.embed)
     # A tied model may still ship lm_head (HF save_pretrained can); the config decides.
     tied = names.lm_head not in tensors or (names is HF_NAMES and config.tie_word_embeddings)
     lm_head = embed if tied else take(names.lm_head)
     tensors.pop(names.lm_head, None)
     weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
+    if mtp:
+        weights.mtp = _mtp_weights(tensors, config, layer_weights, take, weights)
     projected = [lm_head] + [
         t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down) if t is not None
     ]
@@ -298,6 +307,33 @@ def _assemble(
     if leftover:
         log.warning("ignored %d unused tensors, e.g. %s", len(leftover), leftover[:3])
     return weights
+
+
+def _mtp_weights(
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    layer_weights: Callable[[int], LayerWeights],
+    take: Callable[..., torch.Tensor],
+    model: ModelWeights,
+) -> MtpWeights:
+    """The first MTP layer, as DeepSeek-V3 checkpoints hold it: model.layers.{L} (L the
+    number of decoder layers) with enorm, hnorm, eh_proj, shared_head and a decoder
+    layer's own tensors. Its embed_tokens and shared_head.head copy the model's where
+    the checkpoint leaves them out."""
+    if not config.num_mtp_layers:
+        raise ValueError(f"model_type {config.architecture!r} has no multi-token-prediction layer")
+    p = f"model.layers.{config.num_layers}"
+    embed = f"{p}.embed_tokens.weight"
+    head = f"{p}.shared_head.head.weight"
+    return MtpWeights(
+        enorm=take(f"{p}.enorm.weight"),
+        hnorm=take(f"{p}.hnorm.weight"),
+        eh_proj=take(f"{p}.eh_proj.weight"),
+        layer=layer_weights(config.num_layers),
+        norm=take(f"{p}.shared_head.norm.weight"),
+        head=take(head) if head in tensors else model.lm_head,
+        embed=take(embed) if embed in tensors else model.embed,
+    )
 
 
 # Where each family keeps its MoE block and what it calls an expert's projections

@@ -192,30 +192,59 @@ class LlamaModel:
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, eps)
         return self.ops.linear(h, self.weights.lm_head).float()  # [S, V]
 
+    def forward_with_hidden(
+        self, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and every token's final normed hidden state [T, H] (what a
+        multi-token-prediction layer reads)."""
+        x = F.embedding(batch.token_ids, self.weights.embed)
+        at_once = (
+            self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
+        )
+        x, residual = at_once if at_once is not None else self._layers(x, batch, kv_cache)
+        h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, self.config.rms_norm_eps)
+        idx = batch.logits_indices
+        last = h if idx is None else h[idx]
+        return self.ops.linear(last, self.weights.lm_head).float(), h
+
     def _layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers one by one: (x, residual) after the last."""
-        eps = self.config.rms_norm_eps
-        residual = x
+        residual: torch.Tensor | None = None
         for i, (layer, k_cache, v_cache) in enumerate(
             zip(self.weights.layers, kv_cache.k, kv_cache.v, strict=True)
         ):
-            if i == 0:
-                h = self.ops.rms_norm(x, layer.attn_norm, eps)
-            else:
-                h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
-            x = self._attention(h, layer, batch, k_cache, v_cache, self.config.window(i))
-            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
-            if layer.moe is not None:
-                assert self.config.moe is not None
-                if self.experts is not None:
-                    x = self.experts.forward(self.ops, self.config.moe, h, layer.moe)
-                else:
-                    x = moe_forward(self.ops, self.config.moe, h, layer.moe)
-            else:
-                x = self._swiglu(h, layer)
+            x, residual = self.decoder_layer(
+                x, residual, layer, batch, k_cache, v_cache, self.config.window(i)
+            )
+        assert residual is not None
         return x, residual
+
+    def decoder_layer(
+        self,
+        x: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # None: the first layer (x is the residual)
+        layer: LayerWeights,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer: (its output, the residual stream before that output)."""
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            residual, h = x, self.ops.rms_norm(x, layer.attn_norm, eps)
+        else:
+            h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
+        x = self._attention(h, layer, batch, k_cache, v_cache, window)
+        h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
+        if layer.moe is not None:
+            assert self.config.moe is not None
+            if self.experts is not None:
+                return self.experts.forward(self.ops, self.config.moe, h, layer.moe), residual
+            return moe_forward(self.ops, self.config.moe, h, layer.moe), residual
+        return self._swiglu(h, layer), residual
 
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache

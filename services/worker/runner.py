@@ -31,6 +31,7 @@ out of memory is reported as `out_of_memory` (the scheduler sheds one victim and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +42,13 @@ import torch
 
 from kernels.ops import select_ops
 from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
+from services.worker.draft_model import DraftModelDrafter
 from services.worker.ep_group import agree_num_blocks, join_group
 from services.worker.expert_parallel import ExpertGroup
 from services.worker.hybrid_model import HybridModel, load_hybrid_model
 from services.worker.kv_cache import (
     KVCache,
+    block_bytes,
     block_table_tensor,
     blocks_needed,
     num_blocks_for_memory,
@@ -54,6 +57,7 @@ from services.worker.kv_cache import (
 from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
 from services.worker.loader import load_model, resolve_device, resolve_dtype
 from services.worker.model import ForwardBatch, LlamaModel, configure_threads
+from services.worker.mtp import MtpCache, MtpDrafter
 from services.worker.sampling_state import SamplingStates, load_sampling_states
 from services.worker.speculative import (
     as_decode_rows,
@@ -62,6 +66,7 @@ from services.worker.speculative import (
     verify_drafts,
 )
 from services.worker.state_pool import StatePool, slot_bytes
+from services.worker.weights import ModelWeights
 from shared.config import Settings
 from shared.expert_parallel import check_expert_parallel
 from shared.model_config import ModelConfig, check_servable, load_model_config
@@ -153,6 +158,10 @@ class ModelRunner:
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)
         self.kv_layout = ""  # see kv_layout(); set by load_runner
+        # `--speculative mtp`: the model's MTP layer drafts after each sampled row.
+        self.mtp: MtpDrafter | None = None
+        # `--speculative draft`: a small model with its own cache drafts likewise.
+        self.draft: DraftModelDrafter | None = None
         self.sequences: dict[str, SequenceState] = {}
         # Each sequence's last sampled token, which a run-ahead row feeds.
         self.last_token: dict[str, int] = {}
@@ -493,8 +502,14 @@ class ModelRunner:
             ]
         )
         start_ns, start = self.wall_clock_ns(), self.timer()
+        hidden = None
         with torch.inference_mode():
-            logits = self.logits(batch)  # [P, V]: a position per sampled token or draft
+            if self.mtp is not None:  # the drafter reads every token's hidden state
+                logits, hidden = self.model.forward_with_hidden(
+                    batch.to(self.model.device), self.kv_cache
+                )
+            else:
+                logits = self.logits(batch)  # [P, V]: a position per sampled token or draft
             sample_start = self.timer()
             token_ids, logprobs = (
                 self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
@@ -504,6 +519,26 @@ class ModelRunner:
         accept_s = self.timer() - accept_start
         if group is not None:  # the other ranks feed these to their run-ahead rows
             group.share([tokens for tokens, _ in emitted])
+        drafts: list[list[int]] = [[] for _ in sampled_rows]
+        if self.mtp is not None and hidden is not None:
+            with torch.inference_mode():
+                drafts = self.mtp.propose(
+                    rows,
+                    [[self.last_token[r.seq_id]] if r.feed_last else r.token_ids for r in rows],
+                    hidden,
+                    [tokens for tokens, _ in emitted],
+                    self._packed_batch,
+                    self._held_positions,
+                )
+        if self.draft is not None:
+            with torch.inference_mode():
+                drafts = self.draft.propose(
+                    rows,
+                    [[self.last_token[r.seq_id]] if r.feed_last else r.token_ids for r in rows],
+                    [tokens for tokens, _ in emitted],
+                    self._packed_batch,
+                    self._held_positions,
+                )
         end = self.timer()
         phases = StepPhases(
             prepare_s=start - prepare_start,
@@ -520,10 +555,15 @@ class ModelRunner:
                 logprobs=lps[0],
                 extra_token_ids=tokens[1:],
                 extra_logprobs=extra_logprobs(lps),
+                drafts=row_drafts_,
             )
-            for row, (tokens, lps) in zip(sampled_rows, emitted, strict=True)
+            for row, (tokens, lps), row_drafts_ in zip(sampled_rows, emitted, drafts, strict=True)
         ]
         return results, phases
+
+    def _held_positions(self, seq_id: str) -> int:
+        """Positions the sequence's blocks hold (within the model's length)."""
+        return min(len(self.sequences[seq_id].block_ids) * self.block_size, self.max_model_len)
 
     def _usable(self, row: StepRow) -> StepRow:
         """The row with only the drafts its grammar allows (fewer tokens to compute)."""
@@ -702,19 +742,26 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         raise ValueError(refusal)
     if model_config.hybrid is not None:
         return load_hybrid_runner(settings, source, device, dtype, ops)
-    config, weights = load_model(source, device, dtype)
+    mtp = settings.speculative == "mtp"
+    config, weights = load_model(source, device, dtype, mtp=mtp)
     check_expert_parallel(settings, config, source.model_id)
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
     if group is not None:
         group.shard(weights.layers)
+    draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
-        config,
+        # The MTP layer's cache plane shares the target's blocks: one more layer a block.
+        dataclasses.replace(config, num_layers=config.num_layers + 1) if mtp else config,
         settings.block_size,
         dtype,
         device,
         settings.cpu_kv_cache_bytes,
         settings.gpu_memory_utilization,
     )
+    if draft is not None and not settings.kv_blocks:  # the draft's cache takes its share
+        own = block_bytes(config, settings.block_size, dtype)
+        other = block_bytes(draft[0], settings.block_size, dtype)
+        num_blocks = max(1, num_blocks * own // (own + other))
     num_blocks = agree_num_blocks(num_blocks)
     kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
     model = LlamaModel(config, weights, ops)
@@ -737,7 +784,16 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         sampling=load_sampling_states(settings, source, config),
     )
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
-    if graphs_wanted(settings, device, ops.name) and not model.capturable:
+    if weights.mtp is not None:
+        cache = MtpCache(kv_cache)
+        runner.mtp = MtpDrafter(model, weights.mtp, cache, settings.num_speculative_tokens)
+    if draft is not None:
+        draft_model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
+        draft_cache = KVCache(draft[0], num_blocks, settings.block_size, dtype, device)
+        runner.draft = DraftModelDrafter(draft_model, draft_cache, settings.num_speculative_tokens)
+    if runner.mtp is not None:
+        log.info("decode CUDA graphs off: the MTP drafter reads each step's hidden states")
+    elif graphs_wanted(settings, device, ops.name) and not model.capturable:
         log.info(
             "decode CUDA graphs off: this %s's attention reads lengths back", config.architecture
         )
@@ -749,6 +805,25 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
             log.exception("decode CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None
     return runner, source.model_id
+
+
+def load_draft_model(
+    settings: Settings, target: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelConfig, ModelWeights]:
+    """`--draft-model`'s config and weights; refused unless its vocabulary is the target's
+    and it keeps no recurrent state."""
+    assert settings.draft_model is not None
+    source = resolve_model(settings.draft_model)
+    check_servable(source)
+    if load_model_config(source).hybrid is not None:
+        raise ValueError(f"--draft-model {settings.draft_model}: a hybrid model cannot draft")
+    config, weights = load_model(source, device, dtype)
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--draft-model {settings.draft_model}: vocabulary of {config.vocab_size} tokens,"
+            f" the model's has {target.vocab_size} (the draft needs the same tokenizer)"
+        )
+    return config, weights
 
 
 def load_hybrid_runner(

@@ -40,6 +40,21 @@ class LayerWeights:
 
 
 @dataclass
+class MtpWeights:
+    """A multi-token-prediction layer (DeepSeek-V3's layout): the next token's embedding
+    and the hidden state before it, each normed, projected back to one hidden vector,
+    one decoder layer, then its own norm and head."""
+
+    enorm: torch.Tensor  # [H]
+    hnorm: torch.Tensor  # [H]
+    eh_proj: torch.Tensor  # [H, 2 H]: over [enorm(embed); hnorm(hidden)]
+    layer: LayerWeights
+    norm: torch.Tensor  # [H]: shared_head.norm
+    head: torch.Tensor  # [V, H]: shared_head.head (the checkpoint's copy of lm_head)
+    embed: torch.Tensor  # [V, H]: the layer's embedding (the model's, where shared)
+
+
+@dataclass
 class ModelWeights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
@@ -49,6 +64,8 @@ class ModelWeights:
     # a few-row step can read those instead (0.625 bytes a weight for Q4_1, not 4). Only
     # for float32 weights on the CPU loaded from GGUF.
     blocks: list[tuple[torch.Tensor, BlockWeight]] = dataclasses.field(default_factory=list)
+    # The first multi-token-prediction layer, loaded only for `--speculative mtp`.
+    mtp: MtpWeights | None = None
 
     @property
     def device(self) -> torch.device:

@@ -234,3 +234,29 @@ def test_drafts_shrink_to_the_blocks_that_can_be_had():
     assert plan.rows[0].num_draft_tokens == 1
     assert sum(core.preemptions.values()) == 0
     core.check_integrity()
+
+
+def test_mtp_drafts_come_from_the_step_result_and_only_while_fresh():
+    core = _core(speculative="mtp", num_speculative_tokens=3)
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    result = StepResult(
+        step_id=plan.step_id, rows=[RowResult(seq_id="r", token_id=12, drafts=[7, 8, 9, 5])]
+    )
+    core.update_from_output(plan, result)
+    plan = core.schedule()
+    assert plan is not None
+    row = plan.rows[0]
+    # No lookup: the worker's drafts, at most K of them, after the token they follow.
+    assert row.token_ids == [12, 7, 8, 9] and row.num_draft_tokens == 3
+    # One draft stands; the result offers none: the next row carries none.
+    result = StepResult(
+        step_id=plan.step_id, rows=[RowResult(seq_id="r", token_id=7, extra_token_ids=[30])]
+    )
+    core.update_from_output(plan, result)
+    plan = core.schedule()
+    assert plan is not None and plan.rows[0].num_draft_tokens == 0
+    assert plan.rows[0].token_ids == [30]
+    assert core.spec is not None and core.spec.totals.accepted_tokens == 1
+    core.check_integrity()

@@ -7,16 +7,18 @@ from types import SimpleNamespace
 from shared.config import Settings
 from shared.speculative import speculation_refusal
 
-DENSE = SimpleNamespace(architecture="llama", hybrid=None)
-HYBRID = SimpleNamespace(architecture="qwen3_next", hybrid=object())
+DENSE = SimpleNamespace(architecture="llama", hybrid=None, num_mtp_layers=0)
+HYBRID = SimpleNamespace(architecture="qwen3_next", hybrid=object(), num_mtp_layers=0)
 
 
-def test_ngram_is_served_and_the_other_methods_are_refused_by_name():
+def test_ngram_is_served_and_the_other_methods_only_with_what_they_need():
     assert speculation_refusal(Settings(), DENSE) is None  # type: ignore[arg-type]
     assert speculation_refusal(Settings(speculative="ngram"), DENSE) is None  # type: ignore[arg-type]
-    for method in ("draft", "mtp"):
+    for method in ("draft", "mtp"):  # no --draft-model; no MTP layer
         reason = speculation_refusal(Settings(speculative=method), DENSE)  # type: ignore[arg-type]
         assert reason is not None and f"--speculative {method}" in reason
+    settings = Settings(speculative="draft", draft_model="some/model")
+    assert speculation_refusal(settings, DENSE) is None  # type: ignore[arg-type]
 
 
 def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
@@ -25,3 +27,8 @@ def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
     settings = Settings(speculative="ngram", expert_parallel=2)
     reason = speculation_refusal(settings, DENSE)  # type: ignore[arg-type]
     assert reason is not None and "--expert-parallel 2" in reason
+
+
+def test_mtp_is_refused_for_a_model_without_mtp_layers():
+    reason = speculation_refusal(Settings(speculative="mtp"), DENSE)  # type: ignore[arg-type]
+    assert reason is not None and "no multi-token-prediction layers" in reason

@@ -1,0 +1,74 @@
+"""`spillway up --speculative draft --draft-model MODEL` end to end, the model as its own
+draft: concurrent greedy requests come out exactly as transformers' greedy decoding of
+the same weights, and every draft stands."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import pytest
+
+from services.cli.launcher import System
+from tests.e2e.test_speculative import REPEATS, _greedy, _save_sharp_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, reference_tokenizer):
+    return _save_sharp_tiny_model(tmp_path_factory.mktemp("tiny-draft"), reference_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def draft_system(nats_url, redis_url, model_dir):
+    s = System(
+        "--model", str(model_dir),
+        "--namespace", "draft",
+        "--nats-url", nats_url,
+        "--redis-url", redis_url,
+        "--kv-blocks", "64",
+        "--block-size", "16",
+        "--dtype", "float32",
+        "--speculative", "draft",
+        "--draft-model", str(model_dir),
+        "--num-speculative-tokens", "3",
+        env={"SPILLWAY_SPEC_DRAFT_COST": "0.1"},
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.tail()
+
+
+def test_the_model_as_its_own_draft_end_to_end(draft_system, model_dir, reference_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [reference_tokenizer(t).input_ids for t in (REPEATS, "Hello there")]
+    lengths = [40, 27]
+    wants = []
+    for prompt, n in zip(prompts, lengths, strict=True):
+        want, gap = _greedy(model, prompt, n)
+        assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
+        wants.append(want)
+    bodies = [
+        {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+         "logprobs": 0, "return_tokens_as_token_ids": True}
+        for p, n in zip(prompts, lengths, strict=True)
+    ]  # fmt: skip
+    with httpx.Client(base_url=draft_system.url, timeout=120) as c:
+        with cf.ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda b: c.post("/v1/completions", json=b), bodies))
+        metrics = c.get("/metrics").text
+    for r, want in zip(replies, wants, strict=True):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        got = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+        assert got == want
+
+    def total(prefix: str) -> float:
+        lines = metrics.splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+
+    drafted = total("spillway_spec_decode_draft_tokens_total{")
+    accepted = total("spillway_spec_decode_accepted_tokens_total{")
+    assert drafted > 0 and accepted == drafted

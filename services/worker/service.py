@@ -38,7 +38,7 @@ from services.worker.ep_group import KEEPALIVE, follow, leave
 from services.worker.expert_parallel import ExpertGroup
 from services.worker.kv_cache import block_bytes
 from services.worker.ownership import Ownership
-from services.worker.runner import ModelRunner, load_runner
+from services.worker.runner import KVIo, ModelRunner, load_runner
 from services.worker.step_spans import StepSpans
 from shared import subjects
 from shared.beacon import Beacon
@@ -358,17 +358,20 @@ class WorkerService:
             return StepResult(step_id=plan.step_id, error=error)
         self._last_step_at = self.clock.now()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
+        result, forward_ns, kv_io = await loop.run_in_executor(self.executor, self._execute, plan)
         if result.error is not None:
             log.warning("step %d: %s", plan.step_id, result.error.message)
         spill_spans: dict[str, Span] = {}
         if self.tel.exporting:
-            runner = self.runner
-            spill_spans = self.spans.step(
-                plan, ctx, result, runner.last_forward_ns, runner.last_kv_io
-            )
+            spill_spans = self.spans.step(plan, ctx, result, forward_ns, kv_io)
         await self._record_spills(result, spill_spans)
         return result
+
+    def _execute(self, plan: StepPlan) -> tuple[StepResult, tuple[int, int], list[KVIo]]:
+        """Runs the step on the step thread and takes its timings there: with overlapping
+        handlers the next plan may run before this one's handler reads the runner."""
+        result = self.runner.execute(plan)
+        return result, self.runner.last_forward_ns, self.runner.last_kv_io
 
     async def _record_spills(self, result: StepResult, spans: dict[str, Span]) -> None:
         """Tells the spill store what this step wrote, for its accounting and expiry (in

@@ -11,6 +11,7 @@ from bench.failover import (
     Stream,
     chunk_text,
     gaps,
+    logged_at,
     pause_around,
     pause_end,
     resumed_of_pair,
@@ -49,3 +50,13 @@ def test_a_chunk_gives_its_text_and_finish_reason() -> None:
     last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
     assert chunk_text(json.dumps(last)) == ("", "length")
     assert chunk_text(json.dumps({"choices": [], "usage": {}})) == ("", None)
+
+
+def test_a_log_line_gives_its_wall_time() -> None:
+    log = (
+        "2026-12-02 08:30:40,676 worker INFO w: registering\n"
+        "2026-12-02 08:30:58,567 scheduler WARNING f: gateway gw1 stopped beating: aborting\n"
+    )
+    at = logged_at(log, "stopped beating")
+    assert at is not None and at - logged_at(log, "registering") == pytest.approx(17.891)
+    assert logged_at(log, "nowhere") is None

@@ -7,7 +7,6 @@ with recompute and spill; and drafts must actually be accepted."""
 from __future__ import annotations
 
 import uuid
-from collections import deque
 from dataclasses import replace
 
 import pytest
@@ -22,11 +21,11 @@ from shared.protocol import (
     RequestDelta,
     SamplingParams,
     StepPlan,
-    StepResult,
     StepRow,
     SubmitRequest,
 )
 from shared.spill_keys import SpillKeys
+from tests.integration.in_process import drive
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
 # Repetitive prompts (something to copy) and plain ones, of different lengths.
@@ -87,37 +86,9 @@ def _serve(
             )
         )
         assert error is None
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    logprobs: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
-    finished: dict[str, RequestDelta] = {}
-
-    def take(deltas: list[RequestDelta]) -> None:
-        for d in deltas:
-            outputs[d.request_id] += d.token_ids
-            logprobs[d.request_id] += d.logprobs or []
-            if d.finish_reason is not None:
-                finished[d.request_id] = d
-
-    inflight: deque[tuple[StepPlan, StepResult]] = deque()
-    for _ in range(3000):
-        while core.can_schedule():  # the worker runs plans in order, as they come
-            plan = core.schedule()
-            if plan is None:
-                break
-            inflight.append((plan, runner.execute(plan)))
-        if inflight:
-            take(core.update_from_output(*inflight.popleft()))
-        take(core.sweep_deadlines())
-        while core.must_drain():
-            take(core.update_from_output(*inflight.popleft()))
-        take(core.finish_tick())
-        if not inflight:
-            core.check_integrity()
-        if len(finished) == len(prompts) and not inflight:
-            break
-    assert len(finished) == len(prompts)
+    served = drive(core, runner.execute, [f"r{i}" for i in range(len(prompts))])
     assert core.kv_usage == 0.0 and core.num_swapped == 0
-    return outputs, finished, logprobs, core
+    return served.outputs, served.finished, served.logprobs, core
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -5,8 +5,6 @@ unrelated random draft almost none; either way the outputs are plain decoding's.
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 
 from services.scheduler.config import SchedulerConfig
@@ -15,7 +13,8 @@ from services.worker.runner import load_runner
 from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.config import load_settings
-from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
+from shared.protocol import SamplingParams, SubmitRequest
+from tests.integration.in_process import drive
 from tests.unit.worker.tiny_families import save_tiny_family
 from tests.unit.worker.tiny_llama import save_tiny_llama
 
@@ -62,32 +61,9 @@ def _serve(model_dir, speculative: str, draft_model=None, kv_blocks: int = 64):
             )
         )  # fmt: skip
         assert error is None
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    finished: set[str] = set()
-
-    def take(deltas: list[RequestDelta]) -> None:
-        for d in deltas:
-            outputs[d.request_id] += d.token_ids
-            if d.finish_reason is not None:
-                finished.add(d.request_id)
-
-    inflight: deque[tuple[StepPlan, StepResult]] = deque()
-    for _ in range(2000):
-        while core.can_schedule():
-            plan = core.schedule()
-            if plan is None:
-                break
-            inflight.append((plan, runner.execute(plan)))
-        if inflight:
-            take(core.update_from_output(*inflight.popleft()))
-        while core.must_drain():
-            take(core.update_from_output(*inflight.popleft()))
-        take(core.finish_tick())
-        if len(finished) == len(PROMPTS) and not inflight:
-            break
-    assert len(finished) == len(PROMPTS)
+    served = drive(core, runner.execute, [f"r{i}" for i in range(len(PROMPTS))])
     assert core.kv_usage == 0.0
-    return outputs, core
+    return served.outputs, core
 
 
 def test_the_model_as_its_own_draft_gets_every_draft_accepted(model_dir):

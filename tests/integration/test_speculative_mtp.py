@@ -6,8 +6,6 @@ chain must reach past the first draft."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 
 from services.scheduler.config import SchedulerConfig
@@ -16,7 +14,8 @@ from services.worker.runner import load_runner
 from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.config import load_settings
-from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
+from shared.protocol import SamplingParams, StepPlan, StepResult, SubmitRequest
+from tests.integration.in_process import drive
 from tests.unit.worker.tiny_families import load_reference, reference_greedy
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 
@@ -56,35 +55,16 @@ def _serve(model_dir, speculative: str, kv_blocks: int = 64):
             )
         )  # fmt: skip
         assert error is None
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    finished: set[str] = set()
+    drafted: list[int] = []
 
-    def take(deltas: list[RequestDelta]) -> None:
-        for d in deltas:
-            outputs[d.request_id] += d.token_ids
-            if d.finish_reason is not None:
-                finished.add(d.request_id)
+    def execute(plan: StepPlan) -> StepResult:
+        result = runner.execute(plan)
+        drafted.extend(len(row.drafts) for row in result.rows)
+        return result
 
-    inflight: deque[tuple[StepPlan, StepResult]] = deque()
-    drafted = []
-    for _ in range(2000):
-        while core.can_schedule():
-            plan = core.schedule()
-            if plan is None:
-                break
-            result = runner.execute(plan)
-            drafted += [len(row.drafts) for row in result.rows]
-            inflight.append((plan, result))
-        if inflight:
-            take(core.update_from_output(*inflight.popleft()))
-        while core.must_drain():
-            take(core.update_from_output(*inflight.popleft()))
-        take(core.finish_tick())
-        if len(finished) == len(PROMPTS) and not inflight:
-            break
-    assert len(finished) == len(PROMPTS)
+    served = drive(core, execute, [f"r{i}" for i in range(len(PROMPTS))])
     assert core.kv_usage == 0.0
-    return outputs, core, drafted
+    return served.outputs, core, drafted
 
 
 def test_mtp_drafts_change_no_token_and_are_counted(model_dir):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.ops import KernelOps
+from services.worker.state_pool import take_step_snapshots
 from shared.model_config import HybridConfig
 
 
@@ -113,12 +114,7 @@ def mamba2_mixer(
         else:
             assert idx is not None and has is not None
             y[idx[has]] = out[has].to(y.dtype)
-        for row, at, snapshot in takes:  # the states after token j, from the pool
-            if at == j and not bool(scan[row]):
-                assert snapshots is not None
-                slot = int(slots[row])
-                snapshots[0][snapshot].copy_(conv_state[slot])
-                snapshots[1][snapshot].copy_(ssm_state[slot])
+        take_step_snapshots(takes, j, scan, slots, snapshots, conv_state, ssm_state)
     for row in scan.nonzero().flatten().tolist():
         lo, hi, slot = int(starts[row]), int(starts[row] + lens[row]), int(slots[row])
         row_takes = [(at, snapshot) for r, at, snapshot in takes if r == row]

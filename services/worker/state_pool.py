@@ -111,3 +111,23 @@ class StatePool:
 
 def slot_bytes(specs: Sequence[StateLayerSpec | None]) -> int:
     return sum(s.slot_bytes() for s in specs if s is not None)
+
+
+def take_step_snapshots(
+    takes: Sequence[tuple[int, int, int]],
+    j: int,
+    scanned: torch.Tensor,
+    slots: torch.Tensor,
+    snapshots: tuple[torch.Tensor, torch.Tensor] | None,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+) -> None:
+    """Copies into their snapshots the pool states of the rows asked for after token `j`
+    (`takes`: (row, token, snapshot)); rows that run as a scan (`scanned`) take theirs
+    inside it."""
+    for row, at, snapshot in takes:
+        if at == j and not bool(scanned[row]):
+            assert snapshots is not None
+            slot = int(slots[row])
+            snapshots[0][snapshot].copy_(conv_state[slot])
+            snapshots[1][snapshot].copy_(state[slot])

@@ -5,13 +5,11 @@ speculative decoding metrics show drafts accepted."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
-import httpx
 import pytest
 import torch
 
 from services.cli.launcher import System
+from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -97,34 +95,23 @@ def test_concurrent_greedy_requests_equal_transformers(spec_system, model_dir, r
     first_text = tok.decode(wants[0], skip_special_tokens=True)
     stop = first_text[len(first_text) // 2 : len(first_text) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
-    bodies = [
-        {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-         "logprobs": 0, "return_tokens_as_token_ids": True}
-        for p, n in zip(prompts, lengths, strict=True)
-    ] + [{"prompt": prompts[0], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
-          "stop": [stop]}]  # fmt: skip
-    with httpx.Client(base_url=spec_system.url, timeout=120) as c:
-        with cf.ThreadPoolExecutor(len(bodies)) as pool:
-            replies = list(pool.map(lambda b: c.post("/v1/completions", json=b), bodies))
-        metrics = c.get("/metrics").text
+    bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    bodies.append({"prompt": prompts[0], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+                   "stop": [stop]})  # fmt: skip
+    replies, metrics = post_all(spec_system.url, bodies)
     for r in replies:
         assert r.status_code == 200, r.text
     for r, want in zip(replies, wants, strict=False):
-        choice = r.json()["choices"][0]
-        got = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-        assert got == want
-        assert choice["finish_reason"] == "length"
+        assert token_ids(r) == want
+        assert r.json()["choices"][0]["finish_reason"] == "length"
         assert r.json()["usage"]["completion_tokens"] == len(want)
     stopped = replies[-1].json()["choices"][0]
     assert stopped["finish_reason"] == "stop"
     assert stopped["text"] == first_text[: first_text.index(stop)]
 
-    def total(prefix: str) -> float:
-        lines = metrics.splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
-
-    drafted = total("spillway_spec_decode_draft_tokens_total{")
-    accepted = total("spillway_spec_decode_accepted_tokens_total{")
-    first = total('spillway_spec_decode_accepted_tokens_per_position_total{position="0",')
+    drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
+    accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")
+    per_position = 'spillway_spec_decode_accepted_tokens_per_position_total{position="0",'
+    first = metric_total(metrics, per_position)
     assert drafted > 0 and 0 < accepted <= drafted
     assert first > 0

@@ -4,12 +4,10 @@ the same weights, and every draft stands."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
-import httpx
 import pytest
 
 from services.cli.launcher import System
+from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
 from tests.e2e.test_speculative import REPEATS, _greedy, _save_sharp_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -50,25 +48,12 @@ def test_the_model_as_its_own_draft_end_to_end(draft_system, model_dir, referenc
         want, gap = _greedy(model, prompt, n)
         assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
         wants.append(want)
-    bodies = [
-        {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-         "logprobs": 0, "return_tokens_as_token_ids": True}
-        for p, n in zip(prompts, lengths, strict=True)
-    ]  # fmt: skip
-    with httpx.Client(base_url=draft_system.url, timeout=120) as c:
-        with cf.ThreadPoolExecutor(len(bodies)) as pool:
-            replies = list(pool.map(lambda b: c.post("/v1/completions", json=b), bodies))
-        metrics = c.get("/metrics").text
+    bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    replies, metrics = post_all(draft_system.url, bodies)
     for r, want in zip(replies, wants, strict=True):
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        got = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-        assert got == want
+        assert token_ids(r) == want
 
-    def total(prefix: str) -> float:
-        lines = metrics.splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
-
-    drafted = total("spillway_spec_decode_draft_tokens_total{")
-    accepted = total("spillway_spec_decode_accepted_tokens_total{")
+    drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
+    accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")
     assert drafted > 0 and accepted == drafted

@@ -4,12 +4,10 @@ transformers' greedy decoding of the same weights, and the metrics show drafts a
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
-import httpx
 import pytest
 
 from services.cli.launcher import System
+from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
 from tests.unit.worker.tiny_families import load_reference, reference_greedy
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 
@@ -53,25 +51,12 @@ def test_greedy_requests_equal_transformers_with_mtp_drafts(
         want, gap = reference_greedy(model, prompt, n)
         assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
         wants.append(want)
-    bodies = [
-        {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-         "logprobs": 0, "return_tokens_as_token_ids": True}
-        for p, n in zip(prompts, lengths, strict=True)
-    ]  # fmt: skip
-    with httpx.Client(base_url=mtp_system.url, timeout=120) as c:
-        with cf.ThreadPoolExecutor(len(bodies)) as pool:
-            replies = list(pool.map(lambda b: c.post("/v1/completions", json=b), bodies))
-        metrics = c.get("/metrics").text
+    bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    replies, metrics = post_all(mtp_system.url, bodies)
     for r, want in zip(replies, wants, strict=True):
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        got = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-        assert got == want
+        assert token_ids(r) == want
 
-    def total(prefix: str) -> float:
-        lines = metrics.splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
-
-    drafted = total("spillway_spec_decode_draft_tokens_total{")
-    accepted = total("spillway_spec_decode_accepted_tokens_total{")
+    drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
+    accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")
     assert drafted > 0 and 0 < accepted <= drafted

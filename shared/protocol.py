@@ -157,6 +157,10 @@ class RequestDelta(Message):
 
     request_id: str
     token_ids: list[int] = Field(default_factory=list)
+    # Output tokens the request had before this delta's first one (resumed tokens
+    # included): news lost on the bus shows at the gateway as a gap, a repeat as an
+    # overlap. None from a sender that does not count.
+    first_token: int | None = None
     logprobs: list[SampledLogprobs] | None = None
     finish_reason: FinishReason | None = None
     error: ErrorInfo | None = None

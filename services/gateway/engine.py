@@ -34,7 +34,7 @@ from opentelemetry.context import Context
 
 from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
 from services.gateway.errors import ApiError
-from services.gateway.failover import Decision, Failover, GiveUp, Place, Retry
+from services.gateway.failover import Decision, Failover, GiveUp, Place, Retry, in_order
 from services.gateway.metrics import GatewayMetrics, TokenTimer
 from services.gateway.responses import Usage, usage_of
 from services.gateway.scheduler_watch import GoneReason, SchedulerWatch
@@ -154,8 +154,15 @@ class RequestRun:
             i = self._index.get(delta.request_id)
             if i is None or self.outputs[i].finished:
                 continue
-            if _handed_back(delta):
-                decision = self.failovers[i].lost(self.scheduler_ids[i], self._engine.clock.now())
+            handed_back = _handed_back(delta)
+            if handed_back or not in_order(delta, self.outputs[i].num_tokens):
+                now = self._engine.clock.now()
+                failover = self.failovers[i]
+                decision = (
+                    failover.lost(self.scheduler_ids[i], now)
+                    if handed_back
+                    else failover.news_lost(now)
+                )
                 failed = await self._carry_out(i, decision)
                 if failed is None:
                     continue

@@ -17,6 +17,8 @@ events in and carries out the decisions:
     lost(scheduler, now)        the scheduler running it is gone or gave it back
     bus_back(scheduler, now)    our bus connection blinked, and the scheduler running it
                                 was heard again: its news meanwhile may be lost
+    news_lost(now)              its news skipped tokens (lost on the bus): the client
+                                cannot have them, so it runs again from what it has
     accepted(scheduler)         a placement was taken
     refused(now, retryable)     a placement was refused (503: retry; else give up)
     tick(now)                   time passed (gives up when the time is out)
@@ -29,10 +31,13 @@ Exactly one of finished() or a GiveUp ends a choice; after that every event is i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.protocol import ErrorInfo
+from shared.protocol import ErrorInfo, RequestDelta
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 RETRY_S = 0.25
@@ -107,6 +112,13 @@ class Failover:
             return self._place(now)
         return None
 
+    def news_lost(self, now: float) -> Decision:
+        """Some of the running scheduler's news never came (a gap in its token count):
+        the choice is placed again from what the client has (that scheduler may take it)."""
+        if self.state is State.RUNNING:
+            return self._place(now)
+        return None
+
     def accepted(self, scheduler: str) -> None:
         if self.state is State.PLACING:
             self.state = State.RUNNING
@@ -151,3 +163,27 @@ class Failover:
     def _give_up(self, error: ErrorInfo) -> GiveUp:
         self.state = State.ENDED
         return GiveUp(error)
+
+
+def in_order(delta: RequestDelta, num_have: int) -> bool:
+    """Whether a delta follows the `num_have` tokens the client has. False when tokens
+    before its first one never came (lost on the bus: the delta is unusable, and the
+    choice must run again from what the client has). Tokens the client has already (news
+    sent twice) are cut off the delta here."""
+    if delta.first_token is None:
+        return True  # a sender that does not count
+    if delta.first_token > num_have:
+        log.warning(
+            "request %s: news lost on the bus (its tokens %d to %d never came)",
+            delta.request_id,
+            num_have,
+            delta.first_token,
+        )
+        return False
+    repeat = num_have - delta.first_token
+    if repeat:
+        delta.token_ids = delta.token_ids[repeat:]
+        if delta.logprobs is not None:
+            delta.logprobs = delta.logprobs[repeat:]
+        delta.first_token = num_have
+    return True

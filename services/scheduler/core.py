@@ -1386,8 +1386,8 @@ class SchedulerCore:
 
     def _append_token(self, seq: Sequence, out: RowResult) -> None:
         assert self.worker is not None
+        delta = self._delta(seq)  # before the token: the delta counts what came before
         seq.token_ids.append(out.token_id)
-        delta = self._delta(seq)
         delta.token_ids.append(out.token_id)
         if out.logprobs is not None:
             if delta.logprobs is None:
@@ -1487,7 +1487,7 @@ class SchedulerCore:
     def _delta(self, seq: Sequence) -> RequestDelta:
         delta = self._news.get(seq.request_id)
         if delta is None:
-            delta = RequestDelta(request_id=seq.request_id)
+            delta = RequestDelta(request_id=seq.request_id, first_token=seq.num_output_tokens)
             if not seq.sent_first_delta:
                 seq.sent_first_delta = True
                 delta.num_prompt_tokens = seq.num_prompt_tokens

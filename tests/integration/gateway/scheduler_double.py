@@ -11,7 +11,9 @@ one delta instead. The prompt's text picks a behaviour:
     "LONG"      the reply text repeated forever (until max_tokens, deadline or abort)
 
 A resumed submission (output_token_ids) continues at the token index after them, so a
-resumed stream's text equals an undisturbed one's.
+resumed stream's text equals an undisturbed one's. Each delta counts the tokens before it
+(`first_token`); `lose_deltas` drops that many of the next token deltas on the floor (as a
+bus outage loses news), while later ones go out.
     "FULL"      refused with 429 (queue full)
     "NOWORKER"  refused with 503 (no worker)
     otherwise   the reply text, then EOS (finish "stop"), or "length" at max_tokens
@@ -80,6 +82,7 @@ class SchedulerDouble:
     # A long first step: a request gives no news at all (not even its own deadline's
     # end) until this long after it arrived.
     first_step_s: float = 0.0
+    lose_deltas: int = 0
     submits: list[SubmitRequest] = field(default_factory=list)
     submit_trace_ids: list[int] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -189,6 +192,9 @@ class SchedulerDouble:
                 delta = self._advance(seq)
                 if delta is None:
                     continue
+                if self.lose_deltas and delta.token_ids and delta.finish_reason is None:
+                    self.lose_deltas -= 1
+                    continue
                 if delta.finish_reason is not None:
                     del self.active[rid]
                 by_gateway.setdefault(seq.request.gateway_id, []).append(delta)
@@ -245,6 +251,7 @@ class SchedulerDouble:
         delta = RequestDelta(
             request_id=req.request_id,
             token_ids=tokens,
+            first_token=seq.emitted if self.burst else seq.emitted - len(tokens),
             logprobs=logprobs,
             finish_reason=finish,
             num_prompt_tokens=len(req.prompt_token_ids) if seq.first else 0,

@@ -162,6 +162,33 @@ async def test_a_scheduler_restarted_under_its_own_id_takes_the_stream_back(
         await double.close()
 
 
+async def test_news_lost_on_the_bus_resumes_the_stream_whole_from_what_the_client_has(
+    nats_url, served_tokenizer
+):
+    namespace = f"gap{uuid.uuid4().hex[:8]}"
+    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
+    await double.start()
+    gateway = await start_serving(gateway_settings(nats_url, namespace))
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            first = asyncio.Event()
+            body = {"prompt": "LONG gap", "max_tokens": LONG_TOKENS}
+            stream = asyncio.ensure_future(sse_events(client, COMP, body, first))
+            await _until(first.is_set)
+            double.lose_deltas = 2  # two tokens never reach the gateway; later ones do
+            events = await asyncio.wait_for(stream, END_S)
+        # Nothing missing, nothing repeated: the gap was seen, and the stream went on from
+        # the tokens the client had.
+        assert events[-1] == "[DONE]" and stream_text(events) == _long_text(double)
+        assert stream_finish(events) == "length"
+        submits = double.submit_of("LONG gap")
+        assert [s.output_token_ids != [] for s in submits] == [False, True]
+        assert submits[0].request_id in double.aborted
+    finally:
+        await gateway.shutdown()
+        await double.close()
+
+
 async def test_deltas_from_strangers_are_ignored_and_bad_ones_end_the_request(
     nats_url, served_tokenizer
 ):

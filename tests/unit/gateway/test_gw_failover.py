@@ -5,7 +5,16 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.failover import NO_SCHEDULER, Failover, GiveUp, Place, Retry, State
+from services.gateway.failover import (
+    NO_SCHEDULER,
+    Failover,
+    GiveUp,
+    Place,
+    Retry,
+    State,
+    in_order,
+)
+from shared.protocol import RequestDelta, SampledLogprobs
 
 
 def running_on(scheduler: str, sent: int = 0, timeout_s: float = 30.0) -> Failover:
@@ -138,3 +147,22 @@ def test_every_choice_ends_exactly_once_and_resumes_from_what_was_sent(events):
         if isinstance(decision, GiveUp):
             ends += 1
     assert fo.state is State.RUNNING or ends == 1
+
+
+def test_news_after_a_gap_is_refused_and_the_choice_runs_again_from_what_was_sent():
+    fo = running_on("a", sent=5)
+    late = RequestDelta(request_id="r", token_ids=[8, 9], first_token=7)
+    assert not in_order(late, 5)  # tokens 5 and 6 never came
+    assert fo.news_lost(now=1.0) == Place(frozenset(), 5)
+    assert fo.news_lost(now=1.1) is None  # already placing
+
+
+def test_news_sent_twice_is_cut_to_what_the_client_lacks():
+    lp = [SampledLogprobs(token_id=i, logprob=-float(i)) for i in range(4)]
+    again = RequestDelta(request_id="r", token_ids=[5, 6, 7, 8], logprobs=lp, first_token=5)
+    assert in_order(again, 7)
+    assert again.token_ids == [7, 8] and again.logprobs == lp[2:] and again.first_token == 7
+    old = RequestDelta(request_id="r", token_ids=[5], first_token=5)
+    assert in_order(old, 7) and old.token_ids == []
+    uncounted = RequestDelta(request_id="r", token_ids=[1, 2])
+    assert in_order(uncounted, 9) and uncounted.token_ids == [1, 2]

@@ -29,7 +29,13 @@ from services.scheduler.fleet_events import (
 )
 from shared.clock import FakeClock
 from shared.protocol import ErrorInfo, Heartbeat, StepResult, WorkerInfo
-from tests.unit.scheduler.harness import FakeWorker, Outcome, submit_request, worker_info
+from tests.unit.scheduler.harness import (
+    FakeWorker,
+    Outcome,
+    collect,
+    submit_request,
+    worker_info,
+)
 
 SCHEDULER = "s1"
 TICK_S = 0.25
@@ -89,12 +95,7 @@ class FleetRig:
                 case SendStep():
                     self._run_step(effect)
                 case SendDeltas():
-                    for d in effect.deltas:
-                        outcome = self.outcomes.setdefault(d.request_id, Outcome())
-                        assert outcome.finish_reason is None, f"{d.request_id}: news after its end"
-                        outcome.deltas.append(d)
-                        outcome.token_ids += d.token_ids
-                        outcome.finish_reason = d.finish_reason
+                    collect(self.outcomes, effect.deltas)
                 case DropSpills():
                     self.drops.append(effect)
                 case PublishTick():

@@ -288,6 +288,12 @@ def collect(outcomes: dict[str, Outcome], deltas: list[RequestDelta]) -> None:
     for d in deltas:
         outcome = outcomes.setdefault(d.request_id, Outcome())
         assert outcome.finish_reason is None, f"{d.request_id} got news after its finish"
+        # Each delta counts the tokens before it (a resumed request starts past zero):
+        # the news is one unbroken count, as the gateway checks it.
+        assert d.first_token is not None, d
+        if outcome.deltas:
+            first = outcome.deltas[0].first_token
+            assert d.first_token == first + len(outcome.token_ids), (d, first)
         outcome.deltas.append(d)
         outcome.token_ids += d.token_ids
         outcome.finish_reason = d.finish_reason

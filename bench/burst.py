@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from services.cli.worker_env import apply_openmp_environment
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.worker.runner import load_runner
-from services.worker.service import worker_info
 from shared.clock import MonotonicClock
 from shared.config import DEFAULT_MODEL, load_settings
 from shared.protocol import SamplingParams, SubmitRequest
@@ -68,6 +66,8 @@ def burst(runner, prompts: list[list[int]], output_len: int, policy: str, first:
         max_num_batched_tokens=int(budget),
         itl_target_s=float(itl_ms) / 1e3 if itl_ms else None,
     )
+    from services.worker.service import worker_info
+
     core = SchedulerCore(MonotonicClock(), config)
     core.attach_worker(worker_info("w", "m", runner))
     tag = next(_runs)
@@ -141,7 +141,11 @@ def main() -> int:
     ap.add_argument("--policies", default="512,512:60")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    # Before torch loads (the worker's way): OpenMP reads its wait policy once, and
+    # spinning threads on a busy 2-core machine lose most of their speed.
     apply_openmp_environment(load_settings())
+    from services.worker.runner import load_runner
+
     settings = load_settings(model=args.model, device="cpu", quantize=args.quantize or None)
     runner, model_id = load_runner(settings)
     rng = random.Random(0)

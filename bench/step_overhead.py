@@ -30,9 +30,11 @@ import statistics
 import time
 from collections.abc import Callable
 
+from services.cli.worker_env import apply_openmp_environment
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from shared.clock import MonotonicClock
+from shared.config import load_settings
 from shared.protocol import (
     DeltaBatch,
     RowResult,
@@ -162,12 +164,10 @@ async def bus_pieces(plan: StepPlan, result: StepResult, reps: int) -> dict[str,
 
 
 def worker_pieces(quantize: str, reps: int) -> dict[str, Timing]:
-    from services.cli.worker_env import apply_openmp_environment
     from services.worker.runner import load_runner
     from services.worker.service import worker_info
     from shared.config import load_settings
 
-    apply_openmp_environment(load_settings())
     settings = load_settings(device="cpu", quantize=quantize)
     runner, model_id = load_runner(settings)
     core = SchedulerCore(MonotonicClock(), SchedulerConfig(max_batch=8, run_ahead=True))
@@ -239,6 +239,8 @@ def main() -> int:
     ap.add_argument("--quantize", default="int8")
     ap.add_argument("--no-model", action="store_true")
     args = ap.parse_args()
+    # Before torch loads (the worker's way): OpenMP reads its wait policy once.
+    apply_openmp_environment(load_settings())
     pieces, plan, result, batch = scheduler_pieces(args.reps)
     pieces.update(codec_pieces(plan, result, batch, args.reps))
     pieces.update(asyncio.run(bus_pieces(plan, result, args.reps)))

@@ -82,11 +82,19 @@ def test_measured_costs_give_the_tokens_that_fit_beside_the_decode_rows():
     assert budget.tokens(4, 25) == 25  # never more than the step has left
 
 
-def test_a_chunk_never_drops_below_the_minimum():
-    budget = PrefillBudget(0.01, min_chunk=16)
-    budget.observe(0, 4, 0.02)  # the decode rows alone take longer than the target
+def test_decode_rows_beyond_the_target_leave_prompts_as_much_time_as_they_take():
+    budget = PrefillBudget(0.06, min_chunk=16)
+    budget.observe(0, 4, 0.1)  # the decode rows alone take longer than the target
     budget.observe(100, 0, 0.1)
-    assert budget.tokens(4, 500) == 16
+    assert budget.tokens(4, 500) == 100  # 100 ms of prompt at 1 ms a token
+    assert budget.tokens(4, 10) == 10
+
+
+def test_a_chunk_never_drops_below_the_minimum():
+    budget = PrefillBudget(0.06, min_chunk=16)
+    budget.observe(0, 4, 0.004)
+    budget.observe(100, 0, 1.0)  # 10 ms a prompt token
+    assert budget.tokens(4, 500) == 16  # 56 ms would fit 5
     assert budget.tokens(4, 10) == 10
 
 

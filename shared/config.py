@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     cuda_graph_sizes: list[int] | None = None
     # Chunked prefill: tokens one step may compute across all rows.
     max_num_batched_tokens: int = Field(default=512, ge=16)
+    # A step with decode rows takes only the prompt tokens that keep its forward within
+    # this many milliseconds (measured costs), so that a burst of prompts does not stall
+    # the streams already running; unset: every step may take the whole token budget.
+    itl_target_ms: float | None = Field(default=None, gt=0)
     # Admission: requests waiting beyond this get 429.
     max_waiting: int = Field(default=1024, ge=1)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)

@@ -239,6 +239,10 @@ class SchedulerStats(Message):
     step_forward_s: float | None = None
     # Median time between back-to-back step results that the worker spent not computing.
     step_overhead_s: float | None = None
+    # Medians of the worker's own phases: building the step's index tensors (before the
+    # forward, part of step_overhead_s) and sampling (the end of step_forward_s).
+    step_prepare_s: float | None = None
+    step_sample_s: float | None = None
     # Of all steps' time so far, the share the workers spent on spill-store I/O.
     step_kv_io_share: float | None = None
     num_cached_blocks: int = 0  # blocks kept by the prefix cache, evictable

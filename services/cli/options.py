@@ -55,6 +55,9 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--state-snapshots", "state_snapshots", {"type": int, "help": "hybrid models: states "
                                               "kept at block boundaries for prefix caching "
                                               "(0: none)"}),
+    ("--itl-target-ms", "itl_target_ms", {"type": float, "help": "a step with decode rows "
+                                          "takes only the prompt tokens that keep it within "
+                                          "this many ms (default: no cap)"}),
     ("--threads", "threads", {"type": int, "help": "worker math threads on the CPU"}),
     ("--quantize", "quantize", {"choices": ["none", "int8"],
                                 "help": "int8 weights for the CPU projections (faster, changes "

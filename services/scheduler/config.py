@@ -20,6 +20,9 @@ class SchedulerConfig:
     prefix_tier: bool = False  # finished sequences' full blocks go to the shared tier
     prefix_tier_blocks: int = 4096  # hashes remembered as already stored there
     run_ahead: bool = False  # plan step N+1 before step N's result is applied
+    # A step with decode rows takes only the prompt tokens that keep it within this many
+    # seconds (prefill_budget.py); None: the whole token budget.
+    itl_target_s: float | None = None
     # Speculative decoding: "ngram" drafts are looked up here (the other methods' drafts
     # come from the worker); K drafts at most per row; the longest n-gram looked up; no
     # drafts while more than spec_max_batch sequences run (steps are compute-bound).
@@ -42,6 +45,7 @@ class SchedulerConfig:
             prefix_tier=settings.spill_store and settings.prefix_tier_blocks > 0,
             prefix_tier_blocks=settings.prefix_tier_blocks,
             run_ahead=settings.run_ahead,
+            itl_target_s=None if settings.itl_target_ms is None else settings.itl_target_ms / 1e3,
             speculative=settings.speculative,
             num_speculative_tokens=settings.num_speculative_tokens,
             ngram_max=settings.ngram_max,

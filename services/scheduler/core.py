@@ -46,6 +46,7 @@ from services.scheduler.kv_orders import KVOrders
 from services.scheduler.moe_stats import MoEStats
 from services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
 from services.scheduler.preemption import PreemptionPolicy
+from services.scheduler.prefill_budget import PrefillBudget
 from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
 from services.scheduler.request_queue import RequestQueue
 from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
@@ -106,6 +107,9 @@ class SchedulerCore:
         self.config = config
         self.observer: SchedulerObserver = observer or NullObserver()
         self.policy = PreemptionPolicy(config.preemption_mode, config.spill_store)
+        self.prefill_budget = PrefillBudget(config.itl_target_s)
+        # Prompt tokens the step being planned may still take (prefill_budget.py).
+        self._prefill_left = config.max_num_batched_tokens
         self.worker: WorkerInfo | None = None
         self.blocks: BlockManager | None = None
         self._hash_root = 0
@@ -412,7 +416,12 @@ class SchedulerCore:
     def schedule(self) -> StepPlan | None:
         """The next step: a row for every running sequence first (decode rows, then
         prefill chunks, by rank), then newly admitted ones, all within
-        max_num_batched_tokens. None when there is nothing to send."""
+        max_num_batched_tokens; with decode rows in the step, the prompt tokens (chunks
+        and admissions) also within what `prefill_budget` leaves them. Prompts are
+        prefilled first come, first served: each finishes before the next one starts,
+        which gives the earliest first tokens for the median request (interleaving their
+        chunks would hold every first token back to the end of the burst). None when
+        there is nothing to send."""
         if self.blocks is None:
             return None
         start = self.clock.now()
@@ -425,8 +434,15 @@ class SchedulerCore:
         self._drafts = {}
         preemptions_before = sum(self.preemptions.values())
         order = sorted(self._running.values(), key=lambda s: (not s.is_decoding, s.rank))
+        self._prefill_left = self.config.max_num_batched_tokens
+        decode_rows: int | None = None  # counted once the prefill chunks' turn comes
         for seq in order:
             budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
+            if not seq.is_decoding:
+                if decode_rows is None:
+                    decode_rows = len(scheduled)
+                    self._prefill_left = self.prefill_budget.tokens(decode_rows, budget)
+                budget = min(budget, self._prefill_left)
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -434,8 +450,13 @@ class SchedulerCore:
             num_tokens = self._next_row_tokens(seq, budget)
             if num_tokens > 0 and self._make_room(seq, num_tokens, scheduled):
                 scheduled[seq.request_id] = num_tokens
+                if not seq.is_decoding:
+                    self._prefill_left -= num_tokens
                 if self.spec is not None:
                     self._plan_drafts(seq, budget - num_tokens)
+        if decode_rows is None:  # no prefill chunk: admissions follow the decode rows
+            budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
+            self._prefill_left = self.prefill_budget.tokens(len(scheduled), budget)
         # After a preemption the cache is short: new requests would only be victims next.
         if sum(self.preemptions.values()) == preemptions_before:
             self._admit_waiting(scheduled)
@@ -667,6 +688,9 @@ class SchedulerCore:
         if result.kv_io_bytes:
             self.policy.observe_kv_io(result.kv_io_bytes, result.kv_io_s)
         self.policy.observe_prefill(step.num_tokens, result.forward_s)
+        prompt = [r.num_tokens for r in step.rows if r.num_tokens > 1 and not r.drafts]
+        decode_rows = len(step.rows) - len(prompt)
+        self.prefill_budget.observe(sum(prompt), decode_rows, result.forward_s)
 
     # --- the tick: end-of-tick phases -----------------------------------------------
 
@@ -1015,6 +1039,7 @@ class SchedulerCore:
         assert self.blocks is not None
         while len(self._running) < self.max_batch:
             budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
+            budget = min(budget, self._prefill_left)
             seq = self._waiting.peek()
             if budget <= 0 or seq is None:
                 return
@@ -1025,6 +1050,7 @@ class SchedulerCore:
                 return
             self._waiting.pop()
             scheduled[seq.request_id] = num_tokens
+            self._prefill_left -= num_tokens
             self.ticks.admitted(seq.request_id, seq.num_cached_tokens)
             self.observer.request_admitted(seq)
 

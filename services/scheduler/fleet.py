@@ -403,6 +403,8 @@ class Fleet:
             step_bus_s=self.timings.bus_s.median(),
             step_forward_s=self.timings.forward_s.median(),
             step_overhead_s=self.timings.overhead_s.median(),
+            step_prepare_s=self.timings.prepare_s.median(),
+            step_sample_s=self.timings.sample_s.median(),
             step_kv_io_share=self.timings.kv_io_share,
             preemption_mode=self.config.preemption_mode,
             run_ahead=self.config.run_ahead,

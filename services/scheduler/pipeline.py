@@ -390,7 +390,14 @@ class Pipeline:
         # With a step queued behind another, the round trip includes the wait for it:
         # the bus share is only meaningful from when the worker could start this one.
         began = max(step.sent_at, self._last_result_at or step.sent_at)
-        self.timings.add(bookkeeping, received - began, result.forward_s, result.kv_io_s)
+        self.timings.add(
+            bookkeeping,
+            received - began,
+            result.forward_s,
+            result.kv_io_s,
+            result.prepare_s,
+            result.sample_s,
+        )
         if self._last_result_at is not None:
             self.timings.overhead_s.add(
                 max(0.0, received - self._last_result_at - result.forward_s)

@@ -26,6 +26,9 @@ class StepTimings:
         # Between two results of back-to-back steps, the time the worker was not
         # computing (bus, codec, scheduler bookkeeping): what run-ahead hides.
         self.overhead_s = RollingMedian(window)
+        # The worker's phases as it reports them (StepResult.prepare_s, sample_s).
+        self.prepare_s = RollingMedian(window)
+        self.sample_s = RollingMedian(window)
 
         # Totals over every step: the share of the steps' time the workers spent moving
         # KV to and from the spill store (spills, swap-ins, prefix-tier reads and writes).
@@ -37,8 +40,18 @@ class StepTimings:
         return self.kv_io_total_s / self.step_total_s if self.step_total_s else None
 
     def add(
-        self, bookkeeping_s: float, round_trip_s: float, forward_s: float, kv_io_s: float = 0.0
+        self,
+        bookkeeping_s: float,
+        round_trip_s: float,
+        forward_s: float,
+        kv_io_s: float = 0.0,
+        prepare_s: float | None = None,
+        sample_s: float | None = None,
     ) -> None:
+        if prepare_s is not None:
+            self.prepare_s.add(prepare_s)
+        if sample_s is not None:
+            self.sample_s.add(sample_s)
         self.kv_io_total_s += kv_io_s
         self.step_total_s += bookkeeping_s + round_trip_s
         self.bookkeeping_s.add(bookkeeping_s)

@@ -41,6 +41,9 @@ def test_bench_measures_a_launched_system_and_compares_with_transformers(tiny_mo
     assert 6 * 4 <= summary["output_tokens"] <= 6 * 6
     assert summary["ttft_ms"]["median"] > 0 and summary["itl_ms"]["median"] > 0
     assert report["step_split_s"]["forward"] > 0
+    # The worker's own phases reach the split: its host batch, and sampling in the forward.
+    split = report["step_split_s"]
+    assert split["worker_host_batch"] > 0 and 0 < split["of_forward_sampling"] < split["forward"]
     (peer,) = report["peers"]
     assert peer["name"] == "transformers generate (float32)" and peer["error"] is None
     assert peer["output_tokens"] == summary["output_tokens"]

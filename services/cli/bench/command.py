@@ -97,7 +97,7 @@ def bench_main(args: argparse.Namespace) -> int:
     print(summary_table(f"spillway bench: {url}", ours))
     if split:
         print("median step (scheduler's view): " + ", ".join(
-            f"{k} {v * 1e3:.1f} ms" for k, v in split.items()
+            f"{k} {v * 1e3:.2f} ms" for k, v in split.items()
             if v is not None and k != "spill_store_share"))  # fmt: skip
         if split.get("spill_store_share"):
             print(f"spill store I/O: {split['spill_store_share']:.1%} of the steps' time")
@@ -183,6 +183,10 @@ async def step_split(nats_url: str, namespace: str) -> dict[str, float | None] |
         "bus": stats.step_bus_s,
         # between two results of back-to-back steps, the time the worker was not computing
         "outside_forward": stats.step_overhead_s,
+        # the worker's own phases: its host batch (part of outside_forward) and sampling
+        # (part of forward)
+        "worker_host_batch": stats.step_prepare_s,
+        "of_forward_sampling": stats.step_sample_s,
         "spill_store_share": stats.step_kv_io_share,
     }
 

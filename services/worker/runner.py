@@ -310,7 +310,7 @@ class ModelRunner:
                 error="the recurrent state is not at the spilled tokens",
             )
         start_ns = self.wall_clock_ns()
-        outcome = self.kv_transfer.spill(order)
+        outcome = self.kv_transfer.spill(order, self.drafter_caches())
         self.last_kv_io.append(
             KVIo("spill", order.seq_id, order.traceparent, outcome.ok, outcome.num_bytes,
                  start_ns, self.wall_clock_ns())
@@ -322,7 +322,7 @@ class ModelRunner:
             return False
         before = self.kv_transfer.counters.restored_bytes
         start_ns = self.wall_clock_ns()
-        ok = self.kv_transfer.restore(order)
+        ok = self.kv_transfer.restore(order, self.drafter_caches())
         if ok and order.state_slot is not None:
             self.state_tokens[order.state_slot] = (order.seq_id, order.state_tokens)
         num_bytes = self.kv_transfer.counters.restored_bytes - before
@@ -331,6 +331,15 @@ class ModelRunner:
                  start_ns, self.wall_clock_ns())
         )  # fmt: skip
         return ok
+
+    def drafter_caches(self) -> list[KVCache]:
+        """The drafter's caches under the target's block ids: they leave and come back
+        with the target's blocks."""
+        if self.mtp is not None:
+            return [self.mtp.cache]
+        if self.draft is not None:
+            return [self.draft.cache]
+        return []
 
     def _bring_kv_in(self, plan: StepPlan) -> list[str]:
         """Restores and prefix loads; the sequences whose KV could not be read."""

@@ -127,7 +127,6 @@ async def _follow(runner: ModelRunner, group: ExpertGroup, executor: ThreadPoolE
 def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInfo:
     config = runner.model.config
     transfer = runner.kv_transfer
-    snaps = runner.state_snapshots
     return WorkerInfo(
         worker_id=worker_id,
         model_id=model_id,
@@ -146,7 +145,7 @@ def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInf
         boot_id=uuid.uuid4().hex,
         num_state_slots=0 if runner.state_pool is None else runner.state_pool.num_slots,
         state_slot_bytes=0 if runner.state_pool is None else runner.state_pool.slot_bytes(),
-        num_state_snapshots=0 if snaps is None else snaps.num_slots,
+        num_state_snapshots=runner.num_state_snapshots,
     )
 
 

@@ -381,7 +381,7 @@ class WorkerInfo(Message):
     # What one block's bytes mean (model, dtype, geometry): spilled or shared blocks are
     # only ever read back by a worker with the same layout.
     kv_layout: str = ""
-    block_bytes: int = 0  # one block across all layers, K and V
+    block_bytes: int = 0  # one block across all layers, K and V (and a drafter's, spilled with it)
     # Whether the worker reached the spill store's Redis at start (it retries later).
     kv_store: bool = False
     # Random per worker process: a registration with a new boot id is a restarted worker

@@ -18,9 +18,13 @@ def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
         )
     if method == "draft" and not settings.draft_model:
         return "--speculative draft needs --draft-model"
-    if config.hybrid is not None:
-        # A recurrent state cannot step back to the last accepted draft.
-        return f"--speculative {method}: model_type {config.architecture!r} keeps recurrent state"
+    if config.hybrid is not None and method != "ngram":
+        # N-gram drafts keep the recurrent state at each draft position until the samples
+        # say which stand; no drafter (a draft model, an MTP layer) runs beside one yet.
+        return (
+            f"--speculative {method}: model_type {config.architecture!r} keeps recurrent "
+            "state (hybrid models speculate with --speculative ngram)"
+        )
     if settings.expert_parallel > 1:
         # The ranks run each row alike: cutting a row's drafts on rank 0 alone would not.
         return f"--speculative {method} with --expert-parallel {settings.expert_parallel}"

@@ -3,8 +3,18 @@
 Bytes go worker <-> Redis directly (binary values, one pipelined round trip per order),
 never over NATS and never through the scheduler. A value holds a group of blocks as
 `KVCache.read_blocks` lays them out ([P, L, n, BS, Hkv, D] in the cache's dtype), so a
-restore is one copy back. Any Redis failure is reported, never raised: the scheduler then
-recomputes what could not be spilled or read back.
+restore is one copy back. A drafter's caches under the same block ids (a draft model's,
+an MTP layer's plane) follow in the same value, each laid out alike, so a swapped-in
+sequence drafts from its own KV again:
+
+    value of a group of n blocks:  target [P, L, n, ...] | drafter 1 [P, L1, n, ...] | ...
+
+A restore takes the target's part of a value whatever follows it (a worker without a
+drafter, or with another one, still reads the target's KV back; its drafter's entries
+are then stale, which costs acceptance, never exactness).
+
+Any Redis failure is reported, never raised: the scheduler then recomputes what could
+not be spilled or read back.
 """
 
 from __future__ import annotations
@@ -79,8 +89,7 @@ class KVTransfer:
         # One writer thread for the shared tier, so its writes leave the step's path.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-tier")
         self._store_slots = threading.BoundedSemaphore(MAX_PENDING_STORES)
-        shape = (kv_cache.planes, len(kv_cache.k), 1, *kv_cache.block_shape)
-        self.block_bytes = torch.Size(shape).numel() * kv_cache.dtype.itemsize
+        self.block_bytes = cache_block_bytes(kv_cache)
 
     def ping(self) -> bool:
         try:
@@ -90,14 +99,16 @@ class KVTransfer:
 
     # --- spill / restore ---------------------------------------------------------------
 
-    def spill(self, order: KVSpill) -> SpillOutcome:
+    def spill(self, order: KVSpill, drafter_caches: Sequence[KVCache] = ()) -> SpillOutcome:
+        """The blocks (and `drafter_caches`' same blocks after them) to the store."""
         start = self.timer()
         groups = self._groups(order.block_ids)
         total = 0
         try:
             pipe = self.client.pipeline(transaction=False)
             for g, block_ids in enumerate(groups):
-                value = _to_bytes(self.kv.read_blocks(block_ids))
+                parts = [self.kv, *drafter_caches]
+                value = b"".join(_to_bytes(c.read_blocks(block_ids)) for c in parts)
                 total += len(value)
                 key = self.keys.block_group(order.seq_id, order.spill_id, g)
                 pipe.set(key, value, ex=self.ttl_s)
@@ -128,9 +139,10 @@ class KVTransfer:
             num_keys=len(groups),
         )
 
-    def restore(self, order: KVRestore) -> bool:
+    def restore(self, order: KVRestore, drafter_caches: Sequence[KVCache] = ()) -> bool:
         """False when the spill is gone, incomplete or unreadable (nothing is written).
-        Reads only the groups holding blocks first_block.. of the spill."""
+        Reads only the groups holding blocks first_block.. of the spill; `drafter_caches`
+        get their blocks back when the spill holds theirs (see the module's doc)."""
         start = self.timer()
         n = self.group_blocks
         first, count = order.first_block, len(order.block_ids)
@@ -150,16 +162,28 @@ class KVTransfer:
                 return False
             flat = torch.frombuffer(bytearray(state_value), dtype=torch.float32)
             self.state_pool.write_slot(order.state_slot, flat)
+        # The spill's blocks run to the end of the restore: group g holds blocks g*n ..
+        # of them, those from `first` on wanted.
+        total_blocks = first + count
+        extra_bytes = [cache_block_bytes(c) for c in drafter_caches]
         done = 0
         for g, value in zip(groups, values, strict=True):
-            # The spill's blocks g*n .. in this value; those from `first` on are wanted.
             lo = max(first - g * n, 0)
             take = min(n - lo, count - done)
-            if len(value) % self.block_bytes or len(value) // self.block_bytes < lo + take:
+            m = min(n, total_blocks - g * n)  # blocks in this value
+            if len(value) < m * self.block_bytes:
                 log.warning("spill of %s does not match its blocks: recomputing", order.seq_id)
                 return False
-            data = self._from_bytes(value, len(value) // self.block_bytes)
-            self.kv.write_blocks(order.block_ids[done : done + take], data[:, :, lo : lo + take])
+            target = memoryview(value)[: m * self.block_bytes]
+            data = _from_bytes(target, self.kv, m)
+            ids = order.block_ids[done : done + take]
+            self.kv.write_blocks(ids, data[:, :, lo : lo + take])
+            if drafter_caches and len(value) == m * (self.block_bytes + sum(extra_bytes)):
+                at = m * self.block_bytes
+                for cache, size in zip(drafter_caches, extra_bytes, strict=True):
+                    part = _from_bytes(memoryview(value)[at : at + m * size], cache, m)
+                    cache.write_blocks(ids, part[:, :, lo : lo + take])
+                    at += m * size
             done += take
         num_bytes = sum(len(v) for v in values) + (len(state_value) if state else 0)
         self._count(num_bytes, start)
@@ -231,7 +255,7 @@ class KVTransfer:
         if any(len(v) != self.block_bytes for v in values):
             return False
         for block, value in zip(load.blocks, values, strict=True):
-            self.kv.write_blocks([block.block_id], self._from_bytes(value, 1))
+            self.kv.write_blocks([block.block_id], _from_bytes(value, self.kv, 1))
         self._count(sum(len(v) for v in values), start)
         return True
 
@@ -255,14 +279,21 @@ class KVTransfer:
             return None
         return values
 
-    def _from_bytes(self, value: bytes, num_blocks: int) -> torch.Tensor:
-        shape = (self.kv.planes, len(self.kv.k), num_blocks, *self.kv.block_shape)
-        flat = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-        return flat.view(self.kv.dtype).reshape(shape)
-
     def _count(self, num_bytes: int, start: float) -> None:
         self.counters.bytes += num_bytes
         self.counters.seconds += self.timer() - start
+
+
+def cache_block_bytes(cache: KVCache) -> int:
+    """Bytes of one block of the cache, every layer and plane (as read_blocks gives it)."""
+    shape = (cache.planes, len(cache.k), 1, *cache.block_shape)
+    return torch.Size(shape).numel() * cache.dtype.itemsize
+
+
+def _from_bytes(value: bytes | memoryview, cache: KVCache, num_blocks: int) -> torch.Tensor:
+    shape = (cache.planes, len(cache.k), num_blocks, *cache.block_shape)
+    flat = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+    return flat.view(cache.dtype).reshape(shape)
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:

@@ -27,13 +27,15 @@ from services.worker.weights import MtpWeights
 from shared.protocol import StepRow
 
 
-class MtpCache:
-    """The MTP layer's KV plane: the target cache's geometry, one layer."""
+class MtpCache(KVCache):
+    """The MTP layer's KV plane: the target cache's geometry, one layer (its blocks read
+    and written as a KVCache's, so a spill carries them with the target's)."""
 
-    def __init__(self, target: KVCache) -> None:
-        shape = target.k[0].shape
-        self.k = torch.zeros(shape, dtype=target.k[0].dtype, device=target.k[0].device)
-        self.v = self.k if target.planes == 1 else torch.zeros_like(self.k)
+    def __init__(self, target: KVCache) -> None:  # not KVCache's: no config to size from
+        self.num_blocks, self.pad_block = target.num_blocks, target.pad_block
+        self.block_size, self.planes = target.block_size, target.planes
+        self.k = [torch.zeros_like(target.k[0])]
+        self.v = self.k if target.planes == 1 else [torch.zeros_like(target.k[0])]
 
 
 def mtp_forward(
@@ -54,7 +56,7 @@ def mtp_forward(
         dim=-1,
     )
     x = ops.linear(joined, weights.eh_proj)  # [T, H]
-    x, residual = model.decoder_layer(x, None, weights.layer, batch, cache.k, cache.v)
+    x, residual = model.decoder_layer(x, None, weights.layer, batch, cache.k[0], cache.v[0])
     out = x + residual
     idx = batch.logits_indices
     last = out if idx is None else out[idx]

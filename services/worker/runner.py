@@ -43,6 +43,7 @@ import torch
 from kernels.ops import select_ops
 from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
 from services.worker.draft_model import DraftModelDrafter
+from services.worker.draft_states import DraftStates
 from services.worker.ep_group import agree_num_blocks, join_group
 from services.worker.expert_parallel import ExpertGroup
 from services.worker.hybrid_model import HybridModel, load_hybrid_model
@@ -147,8 +148,11 @@ class ModelRunner:
         # A hybrid model's recurrent states, and per slot (sequence, tokens consumed).
         self.state_pool = state_pool
         self.state_tokens: dict[int, tuple[str, int]] = {}
-        # Snapshots of states at block boundaries (prefix caching); the scheduler names them.
+        # Snapshots of states at block boundaries (prefix caching); the scheduler names the
+        # first num_state_snapshots of them, the rest keep states at draft positions.
         self.state_snapshots = state_snapshots
+        self.num_state_snapshots = 0 if state_snapshots is None else state_snapshots.num_slots
+        self.draft_states: DraftStates | None = None
         if kv_transfer is not None:
             kv_transfer.state_pool = state_pool
             kv_transfer.state_snapshots = state_snapshots
@@ -254,10 +258,13 @@ class ModelRunner:
         for out in result.rows:
             self.last_token[out.seq_id] = (out.extra_token_ids or [out.token_id])[-1]
         if self.state_pool is not None:
+            extra = {out.seq_id: len(out.extra_token_ids) for out in result.rows}
             for row in rows:
                 slot = self.sequences[row.seq_id].state_slot
                 assert slot is not None
-                self.state_tokens[slot] = (row.seq_id, row.start_pos + row_length(row))
+                # A row with drafts: its state stands after the accepted ones.
+                end = row.start_pos + row_length(row) - row.num_draft_tokens
+                self.state_tokens[slot] = (row.seq_id, end + extra.get(row.seq_id, 0))
         self.num_steps += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -310,7 +317,7 @@ class ModelRunner:
                 error="the recurrent state is not at the spilled tokens",
             )
         start_ns = self.wall_clock_ns()
-        outcome = self.kv_transfer.spill(order)
+        outcome = self.kv_transfer.spill(order, self.drafter_caches())
         self.last_kv_io.append(
             KVIo("spill", order.seq_id, order.traceparent, outcome.ok, outcome.num_bytes,
                  start_ns, self.wall_clock_ns())
@@ -322,7 +329,7 @@ class ModelRunner:
             return False
         before = self.kv_transfer.counters.restored_bytes
         start_ns = self.wall_clock_ns()
-        ok = self.kv_transfer.restore(order)
+        ok = self.kv_transfer.restore(order, self.drafter_caches())
         if ok and order.state_slot is not None:
             self.state_tokens[order.state_slot] = (order.seq_id, order.state_tokens)
         num_bytes = self.kv_transfer.counters.restored_bytes - before
@@ -331,6 +338,15 @@ class ModelRunner:
                  start_ns, self.wall_clock_ns())
         )  # fmt: skip
         return ok
+
+    def drafter_caches(self) -> list[KVCache]:
+        """The drafter's caches under the target's block ids: they leave and come back
+        with the target's blocks."""
+        if self.mtp is not None:
+            return [self.mtp.cache]
+        if self.draft is not None:
+            return [self.draft.cache]
+        return []
 
     def _bring_kv_in(self, plan: StepPlan) -> list[str]:
         """Restores and prefix loads; the sequences whose KV could not be read."""
@@ -417,7 +433,7 @@ class ModelRunner:
         return sequences
 
     def _check_snapshots(self, plan: StepPlan, sequences: dict[str, SequenceState]) -> None:
-        count = 0 if self.state_snapshots is None else self.state_snapshots.num_slots
+        count = self.num_state_snapshots
         wanted = [c.snapshot for c in plan.state_copies]
         wanted += [s.snapshot for row in plan.rows for s in row.state_snapshots]
         bad = [s for s in wanted if not 0 <= s < count]
@@ -516,6 +532,8 @@ class ModelRunner:
             )
         accept_start = self.timer()
         emitted = verify_drafts(prepared.drafts, token_ids, logprobs)
+        if self.draft_states is not None and any(prepared.drafts):
+            self._settle_states(rows, [len(tokens) - 1 for tokens, _ in emitted])
         accept_s = self.timer() - accept_start
         if group is not None:  # the other ranks feed these to their run-ahead rows
             group.share([tokens for tokens, _ in emitted])
@@ -560,6 +578,17 @@ class ModelRunner:
             for row, (tokens, lps), row_drafts_ in zip(sampled_rows, emitted, drafts, strict=True)
         ]
         return results, phases
+
+    def _settle_states(self, rows: Sequence[StepRow], accepted: Sequence[int]) -> None:
+        """A hybrid model: each row with drafts gets the state after its accepted ones
+        (`accepted`: per sampling row)."""
+        assert self.draft_states is not None and self.state_pool is not None
+        assert self.state_snapshots is not None
+        stood = [n for n, row in zip(accepted, (r for r in rows if r.sample), strict=True)
+                 if row.num_draft_tokens]  # fmt: skip
+        slots = [self.sequences[row.seq_id].state_slot or 0 for row in rows]
+        with torch.inference_mode():
+            self.draft_states.settle(self.state_pool, self.state_snapshots, rows, slots, stood)
 
     def _held_positions(self, seq_id: str) -> int:
         """Positions the sequence's blocks hold (within the model's length)."""
@@ -624,7 +653,8 @@ class ModelRunner:
         """The step's index tensors, built on the host (then moved in one copy per tensor).
         A row with drafts runs as one-token rows, one per position (see
         `speculative.as_decode_rows`)."""
-        if any(row.num_draft_tokens for row in rows):
+        # A hybrid model's rows run whole: their recurrent state passes token to token.
+        if self.state_pool is None and any(row.num_draft_tokens for row in rows):
             rows = as_decode_rows(rows)
         if all(row.feed_last or len(row.token_ids) == 1 for row in rows):
             return self._decode_batch(rows)
@@ -679,14 +709,17 @@ class ModelRunner:
         if self.state_pool is None:
             return {}
         slots_of = [self.sequences[row.seq_id].state_slot for row in rows]
+        takes = [
+            (r, snap.num_tokens - 1, snap.snapshot)
+            for r, row in enumerate(rows)
+            for snap in row.state_snapshots
+        ]
+        if self.draft_states is not None:
+            takes += self.draft_states.takes(rows)
         return {
             "state_slots": torch.tensor(slots_of, dtype=torch.int64),
             "state_fresh": torch.tensor([row.start_pos == 0 for row in rows], dtype=torch.bool),
-            "state_takes": tuple(
-                (r, snap.num_tokens - 1, snap.snapshot)
-                for r, row in enumerate(rows)
-                for snap in row.state_snapshots
-            ),
+            "state_takes": tuple(takes),
         }
 
     def _decode_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
@@ -840,8 +873,12 @@ def load_hybrid_runner(
     num_slots = settings.state_slots or settings.max_batch
     pool = model.new_state_pool(num_slots)
     num_snapshots = num_slots if settings.state_snapshots is None else settings.state_snapshots
-    snapshots = model.new_state_pool(num_snapshots) if num_snapshots else None
-    pool_bytes = (num_slots + num_snapshots) * slot_bytes(pool.specs)
+    # Speculative decoding: the states at each draft position, after the snapshots.
+    k_max = settings.num_speculative_tokens if settings.speculative != "none" else 0
+    num_scratch = DraftStates.count(num_slots, k_max)
+    total = num_snapshots + num_scratch
+    snapshots = model.new_state_pool(total) if total else None
+    pool_bytes = (num_slots + total) * slot_bytes(pool.specs)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         config,
         settings.block_size,
@@ -866,6 +903,9 @@ def load_hybrid_runner(
         state_pool=pool,
         state_snapshots=snapshots,
     )
+    runner.num_state_snapshots = num_snapshots
+    if num_scratch:
+        runner.draft_states = DraftStates(base=num_snapshots, k_max=k_max)
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
     return runner, source.model_id
 

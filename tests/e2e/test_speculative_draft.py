@@ -1,6 +1,6 @@
 """`spillway up --speculative draft --draft-model MODEL` end to end, the model as its own
 draft: concurrent greedy requests come out exactly as transformers' greedy decoding of
-the same weights, and every draft stands."""
+the same weights (one cut by a stop string), and every draft stands."""
 
 from __future__ import annotations
 
@@ -49,10 +49,20 @@ def test_the_model_as_its_own_draft_end_to_end(draft_system, model_dir, referenc
         assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
         wants.append(want)
     bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    # A stop string from the middle of the first output: the text ends before it, though
+    # the row that produced it may have verified drafts past it.
+    first_text = reference_tokenizer.decode(wants[0], skip_special_tokens=True)
+    stop = first_text[len(first_text) // 2 : len(first_text) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    bodies.append({"prompt": prompts[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                   "stop": [stop]})  # fmt: skip
     replies, metrics = post_all(draft_system.url, bodies)
-    for r, want in zip(replies, wants, strict=True):
+    for r, want in zip(replies, wants, strict=False):
         assert r.status_code == 200, r.text
         assert token_ids(r) == want
+    stopped = replies[-1].json()["choices"][0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == first_text[: first_text.index(stop)]
 
     drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
     accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")

@@ -22,7 +22,11 @@ def test_ngram_is_served_and_the_other_methods_only_with_what_they_need():
 
 
 def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
-    reason = speculation_refusal(Settings(speculative="ngram"), HYBRID)  # type: ignore[arg-type]
+    # A hybrid model keeps its state at each draft position for n-gram drafts; no
+    # drafter model runs beside it.
+    assert speculation_refusal(Settings(speculative="ngram"), HYBRID) is None  # type: ignore[arg-type]
+    settings = Settings(speculative="draft", draft_model="some/model")
+    reason = speculation_refusal(settings, HYBRID)  # type: ignore[arg-type]
     assert reason is not None and "qwen3_next" in reason
     settings = Settings(speculative="ngram", expert_parallel=2)
     reason = speculation_refusal(settings, DENSE)  # type: ignore[arg-type]

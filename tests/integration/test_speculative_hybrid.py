@@ -1,0 +1,129 @@
+"""N-gram speculative decoding on hybrid models (Granite 4.0-H, Qwen3-Next): the real
+scheduler core driving the real model runner in one process. A row's recurrent state is
+kept at each draft position until the samples say which drafts stand, so concurrent
+greedy requests (some with something to copy, whose drafts stand, some whose drafts
+fall) equal transformers' greedy decoding and `--speculative none` token for token,
+also under KV pressure (spilled with the recurrent state)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
+from services.worker.kv_transfer import KVTransfer, connect_kv_store
+from services.worker.runner import load_runner
+from services.worker.service import worker_info
+from shared.clock import FakeClock
+from shared.config import load_settings
+from shared.protocol import SamplingParams, SubmitRequest
+from shared.spill_keys import SpillKeys
+from tests.integration.in_process import drive
+from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12] * 3,
+    [(7 * j) % 200 + 3 for j in range(13)],
+    [40, 41, 42, 40, 41, 43, 40, 41, 42, 40, 41],
+    [(3 * j * j + 1) % 240 + 3 for j in range(19)],
+]
+NEW_TOKENS = 32
+K = 3
+
+
+KEEP = slice(5, 17)  # the only tokens the model ever picks
+QUIET = 0.04  # how much of their output the layers add to the residual stream
+
+
+def save_repetitive_hybrid(folder: Path, family: str) -> Path:
+    """The tiny random model of the family, made to repeat itself: its output layer picks
+    among a dozen tokens only (the other rows scaled down), and its layers' output
+    projections are scaled down so that the last token weighs most. Its outputs fall into
+    loops that lookups find, while the recurrent states still steer them: a row that went
+    on from the state after a rejected draft would come out different."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_family(folder, family)
+    (path,) = folder.glob("model*.safetensors")
+    weights = load_file(str(path))
+    head = weights["lm_head.weight"]
+    keep = head[KEEP].clone() * 3.0
+    head.mul_(0.01)
+    head[KEEP] = keep
+    for name, t in weights.items():
+        if any(s in name for s in ("out_proj", "o_proj", "down_proj", "output_linear")):
+            t.mul_(QUIET)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
+def family_dir(request, tmp_path_factory):
+    return save_repetitive_hybrid(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def want(family_dir) -> dict[str, list[int]]:
+    reference = load_reference(family_dir)
+    out = {}
+    for i, prompt in enumerate(PROMPTS):
+        tokens, gap = reference_greedy(reference, prompt, NEW_TOKENS)
+        assert gap > 1e-3  # clear greedy choices: equality is meaningful
+        out[f"r{i}"] = tokens
+    return out
+
+
+def _serve(family_dir, speculative: str, kv_blocks: int = 64, spill_to: str | None = None):
+    settings = load_settings(
+        model=str(family_dir), kv_blocks=kv_blocks, block_size=4, state_slots=4,
+        device="cpu", dtype="float32", speculative=speculative, num_speculative_tokens=K,
+    )  # fmt: skip
+    runner, _ = load_runner(settings)
+    config = SchedulerConfig(
+        max_batch=4, max_num_batched_tokens=24, speculative=speculative,  # type: ignore[arg-type]
+        num_speculative_tokens=K, spec_draft_cost=0.1,
+    )  # fmt: skip
+    if spill_to is not None:
+        config = replace(config, preemption_mode="spill", spill_store=True)
+        store = connect_kv_store(spill_to, 2.0)
+        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
+        runner.kv_transfer.state_pool = runner.state_pool
+    core = SchedulerCore(FakeClock(), config)
+    core.attach_worker(worker_info("w", "tiny", runner))
+    if spill_to is not None:
+        core.spill_store_reported(True, 1 << 40)
+    for i, prompt in enumerate(PROMPTS):
+        error = core.add_request(
+            SubmitRequest(
+                request_id=f"r{i}", gateway_id="g", prompt_token_ids=prompt,
+                sampling=SamplingParams(temperature=0.0), max_tokens=NEW_TOKENS,
+                ignore_eos=True,
+            )
+        )  # fmt: skip
+        assert error is None
+    served = drive(core, runner.execute, [f"r{i}" for i in range(len(PROMPTS))])
+    assert core.kv_usage == 0.0 and core.num_swapped == 0
+    return served.outputs, core
+
+
+def test_ngram_drafts_on_a_hybrid_model_equal_transformers(family_dir, want):
+    plain, _ = _serve(family_dir, "none")
+    assert plain == want
+    spec, core = _serve(family_dir, "ngram")
+    assert spec == want
+    assert core.spec is not None
+    totals = core.spec.totals
+    # Drafts stood and drafts fell: both ways the state went on from the right place.
+    assert 0 < totals.accepted_tokens < totals.draft_tokens
+
+
+def test_ngram_drafts_on_a_hybrid_model_under_kv_pressure(family_dir, want, redis_url):
+    """A spill carries the state as it stands after the accepted drafts (a recompute
+    starts from zero: nothing of the drafts to get wrong)."""
+    spilled, core = _serve(family_dir, "ngram", kv_blocks=18, spill_to=redis_url)
+    assert core.preemptions["spill"] > 0 and core.swap_ins > 0
+    assert spilled == want

@@ -30,7 +30,14 @@ from typing import Generic, Literal, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_layers, cpu_decode_ops, cpu_matvec, cpu_native, ssm_reference
+from kernels import (
+    cpu_decode_layers,
+    cpu_decode_ops,
+    cpu_matmul_q8,
+    cpu_matvec,
+    cpu_native,
+    ssm_reference,
+)
 from kernels._jit import interpreting
 from kernels.cpu_decode_layers import Geometry, LayerTensors
 from kernels.cpu_matvec import BlockWeight
@@ -286,8 +293,11 @@ class TorchOps:
             if native == "auto"
             else None
         )
+        int8 = quantize == "int8"
+        # Many-row int8 products: the native kernel where it builds, else fbgemm.
+        matmul = cpu_matmul_q8.load(native_dir) if int8 and native == "auto" else None
         self._linear = (
-            Int8Linear(matvec=matvec) if quantize == "int8" else PackedLinear(matvec=matvec)
+            Int8Linear(matvec=matvec, matmul=matmul) if int8 else PackedLinear(matvec=matvec)
         )
         self._experts = CpuExperts(matvec)
         self._gather_buffers = GatherBuffers()

@@ -29,6 +29,11 @@ GROUP = 16
 # A product under this many multiply-adds runs on one thread (waking the sleeping OpenMP
 # thread costs about what a product this small takes).
 PARALLEL_MIN_WORK = 1 << 21
+# The dot products with which it beats fbgemm at every batch measured (8-64 rows, the
+# 121 projections of SmolLM2-135M, 2 threads, a loaded 2-core Xeon: 2.5x at 8 and 16 rows,
+# 1.1-1.2x at 32 and 64). Its 256-bit builds (AVX-VNNI, AVX2) lost to fbgemm from 16 rows
+# on that machine (1.2-3.4x slower at 64): `load_faster` leaves them to tests and benchmarks.
+FASTER_THAN_FBGEMM = frozenset({"avx512_vnni"})
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -111,3 +116,10 @@ def load(
         return None
     kernels = MatmulQ8Kernels(library)
     return kernels if kernels.int8_dot is not None else None
+
+
+def load_faster(cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR) -> MatmulQ8Kernels | None:
+    """The kernel where this CPU's best dot product makes it faster than fbgemm
+    (FASTER_THAN_FBGEMM), else None."""
+    kernels = load(cache_dir)
+    return kernels if kernels is not None and kernels.int8_dot in FASTER_THAN_FBGEMM else None

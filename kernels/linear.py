@@ -223,10 +223,12 @@ class Int8Linear(PackedLinear):
     int8 kernel, which quantizes activations per block of 64 values (an outlier costs only
     its own block).
 
-    More rows go to `matmul` where given (`kernels.cpu_matmul_q8`, built where the CPU has
-    AVX2): the same int8 arithmetic as the few-row int8 kernel (weights per output row,
-    activations per block of 64 in 8 bits), faster than fbgemm at every batch measured and
-    closer to float32 than its 7-bit activations; fbgemm keeps what it does not take.
+    More rows go to `matmul` where given (`kernels.cpu_matmul_q8`; `TorchOps` gives it where
+    the CPU has AVX-512 VNNI): the same int8 arithmetic as the few-row int8 kernel (weights
+    per output row, activations per block of 64 in 8 bits), faster than fbgemm at every
+    batch measured and closer to float32 than its 7-bit per-row activations (perplexity of
+    the bench text read 128 tokens at a time: float32 38.404, fbgemm 40.299, this 38.329);
+    fbgemm keeps what it does not take.
     """
 
     def __init__(

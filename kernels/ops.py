@@ -300,8 +300,8 @@ class TorchOps:
         # 452 against 6518), but round differently from torch: the int8 mode, whose outputs
         # are not float32's anyway, takes them at any size, the exact mode at a few rows.
         self._elementwise_rows = None if int8 else cpu_decode_ops.MAX_ROWS
-        # Many-row int8 products: the native kernel where it builds, else fbgemm.
-        matmul = cpu_matmul_q8.load(native_dir) if int8 and native == "auto" else None
+        # Many-row int8 products: the native kernel where it beats fbgemm, else fbgemm.
+        matmul = cpu_matmul_q8.load_faster(native_dir) if int8 and native == "auto" else None
         self._linear = (
             Int8Linear(matvec=matvec, matmul=matmul) if int8 else PackedLinear(matvec=matvec)
         )

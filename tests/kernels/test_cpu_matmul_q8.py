@@ -105,3 +105,11 @@ def test_int8_linear_sends_batches_to_the_native_product(builds, tmp_path):
     narrow = w[:, :96].contiguous()  # 96 inputs: not in blocks of 64, fbgemm
     assert int8(x[:, :96], narrow).shape == (MAX_ROWS + 3, 64)
     assert len(int8) == 2
+
+
+def test_serving_takes_the_kernel_only_where_it_beats_fbgemm(tmp_path):
+    from kernels.cpu_info import int8_dot
+
+    kernels = cpu_matmul_q8.load_faster(tmp_path)
+    fast = int8_dot() in cpu_matmul_q8.FASTER_THAN_FBGEMM
+    assert (kernels is not None) == (fast and cpu_matmul_q8.load(tmp_path) is not None)

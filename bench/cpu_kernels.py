@@ -157,6 +157,46 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     return out
 
 
+def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
+    """All projections of one forward in `--quantize int8` above the few-row kernels' rows:
+    fbgemm's dynamic int8 linear (per-row activation scales, `Int8Linear` without native
+    kernels) against the native int8 product (`cpu_matmul_q8`, once per 8-bit dot product
+    this CPU runs). Differences are against float32 (oneDNN)."""
+    from kernels import cpu_matmul_q8
+    from kernels.cpu_info import int8_dots
+    from kernels.linear import Int8Linear, int8_available
+
+    gen = torch.Generator().manual_seed(3)
+    h, i = shape.hidden, shape.intermediate
+    qkv_out = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
+    sizes = [(qkv_out, h), (h, shape.q_heads * shape.head_dim), (2 * i, h), (h, i)]
+    weights = [
+        torch.randn(n, k, generator=gen) / k**0.5 for _ in range(shape.layers) for n, k in sizes
+    ] + [torch.randn(shape.vocab, h, generator=gen) / h**0.5]
+    projections: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+    projections["float32 (oneDNN)"] = PackedLinear()
+    if int8_available():
+        projections["int8 fbgemm"] = Int8Linear()
+    for dot in int8_dots():
+        kernels = cpu_matmul_q8.load(dot=dot)
+        if kernels is not None:
+            projections[f"int8 native ({dot})"] = Int8Linear(matmul=kernels)
+    out: list[Row] = []
+    with torch.inference_mode():
+        for m in rows:
+            inputs = {k: torch.randn(m, k, generator=gen) for k in (h, i)}
+            forms = {
+                name: (lambda p=p, xs=inputs: [p(xs[w.shape[1]], w) for w in weights])
+                for name, p in projections.items()
+            }
+            results = {name: fn() for name, fn in forms.items()}
+            first = next(iter(results.values()))
+            for name, ms in _median_ms(forms, rounds).items():
+                size = f"M={m} x {len(weights)} weights"
+                out.append(Row("linear (int8)", name, size, ms, _max_diff(results[name], first)))
+    return out
+
+
 def bench_decode_attention(shape: Shape, batch: int, context: int, rounds: int) -> list[Row]:
     """One decode step's attention over every layer's cache, rows of about `context`."""
     gen = torch.Generator().manual_seed(1)
@@ -208,6 +248,13 @@ def format_rows(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 400])
+    parser.add_argument(
+        "--int8-rows",
+        type=int,
+        nargs="*",
+        default=[8, 16, 32, 64],
+        help="rows at which to time the int8 mode's many-row products (none: skip)",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=7)
@@ -220,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads: {torch.get_num_threads()}   oneDNN packing: {onednn_packing_available()}")
     rows = bench_linear(shape, args.rows, args.rounds)
     rows += bench_block_linear(shape, args.rows, args.rounds)
+    if args.int8_rows:
+        rows += bench_int8_rows(shape, args.int8_rows, args.rounds)
     rows += bench_decode_attention(shape, args.batch, args.context, args.rounds)
     print(format_rows(rows))
     return 0

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_matmul_q8 import MatmulQ8Kernels, PackedQ8, pack, packable
 from kernels.cpu_matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
@@ -221,13 +222,40 @@ class Int8Linear(PackedLinear):
     way): 0.625 bytes a Q4_1 weight, the file's own values. Any other weight goes to the
     int8 kernel, which quantizes activations per block of 64 values (an outlier costs only
     its own block).
+
+    More rows go to `matmul` where given (`kernels.cpu_matmul_q8`; `TorchOps` gives it where
+    the CPU has AVX-512 VNNI): the same int8 arithmetic as the few-row int8 kernel (weights
+    per output row, activations per block of 64 in 8 bits), faster than fbgemm at every
+    batch measured and closer to float32 than its 7-bit per-row activations (perplexity of
+    the bench text read 128 tokens at a time: float32 38.404, fbgemm 40.299, this 38.329);
+    fbgemm keeps what it does not take.
     """
 
-    def __init__(self, enabled: bool | None = None, matvec: MatvecKernels | None = None) -> None:
+    def __init__(
+        self,
+        enabled: bool | None = None,
+        matvec: MatvecKernels | None = None,
+        matmul: MatmulQ8Kernels | None = None,
+    ) -> None:
         super().__init__(int8_available() if enabled is None else enabled, matvec)
+        self.matmul = matmul
         self._q8 = WeightCache(quantize_q8)
+        self._rows = WeightCache(_pack_rows)
         # id(weight) -> its blocks' integer form (one object per weight: callers key on it)
         self._integer: dict[int, IntegerBlocks] = {}
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if (
+            self.matmul is not None
+            and self._packable(x, weight, bias)
+            and not (self.matvec is not None and self._few_rows(x, weight, bias))
+        ):
+            packed = self._rows.get(weight)
+            if packed is not None and self.matmul.fits(x, packed, bias):
+                return self.matmul.linear(x, packed, bias)
+        return super().__call__(x, weight, bias)
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
@@ -269,6 +297,11 @@ class Int8Linear(PackedLinear):
         y.mul_(row_scale)
         # Added here, not packed: the packing is kept per weight, whatever the bias.
         return y if bias is None else y.add_(bias)
+
+
+def _pack_rows(weight: torch.Tensor) -> PackedQ8 | None:
+    """The weight in int8 packed for `cpu_matmul_q8`; None for a shape it does not take."""
+    return pack(quantize_q8(weight)) if packable(tuple(weight.shape)) else None
 
 
 def _forgetter(

@@ -36,6 +36,8 @@ from services.worker.window_attention import windowed_paged_attention
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
+# Rows of warm_up's second pass: more than the few-row kernels take (cpu_matvec.MAX_ROWS).
+WARM_UP_ROWS = 8
 
 
 @dataclass
@@ -161,15 +163,18 @@ class LlamaModel:
         return self.weights.dtype
 
     def warm_up(self) -> None:
-        """Runs every projection once, so one-time work (the CPU backend packs each weight
-        for its BLAS on first use) happens at start-up, not in the first request."""
+        """Runs every projection at one row and at WARM_UP_ROWS, so one-time work (the CPU
+        backend packs each weight for its BLAS, or in int8 for its integer kernels, on first
+        use, in a form for a few rows and another for many) happens at start-up, not in the
+        first requests."""
         w = self.weights
         per_layer = [(x.qkv, x.o, x.gate_up) for x in w.layers] + [(x.down,) for x in w.layers]
         projections = [t for group in per_layer for t in group if t is not None] + [w.lm_head]
         with torch.inference_mode():
             for weight in projections:
-                x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                self.ops.linear(x, weight)
+                for rows in (1, WARM_UP_ROWS):
+                    x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                    self.ops.linear(x, weight)
         tune = getattr(self.ops, "tune_few_rows", None)
         if tune is not None and self.device.type == "cpu":
             choice = tune(projections)

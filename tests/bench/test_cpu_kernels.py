@@ -21,5 +21,20 @@ def test_cpu_bench_forms_agree_at_toy_sizes(capsys) -> None:
 
 
 def test_cpu_bench_main_prints_a_table(capsys) -> None:
-    assert cpu_kernels.main(["--rows", "2", "--layers", "1", "--rounds", "1", "--batch", "2"]) == 0
+    args = ["--rows", "2", "--layers", "1", "--rounds", "1", "--batch", "2", "--int8-rows", "5"]
+    assert cpu_kernels.main(args) == 0
     assert "oneDNN packing" in capsys.readouterr().out
+
+
+def test_int8_rows_forms_are_near_float32_at_toy_sizes() -> None:
+    from kernels.linear import int8_available
+
+    shape = cpu_kernels.Shape(
+        layers=1, hidden=64, intermediate=128, q_heads=4, kv_heads=2, head_dim=16, vocab=112
+    )
+    rows = cpu_kernels.bench_int8_rows(shape, [6], rounds=1)
+    forms = {r.form for r in rows}
+    assert "float32 (oneDNN)" in forms
+    assert int8_available() <= ("int8 fbgemm" in forms)
+    for row in rows:  # int8 activations and weights: about 1% of outputs of unit scale
+        assert row.ms > 0 and row.max_abs_diff < 0.2, row

@@ -113,3 +113,26 @@ def test_torch_ops_take_the_native_path_for_few_rows_only(tmp_path, monkeypatch)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
         native = rows <= cpu_decode_ops.MAX_ROWS
         assert torch_path == ([] if native else ["fused_add_rms_norm_ref", "store_kv_ref"])
+
+
+def test_the_int8_mode_takes_the_native_path_at_any_row_count(tmp_path, monkeypatch):
+    int8_ops = TorchOps(native_dir=tmp_path, quantize="int8")
+    if int8_ops.decode_ops is None:
+        pytest.skip("no C compiler here")
+    torch_path: list[str] = []
+
+    def counted(*args, **kwargs):
+        torch_path.append("fused_add_rms_norm_ref")
+        return fused_add_rms_norm_ref(*args, **kwargs)
+
+    monkeypatch.setattr("kernels.ops.fused_add_rms_norm_ref", counted)
+    g = torch.Generator().manual_seed(6)
+    rows = 4 * cpu_decode_ops.MAX_ROWS + 3
+    x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+    weight = torch.randn(64, generator=g)
+    want, _ = fused_add_rms_norm_ref(x, residual.clone(), weight, EPS)
+    got, _ = int8_ops.fused_add_rms_norm(x, residual, weight, EPS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch_path == []
+    gate_up = torch.randn(rows, 2 * 96, generator=g)
+    assert torch.equal(int8_ops.silu_mul(gate_up), int8_ops.decode_ops.silu_mul(gate_up))

@@ -46,6 +46,17 @@ def test_int8_projections_change_outputs_a_little(runner):
         perplexity(m, TEXT[:1])
 
 
+def test_warm_up_makes_the_int8_many_row_forms_too(runner):
+    m = runner.model
+    ops = TorchOps(quantize="int8")
+    LlamaModel(m.config, m.weights, ops).warm_up()
+    projections = 4 * m.config.num_layers + 1  # qkv, o, gate_up, down; the lm_head
+    linear = ops._linear
+    # the native int8 product's packed weights where it is built, else fbgemm's
+    made = len(linear._rows) if linear.matmul is not None else len(linear)
+    assert made == projections
+
+
 def test_a_step_reports_its_phases(runner):
     runner.execute(StepPlan(step_id=0, finished_seq_ids=list(runner.sequences)))
     new = NewSequence(seq_id="p", sampling=SamplingParams(temperature=0.0), block_ids=[0, 1])

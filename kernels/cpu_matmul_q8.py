@@ -1,0 +1,125 @@
+"""Native int8 products of many rows (`native/matmul_q8.c`), for `--quantize int8` at batch.
+
+At one to four rows the int8 mode streams weights (`kernels.cpu_matvec`); above that it went
+to fbgemm's dynamic int8 linear, which quantizes x with one scale per call (per row after
+`Int8Linear`'s division) in 7 bits. `linear_q8_rows` is `cpu_matvec.linear_q8`'s arithmetic
+for any number of rows: int8 weights with one scale per output row, x quantized here per
+block of 64 values in 8 bits, products summed as int32 with VNNI's dpbusd, on weights packed
+once so that each instruction gives 16 outputs' sums (matmul_q8.c says how). Its outputs are
+the same to the bit on every 8-bit dot product a CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2).
+
+Measured figures are in `bench.cpu_kernels` (`--rows`) and the README.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_native
+from kernels.cpu_matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
+from kernels.cpu_matvec import compile_flags as matvec_flags
+
+SOURCE = Path(__file__).with_name("native") / "matmul_q8.c"
+# Outputs per packed group (COLS in matmul_q8.c): N must be a multiple of it.
+GROUP = 16
+# A product under this many multiply-adds runs on one thread (waking the sleeping OpenMP
+# thread costs about what a product this small takes).
+PARALLEL_MIN_WORK = 1 << 21
+# The dot products with which it beats fbgemm at every batch measured (8-64 rows, the
+# 121 projections of SmolLM2-135M, 2 threads, a loaded 2-core Xeon: 2.5x at 8 and 16 rows,
+# 1.1-1.2x at 32 and 64). Its 256-bit builds (AVX-VNNI, AVX2) lost to fbgemm from 16 rows
+# on that machine (1.2-3.4x slower at 64): `load_faster` leaves them to tests and benchmarks.
+FASTER_THAN_FBGEMM = frozenset({"avx512_vnni"})
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class PackedQ8:
+    """An int8 weight packed for `linear_q8_rows`: W ~ q * scales[:, None]."""
+
+    packed: torch.Tensor  # [N / 16, K / 4, 16, 4] int8: 16 outputs' 4 bytes side by side
+    neg: torch.Tensor  # [N / 16, K / 64, 16] int32: -128 * sum of q over each block of 64
+    scales: torch.Tensor  # [N] float32
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.in_features
+
+
+def packable(shape: tuple[int, ...]) -> bool:
+    """Whether a weight of this [N, K] shape can be packed (and its int8 form made)."""
+    return len(shape) == 2 and shape[0] % GROUP == 0 and shape[1] % Q8_BLOCK == 0
+
+
+def pack(weight: Q8Weight) -> PackedQ8:
+    """`weight` in the layout the kernel reads (see PackedQ8)."""
+    q = weight.q
+    n, k = q.shape
+    assert packable(q.shape), f"cannot pack {n} x {k}: N % {GROUP} or K % {Q8_BLOCK}"
+    packed = q.view(n // GROUP, GROUP, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    sums = q.view(n, k // Q8_BLOCK, Q8_BLOCK).sum(dim=-1, dtype=torch.int32)  # [N, K / 64]
+    neg = (-128 * sums).view(n // GROUP, GROUP, -1).permute(0, 2, 1).contiguous()
+    return PackedQ8(packed, neg, weight.scales.contiguous(), k)
+
+
+class MatmulQ8Kernels:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        library.matmul_q8_dot.restype = ctypes.c_int
+        # The instruction the integer products use (a name of cpu_info.INT8_DOTS).
+        self.int8_dot = INT8_DOT_CODES.get(int(library.matmul_q8_dot()))
+        fn = library.linear_q8_rows
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
+        self._rows = fn
+        self.parallel_min_work = PARALLEL_MIN_WORK
+
+    def fits(self, x: torch.Tensor, weight: PackedQ8, bias: torch.Tensor | None) -> bool:
+        """Whether `linear` takes x (float32 rows) against this weight and bias."""
+        return (
+            x.dim() == 2
+            and x.shape[0] > 0
+            and x.shape[1] == weight.in_features
+            and x.dtype == torch.float32
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        )
+
+    def linear(self, x: torch.Tensor, weight: PackedQ8, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K], quantized per block of 64 to int8, against an int8 weight with integer
+        products (+ b) -> [M, N] float32."""
+        x = x.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        code = self._rows(
+            x.data_ptr(), m, k, weight.packed.data_ptr(), weight.neg.data_ptr(),
+            weight.scales.data_ptr(), n, None if bias is None else bias.data_ptr(),
+            y.data_ptr(), self.parallel_min_work,
+        )  # fmt: skip
+        if code == -1:
+            raise MemoryError("native int8 product could not allocate its buffers")
+        if code != 0:
+            raise ValueError(f"native int8 product refused {tuple(x.shape)} x {n} ({code})")
+        return y
+
+
+def load(
+    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, dot: str | None = None
+) -> MatmulQ8Kernels | None:
+    """The kernel, built on first use with the 8-bit dot product `dot` (by default the best
+    this CPU has); None where it cannot be built here or this CPU lacks AVX2 and FMA."""
+    library = cpu_native.build(SOURCE, matvec_flags(dot), cache_dir)
+    if library is None:
+        return None
+    kernels = MatmulQ8Kernels(library)
+    return kernels if kernels.int8_dot is not None else None
+
+
+def load_faster(cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR) -> MatmulQ8Kernels | None:
+    """The kernel where this CPU's best dot product makes it faster than fbgemm
+    (FASTER_THAN_FBGEMM), else None."""
+    kernels = load(cache_dir)
+    return kernels if kernels is not None and kernels.int8_dot in FASTER_THAN_FBGEMM else None

@@ -1,0 +1,254 @@
+/* y ~ x W^T + b for many rows (a batch's decode step, a prefill chunk) with W in int8, one
+ * float32 scale per output row, and x quantized here to int8 per block of 64 values (one
+ * scale per block: an outlier costs only its own block), products summed as integers. The
+ * arithmetic of matvec.c's linear_q8 (a few rows), laid out for a batch:
+ *
+ *   y[i, j] = sw[j] * sum over blocks b of sx[i, b] * sum_{k in b}(qx[i, k] qw[j, k]) + bias[j]
+ *
+ * W comes packed (`pack` in cpu_matmul_q8.py): groups of 16 output rows, and within a group
+ * for each 4 consecutive k the 16 rows' 4 bytes side by side, so that one 64-byte load holds
+ * 16 outputs x 4 products. One input row's 4 bytes broadcast to every lane then give 16
+ * outputs' partial sums per instruction (AVX-512 VNNI's dpbusd: 64 products into 16 int32
+ * lanes), no horizontal sums. A register tile holds 4 input rows x 64 outputs; each block of
+ * 64 k ends with the int32 sums turned to float and scaled by the rows' block scales.
+ *
+ * dpbusd multiplies unsigned by signed bytes: x is stored as q + 128 and each lane starts
+ * from -128 times its weight's sum over the block (`neg`), which takes the 128s back out.
+ * Without AVX-512 VNNI the same runs in 256-bit halves of each group, with AVX-VNNI's
+ * dpbusd the same way, or with AVX2's maddubs + madd on |x| and w with x's sign (both in
+ * -127..127: a pair's sum never saturates 16 bits). Every path sums the same integers and
+ * does the same float operations per output, so the outputs are the same to the bit.
+ *
+ * x [M, K] and y [M, N] are contiguous float32; bias may be NULL; K is a multiple of 64 and
+ * N of 16. Threads (OpenMP, the runtime torch uses) split the groups of 64 outputs; a
+ * product under `parallel_min_work` multiply-adds runs on the calling thread alone.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#define QB 64   /* activation block: 16 groups of 4 k */
+#define COLS 16 /* outputs per packed group */
+#define ROWS 4  /* input rows per register tile */
+#define GROUPS 4 /* packed groups per register tile (64 outputs) */
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define WIDE 1
+#define INT8_DOT 3
+#elif defined(__AVXVNNI__)
+#define INT8_DOT 2
+#else
+#define INT8_DOT 1
+#endif
+
+/* Which integer dot product the library was built with: 1 AVX2 (maddubs), 2 AVX-VNNI, 3
+ * AVX-512 VNNI. */
+int matmul_q8_dot(void) { return INT8_DOT; }
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* One row of x [k] -> q per block of QB (stored + 128 where the dot product is VNNI's,
+ * signed for AVX2's), scale amax / 127 per block (round to nearest even). */
+static void quantize_row(const float *restrict x, int64_t k, uint8_t *restrict q,
+                         float *restrict sx) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / QB; b++) {
+        const float *p = x + QB * b;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < QB / 8; i++)
+            amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), abs_mask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float top = _mm_cvtss_f32(m4);
+        const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        sx[b] = top / 127.0f;
+        for (int h = 0; h < QB / 32; h++) {
+            __m256i i32[4];
+            for (int i = 0; i < 4; i++)
+                i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + 32 * h + 8 * i), scale));
+            /* packs interleave the 128-bit lanes: the permute puts the values back in order */
+            const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
+            const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
+            __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), order);
+#if INT8_DOT >= 2
+            i8 = _mm256_xor_si256(i8, _mm256_set1_epi8((char)0x80));
+#endif
+            _mm256_storeu_si256((__m256i *)(q + QB * b + 32 * h), i8);
+        }
+    }
+}
+
+#ifdef WIDE
+/* Outputs of packed groups g0 .. g0 + nc - 1 for input rows i0 .. i0 + nr - 1 (nr and nc
+ * literals at each call: the loops unroll, the int32 sums stay in registers). */
+static inline void tile(const uint8_t *restrict xq, const float *restrict sx, int64_t i0,
+                        const int nr, const int8_t *restrict w, const int32_t *restrict neg,
+                        int64_t g0, const int nc, int64_t k, __m512 acc[ROWS][GROUPS]) {
+    const int64_t nb = k / QB;
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nc; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i sum[ROWS][GROUPS];
+        for (int c = 0; c < nc; c++) {
+            const __m512i start = _mm512_loadu_si512(neg + ((g0 + c) * nb + b) * COLS);
+            for (int i = 0; i < nr; i++) sum[i][c] = start;
+        }
+        const int8_t *wb = w + b * QB * COLS;
+        for (int kq = 0; kq < QB / 4; kq++) {
+            __m512i wv[GROUPS];
+            for (int c = 0; c < nc; c++)
+                wv[c] = _mm512_loadu_si512(wb + (g0 + c) * k * COLS + kq * 4 * COLS);
+            for (int i = 0; i < nr; i++) {
+                int32_t four;
+                memcpy(&four, xq + (i0 + i) * k + b * QB + 4 * kq, sizeof four);
+                const __m512i xb = _mm512_set1_epi32(four);
+                for (int c = 0; c < nc; c++) sum[i][c] = _mm512_dpbusd_epi32(sum[i][c], xb, wv[c]);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            const __m512 s = _mm512_set1_ps(sx[(i0 + i) * nb + b]);
+            for (int c = 0; c < nc; c++)
+                acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][c]), s, acc[i][c]);
+        }
+    }
+}
+#else
+/* The same in 256-bit halves of each group (h = 0: outputs 0-7, 1: 8-15). */
+static inline __m256i dot256(__m256i acc, __m256i xb, __m256i w) {
+#if INT8_DOT == 2
+    return _mm256_dpbusd_avx_epi32(acc, xb, w);
+#else
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(w, xb));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline void tile(const uint8_t *restrict xq, const float *restrict sx, int64_t i0,
+                        const int nr, const int8_t *restrict w, const int32_t *restrict neg,
+                        int64_t g0, const int nc, int64_t k, __m256 acc[ROWS][GROUPS][2]) {
+    const int64_t nb = k / QB;
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nc; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int c = 0; c < nc; c++)
+            for (int h = 0; h < 2; h++) {
+                __m256i sum[ROWS];
+#if INT8_DOT == 2
+                const __m256i start =
+                    _mm256_loadu_si256((const __m256i *)(neg + ((g0 + c) * nb + b) * COLS + 8 * h));
+#else
+                const __m256i start = _mm256_setzero_si256();
+#endif
+                for (int i = 0; i < nr; i++) sum[i] = start;
+                const int8_t *wb = w + b * QB * COLS + (g0 + c) * k * COLS + 32 * h;
+                for (int kq = 0; kq < QB / 4; kq++) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + kq * 4 * COLS));
+                    for (int i = 0; i < nr; i++) {
+                        int32_t four;
+                        memcpy(&four, xq + (i0 + i) * k + b * QB + 4 * kq, sizeof four);
+                        sum[i] = dot256(sum[i], _mm256_set1_epi32(four), wv);
+                    }
+                }
+                for (int i = 0; i < nr; i++) {
+                    const __m256 s = _mm256_set1_ps(sx[(i0 + i) * nb + b]);
+                    acc[i][c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), s, acc[i][c][h]);
+                }
+            }
+}
+#endif
+
+/* The tile's outputs scaled by the weight scales (+ bias) into y. */
+static inline void store_tile(int64_t i0, int nr, int64_t g0, int nc, const float *scales,
+                              const float *bias, float *y, int64_t n,
+#ifdef WIDE
+                              __m512 acc[ROWS][GROUPS]
+#else
+                              __m256 acc[ROWS][GROUPS][2]
+#endif
+) {
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nc; c++) {
+            const int64_t j = (g0 + c) * COLS;
+            float *out = y + (i0 + i) * n + j;
+#ifdef WIDE
+            const __m512 sw = _mm512_loadu_ps(scales + j);
+            _mm512_storeu_ps(out, bias ? _mm512_fmadd_ps(acc[i][c], sw, _mm512_loadu_ps(bias + j))
+                                       : _mm512_mul_ps(acc[i][c], sw));
+#else
+            for (int h = 0; h < 2; h++) {
+                const __m256 sw = _mm256_loadu_ps(scales + j + 8 * h);
+                _mm256_storeu_ps(out + 8 * h,
+                                 bias ? _mm256_fmadd_ps(acc[i][c][h], sw, _mm256_loadu_ps(bias + j + 8 * h))
+                                      : _mm256_mul_ps(acc[i][c][h], sw));
+            }
+#endif
+        }
+}
+
+/* Returns 0, -1 when out of memory, -2 when K is not a multiple of 64, N of 16 or M < 1. */
+int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const int32_t *neg,
+                   const float *scales, int64_t n, const float *bias, float *y,
+                   int64_t parallel_min_work) {
+    if (k % QB != 0 || n % COLS != 0 || m < 1) return -2;
+    const int64_t nb = k / QB, groups = n / COLS;
+    uint8_t *xq = malloc((size_t)(m * k));
+    float *sx = malloc((size_t)(m * nb) * sizeof(float));
+    if (!xq || !sx) {
+        free(xq);
+        free(sx);
+        return -1;
+    }
+    for (int64_t i = 0; i < m; i++) quantize_row(x + i * k, k, xq + i * k, sx + i * nb);
+    const int parallel = m * n * k >= parallel_min_work;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t g0 = 0; g0 < groups; g0 += GROUPS) {
+        const int nc = (int)min64(GROUPS, groups - g0);
+        for (int64_t i0 = 0; i0 < m; i0 += ROWS) {
+            const int nr = (int)min64(ROWS, m - i0);
+#ifdef WIDE
+            __m512 acc[ROWS][GROUPS];
+#else
+            __m256 acc[ROWS][GROUPS][2];
+#endif
+/* Literal tile sizes: each gets its own unrolled loops. */
+#define TILE(r, c) tile(xq, sx, i0, r, w, neg, g0, c, k, acc)
+#define COLS_OF(r)                      \
+    switch (nc) {                       \
+    case 1: TILE(r, 1); break;          \
+    case 2: TILE(r, 2); break;          \
+    case 3: TILE(r, 3); break;          \
+    default: TILE(r, 4); break;         \
+    }
+            switch (nr) {
+            case 1: COLS_OF(1); break;
+            case 2: COLS_OF(2); break;
+            case 3: COLS_OF(3); break;
+            default: COLS_OF(4); break;
+            }
+#undef COLS_OF
+#undef TILE
+            store_tile(i0, nr, g0, nc, scales, bias, y, n, acc);
+        }
+    }
+    free(xq);
+    free(sx);
+    return 0;
+}
+#else
+int matmul_q8_dot(void) { return 0; }
+
+int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const int32_t *neg,
+                   const float *scales, int64_t n, const float *bias, float *y,
+                   int64_t parallel_min_work) {
+    (void)x, (void)m, (void)k, (void)w, (void)neg, (void)scales, (void)n, (void)bias, (void)y;
+    (void)parallel_min_work;
+    return -4; /* not built with AVX2 and FMA */
+}
+#endif

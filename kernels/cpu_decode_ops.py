@@ -29,10 +29,10 @@ def compile_flags() -> list[str]:
     return [*cpu_matvec.compile_flags(), "-ffp-contract=off"]
 
 
-def fits(rows: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether `rows` holds at most MAX_ROWS rows (dimension 0) and it and `others` are
+def fits(rows: torch.Tensor, *others: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether `rows` holds at most max_rows rows (dimension 0) and it and `others` are
     float32 CPU tensors."""
-    return rows.shape[0] <= MAX_ROWS and all(
+    return rows.shape[0] <= max_rows and all(
         t.dtype == torch.float32 and t.is_cpu for t in (rows, *others)
     )
 

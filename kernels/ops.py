@@ -490,10 +490,12 @@ class TorchOps:
         return fused_add_rms_norm_ref(x, residual, weight, eps, out=out)
 
     def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # As many rows as a verify step's positions (cpu_matvec.MAX_BLOCK_ROWS): the final
+        # norm of each is then a one-row step's to the bit.
         return (
             self.decode_ops is not None
             and x.dim() == 2
-            and cpu_decode_ops.fits(x, weight)
+            and cpu_decode_ops.fits(x, weight, max_rows=cpu_matvec.MAX_BLOCK_ROWS)
             and weight.is_contiguous()
         )
 

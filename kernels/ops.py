@@ -305,6 +305,21 @@ class TorchOps:
         read those (`PackedLinear.use_blocks`)."""
         self._linear.use_blocks(pairs)
 
+    def verify_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
+        """How many one-token rows a decode step over these projections may hold and still
+        run the native few-row path, where each row is computed exactly as a step of that
+        row alone (a speculative verify's positions); None without that path."""
+        if self._decode_layers is None or self._linear.matvec is None:
+            return None
+        forms = [
+            self._linear.few_row_form(torch.zeros(1, w.shape[1], dtype=w.dtype), w, None)
+            for w in projections
+        ]
+        if any(form is None for form in forms):
+            return None
+        blocks = all(isinstance(form, BlockWeight) for form in forms)
+        return cpu_matvec.MAX_BLOCK_ROWS if blocks else cpu_matvec.MAX_ROWS
+
     def tune_few_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
         """Times a one-row pass over these projections under each threading choice of the
         native few-row kernels and keeps the faster (`MatvecKernels.tune`); returns it, or

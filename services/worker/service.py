@@ -144,6 +144,7 @@ def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInf
         num_state_slots=0 if runner.state_pool is None else runner.state_pool.num_slots,
         state_slot_bytes=0 if runner.state_pool is None else runner.state_pool.slot_bytes(),
         num_state_snapshots=0 if snaps is None else snaps.num_slots,
+        max_verify_tokens=runner.max_verify_tokens,
     )
 
 

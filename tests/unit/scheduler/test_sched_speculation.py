@@ -236,6 +236,21 @@ def test_drafts_shrink_to_the_blocks_that_can_be_had():
     core.check_integrity()
 
 
+def test_drafts_stop_at_the_positions_a_worker_verifies_exactly():
+    """A worker that computes at most 3 positions of a row as one-token steps would (its
+    native few-row path) gets rows of at most 2 drafts, whatever K allows."""
+    config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4, spec_draft_cost=0.0)
+    core = SchedulerCore(FakeClock(), config)
+    info = worker_info(num_kv_blocks=16, block_size=4).model_copy(update={"max_verify_tokens": 3})
+    core.attach_worker(info)
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    plan = core.schedule()
+    assert plan is not None and plan.rows[0].num_draft_tokens == 2
+
+
 def test_mtp_drafts_come_from_the_step_result_and_only_while_fresh():
     core = _core(speculative="mtp", num_speculative_tokens=3)
     _submit(core, max_tokens=50)

@@ -254,3 +254,14 @@ def test_a_verify_step_equals_one_token_steps_to_the_bit(
     assert taken[-1] is not None  # the verify went through the one-call loop
     assert got.shape == (rows, CONFIG.vocab_size)
     assert torch.equal(got, single)
+
+
+def test_the_worker_says_how_many_positions_it_verifies_exactly(weights, block_weights):
+    """What `WorkerInfo.max_verify_tokens` reports: the rows of the native one-call path
+    (more in float32 over the file's blocks, whose kernel converts each block once)."""
+    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+        pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
+    assert _runner(block_weights, "none", True).max_verify_tokens == cpu_matvec.MAX_BLOCK_ROWS
+    assert _runner(block_weights, "int8", True).max_verify_tokens == cpu_matvec.MAX_ROWS
+    assert _runner(weights, "none", True).max_verify_tokens == cpu_matvec.MAX_ROWS
+    assert _runner(weights, "none", False).max_verify_tokens == 0  # no native path: no bound

@@ -27,12 +27,14 @@ with that token (stale ones are dropped: they are only guesses, never needed).
 
 Speculation that does not pay stops. A sequence waits for each step's result before it
 looks up drafts (no row runs ahead of a lookup), so one whose lookups find nothing runs
-ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running mean of the
-share of its drafts accepted; the number of drafts k is the one that maximises the
-expected tokens per unit of step cost (`best_num_drafts`, a draft's cost measured by
-`StepCosts`), and one whose drafts keep failing (or for which no k pays) stops
-speculating for 8 tokens, then 16, ... With many rows a step is compute-bound: above
-`spec_max_batch` running sequences nobody speculates.
+ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running estimate of
+the chance a draft stands once the drafts before it stood (`SpecState.acceptance`); the
+number of drafts k is the one that maximises the expected tokens per unit of step cost
+(`best_num_drafts`, a draft's cost measured by `StepCosts`), so a sequence copying long
+runs drafts up to the cap and one whose drafts mostly fail drafts few; one whose drafts
+keep failing (or for which no k pays) stops speculating for 8 tokens, then 16, ... With
+many rows a step is compute-bound: above `spec_max_batch` running sequences nobody
+speculates.
 """
 
 from __future__ import annotations
@@ -147,10 +149,20 @@ class StepCosts:
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its n-gram index and how its drafts fare."""
+    """One sequence's speculation: its n-gram index and how its drafts fare.
+
+    A verify of k drafts that accepts a < k of them saw a + 1 drafts tried in turn (the
+    ones after the first failure were never in question), a of them standing; one that
+    accepts all k saw k tried, all standing. The chance a draft stands once the ones
+    before it did is estimated as the running sums' ratio, stood / tried: accepted /
+    drafted would mistake the drafts after a failure for failures, and understate it the
+    more, the larger k (at a true 0.9, k = 7 drafts show 0.60), shrinking k for the
+    sequences that copy best."""
 
     index: NgramIndex
-    acceptance: float = PRIOR_ACCEPTANCE  # running mean of accepted / drafted
+    acceptance: float = PRIOR_ACCEPTANCE  # stood / tried: see above
+    stood: float = PRIOR_ACCEPTANCE  # running sums (weights EWMA_WEIGHT) of one verify's
+    tried: float = 1.0  # drafts that stood and drafts that were tried
     paused_until: int = 0  # output tokens: no drafts before this many are out
     backoff: int = BACKOFF_TOKENS
     miss_backoff: int = MISS_BACKOFF_TOKENS
@@ -166,12 +178,16 @@ class SpecState:
     def record(self, num_drafts: int, num_accepted: int, num_output_tokens: int) -> None:
         """A verifying row's outcome (num_drafts == 0: no k paid)."""
         self.miss_backoff = MISS_BACKOFF_TOKENS
-        rate = num_accepted / num_drafts if num_drafts else 0.0
-        self.acceptance += EWMA_WEIGHT * (rate - self.acceptance)
+        # no k paid: counted as one draft tried that failed
+        tried = num_accepted + (1 if num_accepted < num_drafts or not num_drafts else 0)
+        self.stood += EWMA_WEIGHT * (num_accepted - self.stood)
+        self.tried += EWMA_WEIGHT * (tried - self.tried)
+        self.acceptance = self.stood / self.tried
         if self.acceptance < MIN_ACCEPTANCE:
             self.paused_until = num_output_tokens + self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
-            self.acceptance = PRIOR_ACCEPTANCE  # a fresh start after the pause
+            # a fresh start after the pause
+            self.acceptance, self.stood, self.tried = PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE, 1.0
         elif num_accepted:
             self.backoff = BACKOFF_TOKENS
 

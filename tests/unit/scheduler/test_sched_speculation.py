@@ -67,6 +67,21 @@ def test_a_sequence_whose_drafts_fail_pauses_longer_each_time():
     assert state.backoff == BACKOFF_TOKENS  # success resets the backoff
 
 
+def test_acceptance_counts_only_the_drafts_that_were_tried():
+    """Verifies that accept 2 of 7 drafts tried 3 (the third failed; the 4 after it were
+    never in question): a draft stands 2 times in 3 once the ones before it did, not 2 in
+    7; and one that accepts all its drafts comes to 1."""
+    state = SpecState(NgramIndex(2))
+    for _ in range(40):
+        state.record(7, 2, num_output_tokens=10)
+    assert state.acceptance == pytest.approx(2 / 3, abs=1e-3)
+    assert best_num_drafts(state.acceptance, 7) >= 3
+    for _ in range(40):
+        state.record(7, 7, num_output_tokens=10)
+    assert state.acceptance == pytest.approx(1.0, abs=1e-3)
+    assert best_num_drafts(state.acceptance, 7, draft_cost=0.3) == 7
+
+
 def test_lookups_that_find_nothing_wait_longer_each_time():
     state = SpecState(NgramIndex(2))
     state.missed(10)

@@ -219,7 +219,8 @@ def run_llama(python: str, prompts: dict[str, list[list[int]]], args) -> dict[st
         print(f"llama.cpp: no Python with llama-cpp-python at {python}: skipped")
         return None
     spec = {"model": str(resolve_model(MODEL).path), "prompts": prompts,
-            "k": args.k, "ngram": 4, "repeats": args.repeats, "max_tokens": args.max_tokens,
+            "k": args.k, "ngram": 4, "repeats": args.llama_repeats or args.repeats,
+            "max_tokens": args.max_tokens,
             "threads": len(os.sched_getaffinity(0))}  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(LLAMA_SCRIPT)
@@ -251,6 +252,7 @@ def main() -> None:
     parser.add_argument("--modes", default="none,ngram,draft,none-no-run-ahead")
     parser.add_argument("--quantize", default="none,int8", help="quantizations, each a run")
     parser.add_argument("--llama", default="/work/peers/llama/bin/python")
+    parser.add_argument("--llama-repeats", type=int, help="repeats of llama.cpp's runs")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -268,7 +270,7 @@ def main() -> None:
           f"{args.max_tokens} tokens, K={args.k}, median of {args.repeats}")  # fmt: skip
     if llama is not None:
         print("llama.cpp " + "  ".join(f"{k}={v:.2f}" for k, v in llama.items()))
-    for quantize in args.quantize.split(","):
+    for quantize in [q for q in args.quantize.split(",") if q]:  # "": llama.cpp alone
         results = run_spillway(prompts, modes, quantize, args)
         for name in prompts:
             plain = results["none"][name]

@@ -104,12 +104,15 @@ def expected_accepted(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(1, k + 1))
 
 
-def best_num_drafts(alpha: float, k_max: int, draft_cost: float = DRAFT_COST) -> int:
+def best_num_drafts(
+    alpha: float, k_max: int, draft_cost: float = DRAFT_COST, verify_cost: float = 0.0
+) -> int:
     """The k in 0..k_max with the most tokens per unit of step cost: (1 + E[accepted]) /
-    (1 + draft_cost * k); 0 (a plain row) when no k beats it."""
+    (1 + verify_cost + draft_cost * k), where verify_cost is what a verifying step costs
+    beyond its rows (the run-ahead it gives up); 0 (a plain row) when no k beats it."""
     best, best_rate = 0, 1.0
     for k in range(1, k_max + 1):
-        rate = (1.0 + expected_accepted(alpha, k)) / (1.0 + draft_cost * k)
+        rate = (1.0 + expected_accepted(alpha, k)) / (1.0 + verify_cost + draft_cost * k)
         if rate > best_rate + 1e-9:
             best, best_rate = k, rate
     return best
@@ -118,12 +121,21 @@ def best_num_drafts(alpha: float, k_max: int, draft_cost: float = DRAFT_COST) ->
 @dataclass
 class StepCosts:
     """What a draft costs, measured: the running mean of a plain decode step's forward
-    time per row, and of a verifying step's extra time per draft beyond that."""
+    time per row, and of a verifying step's extra time per draft beyond that; and what
+    a verifying step costs beyond its forward: the wait between the previous result and
+    its own that is not its forward (a speculating sequence runs no row ahead of its
+    verify, so the step's turnaround through scheduler, bus and worker is not hidden
+    behind another step's forward as a run-ahead row's is). On a quiet machine that
+    wait is a few ms against a forward of 10 or more; on a busy one, whose scheduler and
+    bus wait for a core, it was measured at a third of a step and more, and then
+    speculation that would pay by its forward times does not."""
 
     per_row_s: float = 0.0
     per_draft_s: float = 0.0
     plain_steps: int = 0
     verify_steps: int = 0
+    wait_s: float = 0.0
+    waits: int = 0
 
     def observe(self, rows: int, drafts: int, forward_s: float) -> None:
         """A decode step of `rows` rows (none a prefill chunk) carrying `drafts` drafts."""
@@ -139,12 +151,25 @@ class StepCosts:
             w = 1.0 if self.verify_steps == 1 else COST_WEIGHT
             self.per_draft_s += w * (extra - self.per_draft_s)
 
+    def observe_wait(self, period_s: float, forward_s: float) -> None:
+        """A verifying step whose result came period_s after the previous result."""
+        self.waits += 1
+        w = 1.0 if self.waits == 1 else COST_WEIGHT
+        self.wait_s += w * (max(0.0, period_s - forward_s) - self.wait_s)
+
     @property
     def draft_cost(self) -> float:
         """A draft's cost relative to a row's (DRAFT_COST until both kinds were seen)."""
         if min(self.plain_steps, self.verify_steps) < MIN_COST_SAMPLES or self.per_row_s <= 0:
             return DRAFT_COST
         return self.per_draft_s / self.per_row_s
+
+    @property
+    def verify_cost(self) -> float:
+        """A verifying step's wait relative to a row's time (0 until measured)."""
+        if min(self.plain_steps, self.waits) < MIN_COST_SAMPLES or self.per_row_s <= 0:
+            return 0.0
+        return self.wait_s / self.per_row_s
 
 
 @dataclass
@@ -175,9 +200,16 @@ class SpecState:
         self.paused_until = num_output_tokens + self.miss_backoff
         self.miss_backoff = min(2 * self.miss_backoff, MAX_MISS_BACKOFF_TOKENS)
 
-    def record(self, num_drafts: int, num_accepted: int, num_output_tokens: int) -> None:
-        """A verifying row's outcome (num_drafts == 0: no k paid)."""
+    def record(
+        self, num_drafts: int, num_accepted: int, num_output_tokens: int, pause: bool = False
+    ) -> None:
+        """A verifying row's outcome (num_drafts == 0: no k paid; with `pause`, the
+        sequence stops speculating for its backoff at once)."""
         self.miss_backoff = MISS_BACKOFF_TOKENS
+        if pause:
+            self.paused_until = num_output_tokens + self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
+            return
         # no k paid: counted as one draft tried that failed
         tried = num_accepted + (1 if num_accepted < num_drafts or not num_drafts else 0)
         self.stood += EWMA_WEIGHT * (num_accepted - self.stood)
@@ -226,6 +258,7 @@ class Speculation:
         self.costs = StepCosts()
         self.fixed_cost = config.spec_draft_cost
         self._states: dict[str, SpecState] = {}
+        self._last_result_at: float | None = None  # when the previous step's result came
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, clock: Clock) -> Speculation | None:
@@ -243,7 +276,21 @@ class Speculation:
         next row's start depends on how many drafts stand)."""
         if num_running > self.max_batch:
             return False
-        return seq.num_output_tokens >= self.state(seq.request_id).paused_until
+        state = self.state(seq.request_id)
+        if seq.num_output_tokens < state.paused_until:
+            return False
+        if self._num_drafts(state) <= 0:  # no k pays: a pause, and run-ahead meanwhile
+            state.record(0, 0, seq.num_output_tokens, pause=True)
+            return False
+        return True
+
+    def _num_drafts(self, state: SpecState) -> int:
+        if self.fixed_cost is not None:  # pinned: nothing measured counts
+            return best_num_drafts(state.acceptance, self.num_tokens, self.fixed_cost)
+        costs = self.costs
+        return best_num_drafts(
+            state.acceptance, self.num_tokens, costs.draft_cost, costs.verify_cost
+        )
 
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence whose last token is known: at most `room` (what
@@ -254,8 +301,7 @@ class Speculation:
             return []
         start = self.clock.now()
         state = self.state(seq.request_id)
-        cost = self.costs.draft_cost if self.fixed_cost is None else self.fixed_cost
-        k = min(best_num_drafts(state.acceptance, self.num_tokens, cost), room)
+        k = min(self._num_drafts(state), room)
         if k <= 0:
             state.record(0, 0, seq.num_output_tokens)
             drafts = []
@@ -282,10 +328,15 @@ class Speculation:
     def step_timed(self, rows: int, drafts: int, decode_only: bool, result: StepResult) -> None:
         """A step's forward time (for the costs when it decoded only); with drafts, its
         verify and acceptance times."""
+        now = self.clock.now()
+        period = None if self._last_result_at is None else now - self._last_result_at
+        self._last_result_at = now
         if decode_only:
             self.costs.observe(rows, drafts, result.forward_s)
         if not drafts:
             return
+        if decode_only and period is not None:
+            self.costs.observe_wait(period, result.forward_s)
         accept_s = result.accept_s or 0.0
         self.phases.observe("spec_verify", max(0.0, result.forward_s - accept_s))
         if result.accept_s is not None:

@@ -235,6 +235,33 @@ def test_the_cost_of_a_draft_is_measured_from_the_steps():
     assert best_num_drafts(0.7, 4, costs.draft_cost) == 0
 
 
+def test_a_verify_that_gives_up_run_ahead_counts_its_wait():
+    """A verifying step's result comes a forward plus the turnaround after the previous
+    one; where that wait is large against a row's time, no k pays: the sequence does not
+    wait to speculate, it pauses and runs ahead."""
+    costs = StepCosts()
+    for _ in range(3):
+        costs.observe(rows=1, drafts=0, forward_s=0.010)
+        costs.observe(rows=1, drafts=3, forward_s=0.013)  # 1 ms a draft: cheap
+        costs.observe_wait(period_s=0.014, forward_s=0.013)  # 1 ms of turnaround
+    assert costs.verify_cost == pytest.approx(0.1)
+    assert best_num_drafts(0.7, 4, costs.draft_cost, costs.verify_cost) > 0
+    for _ in range(20):
+        costs.observe_wait(period_s=0.033, forward_s=0.013)  # a busy machine: 20 ms
+    assert costs.verify_cost == pytest.approx(2.0, abs=0.05)
+    assert best_num_drafts(0.7, 4, costs.draft_cost, costs.verify_cost) == 0
+    core = _core()
+    assert core.spec is not None
+    core.spec.costs = costs
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    seq = core.sequence("r")
+    assert seq is not None and not core.spec.wants(seq, 1)
+    assert core.spec.state("r").paused_until == seq.num_output_tokens + BACKOFF_TOKENS
+
+
 def test_drafts_shrink_to_the_blocks_that_can_be_had():
     config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4)
     core = SchedulerCore(FakeClock(), config)

@@ -54,6 +54,10 @@ from shared.protocol import PhaseHistogram, StepResult
 DRAFT_COST = 0.1
 COST_WEIGHT = 0.2  # weight of the newest step in the running step costs
 MIN_COST_SAMPLES = 3
+# Each plain decode step shrinks the measured verify wait by this factor: where it stopped
+# all speculation no verify measures it again, and the machine may have quietened; a
+# wait of 2 rows decays below one in some 35 steps, and the next verify measures anew.
+WAIT_DECAY = 0.98
 # Prior per-draft acceptance of a sequence that has not verified anything yet.
 PRIOR_ACCEPTANCE = 0.6
 EWMA_WEIGHT = 0.3  # weight of the newest verify in the running acceptance
@@ -145,6 +149,7 @@ class StepCosts:
             self.plain_steps += 1
             w = 1.0 if self.plain_steps == 1 else COST_WEIGHT
             self.per_row_s += w * (forward_s / rows - self.per_row_s)
+            self.wait_s *= WAIT_DECAY
         elif self.plain_steps:
             extra = max(0.0, forward_s - self.per_row_s * rows) / drafts
             self.verify_steps += 1

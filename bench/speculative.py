@@ -1,22 +1,28 @@
-"""Speculative decoding on one stream: spillway with `--speculative ngram` against itself
+"""Speculative decoding on one stream: spillway with each kind of drafts against itself
 without speculation, and llama.cpp's prompt-lookup decoding on the same GGUF weights.
 
-    python -m bench.speculative [--repeats 3] [--max-tokens 160] [--k 3] [--llama PYTHON]
+    python -m bench.speculative [--repeats 3] [--max-tokens 128] [--k 3]
+        [--modes none,ngram,draft] [--quantize none,int8] [--llama PYTHON]
 
 Two workloads, greedy, one request at a time:
   copy     a code file to edit ("rename x to y"), and a text to answer with quotes from:
            the answer copies long runs of the prompt (prompt lookup's best case);
   nothing  short creative prompts: nothing to copy (its cost when it does not pay).
 
-The two spillway systems run side by side, each request sent to one then the other, so
-the machine's load weighs on both alike. For each workload: tokens per second
-(completion tokens / request time, median of the repeats),
-and from spillway's /metrics the acceptance rate (accepted / drafted), the mean tokens a
-verifying row emits (1 + accepted / verify steps) and the draft / verify / accept phase
-times. Both spillway runs must produce the same tokens (greedy outputs are exact).
-llama.cpp runs in the Python given by --llama (one with llama-cpp-python), greedy, with
-and without `LlamaPromptLookupDecoding`; a machine without one skips it and says so.
-Run it alone on the machine: ratios within one run are what count.
+Modes: `none` (no speculation), `ngram` (prompt lookup), `draft` (the model as its own
+draft model: every draft stands, each costs a draft forward), `mtp` (only for a model
+with an MTP layer), and `none-no-run-ahead` (no speculation, no run-ahead: what a
+speculating sequence gives up by waiting for each verify). For each quantization the
+modes' systems run side by side, each request sent to one after the other, so the
+machine's load weighs on all alike. For each workload: tokens per second (completion
+tokens / request time, median of the repeats) and its ratio to `none` and to llama.cpp's
+prompt lookup, and from spillway's /metrics the acceptance rate (accepted / drafted),
+the mean tokens a verifying row emits (1 + accepted / verify steps) and the mean draft /
+verify / accept phase times. Every mode must produce the same tokens as `none` (greedy
+outputs are exact). llama.cpp runs in the Python given by --llama (one with
+llama-cpp-python), greedy, with and without `LlamaPromptLookupDecoding`; a machine
+without one skips it and says so. Run it alone on the machine: ratios within one run
+are what count; each figure is printed with the load average.
 """
 
 from __future__ import annotations
@@ -114,22 +120,35 @@ def _complete(c: httpx.Client, prompt: list[int], max_tokens: int) -> tuple[list
     return tokens, len(tokens) / elapsed
 
 
-def run_spillway(prompts: dict[str, list[list[int]]], args) -> dict[str, dict]:
-    """Both systems up at once, each request sent to one then the other (the machine's
-    load moves both alike); one request at a time."""
-    modes = ("none", "ngram")
-    systems = {
-        mode: System("--namespace", f"bench-spec-{mode}", "--max-batch", "4",
-                     "--speculative", mode, "--num-speculative-tokens", str(args.k))
-        for mode in modes
-    }  # fmt: skip
-    results: dict[str, dict] = {mode: {} for mode in modes}
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def mode_args(mode: str, k: int, quantize: str) -> list[str]:
+    """`spillway up` arguments of one mode."""
+    args = ["--max-batch", "4", "--quantize", quantize, "--num-speculative-tokens", str(k)]
+    if mode == "none-no-run-ahead":
+        return [*args, "--speculative", "none", "--no-run-ahead"]
+    if mode == "draft":
+        return [*args, "--speculative", "draft", "--draft-model", MODEL]
+    return [*args, "--speculative", mode]
+
+
+def run_spillway(
+    prompts: dict[str, list[list[int]]], modes: list[str], quantize: str, args
+) -> dict[str, dict]:
+    """The modes' systems up at once, each request sent to one after the other (the
+    machine's load moves all alike); one request at a time."""
+    systems = {}
     try:
+        for mode in modes:
+            systems[mode] = System("--namespace", f"bench-spec-{quantize}-{mode}",
+                                   *mode_args(mode, args.k, quantize))  # fmt: skip
+        results: dict[str, dict] = {mode: {} for mode in modes}
         clients = {mode: httpx.Client(base_url=systems[mode].url, timeout=600) for mode in modes}
         for c in clients.values():
             _complete(c, prompts["copy"][0], 8)  # warm-up
         for name, workload in prompts.items():
-            before = spec_figures(clients["ngram"].get("/metrics").text)
+            before = {m: spec_figures(clients[m].get("/metrics").text) for m in modes}
             rates: dict[str, list[float]] = {mode: [] for mode in modes}
             outputs: dict[str, list[list[int]]] = {mode: [] for mode in modes}
             for _ in range(args.repeats):
@@ -138,17 +157,36 @@ def run_spillway(prompts: dict[str, list[list[int]]], args) -> dict[str, dict]:
                         tokens, rate = _complete(clients[mode], prompt, args.max_tokens)
                         rates[mode].append(rate)
                         outputs[mode].append(tokens)
-            after = spec_figures(clients["ngram"].get("/metrics").text)
-            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            load = os.getloadavg()[0]
             for mode in modes:
+                after = spec_figures(clients[mode].get("/metrics").text)
+                delta = {k: after.get(k, 0.0) - before[mode].get(k, 0.0) for k in after}
                 results[mode][name] = {"tok_s": statistics.median(rates[mode]),
-                                       "outputs": outputs[mode], "spec": delta}  # fmt: skip
+                                       "outputs": outputs[mode], "spec": delta,
+                                       "load": load}  # fmt: skip
         for c in clients.values():
             c.close()
     finally:
         for system in systems.values():
             system.stop()
     return results
+
+
+def spec_row(d: dict[str, float]) -> dict[str, float]:
+    """Acceptance, tokens per verify and mean phase times from a /metrics delta."""
+    drafted = d.get("spillway_spec_decode_draft_tokens_total", 0.0)
+    accepted = d.get("spillway_spec_decode_accepted_tokens_total", 0.0)
+    verifies = d.get("spillway_spec_decode_phase_seconds_count/verify", 0.0)
+    row = {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_tokens_per_verify": 1 + accepted / verifies if verifies else 0.0,
+        "verify_steps": verifies,
+    }
+    for phase in ("draft", "verify", "accept"):
+        n = d.get(f"spillway_spec_decode_phase_seconds_count/{phase}", 0.0)
+        total = d.get(f"spillway_spec_decode_phase_seconds_sum/{phase}", 0.0)
+        row[f"{phase}_ms"] = 1e3 * total / n if n else 0.0
+    return row
 
 
 LLAMA_SCRIPT = r"""
@@ -180,8 +218,9 @@ def run_llama(python: str, prompts: dict[str, list[list[int]]], args) -> dict[st
     if not Path(python).exists():
         print(f"llama.cpp: no Python with llama-cpp-python at {python}: skipped")
         return None
-    spec = {"model": str(resolve_model("SmolLM2-135M-Instruct").path), "prompts": prompts,
-            "k": args.k, "ngram": 4, "repeats": args.repeats, "max_tokens": args.max_tokens,
+    spec = {"model": str(resolve_model(MODEL).path), "prompts": prompts,
+            "k": args.k, "ngram": 4, "repeats": args.llama_repeats or args.repeats,
+            "max_tokens": args.max_tokens,
             "threads": len(os.sched_getaffinity(0))}  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(LLAMA_SCRIPT)
@@ -190,54 +229,66 @@ def run_llama(python: str, prompts: dict[str, list[list[int]]], args) -> dict[st
     if done.returncode != 0:
         print(f"llama.cpp failed: {done.stderr[-2000:]}")
         return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["load"] = os.getloadavg()[0]
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=3, help="--num-speculative-tokens (the cap)")
+    parser.add_argument("--modes", default="none,ngram,draft,none-no-run-ahead")
+    parser.add_argument("--quantize", default="none,int8", help="quantizations, each a run")
     parser.add_argument("--llama", default="/work/peers/llama/bin/python")
+    parser.add_argument("--llama-repeats", type=int, help="repeats of llama.cpp's runs")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    src = resolve_model("SmolLM2-135M-Instruct")
+    src = resolve_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
     prompts = {"copy": [chat_ids(tokenizer, t) for t in COPY],
                "nothing": [chat_ids(tokenizer, t) for t in NOTHING]}  # fmt: skip
-    both = run_spillway(prompts, args)
-    plain, spec = both["none"], both["ngram"]
+    modes = args.modes.split(",")
+    if "none" not in modes:
+        modes.insert(0, "none")
     llama = run_llama(args.llama, prompts, args)
-    figures: dict = {}
-    print(f"one stream, greedy, {args.max_tokens} tokens, K={args.k}, median of {args.repeats}")
-    for name in prompts:
-        s, p = spec[name], plain[name]
-        d = s["spec"]
-        drafted = d.get("spillway_spec_decode_draft_tokens_total", 0.0)
-        accepted = d.get("spillway_spec_decode_accepted_tokens_total", 0.0)
-        verifies = d.get("spillway_spec_decode_phase_seconds_count/verify", 0.0)
-        row = {
-            "spillway_tok_s": p["tok_s"],
-            "spillway_ngram_tok_s": s["tok_s"],
-            "speedup": s["tok_s"] / p["tok_s"],
-            "identical_outputs": s["outputs"] == p["outputs"],
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_tokens_per_verify": 1 + accepted / verifies if verifies else 0.0,
-        }
-        for phase in ("draft", "verify", "accept"):
-            n = d.get(f"spillway_spec_decode_phase_seconds_count/{phase}", 0.0)
-            total = d.get(f"spillway_spec_decode_phase_seconds_sum/{phase}", 0.0)
-            row[f"{phase}_ms"] = 1e3 * total / n if n else 0.0
-        if llama is not None:
-            row["llama_tok_s"] = llama[f"{name}/plain"]
-            row["llama_lookup_tok_s"] = llama[f"{name}/lookup"]
-            row["vs_llama_lookup"] = s["tok_s"] / llama[f"{name}/lookup"]
-        figures[name] = row
-        print(f"{name:8s} " + "  ".join(
-            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-        ))  # fmt: skip
+    figures: dict = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "llama": llama}
+    print(f"{figures['cpu']}, {figures['cores']} cores; one stream, greedy, "
+          f"{args.max_tokens} tokens, K={args.k}, median of {args.repeats}")  # fmt: skip
+    if llama is not None:
+        print("llama.cpp " + "  ".join(f"{k}={v:.2f}" for k, v in llama.items()))
+    for quantize in [q for q in args.quantize.split(",") if q]:  # "": llama.cpp alone
+        results = run_spillway(prompts, modes, quantize, args)
+        for name in prompts:
+            plain = results["none"][name]
+            for mode in modes:
+                r = results[mode][name]
+                row: dict = {"tok_s": r["tok_s"], "vs_none": r["tok_s"] / plain["tok_s"]}
+                if llama is not None:
+                    row["vs_llama_lookup"] = r["tok_s"] / llama[f"{name}/lookup"]
+                    row["vs_llama_plain"] = r["tok_s"] / llama[f"{name}/plain"]
+                row["identical_outputs"] = r["outputs"] == plain["outputs"]
+                if mode not in ("none", "none-no-run-ahead"):
+                    row.update(spec_row(r["spec"]))
+                row["load"] = r["load"]
+                figures[f"{quantize}/{name}/{mode}"] = row
+                print(f"{quantize:5s} {name:8s} {mode:18s} " + "  ".join(
+                    f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in row.items()
+                ))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

@@ -12,6 +12,9 @@ call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations 
 and every projection's weight in the form the native few-row kernel takes (float32 or the
 model file's blocks of its values; under `--quantize int8` the file's blocks read with
 integer products, or int8); otherwise it returns None and the caller loops in Python.
+Where every projection reads the file's blocks as float32 it takes up to
+`cpu_matvec.MAX_BLOCK_ROWS` rows (a speculative verify's positions): each row's results
+are then those of a one-row step to the bit, as every kernel here computes a row alone.
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class _Prepared:
     array: ctypes.Array
     keep: list[object]
     inter: int
+    max_rows: int  # MAX_BLOCK_ROWS where every projection reads float32 blocks
 
 
 class DecodeLayers:
@@ -150,7 +154,7 @@ class DecodeLayers:
         if not self._fits(x, positions, slots, k_caches[0], cos_table, sin_table):
             return None
         prepared = self._prepare(x, layers, linear, k_caches, v_caches)
-        if prepared is None:
+        if prepared is None or rows > prepared.max_rows:
             return None
         qkv_width = (g.q_heads + 2 * g.kv_heads) * g.head_dim
         residual = torch.empty_like(x)
@@ -188,7 +192,7 @@ class DecodeLayers:
     ) -> bool:
         return (
             x.dim() == 2
-            and 0 < x.shape[0] <= cpu_matvec.MAX_ROWS
+            and 0 < x.shape[0] <= max(cpu_matvec.MAX_ROWS, cpu_matvec.MAX_BLOCK_ROWS)
             and x.dtype == k_cache.dtype == cos_table.dtype == torch.float32
             and x.is_contiguous()
             and all(t.device.type == "cpu" for t in (x, positions, slots, k_cache))
@@ -218,6 +222,7 @@ class DecodeLayers:
             return None
         keep: list[object] = []
         array = (_Layer * len(layers))()
+        all_blocks = True
         inter = layers[0].down.shape[1]
         for entry, layer, k_cache, v_cache in zip(array, layers, k_caches, v_caches, strict=True):
             caches_fit = all(
@@ -237,14 +242,17 @@ class DecodeLayers:
                 ("gate_up", layer.gate_up, None), ("down", layer.down, None),
             ):  # fmt: skip
                 # A stand-in input of this projection's width (x is the hidden width; the
-                # down projection's input is wider, and a block form checks K).
-                probe = x.new_empty((x.shape[0], weight.shape[1]))
+                # down projection's input is wider, and a block form checks K): one row,
+                # the forms are the same for any few.
+                probe = x.new_empty((1, weight.shape[1]))
                 form = linear.few_row_form(probe, weight, bias)
                 if form is None:
                     return None
+                all_blocks = all_blocks and isinstance(form, BlockWeight)
                 setattr(entry, name, _projection(form, bias))
                 keep += [form, bias]
-        self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter)
+        max_rows = cpu_matvec.MAX_BLOCK_ROWS if all_blocks else cpu_matvec.MAX_ROWS
+        self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, max_rows)
         return self._prepared
 
 

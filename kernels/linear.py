@@ -160,7 +160,11 @@ class PackedLinear:
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
-        return self.matvec.fits_f32(x, weight, bias)
+        # A weight in blocks takes more rows (`cpu_matvec.MAX_BLOCK_ROWS`) than a float32 one.
+        return (
+            self.matvec.fits_f32(x, weight, bias)
+            or self._source_blocks(x, weight, bias) is not None
+        )
 
     def _apply_few(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -298,8 +298,10 @@ class TorchOps:
         # every size measured (single-threaded, they wake no OpenMP thread: on a loaded
         # 2-core Xeon SiLU-and-multiply of 64 rows took 108 against 186 us, of 256 rows
         # 452 against 6518), but round differently from torch: the int8 mode, whose outputs
-        # are not float32's anyway, takes them at any size, the exact mode at a few rows.
-        self._elementwise_rows = None if int8 else cpu_decode_ops.MAX_ROWS
+        # are not float32's anyway, takes them at any size, the exact mode up to a verify
+        # step's positions (cpu_matvec.MAX_BLOCK_ROWS): each position's norms are then a
+        # one-row step's to the bit.
+        self._elementwise_rows = None if int8 else cpu_matvec.MAX_BLOCK_ROWS
         # Many-row int8 products: the native kernel where it beats fbgemm, else fbgemm.
         matmul = cpu_matmul_q8.load_faster(native_dir) if int8 and native == "auto" else None
         self._linear = (
@@ -320,6 +322,21 @@ class TorchOps:
         """Float32 weights whose exact values the model file's blocks hold: few-row steps
         read those (`PackedLinear.use_blocks`)."""
         self._linear.use_blocks(pairs)
+
+    def verify_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
+        """How many one-token rows a decode step over these projections may hold and still
+        run the native few-row path, where each row is computed exactly as a step of that
+        row alone (a speculative verify's positions); None without that path."""
+        if self._decode_layers is None or self._linear.matvec is None:
+            return None
+        forms = [
+            self._linear.few_row_form(torch.zeros(1, w.shape[1], dtype=w.dtype), w, None)
+            for w in projections
+        ]
+        if any(form is None for form in forms):
+            return None
+        blocks = all(isinstance(form, BlockWeight) for form in forms)
+        return cpu_matvec.MAX_BLOCK_ROWS if blocks else cpu_matvec.MAX_ROWS
 
     def tune_few_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
         """Times a one-row pass over these projections under each threading choice of the

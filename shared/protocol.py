@@ -393,6 +393,9 @@ class WorkerInfo(Message):
     state_slot_bytes: int = Field(default=0, ge=0)
     # Snapshots of states at block boundaries (a hybrid model's prefix caching); 0: none.
     num_state_snapshots: int = Field(default=0, ge=0)
+    # Positions (a token and its drafts) one verifying row may compute exactly as one-token
+    # steps would, the weights read once; 0: no bound. The scheduler drafts no more.
+    max_verify_tokens: int = Field(default=0, ge=0)
 
 
 class RegisterReply(Message):

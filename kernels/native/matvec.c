@@ -370,6 +370,37 @@ static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict 
     }
     for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(c[r]);
 }
+
+/* Output rows j..j+R-1 of m input rows (R * m <= 16 accumulators), each weight block
+ * turned into float32 once for all m rows: a verify step's few positions of one sequence
+ * cost about one row's conversions, not m. Each (output, input) pair is summed exactly as
+ * dot4_blocks sums it (per block a0 v0 then a1 v1 into one 16-lane accumulator, the
+ * lanes' sum at the end), so every row's outputs are the one-row call's to the bit.
+ * Called with literal R and m, so that the loops unroll and the accumulators stay in
+ * registers. */
+static inline void dot_rows_blocks(const float *restrict x, int64_t k,
+                                   const uint8_t *restrict w, int64_t row_bytes, int64_t nb,
+                                   int64_t block_bytes, int type, const int R, const int m,
+                                   int64_t n, float *restrict out) {
+    __m512 c[4][8];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < m; i++) c[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * block_bytes;
+            _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
+            __m512 v[2];
+            block_weights16(blk, type, v);
+            for (int i = 0; i < m; i++) {
+                const float *a = x + i * k + 32 * b;
+                c[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(a), v[0], c[r][i]);
+                c[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16), v[1], c[r][i]);
+            }
+        }
+    }
+    for (int i = 0; i < m; i++)
+        for (int r = 0; r < R; r++) out[i * n + r] = _mm512_reduce_add_ps(c[r][i]);
+}
 #else
 /* Output rows j..j+3 of one input row a; row r's blocks start at w + r * row_bytes. */
 static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict w,
@@ -393,7 +424,70 @@ static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict 
     }
     for (int r = 0; r < 4; r++) out[r] = hsum256(c[r]);
 }
+
+/* dot_rows_blocks with 8-lane vectors (sixteen registers: R * m <= 8 accumulators), each
+ * pair summed as this dot4_blocks sums it. */
+static inline void dot_rows_blocks(const float *restrict x, int64_t k,
+                                   const uint8_t *restrict w, int64_t row_bytes, int64_t nb,
+                                   int64_t block_bytes, int type, const int R, const int m,
+                                   int64_t n, float *restrict out) {
+    __m256 c[4][8];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < m; i++) c[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * block_bytes;
+            _mm_prefetch((const char *)(blk + 4 * row_bytes), _MM_HINT_T0);
+            __m256 v[4];
+            block_weights(blk, type, v);
+            for (int i = 0; i < m; i++) {
+                const float *a = x + i * k + 32 * b;
+                c[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(a), v[0], c[r][i]);
+                c[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), v[1], c[r][i]);
+                c[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], c[r][i]);
+                c[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], c[r][i]);
+            }
+        }
+    }
+    for (int i = 0; i < m; i++)
+        for (int r = 0; r < R; r++) out[i * n + r] = hsum256(c[r][i]);
+}
 #endif
+
+/* Accumulator registers dot_rows_blocks may use: output rows per pass R for m input rows
+ * is the most of 4, 2, 1 with R * m within them. */
+#ifdef __AVX512F__
+#define ROW_PAIRS 16
+#else
+#define ROW_PAIRS 8
+#endif
+#define ROWS_PER_PASS(m) (4 * (m) <= ROW_PAIRS ? 4 : 2 * (m) <= ROW_PAIRS ? 2 : 1)
+
+/* Output rows j..j+3 of input rows x[0..m) (any m), through dot_rows_blocks in groups of
+ * up to 8 input rows. */
+static void dot4_blocks_rows(const float *restrict x, int64_t m, int64_t k,
+                             const uint8_t *restrict w, int64_t row_bytes, int64_t nb,
+                             int64_t block_bytes, int type, int64_t n, float *restrict y) {
+    for (int64_t i0 = 0; i0 < m; i0 += 8) {
+        const float *a = x + i0 * k;
+        float *out = y + i0 * n;
+#define PASS(M)                                                                         \
+    for (int r0 = 0; r0 < 4; r0 += ROWS_PER_PASS(M))                                   \
+        dot_rows_blocks(a, k, w + r0 * row_bytes, row_bytes, nb, block_bytes, type,    \
+                        ROWS_PER_PASS(M), M, n, out + r0)
+        switch (min64(8, m - i0)) {
+        case 1: PASS(1); break;
+        case 2: PASS(2); break;
+        case 3: PASS(3); break;
+        case 4: PASS(4); break;
+        case 5: PASS(5); break;
+        case 6: PASS(6); break;
+        case 7: PASS(7); break;
+        default: PASS(8); break;
+        }
+#undef PASS
+    }
+}
 
 /* Returns 0, -2 when K is not a multiple of 32 or N of 4, -3 for an unknown block type. */
 int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
@@ -407,14 +501,16 @@ int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, in
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
         const int64_t n1 = min64(n0 + CHUNK, n);
-        for (int64_t row = 0; row < m; row++) {
-            float *out = y + row * n;
-            for (int64_t j = n0; j < n1; j += 4)
-                dot4_blocks(x + row * k, w + j * row_bytes, row_bytes, nb, block_bytes, type,
-                            out + j);
-            if (bias)
-                for (int64_t j = n0; j < n1; j++) out[j] += bias[j];
+        for (int64_t j = n0; j < n1; j += 4) {
+            if (m == 1)
+                dot4_blocks(x, w + j * row_bytes, row_bytes, nb, block_bytes, type, y + j);
+            else  /* several rows: each block converted once for all of them */
+                dot4_blocks_rows(x, m, k, w + j * row_bytes, row_bytes, nb, block_bytes, type,
+                                 n, y + j);
         }
+        if (bias)
+            for (int64_t row = 0; row < m; row++)
+                for (int64_t j = n0; j < n1; j++) y[row * n + j] += bias[j];
     }
     return 0;
 }

@@ -1347,6 +1347,8 @@ class SchedulerCore:
         if not self.spec.wants(seq, len(self._running)):
             return
         room = min(budget, self.worker.max_model_len - seq.num_tokens - 1)
+        if self.worker.max_verify_tokens:  # more would not verify at one row's rounding
+            room = min(room, self.worker.max_verify_tokens - 1)
         if seq.max_tokens is not None:
             room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
         drafts = self.spec.propose(seq, room)

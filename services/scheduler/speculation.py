@@ -27,12 +27,14 @@ with that token (stale ones are dropped: they are only guesses, never needed).
 
 Speculation that does not pay stops. A sequence waits for each step's result before it
 looks up drafts (no row runs ahead of a lookup), so one whose lookups find nothing runs
-ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running mean of the
-share of its drafts accepted; the number of drafts k is the one that maximises the
-expected tokens per unit of step cost (`best_num_drafts`, a draft's cost measured by
-`StepCosts`), and one whose drafts keep failing (or for which no k pays) stops
-speculating for 8 tokens, then 16, ... With many rows a step is compute-bound: above
-`spec_max_batch` running sequences nobody speculates.
+ahead for 2 tokens, then 4, ... before it looks again. Each keeps a running estimate of
+the chance a draft stands once the drafts before it stood (`SpecState.acceptance`); the
+number of drafts k is the one that maximises the expected tokens per unit of step cost
+(`best_num_drafts`, a draft's cost measured by `StepCosts`), so a sequence copying long
+runs drafts up to the cap and one whose drafts mostly fail drafts few; one whose drafts
+keep failing (or for which no k pays) stops speculating for 8 tokens, then 16, ... With
+many rows a step is compute-bound: above `spec_max_batch` running sequences nobody
+speculates.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ from shared.protocol import PhaseHistogram, StepResult
 DRAFT_COST = 0.1
 COST_WEIGHT = 0.2  # weight of the newest step in the running step costs
 MIN_COST_SAMPLES = 3
+# Each plain decode step shrinks the measured verify wait by this factor: where it stopped
+# all speculation no verify measures it again, and the machine may have quietened; a
+# wait of 2 rows decays below one in some 35 steps, and the next verify measures anew.
+WAIT_DECAY = 0.98
 # Prior per-draft acceptance of a sequence that has not verified anything yet.
 PRIOR_ACCEPTANCE = 0.6
 EWMA_WEIGHT = 0.3  # weight of the newest verify in the running acceptance
@@ -102,12 +108,15 @@ def expected_accepted(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(1, k + 1))
 
 
-def best_num_drafts(alpha: float, k_max: int, draft_cost: float = DRAFT_COST) -> int:
+def best_num_drafts(
+    alpha: float, k_max: int, draft_cost: float = DRAFT_COST, verify_cost: float = 0.0
+) -> int:
     """The k in 0..k_max with the most tokens per unit of step cost: (1 + E[accepted]) /
-    (1 + draft_cost * k); 0 (a plain row) when no k beats it."""
+    (1 + verify_cost + draft_cost * k), where verify_cost is what a verifying step costs
+    beyond its rows (the run-ahead it gives up); 0 (a plain row) when no k beats it."""
     best, best_rate = 0, 1.0
     for k in range(1, k_max + 1):
-        rate = (1.0 + expected_accepted(alpha, k)) / (1.0 + draft_cost * k)
+        rate = (1.0 + expected_accepted(alpha, k)) / (1.0 + verify_cost + draft_cost * k)
         if rate > best_rate + 1e-9:
             best, best_rate = k, rate
     return best
@@ -116,12 +125,21 @@ def best_num_drafts(alpha: float, k_max: int, draft_cost: float = DRAFT_COST) ->
 @dataclass
 class StepCosts:
     """What a draft costs, measured: the running mean of a plain decode step's forward
-    time per row, and of a verifying step's extra time per draft beyond that."""
+    time per row, and of a verifying step's extra time per draft beyond that; and what
+    a verifying step costs beyond its forward: the wait between the previous result and
+    its own that is not its forward (a speculating sequence runs no row ahead of its
+    verify, so the step's turnaround through scheduler, bus and worker is not hidden
+    behind another step's forward as a run-ahead row's is). On a quiet machine that
+    wait is a few ms against a forward of 10 or more; on a busy one, whose scheduler and
+    bus wait for a core, it was measured at a third of a step and more, and then
+    speculation that would pay by its forward times does not."""
 
     per_row_s: float = 0.0
     per_draft_s: float = 0.0
     plain_steps: int = 0
     verify_steps: int = 0
+    wait_s: float = 0.0
+    waits: int = 0
 
     def observe(self, rows: int, drafts: int, forward_s: float) -> None:
         """A decode step of `rows` rows (none a prefill chunk) carrying `drafts` drafts."""
@@ -131,11 +149,18 @@ class StepCosts:
             self.plain_steps += 1
             w = 1.0 if self.plain_steps == 1 else COST_WEIGHT
             self.per_row_s += w * (forward_s / rows - self.per_row_s)
+            self.wait_s *= WAIT_DECAY
         elif self.plain_steps:
             extra = max(0.0, forward_s - self.per_row_s * rows) / drafts
             self.verify_steps += 1
             w = 1.0 if self.verify_steps == 1 else COST_WEIGHT
             self.per_draft_s += w * (extra - self.per_draft_s)
+
+    def observe_wait(self, period_s: float, forward_s: float) -> None:
+        """A verifying step whose result came period_s after the previous result."""
+        self.waits += 1
+        w = 1.0 if self.waits == 1 else COST_WEIGHT
+        self.wait_s += w * (max(0.0, period_s - forward_s) - self.wait_s)
 
     @property
     def draft_cost(self) -> float:
@@ -144,13 +169,30 @@ class StepCosts:
             return DRAFT_COST
         return self.per_draft_s / self.per_row_s
 
+    @property
+    def verify_cost(self) -> float:
+        """A verifying step's wait relative to a row's time (0 until measured)."""
+        if min(self.plain_steps, self.waits) < MIN_COST_SAMPLES or self.per_row_s <= 0:
+            return 0.0
+        return self.wait_s / self.per_row_s
+
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its n-gram index and how its drafts fare."""
+    """One sequence's speculation: its n-gram index and how its drafts fare.
+
+    A verify of k drafts that accepts a < k of them saw a + 1 drafts tried in turn (the
+    ones after the first failure were never in question), a of them standing; one that
+    accepts all k saw k tried, all standing. The chance a draft stands once the ones
+    before it did is estimated as the running sums' ratio, stood / tried: accepted /
+    drafted would mistake the drafts after a failure for failures, and understate it the
+    more, the larger k (at a true 0.9, k = 7 drafts show 0.60), shrinking k for the
+    sequences that copy best."""
 
     index: NgramIndex
-    acceptance: float = PRIOR_ACCEPTANCE  # running mean of accepted / drafted
+    acceptance: float = PRIOR_ACCEPTANCE  # stood / tried: see above
+    stood: float = PRIOR_ACCEPTANCE  # running sums (weights EWMA_WEIGHT) of one verify's
+    tried: float = 1.0  # drafts that stood and drafts that were tried
     paused_until: int = 0  # output tokens: no drafts before this many are out
     backoff: int = BACKOFF_TOKENS
     miss_backoff: int = MISS_BACKOFF_TOKENS
@@ -163,15 +205,26 @@ class SpecState:
         self.paused_until = num_output_tokens + self.miss_backoff
         self.miss_backoff = min(2 * self.miss_backoff, MAX_MISS_BACKOFF_TOKENS)
 
-    def record(self, num_drafts: int, num_accepted: int, num_output_tokens: int) -> None:
-        """A verifying row's outcome (num_drafts == 0: no k paid)."""
+    def record(
+        self, num_drafts: int, num_accepted: int, num_output_tokens: int, pause: bool = False
+    ) -> None:
+        """A verifying row's outcome (num_drafts == 0: no k paid; with `pause`, the
+        sequence stops speculating for its backoff at once)."""
         self.miss_backoff = MISS_BACKOFF_TOKENS
-        rate = num_accepted / num_drafts if num_drafts else 0.0
-        self.acceptance += EWMA_WEIGHT * (rate - self.acceptance)
+        if pause:
+            self.paused_until = num_output_tokens + self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
+            return
+        # no k paid: counted as one draft tried that failed
+        tried = num_accepted + (1 if num_accepted < num_drafts or not num_drafts else 0)
+        self.stood += EWMA_WEIGHT * (num_accepted - self.stood)
+        self.tried += EWMA_WEIGHT * (tried - self.tried)
+        self.acceptance = self.stood / self.tried
         if self.acceptance < MIN_ACCEPTANCE:
             self.paused_until = num_output_tokens + self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
-            self.acceptance = PRIOR_ACCEPTANCE  # a fresh start after the pause
+            # a fresh start after the pause
+            self.acceptance, self.stood, self.tried = PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE, 1.0
         elif num_accepted:
             self.backoff = BACKOFF_TOKENS
 
@@ -210,6 +263,7 @@ class Speculation:
         self.costs = StepCosts()
         self.fixed_cost = config.spec_draft_cost
         self._states: dict[str, SpecState] = {}
+        self._last_result_at: float | None = None  # when the previous step's result came
 
     @classmethod
     def for_config(cls, config: SchedulerConfig, clock: Clock) -> Speculation | None:
@@ -227,7 +281,21 @@ class Speculation:
         next row's start depends on how many drafts stand)."""
         if num_running > self.max_batch:
             return False
-        return seq.num_output_tokens >= self.state(seq.request_id).paused_until
+        state = self.state(seq.request_id)
+        if seq.num_output_tokens < state.paused_until:
+            return False
+        if self._num_drafts(state) <= 0:  # no k pays: a pause, and run-ahead meanwhile
+            state.record(0, 0, seq.num_output_tokens, pause=True)
+            return False
+        return True
+
+    def _num_drafts(self, state: SpecState) -> int:
+        if self.fixed_cost is not None:  # pinned: nothing measured counts
+            return best_num_drafts(state.acceptance, self.num_tokens, self.fixed_cost)
+        costs = self.costs
+        return best_num_drafts(
+            state.acceptance, self.num_tokens, costs.draft_cost, costs.verify_cost
+        )
 
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence whose last token is known: at most `room` (what
@@ -238,8 +306,7 @@ class Speculation:
             return []
         start = self.clock.now()
         state = self.state(seq.request_id)
-        cost = self.costs.draft_cost if self.fixed_cost is None else self.fixed_cost
-        k = min(best_num_drafts(state.acceptance, self.num_tokens, cost), room)
+        k = min(self._num_drafts(state), room)
         if k <= 0:
             state.record(0, 0, seq.num_output_tokens)
             drafts = []
@@ -266,10 +333,15 @@ class Speculation:
     def step_timed(self, rows: int, drafts: int, decode_only: bool, result: StepResult) -> None:
         """A step's forward time (for the costs when it decoded only); with drafts, its
         verify and acceptance times."""
+        now = self.clock.now()
+        period = None if self._last_result_at is None else now - self._last_result_at
+        self._last_result_at = now
         if decode_only:
             self.costs.observe(rows, drafts, result.forward_s)
         if not drafts:
             return
+        if decode_only and period is not None:
+            self.costs.observe_wait(period, result.forward_s)
         accept_s = result.accept_s or 0.0
         self.phases.observe("spec_verify", max(0.0, result.forward_s - accept_s))
         if result.accept_s is not None:

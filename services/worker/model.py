@@ -181,6 +181,18 @@ class LlamaModel:
             if choice is not None:
                 log.info("few-row projections: one thread below %d KiB of weights", choice >> 10)
 
+    def verify_rows(self) -> int | None:
+        """Positions of one sequence a decode step computes each as a step of that token
+        alone would (the native few-row path, weights read once for all): a speculative
+        verify of more may round differently. None: no such bound here."""
+        rows = getattr(self.ops, "verify_rows", None)
+        if rows is None or not self.plain or self.device.type != "cpu":
+            return None
+        w = self.weights
+        layers = [(x.qkv, x.o, x.gate_up, x.down) for x in w.layers]
+        with torch.inference_mode():
+            return rows([t for group in layers for t in group if t is not None] + [w.lm_head])
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V to the cache. Reads nothing back to the host."""

@@ -189,6 +189,13 @@ class ModelRunner:
         return min(self.model.max_positions, self.kv_cache.num_slots)
 
     @property
+    def max_verify_tokens(self) -> int:
+        """Positions one verifying row may hold (`WorkerInfo.max_verify_tokens`; 0: any)."""
+        if self.state_pool is not None or not isinstance(self.model, LlamaModel):
+            return 0
+        return self.model.verify_rows() or 0
+
+    @property
     def experts(self) -> ExpertGroup | None:
         """The expert-parallel group this runner is a rank of (None: a worker alone)."""
         return self.model.experts

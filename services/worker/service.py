@@ -146,6 +146,7 @@ def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInf
         num_state_slots=0 if runner.state_pool is None else runner.state_pool.num_slots,
         state_slot_bytes=0 if runner.state_pool is None else runner.state_pool.slot_bytes(),
         num_state_snapshots=runner.num_state_snapshots,
+        max_verify_tokens=runner.max_verify_tokens,
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_ops
+from kernels import cpu_decode_ops, cpu_matvec
 from kernels.kv_store import store_kv_ref
 from kernels.ops import TorchOps
 from kernels.rmsnorm import fused_add_rms_norm_ref
@@ -98,7 +98,7 @@ def test_torch_ops_take_the_native_path_for_few_rows_only(tmp_path, monkeypatch)
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(64, generator=g)
     caches = [torch.zeros(8, 16, 2, 32) for _ in range(4)]  # more blocks than MAX_ROWS
-    for rows in (1, cpu_decode_ops.MAX_ROWS + 1):
+    for rows in (1, cpu_decode_ops.MAX_ROWS + 1, cpu_matvec.MAX_BLOCK_ROWS + 1):
         torch_path.clear()
         x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
         ref_residual = residual.clone()
@@ -111,7 +111,8 @@ def test_torch_ops_take_the_native_path_for_few_rows_only(tmp_path, monkeypatch)
         torch_ops.store_kv(k, v, caches[0], caches[1], slots)
         store_kv_ref(k, v, caches[2], caches[3], slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-        native = rows <= cpu_decode_ops.MAX_ROWS
+        # the exact mode: as many rows as a verify step's positions (MAX_BLOCK_ROWS)
+        native = rows <= cpu_matvec.MAX_BLOCK_ROWS
         assert torch_path == ([] if native else ["fused_add_rms_norm_ref", "store_kv_ref"])
 
 

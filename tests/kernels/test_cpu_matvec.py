@@ -12,6 +12,7 @@ from kernels.cpu_matvec import (
     HAS_BLOCKS_Q8,
     HAS_F32,
     HAS_Q8,
+    MAX_BLOCK_ROWS,
     MAX_ROWS,
     Q8_BLOCK,
     BlockWeight,
@@ -133,11 +134,12 @@ def test_tune_keeps_the_faster_threading_choice(matvec):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, 7, MAX_BLOCK_ROWS])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocks_give_the_float32_weights_result(matvec, kind, rows, with_bias):
     """A weight in the model file's blocks, read as the loader dequantizes it: the same
-    values; and, in the same order of products as `linear_f32`, the same outputs."""
+    values; and, in the same order of products as `linear_f32`, the same outputs, row by
+    row (several rows convert each block once, yet sum each row as one row alone)."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
@@ -163,7 +165,10 @@ def test_blocks_refuse_what_they_do_not_read(matvec):
     blocks = BlockWeight(torch.zeros(8, 20, dtype=torch.uint8), "q4_1", 32)
     assert matvec.fits_blocks(torch.ones(1, 32), blocks, None)
     assert not matvec.fits_blocks(torch.ones(1, 64), blocks, None)  # K differs
-    assert not matvec.fits_blocks(torch.ones(MAX_ROWS + 1, 32), blocks, None)
+    assert matvec.fits_blocks(torch.ones(MAX_BLOCK_ROWS, 32), blocks, None)
+    assert not matvec.fits_blocks(torch.ones(MAX_BLOCK_ROWS + 1, 32), blocks, None)
+    # the integer kernel takes fewer
+    assert not matvec.fits_blocks(torch.ones(MAX_ROWS + 1, 32), blocks, None, HAS_BLOCKS_Q8)
     assert not matvec.fits_blocks(torch.ones(1, 32), BlockWeight(blocks.data, "q5_k", 32), None)
     assert not matvec.fits_blocks(torch.ones(1, 32), BlockWeight(blocks.data[:6], "q4_1", 32), None)
 

@@ -67,6 +67,21 @@ def test_a_sequence_whose_drafts_fail_pauses_longer_each_time():
     assert state.backoff == BACKOFF_TOKENS  # success resets the backoff
 
 
+def test_acceptance_counts_only_the_drafts_that_were_tried():
+    """Verifies that accept 2 of 7 drafts tried 3 (the third failed; the 4 after it were
+    never in question): a draft stands 2 times in 3 once the ones before it did, not 2 in
+    7; and one that accepts all its drafts comes to 1."""
+    state = SpecState(NgramIndex(2))
+    for _ in range(40):
+        state.record(7, 2, num_output_tokens=10)
+    assert state.acceptance == pytest.approx(2 / 3, abs=1e-3)
+    assert best_num_drafts(state.acceptance, 7) >= 3
+    for _ in range(40):
+        state.record(7, 7, num_output_tokens=10)
+    assert state.acceptance == pytest.approx(1.0, abs=1e-3)
+    assert best_num_drafts(state.acceptance, 7, draft_cost=0.3) == 7
+
+
 def test_lookups_that_find_nothing_wait_longer_each_time():
     state = SpecState(NgramIndex(2))
     state.missed(10)
@@ -220,6 +235,36 @@ def test_the_cost_of_a_draft_is_measured_from_the_steps():
     assert best_num_drafts(0.7, 4, costs.draft_cost) == 0
 
 
+def test_a_verify_that_gives_up_run_ahead_counts_its_wait():
+    """A verifying step's result comes a forward plus the turnaround after the previous
+    one; where that wait is large against a row's time, no k pays: the sequence does not
+    wait to speculate, it pauses and runs ahead."""
+    costs = StepCosts()
+    for _ in range(3):
+        costs.observe(rows=1, drafts=0, forward_s=0.010)
+        costs.observe(rows=1, drafts=3, forward_s=0.013)  # 1 ms a draft: cheap
+        costs.observe_wait(period_s=0.014, forward_s=0.013)  # 1 ms of turnaround
+    assert costs.verify_cost == pytest.approx(0.1, abs=0.01)
+    assert best_num_drafts(0.7, 4, costs.draft_cost, costs.verify_cost) > 0
+    for _ in range(20):
+        costs.observe_wait(period_s=0.033, forward_s=0.013)  # a busy machine: 20 ms
+    assert costs.verify_cost == pytest.approx(2.0, abs=0.05)
+    assert best_num_drafts(0.7, 4, costs.draft_cost, costs.verify_cost) == 0
+    core = _core()
+    assert core.spec is not None
+    core.spec.costs = costs
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    seq = core.sequence("r")
+    assert seq is not None and not core.spec.wants(seq, 1)
+    assert core.spec.state("r").paused_until == seq.num_output_tokens + BACKOFF_TOKENS
+    for _ in range(60):  # plain steps only: the wait fades, and a verify measures it anew
+        costs.observe(rows=1, drafts=0, forward_s=0.010)
+    assert best_num_drafts(0.7, 4, costs.draft_cost, costs.verify_cost) > 0
+
+
 def test_drafts_shrink_to_the_blocks_that_can_be_had():
     config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4)
     core = SchedulerCore(FakeClock(), config)
@@ -234,6 +279,21 @@ def test_drafts_shrink_to_the_blocks_that_can_be_had():
     assert plan.rows[0].num_draft_tokens == 1
     assert sum(core.preemptions.values()) == 0
     core.check_integrity()
+
+
+def test_drafts_stop_at_the_positions_a_worker_verifies_exactly():
+    """A worker that computes at most 3 positions of a row as one-token steps would (its
+    native few-row path) gets rows of at most 2 drafts, whatever K allows."""
+    config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4, spec_draft_cost=0.0)
+    core = SchedulerCore(FakeClock(), config)
+    info = worker_info(num_kv_blocks=16, block_size=4).model_copy(update={"max_verify_tokens": 3})
+    core.attach_worker(info)
+    _submit(core, max_tokens=50)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    plan = core.schedule()
+    assert plan is not None and plan.rows[0].num_draft_tokens == 2
 
 
 def test_mtp_drafts_come_from_the_step_result_and_only_while_fresh():

@@ -205,3 +205,63 @@ def test_int8_reads_the_model_files_blocks_with_integer_products(block_weights, 
     for layer in prepared.array:
         assert all(getattr(layer, p).integer for p in ("qkv", "o", "gate_up", "down"))
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
+
+
+def _verify_logits(runner: ModelRunner, tokens: list[int], at_once: bool) -> torch.Tensor:
+    """A prompt, then its continuation `tokens` either as one row with drafts (the last
+    len(tokens) - 1 of them drafts: a verify step) or one token a step; the logits at each
+    of those positions."""
+    greedy = SamplingParams(temperature=0.0)
+    new = [NewSequence(seq_id="s", sampling=greedy, block_ids=[0, 1, 2])]
+    prompt = [(7 * i + 3) % 256 for i in range(11)]
+    first = StepRow(seq_id="s", token_ids=prompt, start_pos=0, sample=True)
+    assert runner.execute(StepPlan(step_id=0, new_seqs=new, rows=[first])).error is None
+    if at_once:
+        row = StepRow(seq_id="s", token_ids=tokens, start_pos=len(prompt), sample=True,
+                      num_draft_tokens=len(tokens) - 1)  # fmt: skip
+        return runner.logits(runner.host_batch([row])).clone()
+    out = []
+    for i, token in enumerate(tokens):
+        row = StepRow(seq_id="s", token_ids=[token], start_pos=len(prompt) + i, sample=True)
+        out.append(runner.logits(runner.host_batch([row])).clone())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(
+    ("quantize", "rows"),
+    [("none", 2), ("none", cpu_matvec.MAX_ROWS + 1), ("none", cpu_matvec.MAX_BLOCK_ROWS),
+     ("int8", cpu_matvec.MAX_ROWS)],
+)  # fmt: skip
+def test_a_verify_step_equals_one_token_steps_to_the_bit(
+    block_weights, quantize, rows, monkeypatch
+):
+    """A speculative verify of several positions of one sequence runs as one native call
+    (each weight block read once for all of them, up to MAX_BLOCK_ROWS in float32), and
+    each position's logits are those of a step of that token alone: greedy outputs with
+    drafts are the ones without."""
+    feature = cpu_matvec.HAS_BLOCKS if quantize == "none" else cpu_matvec.HAS_BLOCKS_Q8
+    if not cpu_matvec.load().features & feature:
+        pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
+    tokens = [(5 * i + 17) % 256 for i in range(rows)]
+    single = _verify_logits(_runner(block_weights, quantize, at_once=True), tokens, False)
+    verify = _runner(block_weights, quantize, at_once=True)
+    taken = []
+    real = verify.model.ops._decode_layers.run
+    monkeypatch.setattr(
+        verify.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
+    )
+    got = _verify_logits(verify, tokens, True)
+    assert taken[-1] is not None  # the verify went through the one-call loop
+    assert got.shape == (rows, CONFIG.vocab_size)
+    assert torch.equal(got, single)
+
+
+def test_the_worker_says_how_many_positions_it_verifies_exactly(weights, block_weights):
+    """What `WorkerInfo.max_verify_tokens` reports: the rows of the native one-call path
+    (more in float32 over the file's blocks, whose kernel converts each block once)."""
+    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+        pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
+    assert _runner(block_weights, "none", True).max_verify_tokens == cpu_matvec.MAX_BLOCK_ROWS
+    assert _runner(block_weights, "int8", True).max_verify_tokens == cpu_matvec.MAX_ROWS
+    assert _runner(weights, "none", True).max_verify_tokens == cpu_matvec.MAX_ROWS
+    assert _runner(weights, "none", False).max_verify_tokens == 0  # no native path: no bound

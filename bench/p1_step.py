@@ -92,10 +92,12 @@ def run(args: argparse.Namespace) -> None:
     kv = KVCache(config, rows * per_row, BLOCK_SIZE, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, kv)
     seqs = [f"r{r}" for r in range(rows)]
-    runner.execute(StepPlan(step_id=0, new_seqs=[
-        NewSequence(seq_id=s, sampling=GREEDY, block_ids=list(range(r * per_row, (r + 1) * per_row)))
-        for r, s in enumerate(seqs)
-    ]))  # fmt: skip
+    blocks = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+    new = [
+        NewSequence(seq_id=s, sampling=GREEDY, block_ids=b)
+        for s, b in zip(seqs, blocks, strict=True)
+    ]
+    runner.execute(StepPlan(step_id=0, new_seqs=new))
     gen = torch.Generator().manual_seed(0)
 
     def prompt() -> list[int]:

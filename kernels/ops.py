@@ -358,14 +358,22 @@ class TorchOps:
     ) -> torch.Tensor:
         """Mixed prefill/extend/decode attention over the paged cache: [T, Hq, D].
 
-        Decode rows go through one batched gather, longer rows through another (padded to
-        the longest) unless their lengths differ too much; then they go one by one.
+        A float32 cache: every row through the native kernel, which reads the blocks in
+        place (measured on the 2-core Xeon at 4 prompts of 128 tokens, SmolLM2-135M's
+        heads: 2.8 ms a layer against the padded gather's 17). Otherwise decode rows go
+        through one batched gather, longer rows through another (padded to the longest)
+        unless their lengths differ too much; then they go one by one.
         `max_query_len` is accepted for parity with the Triton backend and not needed here.
         """
         rows = block_tables.shape[0]
         if q.shape[0] == rows:  # every row has a query, so T == R: all decode rows
             return self.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+            )
+        if self._native_fits(q, k_cache, v_cache):
+            starts = query_start.to(torch.int64).contiguous()
+            return self._native_attention(
+                q, k_cache, v_cache, block_tables, context_lens, starts, scale, out
             )
         if out is None:
             out = torch.empty_like(q)
@@ -402,7 +410,10 @@ class TorchOps:
         `max_context_len` is not needed: the lengths are on the host already.
         """
         if self._native_fits(q, k_cache, v_cache):
-            return self._native_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+            return self._native_attention(
+                q, k_cache, v_cache, block_tables, context_lens,
+                self._decode_starts(q.shape[0]), scale, out,
+            )  # fmt: skip
         block_size = k_cache.shape[1]
         gather = self._decode_gather.get(
             (block_tables, context_lens),
@@ -431,21 +442,25 @@ class TorchOps:
             and q.stride(-1) == 1
         )
 
-    def _native_decode(
+    def _decode_starts(self, rows: int) -> torch.Tensor:
+        """[R + 1] int64: 0, 1, ..., R (each decode row's one query)."""
+        starts = self._decode_query_start
+        if starts is None or starts.shape[0] < rows + 1:
+            starts = self._decode_query_start = torch.arange(max(rows + 1, 65))
+        return starts[: rows + 1]
+
+    def _native_attention(
         self,
-        q: torch.Tensor,  # [R, Hq, D]
+        q: torch.Tensor,  # [T, Hq, D]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        query_start: torch.Tensor,  # [R + 1] int64, contiguous
         scale: float,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         assert self.native is not None
-        rows = q.shape[0]
-        starts = self._decode_query_start
-        if starts is None or starts.shape[0] < rows + 1:
-            starts = self._decode_query_start = torch.arange(max(rows + 1, 65))
         target = out if out is not None and out.is_contiguous() else torch.empty_like(q)
         self.native.paged_attention(
             q,
@@ -453,7 +468,7 @@ class TorchOps:
             v_cache,
             _contiguous_rows(block_tables.to(torch.int32)),
             context_lens.to(torch.int32).contiguous(),
-            starts[: rows + 1],
+            query_start,
             scale,
             target,
         )

@@ -1,11 +1,16 @@
-"""The elementwise operations of a few-row decode step in one native call each
-(`native/decode_ops.c`): norms, rotary, KV store and the SwiGLU gate.
+"""The elementwise operations of a step in one native call each (`native/decode_ops.c`):
+norms, rotary, KV store and the SwiGLU gate.
 
 At one row the torch path dispatches some 25 small operators per layer for these (a few
 microseconds each, 750 per SmolLM2-135M step); one ctypes call per operation costs about
 as much as one of them. Results equal the torch path's up to float32 rounding (the norm's
 sum and SiLU's exponential are computed in another order / form); rotary and the KV store
 are exact. Callers check `fits` and keep the torch path for anything else.
+
+Many rows (a 512-token prefill chunk, a 64-row decode step) take them too: one pass over
+the values against the torch path's several (each with its temporary), measured on the
+2-core Xeon at 512 tokens of SmolLM2-135M: norm 1.0 -> 0.8 ms, SwiGLU gate 3.5 -> 0.6,
+rotary 0.5 -> 0.07, KV store 0.17 -> 0.07.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from kernels import cpu_matvec, cpu_native
 from kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "decode_ops.c"
-# The torch path's operator calls cost little per row beyond this many rows.
+# The one-call decode loop's row limit (`cpu_decode_layers`); these operations take any.
 MAX_ROWS = cpu_matvec.MAX_ROWS
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -29,12 +34,9 @@ def compile_flags() -> list[str]:
     return [*cpu_matvec.compile_flags(), "-ffp-contract=off"]
 
 
-def fits(rows: torch.Tensor, *others: torch.Tensor, max_rows: int | None = MAX_ROWS) -> bool:
-    """Whether `rows` holds at most `max_rows` rows (dimension 0; None: any number) and it
-    and `others` are float32 CPU tensors."""
-    return (max_rows is None or rows.shape[0] <= max_rows) and all(
-        t.dtype == torch.float32 and t.is_cpu for t in (rows, *others)
-    )
+def fits(rows: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether `rows` and `others` are float32 CPU tensors (any number of rows)."""
+    return all(t.dtype == torch.float32 and t.is_cpu for t in (rows, *others))
 
 
 class DecodeOps:

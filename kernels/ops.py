@@ -294,14 +294,6 @@ class TorchOps:
             else None
         )
         int8 = quantize == "int8"
-        # Rows up to which the elementwise operations take the native calls. Those win at
-        # every size measured (single-threaded, they wake no OpenMP thread: on a loaded
-        # 2-core Xeon SiLU-and-multiply of 64 rows took 108 against 186 us, of 256 rows
-        # 452 against 6518), but round differently from torch: the int8 mode, whose outputs
-        # are not float32's anyway, takes them at any size, the exact mode up to a verify
-        # step's positions (cpu_matvec.MAX_BLOCK_ROWS): each position's norms are then a
-        # one-row step's to the bit.
-        self._elementwise_rows = None if int8 else cpu_matvec.MAX_BLOCK_ROWS
         # Many-row int8 products: the native kernel where it beats fbgemm, else fbgemm.
         matmul = cpu_matmul_q8.load_faster(native_dir) if int8 and native == "auto" else None
         self._linear = (
@@ -365,7 +357,7 @@ class TorchOps:
         """Writes k, v [T, Hkv, D] into their cache slots; slots < 0 are skipped."""
         if (
             self.decode_ops is not None
-            and self._elementwise(k, v, k_cache, v_cache)
+            and cpu_decode_ops.fits(k, v, k_cache, v_cache)
             and k.stride(1) == v.stride(1) == k.shape[2]
             and k.stride(2) == v.stride(2) == 1
             and k_cache.is_contiguous()
@@ -391,14 +383,22 @@ class TorchOps:
     ) -> torch.Tensor:
         """Mixed prefill/extend/decode attention over the paged cache: [T, Hq, D].
 
-        Decode rows go through one batched gather, longer rows through another (padded to
-        the longest) unless their lengths differ too much; then they go one by one.
+        A float32 cache: every row through the native kernel, which reads the blocks in
+        place (measured on the 2-core Xeon at 4 prompts of 128 tokens, SmolLM2-135M's
+        heads: 2.8 ms a layer against the padded gather's 17). Otherwise decode rows go
+        through one batched gather, longer rows through another (padded to the longest)
+        unless their lengths differ too much; then they go one by one.
         `max_query_len` is accepted for parity with the Triton backend and not needed here.
         """
         rows = block_tables.shape[0]
         if q.shape[0] == rows:  # every row has a query, so T == R: all decode rows
             return self.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+            )
+        if self._native_fits(q, k_cache, v_cache):
+            starts = query_start.to(torch.int64).contiguous()
+            return self._native_attention(
+                q, k_cache, v_cache, block_tables, context_lens, starts, scale, out
             )
         if out is None:
             out = torch.empty_like(q)
@@ -435,7 +435,10 @@ class TorchOps:
         `max_context_len` is not needed: the lengths are on the host already.
         """
         if self._native_fits(q, k_cache, v_cache):
-            return self._native_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+            return self._native_attention(
+                q, k_cache, v_cache, block_tables, context_lens,
+                self._decode_starts(q.shape[0]), scale, out,
+            )  # fmt: skip
         block_size = k_cache.shape[1]
         gather = self._decode_gather.get(
             (block_tables, context_lens),
@@ -464,21 +467,25 @@ class TorchOps:
             and q.stride(-1) == 1
         )
 
-    def _native_decode(
+    def _decode_starts(self, rows: int) -> torch.Tensor:
+        """[R + 1] int64: 0, 1, ..., R (each decode row's one query)."""
+        starts = self._decode_query_start
+        if starts is None or starts.shape[0] < rows + 1:
+            starts = self._decode_query_start = torch.arange(max(rows + 1, 65))
+        return starts[: rows + 1]
+
+    def _native_attention(
         self,
-        q: torch.Tensor,  # [R, Hq, D]
+        q: torch.Tensor,  # [T, Hq, D]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        query_start: torch.Tensor,  # [R + 1] int64, contiguous
         scale: float,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         assert self.native is not None
-        rows = q.shape[0]
-        starts = self._decode_query_start
-        if starts is None or starts.shape[0] < rows + 1:
-            starts = self._decode_query_start = torch.arange(max(rows + 1, 65))
         target = out if out is not None and out.is_contiguous() else torch.empty_like(q)
         self.native.paged_attention(
             q,
@@ -486,7 +493,7 @@ class TorchOps:
             v_cache,
             _contiguous_rows(block_tables.to(torch.int32)),
             context_lens.to(torch.int32).contiguous(),
-            starts[: rows + 1],
+            query_start,
             scale,
             target,
         )
@@ -522,15 +529,11 @@ class TorchOps:
             return self.decode_ops.add_rms_norm(x, residual, weight, eps, out), residual
         return fused_add_rms_norm_ref(x, residual, weight, eps, out=out)
 
-    def _elementwise(self, rows: torch.Tensor, *others: torch.Tensor) -> bool:
-        """Whether the native elementwise operations take these tensors (`rows` rows)."""
-        return cpu_decode_ops.fits(rows, *others, max_rows=self._elementwise_rows)
-
     def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (
             self.decode_ops is not None
             and x.dim() == 2
-            and self._elementwise(x, weight)
+            and cpu_decode_ops.fits(x, weight)
             and weight.is_contiguous()
         )
 
@@ -548,7 +551,7 @@ class TorchOps:
         """
         if (
             self.decode_ops is not None
-            and self._elementwise(q, k)
+            and cpu_decode_ops.fits(q, k)
             and q.shape[0] == k.shape[0]
             and positions.dtype == torch.int64
             and cos_cache.is_contiguous()
@@ -570,7 +573,7 @@ class TorchOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2 I] (the fused gate and up projections) -> silu(gate) * up [T, I]."""
-        if self.decode_ops is not None and gate_up.dim() == 2 and self._elementwise(gate_up):
+        if self.decode_ops is not None and gate_up.dim() == 2 and cpu_decode_ops.fits(gate_up):
             return self.decode_ops.silu_mul(gate_up)
         return silu_mul_ref(gate_up)
 

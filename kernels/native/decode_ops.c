@@ -12,7 +12,9 @@
  *   store_kv      k and v rows copied into their cache slots (slot < 0: skipped)
  *   silu_mul      out = silu(gate) * up, gate and up the two halves of each input row
  *
- * Rows are contiguous unless a row stride is given; no threads (too little work to share).
+ * Rows are contiguous unless a row stride is given. A decode step of a few rows runs on
+ * this thread alone (too little work to share); prefill chunks and wide decode batches,
+ * PARALLEL_MIN values or more, split their rows over the OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,8 +22,13 @@
 
 #include "fast_exp.h"
 
+/* Below this many values an operation stays on the calling thread: waking a sleeping
+ * OpenMP thread (the worker's passive wait policy) costs tens of microseconds. */
+#define PARALLEL_MIN (1 << 17)
+
 void add_rms_norm(const float *x, float *residual, const float *w, float eps, float *out,
                   int64_t rows, int64_t h) {
+#pragma omp parallel for if (rows * h >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * h;
         if (x) {
@@ -47,6 +54,7 @@ int rotary(float *heads, int64_t tokens, int64_t stride, int64_t nheads, int64_t
     const int64_t half = d / 2;
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_pos) return -1;
+#pragma omp parallel for if (tokens * nheads * d >= PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
         for (int64_t hd = 0; hd < nheads; hd++) {
@@ -81,6 +89,7 @@ int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
 /* gate_up [T, 2I] -> out [T, I]. silu(g) = g / (1 + e^-g), with e^-|g| only (no overflow):
  * for g < 0, g e^g / (1 + e^g). */
 void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
+#pragma omp parallel for if (tokens * inter >= PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
         const float *g = gate_up + t * 2 * inter, *u = g + inter;
         float *o = out + t * inter;

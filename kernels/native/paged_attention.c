@@ -82,6 +82,152 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Sixteen vectors in, one out: lane t holds the sum of a[t]'s lanes (a transpose folded
+ * into the additions: 45 instructions for 16 sums, against 4 shuffles and 4 adds each). */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 pair[8], quad[4];
+    for (int i = 0; i < 8; i++)
+        pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(pair[2 * i]), y = _mm512_castps_pd(pair[2 * i + 1]);
+        quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88),
+                                   _mm512_shuffle_f32x4(quad[0], quad[1], 0xdd));
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88),
+                                   _mm512_shuffle_f32x4(quad[2], quad[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xdd));
+}
+
+/* scores[t] = scale * q . k_t for the n (<= 16) keys of one block, D / 16 vectors each. */
+static inline __attribute__((always_inline)) void block_scores(
+    const __m512 *qv, const float *k_block, int64_t n, int64_t token_stride, int64_t D,
+    float scale, float *scores) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < 16; t++) {
+        if (t < n) {
+            const float *k = k_block + t * token_stride;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+#pragma GCC unroll 8
+            for (int64_t c = 1; c < D / 16; c++)
+                a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
+            acc[t] = a;
+        } else {
+            acc[t] = _mm512_setzero_ps();
+        }
+    }
+    const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores, (__mmask16)((1u << n) - 1u), s);
+}
+
+/* out_g += sum_t w_g[t] v_t for GB heads g of the group at once (their accumulators stay
+ * in registers: GB * D / 16 of them), then out_g *= inv_total[g]. */
+static inline __attribute__((always_inline)) void weighted_values(
+    const float *v_head, const int32_t *table, int64_t visible, int64_t block_size,
+    int64_t token_stride, int64_t block_stride, int64_t D, int64_t GB, const float *weights,
+    int64_t weight_stride, const float *inv_total, float *out) {
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < GB; g++)
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
+        const float *v_block = v_head + (int64_t)table[b] * block_stride;
+        const int64_t n = visible - start < block_size ? visible - start : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            const float *v = v_block + o * token_stride;
+            __m512 vv[8];
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < D / 16; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);
+#pragma GCC unroll 4
+            for (int64_t g = 0; g < GB; g++) {
+                const __m512 w = _mm512_set1_ps(weights[g * weight_stride + start + o]);
+#pragma GCC unroll 8
+                for (int64_t c = 0; c < D / 16; c++)
+                    acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < GB; g++) {
+        const __m512 inv = _mm512_set1_ps(inv_total[g]);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < D / 16; c++)
+            _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+/* attend_group for head_dim D (64 or 128: a multiple of 16, at most 128). */
+static inline __attribute__((always_inline)) void attend_group_avx512(
+    const float *q, int64_t q_head_stride, int64_t group, const float *k_head,
+    const float *v_head, const int32_t *table, int64_t visible, int64_t block_size,
+    int64_t token_stride, int64_t block_stride, int64_t D, float scale,
+    float *restrict scores, float *restrict out) {
+    if (visible <= 0) {
+        memset(out, 0, (size_t)(group * D) * sizeof(float));
+        return;
+    }
+    /* Pass 1: every score, a block of keys at a time (they stay in L1 across the group). */
+    for (int64_t g = 0; g < group; g++) {
+        __m512 qv[8];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + g * q_head_stride + 16 * c);
+        for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
+            const float *k_block = k_head + (int64_t)table[b] * block_stride;
+            const int64_t n = visible - start < block_size ? visible - start : block_size;
+            for (int64_t o = 0; o < n; o += 16)
+                block_scores(qv, k_block + o * token_stride, n - o < 16 ? n - o : 16,
+                             token_stride, D, scale, scores + g * visible + start + o);
+        }
+    }
+    /* Softmax weights, unnormalised; the division comes last. */
+    float inv_total[group];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * visible;
+        float max_score = -INFINITY;
+        for (int64_t t = 0; t < visible; t++) max_score = s[t] > max_score ? s[t] : max_score;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < visible; t++) {
+            s[t] = exp_nonpositive(s[t] - max_score);
+            total += s[t];
+        }
+        inv_total[g] = 1.0f / total;
+    }
+    /* Pass 2: weights times values, heads a few at a time with their sums in registers. */
+    const int64_t per_pass = D <= 64 ? 4 : 2;
+    for (int64_t g = 0; g < group;) {
+        const int64_t left = group - g;
+        const float *w = scores + g * visible;
+        float *o = out + g * D;
+#define VALUES(GB)                                                                            \
+    weighted_values(v_head, table, visible, block_size, token_stride, block_stride, D, GB, w, \
+                    visible, inv_total + g, o)
+        if (left >= per_pass) {
+            if (per_pass == 4) VALUES(4); else VALUES(2);
+            g += per_pass;
+        } else if (left == 3) {
+            VALUES(3);
+            g += 3;
+        } else if (left == 2) {
+            VALUES(2);
+            g += 2;
+        } else {
+            VALUES(1);
+            g += 1;
+        }
+#undef VALUES
+    }
+}
+#define HAVE_AVX512_ATTENTION 1
+#endif
+
 /* Every query of every row: rows' queries packed back to back (query_start [R + 1]);
  * a row of one query is a decode row. Returns 0, or -1 when a buffer could not be had. */
 int paged_attention_f32(const float *q, int64_t q_token_stride, int64_t q_head_stride,
@@ -131,6 +277,16 @@ int paged_attention_f32(const float *q, int64_t q_token_stride, int64_t q_head_s
 #define ATTEND(D)                                                                         \
     attend_group(q_group, q_head_stride, group, k_head, v_head, table, visible, block_size, \
                  token_stride, block_stride, D, scale, scores, out_group)
+#if defined(HAVE_AVX512_ATTENTION)
+#define ATTEND_WIDE(D)                                                                   \
+    attend_group_avx512(q_group, q_head_stride, group, k_head, v_head, table, visible,    \
+                        block_size, token_stride, block_stride, D, scale, scores, out_group)
+                    if (head_dim == 64)
+                        ATTEND_WIDE(64);
+                    else if (head_dim == 128)
+                        ATTEND_WIDE(128);
+                    else
+#endif
                     if (head_dim == 64)
                         ATTEND(64);
                     else if (head_dim == 128)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_ops, cpu_matvec
+from kernels import cpu_decode_ops
 from kernels.kv_store import store_kv_ref
 from kernels.ops import TorchOps
 from kernels.rmsnorm import fused_add_rms_norm_ref
@@ -23,7 +23,7 @@ def ops(tmp_path_factory) -> cpu_decode_ops.DecodeOps:
     return kernels
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 300])  # 300: split over threads
 def test_add_rms_norm_matches_float64_and_updates_the_residual(ops, rows):
     g = torch.Generator().manual_seed(rows)
     x, residual, weight = (torch.randn(n, generator=g) for n in ((rows, 576), (rows, 576), 576))
@@ -38,16 +38,19 @@ def test_add_rms_norm_matches_float64_and_updates_the_residual(ops, rows):
     torch.testing.assert_close(residual.double(), want_residual, rtol=0, atol=1e-6)
 
 
-def test_rotary_equals_the_torch_path_bit_for_bit(ops):
+@pytest.mark.parametrize("tokens", [2, 200])  # 200: split over threads
+def test_rotary_equals_the_torch_path_bit_for_bit(ops, tokens):
     cos, sin = rope_cache(64, 300)
     g = torch.Generator().manual_seed(2)
-    qkv = torch.randn(2, (9 + 2 * 3) * 64, generator=g)
-    positions = torch.tensor([0, 257])
+    qkv = torch.randn(tokens, (9 + 2 * 3) * 64, generator=g)
+    positions = torch.randint(0, 300, (tokens,), generator=g)
+    positions[:2] = torch.tensor([0, 257])
     want = qkv.clone()
-    wq, wk = want[:, : 9 * 64].view(2, 9, 64), want[:, 9 * 64 : 12 * 64].view(2, 3, 64)
+    wq = want[:, : 9 * 64].view(tokens, 9, 64)
+    wk = want[:, 9 * 64 : 12 * 64].view(tokens, 3, 64)
     rotary_ref(wq, wk, positions, cos, sin)
-    q = qkv[:, : 9 * 64].view(2, 9, 64)
-    ops.rotary(q.as_strided((2, 12, 64), q.stride()), positions, cos, sin)  # q and k heads
+    q = qkv[:, : 9 * 64].view(tokens, 9, 64)
+    ops.rotary(q.as_strided((tokens, 12, 64), q.stride()), positions, cos, sin)  # q and k
     assert torch.equal(qkv, want)  # v (the last 3 heads) untouched as well
 
 
@@ -71,16 +74,17 @@ def test_store_kv_equals_the_torch_path_and_skips_negative_slots(ops):
         ops.store_kv(k, v, caches[0], caches[1], torch.tensor([5, 6, 32]))
 
 
-def test_silu_mul_matches_float64(ops):
+@pytest.mark.parametrize("rows", [2, 100])  # 100: split over threads
+def test_silu_mul_matches_float64(ops, rows):
     g = torch.Generator().manual_seed(4)
-    gate_up = torch.randn(2, 2 * 1536, generator=g) * 8  # far into both tails of SiLU
+    gate_up = torch.randn(rows, 2 * 1536, generator=g) * 8  # far into both tails of SiLU
     gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0
     gate, up = gate_up.double().chunk(2, dim=-1)
     want = F.silu(gate) * up
     torch.testing.assert_close(ops.silu_mul(gate_up).double(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_torch_ops_take_the_native_path_for_few_rows_only(tmp_path, monkeypatch):
+def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkeypatch):
     torch_ops = TorchOps(native_dir=tmp_path)
     if torch_ops.decode_ops is None:
         pytest.skip("no C compiler here")
@@ -97,22 +101,22 @@ def test_torch_ops_take_the_native_path_for_few_rows_only(tmp_path, monkeypatch)
     counted("store_kv_ref", store_kv_ref)
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(64, generator=g)
-    caches = [torch.zeros(8, 16, 2, 32) for _ in range(4)]  # more blocks than MAX_ROWS
-    for rows in (1, cpu_decode_ops.MAX_ROWS + 1, cpu_matvec.MAX_BLOCK_ROWS + 1):
+    caches = [torch.zeros(32, 16, 2, 32) for _ in range(4)]
+    for rows, dtype in ((1, torch.float32), (300, torch.float32), (2, torch.bfloat16)):
         torch_path.clear()
-        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+        x, residual = torch.randn(2, rows, 64, generator=g, dtype=dtype)
         ref_residual = residual.clone()
-        got, got_residual = torch_ops.fused_add_rms_norm(x, residual, weight, EPS)
-        want, want_residual = fused_add_rms_norm_ref(x, ref_residual, weight, EPS)
+        got, got_residual = torch_ops.fused_add_rms_norm(x, residual, weight.to(dtype), EPS)
+        want, want_residual = fused_add_rms_norm_ref(x, ref_residual, weight.to(dtype), EPS)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert got_residual is residual and torch.equal(residual, want_residual)
-        k, v = torch.randn(2, rows, 2, 32, generator=g)
-        slots = torch.arange(rows) * 3
+        k, v = torch.randn(2, rows, 2, 32, generator=g, dtype=dtype)
+        slots = torch.randperm(caches[0].shape[0] * 16, generator=g)[:rows]
+        caches = [c.to(dtype) for c in caches]
         torch_ops.store_kv(k, v, caches[0], caches[1], slots)
         store_kv_ref(k, v, caches[2], caches[3], slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-        # the exact mode: as many rows as a verify step's positions (MAX_BLOCK_ROWS)
-        native = rows <= cpu_matvec.MAX_BLOCK_ROWS
+        native = dtype == torch.float32
         assert torch_path == ([] if native else ["fused_add_rms_norm_ref", "store_kv_ref"])
 
 
@@ -128,7 +132,7 @@ def test_the_int8_mode_takes_the_native_path_at_any_row_count(tmp_path, monkeypa
 
     monkeypatch.setattr("kernels.ops.fused_add_rms_norm_ref", counted)
     g = torch.Generator().manual_seed(6)
-    rows = 4 * cpu_decode_ops.MAX_ROWS + 3
+    rows = 19
     x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
     weight = torch.randn(64, generator=g)
     want, _ = fused_add_rms_norm_ref(x, residual.clone(), weight, EPS)

@@ -64,6 +64,23 @@ def test_torch_ops_decode_takes_the_native_path_and_agrees_with_the_gather(nativ
     torch.testing.assert_close(wide[:, :, :64], fast)
 
 
+def test_torch_ops_mixed_batches_take_the_native_path(native, monkeypatch) -> None:
+    def no_gather(*args, **kwargs):
+        raise AssertionError("a float32 cache's prefill rows went through the gather")
+
+    monkeypatch.setattr("kernels.ops.padded_prefill_attention", no_gather)
+    monkeypatch.setattr("kernels.ops.paged_prefill_attention_ref", no_gather)
+    # prompts, a decode row, an extend past a cached prefix; unowned slots hold NaN
+    batch = make_paged_batch(
+        [12, 1, 9, 40], [12, 40, 45, 40], q_heads=9, kv_heads=3, head_dim=64, block_size=16
+    )
+    out = TorchOps(native=native).paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+        batch.query_start, SCALE,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+
+
 def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
     assert cpu_native.load(tmp_path / "no-compiler") is None

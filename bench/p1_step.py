@@ -1,0 +1,161 @@
+"""Where a P1 step's time goes, piece by piece: `python -m bench.p1_step`.
+
+P1 (64 requests of 128 prompt tokens and 128 new ones) runs two kinds of step on the CPU:
+prefill steps of `--prefill-rows` rows of 128 tokens (the scheduler's token budget) and
+all-decode steps of 64 rows. This runs one of each through `ModelRunner.execute` on the
+default model's shapes (random weights: the arithmetic is the same) and times every kernel
+call by wrapping the backend's operations, so the table says what each piece costs per
+step, summed over the layers, and what is left outside them (host batch building, Python).
+
+Each figure is the median of `--repeats` steps; the load average is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from kernels.ops import TorchOps
+from services.worker.kv_cache import KVCache, blocks_needed
+from services.worker.model import LlamaModel, configure_threads
+from services.worker.runner import ModelRunner
+from services.worker.synthetic import synthetic_weights
+from shared.model_config import load_model_config
+from shared.model_files import resolve_model
+from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+
+BLOCK_SIZE = 16
+PROMPT = 128
+GREEDY = SamplingParams(temperature=0.0)
+# Operations timed one by one (the backend's methods); the rest of a step is "other".
+TIMED = (
+    "linear", "rms_norm", "fused_add_rms_norm", "rotary", "store_kv", "paged_attention",
+    "paged_decode_attention", "silu_mul", "decode_layers",
+)  # fmt: skip
+
+
+class Timings:
+    """Seconds per operation name (and per projection width) within one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.depth = 0  # nested calls (paged_attention -> paged_decode_attention) count once
+
+    def wrap(self, name: str, fn: Callable, key: Callable | None = None) -> Callable:
+        def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                label = key(*args) if key else name
+                self.seconds[label] += time.perf_counter() - start
+
+        return timed
+
+
+def _linear_label(names: dict[int, str]) -> Callable:
+    return lambda x, weight, *rest: f"linear {names.get(id(weight), 'other')}"
+
+
+def instrument(ops: TorchOps, model: LlamaModel) -> Timings:
+    timings = Timings()
+    names = {id(model.weights.lm_head): "lm_head"}
+    for layer in model.weights.layers:
+        for n in ("qkv", "o", "gate_up", "down"):
+            names[id(getattr(layer, n))] = n
+    for name in TIMED:
+        fn = getattr(ops, name)
+        key = _linear_label(names) if name == "linear" else None
+        setattr(ops, name, timings.wrap(name, fn, key))
+    return timings
+
+
+def run(args: argparse.Namespace) -> None:
+    threads = configure_threads(torch.device("cpu"), args.threads)
+    config = load_model_config(resolve_model(args.model))
+    weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
+    ops = TorchOps()
+    model = LlamaModel(config, weights, ops)
+    model.warm_up()
+    rows, context = args.decode_rows, PROMPT + args.decode_at
+    per_row = blocks_needed(context + 1, BLOCK_SIZE)
+    kv = KVCache(config, rows * per_row, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, kv)
+    seqs = [f"r{r}" for r in range(rows)]
+    blocks = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+    new = [
+        NewSequence(seq_id=s, sampling=GREEDY, block_ids=b)
+        for s, b in zip(seqs, blocks, strict=True)
+    ]
+    runner.execute(StepPlan(step_id=0, new_seqs=new))
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt() -> list[int]:
+        return torch.randint(0, config.vocab_size, (PROMPT,), generator=gen).tolist()
+
+    prefill = StepPlan(step_id=1, rows=[
+        StepRow(seq_id=s, token_ids=prompt(), start_pos=0, sample=True)
+        for s in seqs[: args.prefill_rows]
+    ])  # fmt: skip
+    decode = StepPlan(step_id=2, rows=[
+        StepRow(seq_id=s, token_ids=[5 + r], start_pos=context - 1, sample=True)
+        for r, s in enumerate(seqs)
+    ])  # fmt: skip
+    timings = instrument(ops, model)
+    print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
+          f"hidden {config.hidden_size}")  # fmt: skip
+    for label, plan, tokens in (
+        (f"prefill {args.prefill_rows} x {PROMPT}", prefill, args.prefill_rows * PROMPT),
+        (f"decode {rows} rows at {context}", decode, rows),
+    ):
+        runner.execute(plan)  # warm-up
+        per_piece: dict[str, list[float]] = defaultdict(list)
+        totals: list[float] = []
+        phases: dict[str, list[float]] = defaultdict(list)
+        for _ in range(args.repeats):
+            timings.seconds.clear()
+            start = time.perf_counter()
+            result = runner.execute(plan)
+            totals.append(time.perf_counter() - start)
+            phases["prepare (host batch)"].append(result.prepare_s or 0.0)
+            phases["sample"].append(result.sample_s or 0.0)
+            for k, v in timings.seconds.items():
+                per_piece[k].append(v)
+        total = statistics.median(totals)
+        print(f"\n{label}: step {total * 1e3:.1f} ms, {tokens / total:.0f} tok/s, "
+              f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
+        timed = 0.0
+        for k in sorted(per_piece, key=lambda k: -statistics.median(per_piece[k])):
+            t = statistics.median(per_piece[k])
+            timed += t
+            print(f"  {k:<28} {t * 1e3:8.2f} ms  {100 * t / total:5.1f}%")
+        for k, v in phases.items():
+            print(f"  ({k:<26} {statistics.median(v) * 1e3:8.2f} ms, within other)")
+        print(f"  {'other (host, Python, sampling)':<28} {(total - timed) * 1e3:8.2f} ms  "
+              f"{100 * (total - timed) / total:5.1f}%")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prefill-rows", type=int, default=4)
+    parser.add_argument("--decode-rows", type=int, default=64)
+    parser.add_argument("--decode-at", type=int, default=64, help="new tokens so far")
+    parser.add_argument("--repeats", type=int, default=5)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

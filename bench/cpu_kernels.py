@@ -57,15 +57,25 @@ def _median_ms(forms: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def bench_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
-    """All projections of one forward (qkv, o, gate_up, down per layer, then the lm_head)."""
-    gen = torch.Generator().manual_seed(0)
+def forward_sizes(shape: Shape) -> list[tuple[int, int]]:
+    """(out, in) of every projection of one forward: qkv, o, gate_up and down per layer,
+    then the lm_head."""
     h, i = shape.hidden, shape.intermediate
     qkv_out = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     sizes = [(qkv_out, h), (h, shape.q_heads * shape.head_dim), (2 * i, h), (h, i)]
-    weights = [
-        torch.randn(n, k, generator=gen) / k**0.5 for _ in range(shape.layers) for n, k in sizes
-    ] + [torch.randn(shape.vocab, h, generator=gen) / h**0.5]
+    return [size for _ in range(shape.layers) for size in sizes] + [(shape.vocab, h)]
+
+
+def forward_weights(shape: Shape, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random weights of every projection of one forward, scaled so outputs stay near
+    unit size."""
+    return [torch.randn(n, k, generator=gen) / k**0.5 for n, k in forward_sizes(shape)]
+
+
+def bench_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
+    """All projections of one forward (qkv, o, gate_up, down per layer, then the lm_head)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = forward_weights(shape, gen)
     packed = PackedLinear()
 
     def run(
@@ -113,12 +123,10 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     from kernels.cpu_info import int8_dots
 
     gen = torch.Generator().manual_seed(2)
-    h, i = shape.hidden, shape.intermediate
-    qkv_out = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
-    sizes = [(qkv_out, h), (h, shape.q_heads * shape.head_dim), (2 * i, h), (h, i)]
-    shapes = [(n, k, "q4_1") for _ in range(shape.layers) for n, k in sizes]
+    sizes = forward_sizes(shape)
+    kinds = ["q4_1"] * (len(sizes) - 1) + ["q8_0"]  # the lm_head as the GGUF file has it
     blocks, q8 = [], []
-    for n, k, kind in [*shapes, (shape.vocab, h, "q8_0")]:
+    for (n, k), kind in zip(sizes, kinds, strict=True):
         qtype = GGMLQuantizationType[kind.upper()]
         raw = quants.quantize((torch.randn(n, k, generator=gen) / k**0.5).numpy(), qtype)
         blocks.append(cpu_matvec.BlockWeight(torch.from_numpy(np.array(raw)), kind, k))
@@ -132,7 +140,7 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     for m in rows:
         if m > cpu_matvec.MAX_ROWS:
             continue
-        inputs = {k: torch.randn(m, k, generator=gen) for k in (h, i)}
+        inputs = {k: torch.randn(m, k, generator=gen) for k in (shape.hidden, shape.intermediate)}
 
         def run(
             project: Callable[[torch.Tensor, int], torch.Tensor], inputs: dict = inputs
@@ -167,12 +175,7 @@ def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     from kernels.linear import Int8Linear, int8_available
 
     gen = torch.Generator().manual_seed(3)
-    h, i = shape.hidden, shape.intermediate
-    qkv_out = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
-    sizes = [(qkv_out, h), (h, shape.q_heads * shape.head_dim), (2 * i, h), (h, i)]
-    weights = [
-        torch.randn(n, k, generator=gen) / k**0.5 for _ in range(shape.layers) for n, k in sizes
-    ] + [torch.randn(shape.vocab, h, generator=gen) / h**0.5]
+    weights = forward_weights(shape, gen)
     projections: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
     projections["float32 (oneDNN)"] = PackedLinear()
     if int8_available():
@@ -184,7 +187,8 @@ def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     out: list[Row] = []
     with torch.inference_mode():
         for m in rows:
-            inputs = {k: torch.randn(m, k, generator=gen) for k in (h, i)}
+            widths = (shape.hidden, shape.intermediate)
+            inputs = {k: torch.randn(m, k, generator=gen) for k in widths}
             forms = {
                 name: (lambda p=p, xs=inputs: [p(xs[w.shape[1]], w) for w in weights])
                 for name, p in projections.items()

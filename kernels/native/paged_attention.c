@@ -32,6 +32,23 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
 }
 
+/* Each of `group` rows of `visible` scores becomes exp(score - its max), unnormalised;
+ * inv_total[g] gets 1 / that row's sum (the division comes last, once per output). */
+static inline void softmax_weights(float *scores, int64_t group, int64_t visible, float *inv_total) {
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * visible;
+        float max_score = -INFINITY;
+        for (int64_t t = 0; t < visible; t++) max_score = s[t] > max_score ? s[t] : max_score;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < visible; t++) {
+            s[t] = exp_nonpositive(s[t] - max_score);
+            total += s[t];
+        }
+        inv_total[g] = 1.0f / total;
+    }
+}
+
 /* The attention of one query group (the G query heads sharing a KV head) over keys
  * [0, visible) of one row: q_g at q + g * q_head_stride, out_g at out + g * head_dim.
  * scores holds G * visible floats. */
@@ -54,18 +71,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
     }
     /* Softmax weights, unnormalised; the division comes last. */
     float inv_total[group];
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * visible;
-        float max_score = -INFINITY;
-        for (int64_t t = 0; t < visible; t++) max_score = s[t] > max_score ? s[t] : max_score;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < visible; t++) {
-            s[t] = exp_nonpositive(s[t] - max_score);
-            total += s[t];
-        }
-        inv_total[g] = 1.0f / total;
-    }
+    softmax_weights(scores, group, visible, inv_total);
     /* Pass 2: weights times values, each value loaded once for the whole group. */
     for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
         const float *v_block = v_head + (int64_t)table[b] * block_stride;
@@ -188,18 +194,7 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
     }
     /* Softmax weights, unnormalised; the division comes last. */
     float inv_total[group];
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * visible;
-        float max_score = -INFINITY;
-        for (int64_t t = 0; t < visible; t++) max_score = s[t] > max_score ? s[t] : max_score;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < visible; t++) {
-            s[t] = exp_nonpositive(s[t] - max_score);
-            total += s[t];
-        }
-        inv_total[g] = 1.0f / total;
-    }
+    softmax_weights(scores, group, visible, inv_total);
     /* Pass 2: weights times values, heads a few at a time with their sums in registers. */
     const int64_t per_pass = D <= 64 ? 4 : 2;
     for (int64_t g = 0; g < group;) {

@@ -4,12 +4,19 @@ them, until every request has ended."""
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from shared.protocol import RequestDelta, StepPlan, StepResult
+from services.worker.kv_transfer import KVTransfer, connect_kv_store
+from services.worker.runner import ModelRunner
+from services.worker.service import worker_info
+from shared.clock import FakeClock
+from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
+from shared.spill_keys import SpillKeys
 
 
 @dataclass
@@ -54,3 +61,42 @@ def drive(
             break
     assert len(served.finished) == len(request_ids)
     return served
+
+
+def serve(
+    runner: ModelRunner,
+    config: SchedulerConfig,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    max_tokens: int,
+    requests: list[dict] | None = None,
+    spill_to: str | None = None,
+) -> tuple[Served, SchedulerCore]:
+    """Serves `prompts` (request i: "r<i>", seed 100 + i, ignoring EOS, with `requests[i]`'s
+    fields) on a fresh core driving `runner`; with `spill_to` (a Redis URL) preemption
+    spills there. Every block is free and nothing swapped at the end."""
+    if spill_to is not None:
+        config = replace(config, preemption_mode="spill", spill_store=True)
+        store = connect_kv_store(spill_to, 2.0)
+        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
+        runner.kv_transfer.state_pool = runner.state_pool
+    core = SchedulerCore(FakeClock(), config)
+    core.attach_worker(worker_info("w", "tiny", runner))
+    if spill_to is not None:
+        core.spill_store_reported(True, 1 << 40)
+    requests = requests or [{} for _ in prompts]
+    for i, (prompt, extra) in enumerate(zip(prompts, requests, strict=True)):
+        fields = {"max_tokens": max_tokens, "ignore_eos": True, **extra}
+        error = core.add_request(
+            SubmitRequest(
+                request_id=f"r{i}",
+                gateway_id="g",
+                prompt_token_ids=prompt,
+                sampling=sampling.model_copy(update={"seed": 100 + i}),
+                **fields,
+            )
+        )
+        assert error is None
+    served = drive(core, runner.execute, [f"r{i}" for i in range(len(prompts))])
+    assert core.kv_usage == 0.0 and core.num_swapped == 0
+    return served, core

@@ -6,26 +6,18 @@ with recompute and spill; and drafts must actually be accepted."""
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import replace
-
 import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from services.worker.service import worker_info
-from shared.clock import FakeClock
 from shared.protocol import (
     NewSequence,
     RequestDelta,
     SamplingParams,
     StepPlan,
     StepRow,
-    SubmitRequest,
 )
-from shared.spill_keys import SpillKeys
-from tests.integration.in_process import drive
+from tests.integration.in_process import serve
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
 # Repetitive prompts (something to copy) and plain ones, of different lengths.
@@ -65,29 +57,7 @@ def _serve(
         num_speculative_tokens=4,
         spec_draft_cost=0.1,  # not measured: the drafts do not depend on this machine's load
     )
-    if spill_to is not None:
-        config = replace(config, preemption_mode="spill", spill_store=True)
-        store = connect_kv_store(spill_to, 2.0)
-        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
-    core = SchedulerCore(FakeClock(), config)
-    core.attach_worker(worker_info("w", "tiny", runner))
-    if spill_to is not None:
-        core.spill_store_reported(True, 1 << 40)
-    requests = requests or [{} for _ in prompts]
-    for i, (prompt, extra) in enumerate(zip(prompts, requests, strict=True)):
-        fields = {"max_tokens": NEW_TOKENS, "ignore_eos": True, **extra}
-        error = core.add_request(
-            SubmitRequest(
-                request_id=f"r{i}",
-                gateway_id="g",
-                prompt_token_ids=prompt,
-                sampling=sampling.model_copy(update={"seed": 100 + i}),
-                **fields,
-            )
-        )
-        assert error is None
-    served = drive(core, runner.execute, [f"r{i}" for i in range(len(prompts))])
-    assert core.kv_usage == 0.0 and core.num_swapped == 0
+    served, core = serve(runner, config, prompts, sampling, NEW_TOKENS, requests, spill_to)
     return served.outputs, served.finished, served.logprobs, core
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,10 @@ import pytest
 from services.gateway.structured_output import GrammarBuilder
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.runner import ModelRunner, load_runner
-from services.worker.service import worker_info
-from shared.clock import FakeClock
 from shared.config import load_settings
-from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
-from shared.spill_keys import SpillKeys
-from tests.integration.in_process import drive
+from shared.protocol import RequestDelta, SamplingParams
+from tests.integration.in_process import serve
 from tests.unit.worker.think_llama import save_think_llama
 from tests.unit.worker.tiny_llama import save_tiny_llama
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
@@ -79,26 +73,7 @@ def _serve(
         max_batch=4, max_num_batched_tokens=32, speculative=speculative,  # type: ignore[arg-type]
         num_speculative_tokens=K, spec_draft_cost=0.1,
     )  # fmt: skip
-    if spill_to is not None:
-        config = replace(config, preemption_mode="spill", spill_store=True)
-        store = connect_kv_store(spill_to, 2.0)
-        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
-    core = SchedulerCore(FakeClock(), config)
-    core.attach_worker(worker_info("w", "tiny", runner))
-    if spill_to is not None:
-        core.spill_store_reported(True, 1 << 40)
-    requests = requests or [{} for _ in prompts]
-    for i, (prompt, extra) in enumerate(zip(prompts, requests, strict=True)):
-        fields = {"max_tokens": NEW_TOKENS, "ignore_eos": True, **extra}
-        error = core.add_request(
-            SubmitRequest(
-                request_id=f"r{i}", gateway_id="g", prompt_token_ids=prompt,
-                sampling=sampling.model_copy(update={"seed": 100 + i}), **fields,
-            )
-        )  # fmt: skip
-        assert error is None
-    served = drive(core, runner.execute, [f"r{i}" for i in range(len(prompts))])
-    assert core.kv_usage == 0.0 and core.num_swapped == 0
+    served, core = serve(runner, config, prompts, sampling, NEW_TOKENS, requests, spill_to)
     return served.outputs, served.finished, served.logprobs, core
 
 

@@ -7,22 +7,15 @@ also under KV pressure (spilled with the recurrent state)."""
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.runner import load_runner
-from services.worker.service import worker_info
-from shared.clock import FakeClock
 from shared.config import load_settings
-from shared.protocol import SamplingParams, SubmitRequest
-from shared.spill_keys import SpillKeys
-from tests.integration.in_process import drive
+from shared.protocol import SamplingParams
+from tests.integration.in_process import serve
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 
 PROMPTS = [
@@ -87,26 +80,8 @@ def _serve(family_dir, speculative: str, kv_blocks: int = 64, spill_to: str | No
         max_batch=4, max_num_batched_tokens=24, speculative=speculative,  # type: ignore[arg-type]
         num_speculative_tokens=K, spec_draft_cost=0.1,
     )  # fmt: skip
-    if spill_to is not None:
-        config = replace(config, preemption_mode="spill", spill_store=True)
-        store = connect_kv_store(spill_to, 2.0)
-        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
-        runner.kv_transfer.state_pool = runner.state_pool
-    core = SchedulerCore(FakeClock(), config)
-    core.attach_worker(worker_info("w", "tiny", runner))
-    if spill_to is not None:
-        core.spill_store_reported(True, 1 << 40)
-    for i, prompt in enumerate(PROMPTS):
-        error = core.add_request(
-            SubmitRequest(
-                request_id=f"r{i}", gateway_id="g", prompt_token_ids=prompt,
-                sampling=SamplingParams(temperature=0.0), max_tokens=NEW_TOKENS,
-                ignore_eos=True,
-            )
-        )  # fmt: skip
-        assert error is None
-    served = drive(core, runner.execute, [f"r{i}" for i in range(len(PROMPTS))])
-    assert core.kv_usage == 0.0 and core.num_swapped == 0
+    greedy = SamplingParams(temperature=0.0)
+    served, core = serve(runner, config, PROMPTS, greedy, NEW_TOKENS, spill_to=spill_to)
     return served.outputs, core
 
 

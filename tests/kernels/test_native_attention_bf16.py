@@ -26,6 +26,16 @@ def native(tmp_path_factory) -> cpu_native.NativeKernels:
 
 
 @pytest.fixture(scope="module")
+def portable(tmp_path_factory) -> cpu_native.NativeKernels:
+    """The same source built without AVX-512: the loops a CPU without it runs."""
+    library = cpu_native.build(
+        cpu_native.SOURCE, cpu_native.compile_flags(), tmp_path_factory.mktemp("portable")
+    )
+    assert library is not None, "the native kernels did not build (is a C compiler installed?)"
+    return cpu_native.NativeKernels(library)
+
+
+@pytest.fixture(scope="module")
 def ops(tmp_path_factory) -> cpu_decode_ops.DecodeOps:
     kernels = cpu_decode_ops.load(tmp_path_factory.mktemp("decode_ops"))
     assert kernels is not None, "the native operations did not build (is a C compiler installed?)"
@@ -66,6 +76,18 @@ def test_mixed_batch_over_a_bf16_cache_matches_dense_attention(native, head_dim,
     )  # fmt: skip
     assert batch.q.dtype == torch.float32 and batch.k_cache.dtype == torch.bfloat16
     out = _native(native, batch)
+    torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_the_portable_loops_read_a_bf16_cache_too(portable, head_dim):
+    batch = bf16_batch(
+        make_paged_batch(
+            [12, 1, 9, 1], [12, 40, 45, 1], q_heads=6, kv_heads=2, head_dim=head_dim,
+            block_size=16, seed=head_dim,
+        )
+    )  # fmt: skip
+    out = _native(portable, batch)
     torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
 
 

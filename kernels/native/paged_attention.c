@@ -69,6 +69,57 @@ static inline void softmax_weights(float *scores, int64_t group, int64_t visible
     }
 }
 
+/* One bfloat16 row widened to float32: the bits shifted up as integers (a loop the
+ * compiler vectorizes, unlike a per-value conversion inside the dot product, which made
+ * an AVX2 build's bfloat16 attention 1.9x slower than its float32 one), read as floats
+ * through the union (GNU C's type punning). */
+#define WIDE_MAX 1024
+typedef union {
+    uint32_t u[WIDE_MAX];
+    float f[WIDE_MAX];
+} Wide;
+
+static inline void widen(const void *base, int64_t at, int64_t n, Wide *out) {
+    const uint16_t *src = (const uint16_t *)base + at;
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) out->u[d] = (uint32_t)src[d] << 16;
+}
+
+/* attend_group's loops over a bfloat16 cache (head_dim <= WIDE_MAX): each key and value
+ * widened once for the whole group, then the float32 arithmetic on the widened row. */
+static void attend_group_wide(const float *q, int64_t q_head_stride, int64_t group,
+                              const void *k_cache, const void *v_cache, int64_t head,
+                              const int32_t *table, int64_t visible, int64_t block_size,
+                              int64_t token_stride, int64_t block_stride, int64_t head_dim,
+                              float scale, float *restrict scores, float *restrict out) {
+    Wide wide;
+    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
+        const int64_t k_block = head + (int64_t)table[b] * block_stride;
+        const int64_t n = visible - start < block_size ? visible - start : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            widen(k_cache, k_block + o * token_stride, head_dim, &wide);
+            for (int64_t g = 0; g < group; g++)
+                scores[g * visible + start + o] =
+                    dot(q + g * q_head_stride, wide.f, 0, head_dim, 0) * scale;
+        }
+    }
+    float inv_total[group];
+    softmax_weights(scores, group, visible, inv_total);
+    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
+        const int64_t v_block = head + (int64_t)table[b] * block_stride;
+        const int64_t n = visible - start < block_size ? visible - start : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            widen(v_cache, v_block + o * token_stride, head_dim, &wide);
+            for (int64_t g = 0; g < group; g++)
+                axpy(out + g * head_dim, scores[g * visible + start + o], wide.f, 0, head_dim, 0);
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv_total[g];
+    }
+}
+
 /* The attention of one query group (the G query heads sharing a KV head) over keys
  * [0, visible) of one row: q_g at q + g * q_head_stride, out_g at out + g * head_dim.
  * The head's keys and values start at element `head` of k_cache and v_cache. scores
@@ -80,6 +131,11 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
                          float *restrict scores, float *restrict out, int kv) {
     memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
     if (visible <= 0) return;
+    if (kv && head_dim <= WIDE_MAX) {
+        attend_group_wide(q, q_head_stride, group, k_cache, v_cache, head, table, visible,
+                          block_size, token_stride, block_stride, head_dim, scale, scores, out);
+        return;
+    }
     /* Pass 1: every score, each key loaded once for the whole group. */
     for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
         const int64_t k_block = head + (int64_t)table[b] * block_stride;

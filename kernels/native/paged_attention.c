@@ -13,10 +13,12 @@
  *
  * The cache holds float32 (`paged_attention_f32`) or bfloat16 (`paged_attention_bf16`:
  * half the bytes read per step, `--kv-cache-dtype bfloat16`). A bfloat16 value is the top
- * half of a float32, so each one is widened in registers by a 16-bit shift (exact) and
- * everything after that is the float32 kernel's arithmetic. Both are built from one set
- * of loops: `KV` (0 float32, 1 bfloat16) is a compile-time constant in each copy, and the
- * cache is addressed in elements from a `const void *` base.
+ * half of a float32, so each one is widened by a 16-bit shift (exact) and everything after
+ * that is float32 arithmetic (the AVX-512 loops widen 32 values at a time into an even
+ * and an odd vector, the query split alike; the portable ones widen a row per query
+ * group). Both are built from one set of loops: `kv` (0 float32, 1 bfloat16) is a
+ * compile-time constant in each copy, and the cache is addressed in elements from a
+ * `const void *` base.
  */
 #include <math.h>
 #include <stdint.h>

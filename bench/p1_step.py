@@ -8,6 +8,10 @@ call by wrapping the backend's operations, so the table says what each piece cos
 step, summed over the layers, and what is left outside them (host batch building, Python).
 
 Each figure is the median of `--repeats` steps; the load average is printed with them.
+`--quantize int8` runs the fastest mode's projections; `--clock cpu` times in CPU seconds
+(steadier on a shared machine); `--kv-cache-dtypes float32,bfloat16`
+runs the steps once per KV cache dtype in this process (the same weights and rows) and
+ends with the ratios of the step and of its attention.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ TIMED = (
 class Timings:
     """Seconds per operation name (and per projection width) within one step."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = defaultdict(float)
         self.depth = 0  # nested calls (paged_attention -> paged_decode_attention) count once
 
@@ -52,13 +57,13 @@ class Timings:
             if self.depth:
                 return fn(*args, **kwargs)
             self.depth += 1
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.depth -= 1
                 label = key(*args) if key else name
-                self.seconds[label] += time.perf_counter() - start
+                self.seconds[label] += self.clock() - start
 
         return timed
 
@@ -67,8 +72,10 @@ def _linear_label(names: dict[int, str]) -> Callable:
     return lambda x, weight, *rest: f"linear {names.get(id(weight), 'other')}"
 
 
-def instrument(ops: TorchOps, model: LlamaModel) -> Timings:
-    timings = Timings()
+def instrument(
+    ops: TorchOps, model: LlamaModel, clock: Callable[[], float] = time.perf_counter
+) -> Timings:
+    timings = Timings(clock)
     names = {id(model.weights.lm_head): "lm_head"}
     for layer in model.weights.layers:
         for n in ("qkv", "o", "gate_up", "down"):
@@ -80,16 +87,40 @@ def instrument(ops: TorchOps, model: LlamaModel) -> Timings:
     return timings
 
 
+# cpu: this process's CPU seconds (all its threads), steadier than wall time on a busy
+# machine, where a step waits for a core; the phases from the runner stay wall time.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ATTENTION = ("paged_attention", "paged_decode_attention", "store_kv")
+
+
 def run(args: argparse.Namespace) -> None:
     threads = configure_threads(torch.device("cpu"), args.threads)
     config = load_model_config(resolve_model(args.model))
     weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
-    ops = TorchOps()
+    ops = TorchOps(quantize=args.quantize)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
+    timings = instrument(ops, model, CLOCKS[args.clock])
+    print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
+          f"hidden {config.hidden_size}, --quantize {args.quantize}")  # fmt: skip
+    figures = {}
+    for name in args.kv_cache_dtypes.split(","):
+        print(f"\n--- KV cache {name}")
+        figures[name] = run_steps(args, config, model, timings, KV_DTYPES[name])
+    if len(figures) > 1:
+        base_name, base = next(iter(figures.items()))
+        for name, (step, attention) in list(figures.items())[1:]:
+            print(f"\ndecode step, KV cache {name} / {base_name}: {step / base[0]:.3f}; "
+                  f"its attention (and KV store): {attention / base[1]:.3f}")  # fmt: skip
+
+
+def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> tuple[float, float]:
+    """The prefill and decode steps over a fresh cache of `kv_dtype`; returns the decode
+    step's median seconds and its attention's (the KV store included)."""
     rows, context = args.decode_rows, PROMPT + args.decode_at
     per_row = blocks_needed(context + 1, BLOCK_SIZE)
-    kv = KVCache(config, rows * per_row, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    kv = KVCache(config, rows * per_row, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
     runner = ModelRunner(model, kv)
     seqs = [f"r{r}" for r in range(rows)]
     blocks = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
@@ -111,9 +142,7 @@ def run(args: argparse.Namespace) -> None:
         StepRow(seq_id=s, token_ids=[5 + r], start_pos=context - 1, sample=True)
         for r, s in enumerate(seqs)
     ])  # fmt: skip
-    timings = instrument(ops, model)
-    print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
-          f"hidden {config.hidden_size}")  # fmt: skip
+    figures = (0.0, 0.0)
     for label, plan, tokens in (
         (f"prefill {args.prefill_rows} x {PROMPT}", prefill, args.prefill_rows * PROMPT),
         (f"decode {rows} rows at {context}", decode, rows),
@@ -124,9 +153,9 @@ def run(args: argparse.Namespace) -> None:
         phases: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.repeats):
             timings.seconds.clear()
-            start = time.perf_counter()
+            start = timings.clock()
             result = runner.execute(plan)
-            totals.append(time.perf_counter() - start)
+            totals.append(timings.clock() - start)
             phases["prepare (host batch)"].append(result.prepare_s or 0.0)
             phases["sample"].append(result.sample_s or 0.0)
             for k, v in timings.seconds.items():
@@ -143,6 +172,9 @@ def run(args: argparse.Namespace) -> None:
             print(f"  ({k:<26} {statistics.median(v) * 1e3:8.2f} ms, within other)")
         print(f"  {'other (host, Python, sampling)':<28} {(total - timed) * 1e3:8.2f} ms  "
               f"{100 * (total - timed) / total:5.1f}%")  # fmt: skip
+        attention = sum(statistics.median(per_piece[k]) for k in ATTENTION if k in per_piece)
+        figures = (total, attention)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-rows", type=int, default=64)
     parser.add_argument("--decode-at", type=int, default=64, help="new tokens so far")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument(
+        "--kv-cache-dtypes", default="float32", help="comma-separated: float32, bfloat16"
+    )
     run(parser.parse_args(argv))
     return 0
 

@@ -8,7 +8,8 @@ one C loop, in the same order on the same buffers, so the results are the per-ca
 to the bit (the tests hold them equal).
 
 `DecodeLayers.run` takes a step only when every piece would have gone native call by
-call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations and cache,
+call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations, a float32
+or bfloat16 cache (the KV store and attention of that kind are handed in),
 and every projection's weight in the form the native few-row kernel takes (float32 or the
 model file's blocks of its values; under `--quantize int8` the file's blocks read with
 integer products, or int8); otherwise it returns None and the caller loops in Python.
@@ -126,7 +127,15 @@ class DecodeLayers:
         fn.argtypes = [pointer(_Kernels), pointer(_Layer), _I64, pointer(_Step)]
         self._run = fn
         addresses = {**matvec.addresses(), **ops.addresses(), **native.addresses()}
-        self._kernels = _Kernels(**{name: addresses[name] for name, _ in _Kernels._fields_})
+        # One table per cache dtype: the same kernels but the KV store and attention.
+        suffix = {torch.float32: "", torch.bfloat16: "_bf16"}
+        self._kernels = {
+            dtype: _Kernels(**{
+                name: addresses[name + end if name in ("store_kv", "attention") else name]
+                for name, _ in _Kernels._fields_
+            })
+            for dtype, end in suffix.items()
+        }  # fmt: skip
         self._matvec = matvec
         # what the kernels above belong to: their libraries stay loaded while this lives
         self._owners = (ops, native)
@@ -174,7 +183,10 @@ class DecodeLayers:
             residual.data_ptr(), *(b.data_ptr() for b in bufs),
         )  # fmt: skip
         code = self._run(
-            ctypes.byref(self._kernels), prepared.array, len(prepared.array), ctypes.byref(step)
+            ctypes.byref(self._kernels[k_caches[0].dtype]),
+            prepared.array,
+            len(prepared.array),
+            ctypes.byref(step),
         )
         if code != 0:
             error, what = _FAILURES.get(-code // 100, (RuntimeError, "a kernel"))
@@ -193,7 +205,8 @@ class DecodeLayers:
         return (
             x.dim() == 2
             and 0 < x.shape[0] <= max(cpu_matvec.MAX_ROWS, cpu_matvec.MAX_BLOCK_ROWS)
-            and x.dtype == k_cache.dtype == cos_table.dtype == torch.float32
+            and x.dtype == cos_table.dtype == torch.float32
+            and k_cache.dtype in cpu_native.CACHE_DTYPES
             and x.is_contiguous()
             and all(t.device.type == "cpu" for t in (x, positions, slots, k_cache))
             and positions.dtype == slots.dtype == torch.int64
@@ -226,7 +239,7 @@ class DecodeLayers:
         inter = layers[0].down.shape[1]
         for entry, layer, k_cache, v_cache in zip(array, layers, k_caches, v_caches, strict=True):
             caches_fit = all(
-                c.is_contiguous() and c.dtype == torch.float32 and c.shape == k_caches[0].shape
+                c.is_contiguous() and c.dtype == k_caches[0].dtype and c.shape == k_caches[0].shape
                 for c in (k_cache, v_cache)
             )
             norms_fit = all(

@@ -10,7 +10,8 @@ are exact. Callers check `fits` and keep the torch path for anything else.
 Many rows (a 512-token prefill chunk, a 64-row decode step) take them too: one pass over
 the values against the torch path's several (each with its temporary), measured on the
 2-core Xeon at 512 tokens of SmolLM2-135M: norm 1.0 -> 0.8 ms, SwiGLU gate 3.5 -> 0.6,
-rotary 0.5 -> 0.07, KV store 0.17 -> 0.07.
+rotary 0.5 -> 0.07, KV store 0.17 -> 0.07. The KV store also writes a bfloat16 cache
+(`--kv-cache-dtype bfloat16`), rounding as torch does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ SOURCE = Path(__file__).with_name("native") / "decode_ops.c"
 # The one-call decode loop's row limit (`cpu_decode_layers`); these operations take any.
 MAX_ROWS = cpu_matvec.MAX_ROWS
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# The cache dtypes `store_kv` writes (from float32 rows).
+STORE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def compile_flags() -> list[str]:
@@ -45,17 +48,23 @@ class DecodeOps:
         self._rotary = _fn(
             library.rotary, ctypes.c_int, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]
         )
-        self._store = _fn(
-            library.store_kv,
-            ctypes.c_int,
-            [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
-        )
+        store_args = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+        self._stores = {
+            torch.float32: _fn(library.store_kv, ctypes.c_int, store_args),
+            torch.bfloat16: _fn(library.store_kv_bf16, ctypes.c_int, store_args),
+        }
         self._silu_mul = _fn(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
 
     def addresses(self) -> dict[str, int | None]:
         """The operations' entry points, for native callers (`cpu_decode_layers`)."""
-        fns = {"add_rms_norm": self._norm, "rotary": self._rotary, "store_kv": self._store}
-        return {name: address_of(fn) for name, fn in {**fns, "silu_mul": self._silu_mul}.items()}
+        fns = {
+            "add_rms_norm": self._norm,
+            "rotary": self._rotary,
+            "store_kv": self._stores[torch.float32],
+            "store_kv_bf16": self._stores[torch.bfloat16],
+            "silu_mul": self._silu_mul,
+        }
+        return {name: address_of(fn) for name, fn in fns.items()}
 
     def add_rms_norm(
         self,
@@ -103,19 +112,23 @@ class DecodeOps:
         self,
         k: torch.Tensor,  # [T, Hkv, D], rows of Hkv * D contiguous values
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous, float32 or bfloat16
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [T] int64
     ) -> None:
+        """k and v (float32) into their slots; a bfloat16 cache gets them rounded to the
+        nearest, ties to even, as torch's `.to(torch.bfloat16)` rounds."""
         tokens, kv_heads, d = k.shape
         width = kv_heads * d
         for t in (k, v):
             assert t.shape == (tokens, kv_heads, d) and t.stride(2) == 1 and t.stride(1) == d
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k.dtype == v.dtype == torch.float32
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in STORE_DTYPES
         assert k_cache.shape == v_cache.shape and k_cache.shape[2] * k_cache.shape[3] == width
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
         num_slots = k_cache.shape[0] * k_cache.shape[1]
-        code = self._store(
+        code = self._stores[k_cache.dtype](
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.data_ptr(), tokens, width, num_slots,
         )  # fmt: skip

@@ -53,29 +53,29 @@ def attention_flags() -> list[str]:
     return flags
 
 
+# The cache dtypes the native attention reads (float32 arithmetic on either).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class NativeKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library
-        fn = library.paged_attention_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            _PTR, _I64, _I64,  # q, its token and head strides
-            _PTR, _PTR,  # k_cache, v_cache
-            _PTR, _I64, _PTR,  # block_tables, its row stride, context_lens
-            _PTR, _PTR,  # query_start, out
-            _I64, _I64, _I64, _I64, _I64,  # rows, q heads, kv heads, head dim, block size
-            _F32,  # scale
-        ]  # fmt: skip
-        self._paged_attention = fn
+        self._paged_attention = {
+            torch.float32: _attention_fn(library.paged_attention_f32),
+            torch.bfloat16: _attention_fn(library.paged_attention_bf16),
+        }
 
     def addresses(self) -> dict[str, int | None]:
         """The kernels' entry points, for native callers (`cpu_decode_layers`)."""
-        return {"attention": address_of(self._paged_attention)}
+        return {
+            "attention": address_of(self._paged_attention[torch.float32]),
+            "attention_bf16": address_of(self._paged_attention[torch.bfloat16]),
+        }
 
     def paged_attention(
         self,
         q: torch.Tensor,  # [T, Hq, D] float32, unit stride in D
-        k_cache: torch.Tensor,  # [NB, BS, Hkv, D] float32, contiguous
+        k_cache: torch.Tensor,  # [NB, BS, Hkv, D] float32 or bfloat16, contiguous
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [R, MB] int32, unit stride in MB
         context_lens: torch.Tensor,  # [R] int32, contiguous
@@ -86,14 +86,15 @@ class NativeKernels:
         """Attention of every query over its row's cached context, read in place."""
         _, q_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+        assert q.dtype == out.dtype == torch.float32
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_DTYPES
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
         assert q.stride(2) == 1 and block_tables.stride(1) == 1
         assert block_tables.dtype == context_lens.dtype == torch.int32
         assert query_start.dtype == torch.int64 and context_lens.is_contiguous()
         assert query_start.is_contiguous() and q_heads % kv_heads == 0
         rows = block_tables.shape[0]
-        code = self._paged_attention(
+        code = self._paged_attention[k_cache.dtype](
             q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
@@ -104,6 +105,19 @@ class NativeKernels:
         if code != 0:
             raise MemoryError("native paged attention could not allocate its buffers")
         return out
+
+
+def _attention_fn(fn: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        _PTR, _I64, _I64,  # q, its token and head strides
+        _PTR, _PTR,  # k_cache, v_cache
+        _PTR, _I64, _PTR,  # block_tables, its row stride, context_lens
+        _PTR, _PTR,  # query_start, out
+        _I64, _I64, _I64, _I64, _I64,  # rows, q heads, kv heads, head dim, block size
+        _F32,  # scale
+    ]  # fmt: skip
+    return fn
 
 
 def address_of(fn: ctypes._CFuncPtr) -> int | None:

@@ -357,7 +357,10 @@ class TorchOps:
         """Writes k, v [T, Hkv, D] into their cache slots; slots < 0 are skipped."""
         if (
             self.decode_ops is not None
-            and cpu_decode_ops.fits(k, v, k_cache, v_cache)
+            and cpu_decode_ops.fits(k, v)
+            and k_cache.is_cpu
+            and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in cpu_decode_ops.STORE_DTYPES
             and k.stride(1) == v.stride(1) == k.shape[2]
             and k.stride(2) == v.stride(2) == 1
             and k_cache.is_contiguous()
@@ -383,7 +386,8 @@ class TorchOps:
     ) -> torch.Tensor:
         """Mixed prefill/extend/decode attention over the paged cache: [T, Hq, D].
 
-        A float32 cache: every row through the native kernel, which reads the blocks in
+        A float32 or bfloat16 cache (float32 queries): every row through the native
+        kernel, which reads the blocks in
         place (measured on the 2-core Xeon at 4 prompts of 128 tokens, SmolLM2-135M's
         heads: 2.8 ms a layer against the padded gather's 17). Otherwise decode rows go
         through one batched gather, longer rows through another (padded to the longest)
@@ -461,7 +465,9 @@ class TorchOps:
         return (
             self.native is not None
             and q.device.type == "cpu"
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in cpu_native.CACHE_DTYPES
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
             and q.stride(-1) == 1

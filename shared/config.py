@@ -23,6 +23,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AutoDtype = Literal["exact", "fastest"]
 CpuWaitPolicy = Literal["passive", "active"]
 Quantization = Literal["none", "int8"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16"]
 PreemptionMode = Literal["auto", "spill", "recompute"]
 AttentionBackend = Literal["auto", "torch", "triton"]
 LogFormat = Literal["text", "json"]
@@ -158,6 +159,10 @@ class Settings(BaseSettings):
     # Weight quantization of the projections (--quantize): int8 (per output channel, with
     # activations quantized per step) is faster on the CPU and changes outputs: opt-in only.
     quantize: Quantization = "none"
+    # The KV cache's dtype (--kv-cache-dtype): auto = the model's (float32 on the CPU,
+    # bfloat16 on CUDA). bfloat16 on the CPU halves the bytes attention reads per step and
+    # rounds every cached key and value: opt-in only, like --quantize.
+    kv_cache_dtype: KvCacheDtype = "auto"
     # Attention reads the paged KV cache in place through C loops built on first use
     # (a C compiler is needed; without one the torch path gathers the cache instead).
     cpu_native_kernels: bool = True

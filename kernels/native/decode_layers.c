@@ -14,7 +14,8 @@
  * [g u] = h Wgate_up^T. Layer 0 starts from residual = x. Each projection is float32, int8
  * (`Projection.q` set) or the model file's blocks (`.blocks`), read as the float32 values
  * or, with `.integer`, with integer products against x quantized to int8. On return x and
- * residual hold the last layer's output.
+ * residual hold the last layer's output. The KV cache is float32 or bfloat16: the caller
+ * hands in the KV store and attention of that kind.
  */
 #include <stdint.h>
 #include <string.h>
@@ -33,11 +34,11 @@ typedef int (*rotary_fn)(float *heads, int64_t tokens, int64_t stride, int64_t n
                          int64_t d, const int64_t *positions, const float *cos_table,
                          const float *sin_table, int64_t max_pos);
 typedef int (*store_kv_fn)(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                           float *k_cache, float *v_cache, const int64_t *slots,
+                           void *k_cache, void *v_cache, const int64_t *slots,
                            int64_t tokens, int64_t width, int64_t num_slots);
 typedef void (*silu_mul_fn)(const float *gate_up, float *out, int64_t tokens, int64_t inter);
 typedef int (*attention_fn)(const float *q, int64_t q_token_stride, int64_t q_head_stride,
-                            const float *k_cache, const float *v_cache,
+                            const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, int64_t bt_stride,
                             const int32_t *context_lens, const int64_t *query_start,
                             float *out, int64_t rows, int64_t q_heads, int64_t kv_heads,
@@ -70,7 +71,7 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *ffn_norm;
     Projection qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* float32 or bfloat16: `store_kv` and `attention` match it */
 } Layer;
 
 typedef struct {

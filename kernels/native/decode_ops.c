@@ -9,7 +9,8 @@
  *   rotary        q and k heads rotated in place (rotate-half): x1 c - x2 s, x2 c + x1 s,
  *                 the same products and differences as the torch path (built without
  *                 contracting them into FMAs, so they round alike)
- *   store_kv      k and v rows copied into their cache slots (slot < 0: skipped)
+ *   store_kv      k and v rows copied into their cache slots (slot < 0: skipped);
+ *                 store_kv_bf16 rounds them to bfloat16 on the way, as torch does
  *   silu_mul      out = silu(gate) * up, gate and up the two halves of each input row
  *
  * Rows are contiguous unless a row stride is given. A decode step of a few rows runs on
@@ -72,16 +73,48 @@ int rotary(float *heads, int64_t tokens, int64_t stride, int64_t nheads, int64_t
 }
 
 /* k, v: [T] rows of `width` floats at row strides k_stride, v_stride; caches: num_slots
- * slots of `width` floats. Returns -1 (touching nothing) when a slot is past the cache. */
+ * slots of `width` floats. Returns -1 (touching nothing) when a slot is past the cache.
+ * The caches are `void *` so that `decode_layers` holds either kind through one type. */
 int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-             float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens,
+             void *k_cache_, void *v_cache_, const int64_t *slots, int64_t tokens,
              int64_t width, int64_t num_slots) {
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] >= num_slots) return -1;
+    float *k_cache = (float *)k_cache_, *v_cache = (float *)v_cache_;
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
         memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(float));
         memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(float));
+    }
+    return 0;
+}
+
+/* x rounded to bfloat16 to the nearest, ties to even, as torch's tensor conversion
+ * (ATen's vectorized float -> bfloat16) rounds: a NaN becomes 0xffff (a NaN, what ATen
+ * writes for any NaN); anything else gets 0x7fff plus its kept lowest bit added, then
+ * loses its low 16 bits (a value past the largest bfloat16 rounds to infinity). */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0xffff;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* store_kv into bfloat16 caches (num_slots slots of `width` bfloat16 values each). */
+int store_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                  void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
+                  int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    uint16_t *kc = (uint16_t *)k_cache, *vc = (uint16_t *)v_cache;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        uint16_t *kd = kc + slots[t] * width, *vd = vc + slots[t] * width;
+        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) kd[i] = to_bf16(ks[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) vd[i] = to_bf16(vs[i]);
     }
     return 0;
 }

@@ -62,6 +62,10 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("--quantize", "quantize", {"choices": ["none", "int8"],
                                 "help": "int8 weights for the CPU projections (faster, changes "
                                 "outputs)"}),
+    ("--kv-cache-dtype", "kv_cache_dtype", {"choices": ["auto", "float32", "bfloat16"],
+                                            "help": "KV cache dtype; auto: the model's; "
+                                            "bfloat16 on the CPU halves attention's reads "
+                                            "(changes outputs)"}),
     ("--no-cuda-graphs", "cuda_graphs", {"action": "store_const", "const": False,
                                          "help": "run decode steps eagerly, without CUDA "
                                          "graphs"}),

@@ -27,6 +27,27 @@ from shared.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: `auto` is the model's dtype. On the CPU the cache may differ from
+    the model's (the native attention reads float32 or bfloat16 with float32 arithmetic,
+    the torch path widens what it gathers); on CUDA the kernels take the model's only."""
+    if setting == "auto":
+        return model_dtype
+    if setting not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {setting}: one of auto, {', '.join(KV_DTYPES)}")
+    dtype = KV_DTYPES[setting]
+    if device.type != "cpu" and dtype != model_dtype:
+        model = str(model_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--kv-cache-dtype {setting}: on {device.type} the KV cache is the model's dtype"
+            f" ({model}); give --kv-cache-dtype auto or --dtype {setting}"
+        )
+    return dtype
+
+
 def kv_planes(config: ModelConfig) -> int:
     """2 (K and V), or 1 where V is K (multi-head latent attention)."""
     return 1 if config.mla is not None else 2

@@ -24,26 +24,40 @@ from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 SEQ_ID = "perplexity"
 
 
+# A mode: the weights' quantization, then "+kv-bfloat16" where the KV cache is bfloat16.
+DEFAULT_MODES = ("none", "int8", "none+kv-bfloat16", "int8+kv-bfloat16")
+_KV_SUFFIX = "+kv-bfloat16"
+
+
 def perplexities(
-    source: ModelSource, token_ids: Sequence[int], modes: Sequence[str] = ("none", "int8")
+    source: ModelSource, token_ids: Sequence[int], modes: Sequence[str] = DEFAULT_MODES
 ) -> dict[str, float]:
-    """Perplexity of token_ids under each quantization mode ("none": float32), on the CPU
-    over the same weights."""
+    """Perplexity of token_ids under each mode ("none": float32 weights and cache), on the
+    CPU over the same weights."""
     config, weights = load_model(source, torch.device("cpu"), torch.float32)
-    return {
-        mode: perplexity(LlamaModel(config, weights, TorchOps(quantize=mode)), token_ids)
-        for mode in modes
-    }
+    out = {}
+    for mode in modes:
+        quantize = mode.removesuffix(_KV_SUFFIX)
+        kv_dtype = torch.bfloat16 if mode.endswith(_KV_SUFFIX) else None
+        model = LlamaModel(config, weights, TorchOps(quantize=quantize))
+        out[mode] = perplexity(model, token_ids, kv_dtype=kv_dtype)
+    return out
 
 
 def perplexity(
-    model: LlamaModel, token_ids: Sequence[int], chunk: int = 128, block_size: int = 16
+    model: LlamaModel,
+    token_ids: Sequence[int],
+    chunk: int = 128,
+    block_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> float:
-    """exp(mean negative log-likelihood) of token_ids[1:] given the tokens before each."""
+    """exp(mean negative log-likelihood) of token_ids[1:] given the tokens before each,
+    over a KV cache of `kv_dtype` (None: the model's)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     num_blocks = blocks_needed(len(token_ids), block_size)
-    cache = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+    dtype = model.dtype if kv_dtype is None else kv_dtype
+    cache = KVCache(model.config, num_blocks, block_size, dtype, model.device)
     runner = ModelRunner(model, cache)
     blocks = list(range(num_blocks))
     new = NewSequence(seq_id=SEQ_ID, sampling=SamplingParams(), block_ids=blocks)

@@ -53,6 +53,7 @@ from services.worker.kv_cache import (
     block_table_tensor,
     blocks_needed,
     num_blocks_for_memory,
+    resolve_kv_dtype,
     slot_mapping_tensor,
 )
 from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
@@ -771,6 +772,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     device = resolve_device(settings.device)
     configure_threads(device, settings.threads)
     dtype = resolve_dtype(settings.dtype, device, settings.auto_dtype)
+    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype, device)
     # Before the weights load: a backend that cannot run here fails at once.
     native_dir = settings.cache_dir if settings.cpu_native_kernels else None
     ops = select_ops(
@@ -781,7 +783,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     if refusal is not None:
         raise ValueError(refusal)
     if model_config.hybrid is not None:
-        return load_hybrid_runner(settings, source, device, dtype, ops)
+        return load_hybrid_runner(settings, source, device, dtype, ops, kv_dtype)
     mtp = settings.speculative == "mtp"
     config, weights = load_model(source, device, dtype, mtp=mtp)
     check_expert_parallel(settings, config, source.model_id)
@@ -793,17 +795,17 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         # The MTP layer's cache plane shares the target's blocks: one more layer a block.
         dataclasses.replace(config, num_layers=config.num_layers + 1) if mtp else config,
         settings.block_size,
-        dtype,
+        kv_dtype,
         device,
         settings.cpu_kv_cache_bytes,
         settings.gpu_memory_utilization,
     )
     if draft is not None and not settings.kv_blocks:  # the draft's cache takes its share
-        own = block_bytes(config, settings.block_size, dtype)
-        other = block_bytes(draft[0], settings.block_size, dtype)
+        own = block_bytes(config, settings.block_size, kv_dtype)
+        other = block_bytes(draft[0], settings.block_size, kv_dtype)
         num_blocks = max(1, num_blocks * own // (own + other))
     num_blocks = agree_num_blocks(num_blocks)
-    kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
+    kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
     model = LlamaModel(config, weights, ops)
     if config.moe is not None:  # counts tokens per expert even without a group
         model.experts = group or ExpertGroup(0, 1)
@@ -823,13 +825,13 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         kv_transfer=kv_transfer_for(settings, kv_cache),
         sampling=load_sampling_states(settings, source, config),
     )
-    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
+    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
     if weights.mtp is not None:
         cache = MtpCache(kv_cache)
         runner.mtp = MtpDrafter(model, weights.mtp, cache, settings.num_speculative_tokens)
     if draft is not None:
         draft_model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
-        draft_cache = KVCache(draft[0], num_blocks, settings.block_size, dtype, device)
+        draft_cache = KVCache(draft[0], num_blocks, settings.block_size, kv_dtype, device)
         runner.draft = DraftModelDrafter(draft_model, draft_cache, settings.num_speculative_tokens)
     if runner.mtp is not None:
         log.info("decode CUDA graphs off: the MTP drafter reads each step's hidden states")
@@ -867,7 +869,12 @@ def load_draft_model(
 
 
 def load_hybrid_runner(
-    settings: Settings, source: ModelSource, device: torch.device, dtype: torch.dtype, ops
+    settings: Settings,
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops,
+    kv_dtype: torch.dtype,
 ) -> tuple[ModelRunner, str]:
     """A hybrid model (Granite 4.0-H, Qwen3-Next): its state pool (one slot per sequence
     that may run at once: --state-slots, else --max-batch) and its snapshots (prefix
@@ -889,12 +896,12 @@ def load_hybrid_runner(
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         config,
         settings.block_size,
-        dtype,
+        kv_dtype,
         device,
         settings.cpu_kv_cache_bytes - pool_bytes,  # on CUDA, the pool is gone from free memory
         settings.gpu_memory_utilization,
     )
-    kv_cache = KVCache(config, num_blocks, settings.block_size, dtype, device)
+    kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
     model.warm_up()
     log.info(
         "loaded %s (%s) on %s as %s with %s kernels; state pool: %d slots and %d snapshots"
@@ -913,7 +920,7 @@ def load_hybrid_runner(
     runner.num_state_snapshots = num_snapshots
     if num_scratch:
         runner.draft_states = DraftStates(base=num_snapshots, k_max=k_max)
-    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size)
+    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
     return runner, source.model_id
 
 
@@ -931,10 +938,22 @@ def kv_transfer_for(settings: Settings, kv_cache: KVCache) -> KVTransfer | None:
     )
 
 
-def kv_layout(source: ModelSource, config: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
-    """What one KV block's bytes mean: whose weights, which precision, which geometry."""
+def kv_layout(
+    source: ModelSource,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
+) -> str:
+    """What one KV block's bytes mean: whose weights, which precision, which geometry.
+    A cache in another dtype than the model's is named too (`+kv-bfloat16`): its blocks
+    are neither the same bytes nor the same values, so a worker of another cache dtype
+    never restores them (its swapped sequences and prefix hits are recomputed)."""
+    name = str(dtype).removeprefix("torch.")
+    if kv_dtype is not None and kv_dtype != dtype:
+        name += "+kv-" + str(kv_dtype).removeprefix("torch.")
     return (
-        f"{source.model_id}/{weights_fingerprint(source)}/{str(dtype).removeprefix('torch.')}"
+        f"{source.model_id}/{weights_fingerprint(source)}/{name}"
         f"/L{config.num_layers}/H{config.num_kv_heads}/D{config.head_dim}/B{block_size}"
     )
 

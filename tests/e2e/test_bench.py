@@ -1,6 +1,6 @@
 """`spillway bench --launch --compare` end to end: a fresh system over HTTP, then
 transformers on the same weights and prompts in the same run (greedy outputs agree), and
-the perplexity of the exact and the int8 mode."""
+the perplexity of the exact and the int8 mode, each also over a bfloat16 KV cache."""
 
 from __future__ import annotations
 
@@ -51,4 +51,5 @@ def test_bench_measures_a_launched_system_and_compares_with_transformers(tiny_mo
     assert identical >= 5  # float32 greedy: equal to the reference (one near tie allowed)
     assert report["bound_tokens_per_s"] > 0 and report["machine"]["cores"] >= 1
     ppl = report["perplexity"]
-    assert set(ppl) == {"none", "int8"} and ppl["none"] > 1 and ppl["int8"] != ppl["none"]
+    assert set(ppl) == {"none", "int8", "none+kv-bfloat16", "int8+kv-bfloat16"}
+    assert ppl["none"] > 1 and all(ppl[mode] != ppl["none"] for mode in set(ppl) - {"none"})

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import replace
 
 import pytest
+import torch
 
 from kernels import ssm_reference
 from services.scheduler.config import SchedulerConfig
@@ -49,10 +50,10 @@ def want(family_dir):
     return out
 
 
-def _runner(folder, kv_blocks: int, state_slots: int) -> ModelRunner:
+def _runner(folder, kv_blocks: int, state_slots: int, **extra: object) -> ModelRunner:
     settings = load_settings(
         model=str(folder), kv_blocks=kv_blocks, block_size=BS, state_slots=state_slots,
-        device="cpu", dtype="float32", spill_store=False,
+        device="cpu", dtype="float32", spill_store=False, **extra,
     )  # fmt: skip
     runner, _ = load_runner(settings)
     return runner
@@ -65,8 +66,9 @@ def _serve_all(
     mode: str = "recompute",
     redis: str | None = None,
     prompts: list[list[int]] = PROMPTS,
+    **extra: object,
 ) -> tuple[list[list[int]], SchedulerCore, ModelRunner]:
-    runner = _runner(folder, kv_blocks, state_slots)
+    runner = _runner(folder, kv_blocks, state_slots, **extra)
     config = SchedulerConfig(max_batch=8, max_num_batched_tokens=12)  # prompts go in chunks
     if redis is not None:
         config = replace(config, preemption_mode=mode, spill_store=True)  # type: ignore[arg-type]
@@ -131,6 +133,14 @@ def test_concurrent_chunked_requests_equal_transformers(family_dir, want):
     assert sum(core.preemptions.values()) == 0
     # Decode steps of slots 0..R-1 take the batched path over the pool's rows.
     assert ssm_reference.PATHS["view"] > 0
+
+
+def test_a_bf16_kv_cache_serves_them_too(family_dir):
+    # The float32 worker is the yardstick (it equals transformers: the test above).
+    exact, _, _ = _serve_all(family_dir, kv_blocks=64, state_slots=8)
+    got, _, runner = _serve_all(family_dir, kv_blocks=64, state_slots=8, kv_cache_dtype="bfloat16")
+    assert runner.kv_cache.dtype == torch.bfloat16
+    assert got == exact  # these models' greedy choices are clear enough to survive the rounding
 
 
 def test_few_slots_queue_requests_and_recompute_under_block_pressure(family_dir, want):

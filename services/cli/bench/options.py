@@ -76,7 +76,8 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--perplexity",
         action="store_true",
-        help="also measure perplexity of a fixed text in float32 and in int8 (the worker's "
+        help="also measure perplexity of a fixed text in float32 and in int8, each also over a "
+        "bfloat16 KV cache (the worker's "
         "model code, in this process)",
     )
     p.add_argument(

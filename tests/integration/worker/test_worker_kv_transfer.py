@@ -115,6 +115,38 @@ def test_a_spilled_sequence_restored_into_other_blocks_continues_exactly(runner)
     assert d.generate(14) == expected
 
 
+def test_a_bf16_cache_spills_half_the_bytes_and_restores_exactly(tiny_llama_dir, redis_url):  # noqa: F811
+    r = tiny_runner(tiny_llama_dir, kv_blocks=32, kv_cache_dtype="bfloat16")
+    r.kv_transfer = KVTransfer(
+        connect_kv_store(redis_url, 2.0), SpillKeys("kvt-bf16"), r.kv_cache, group_blocks=2
+    )
+    assert r.kv_transfer.block_bytes == 2 * 2 * BS * 2 * 16 * 2  # K and V, 2 layers, bf16
+    reference = Driver(r, "ref", SAMPLED)
+    reference.start([0, 1, 2, 3])
+    expected = reference.generate(24)
+    _reset(r)
+    d = Driver(r, "s", SAMPLED)
+    d.start([4, 5, 6, 7])
+    d.generate(9)
+    before = r.kv_cache.read_blocks([4, 5])
+    spill = KVSpill(seq_id="s", spill_id=1, block_ids=[4, 5])
+    result = r.execute(d.plan(d.blocks, spills=[spill], finished_seq_ids=["s"]))
+    assert result.spills[0].ok and result.spills[0].num_bytes == 2 * r.kv_transfer.block_bytes
+    other = Driver(r, "other")
+    other.start([4, 5, 6, 7])
+    other.generate(5)
+    d.blocks = [10, 11, 12, 13]
+    restore = KVRestore(seq_id="s", spill_id=1, block_ids=[10, 11])
+    d.run(
+        new_seqs=[NewSequence(seq_id="s", sampling=SAMPLED, block_ids=d.blocks)],
+        restores=[restore],
+    )
+    restored = r.kv_cache.read_blocks([10, 11])
+    assert restored.dtype == torch.bfloat16
+    assert torch.equal(restored[..., :1, :, :, :], before[..., :1, :, :, :])  # the full block
+    assert d.generate(14) == expected
+
+
 def test_a_restore_past_blocks_still_cached_reads_only_the_rest(runner):
     """The scheduler's prefix cache still held the first block: the restore starts at
     block 1 of the spill (mid-group: groups hold two blocks here) and the sequence goes on

@@ -41,8 +41,10 @@ def save_tiny_llama(folder: Path, tie_word_embeddings: bool = False) -> Path:
     return folder
 
 
-def tiny_runner(folder: Path, kv_blocks: int = 64) -> ModelRunner:
-    settings = load_settings(model=str(folder), kv_blocks=kv_blocks, device="cpu", dtype="float32")
+def tiny_runner(folder: Path, kv_blocks: int = 64, **settings_: object) -> ModelRunner:
+    settings = load_settings(
+        model=str(folder), kv_blocks=kv_blocks, device="cpu", dtype="float32", **settings_
+    )
     runner, _model_id = load_runner(settings)
     return runner
 

@@ -8,6 +8,8 @@ call by wrapping the backend's operations, so the table says what each piece cos
 step, summed over the layers, and what is left outside them (host batch building, Python).
 
 Each figure is the median of `--repeats` steps; the load average is printed with them.
+`--quantize int8` runs the fastest mode's steps (`--no-amx`: its many-row products on VNNI
+instead of AMX's tiles, for a before/after on a CPU that has them).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.ops import TorchOps
+from kernels.ops import QUANTIZATIONS, TorchOps
 from services.worker.kv_cache import KVCache, blocks_needed
 from services.worker.model import LlamaModel, configure_threads
 from services.worker.runner import ModelRunner
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> None:
     threads = configure_threads(torch.device("cpu"), args.threads)
     config = load_model_config(resolve_model(args.model))
     weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
-    ops = TorchOps()
+    ops = TorchOps(quantize=args.quantize, amx=not args.no_amx)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
     rows, context = args.decode_rows, PROMPT + args.decode_at
@@ -113,7 +115,8 @@ def run(args: argparse.Namespace) -> None:
     ])  # fmt: skip
     timings = instrument(ops, model)
     print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
-          f"hidden {config.hidden_size}")  # fmt: skip
+          f"hidden {config.hidden_size}, quantize {args.quantize}, "
+          f"int8 many-row path {ops.int8_rows_path}")  # fmt: skip
     for label, plan, tokens in (
         (f"prefill {args.prefill_rows} x {PROMPT}", prefill, args.prefill_rows * PROMPT),
         (f"decode {rows} rows at {context}", decode, rows),
@@ -153,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-rows", type=int, default=64)
     parser.add_argument("--decode-at", type=int, default=64, help="new tokens so far")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none")
+    parser.add_argument(
+        "--no-amx", action="store_true", help="int8: keep many-row products off AMX's tiles"
+    )
     run(parser.parse_args(argv))
     return 0
 

@@ -66,4 +66,4 @@ def has_amx_int8(flags: frozenset[str] | None = None) -> bool:
     """Whether this CPU (or these flags) has AMX int8 tiles, besides AVX-512 VNNI (the tile
     path's epilogue and its rows past the last 16 run on it)."""
     have = cpu_flags() if flags is None else flags
-    return AMX_INT8 <= have and "avx512_vnni" in int8_dots(have)
+    return have >= AMX_INT8 and "avx512_vnni" in int8_dots(have)

@@ -131,9 +131,9 @@ def compile_flags(dot: str | None = None, amx: bool = True) -> list[str]:
     dot product is AVX-512 VNNI (the tile path's epilogue and tail) and the compiler knows
     them."""
     flags = matvec_flags(dot)
-    if amx and "-mavx512vnni" in flags and has_amx_int8():
-        if cpu_native.compiler_accepts(*AMX_FLAGS):
-            flags += AMX_FLAGS
+    wide = "-mavx512vnni" in flags
+    if amx and wide and has_amx_int8() and cpu_native.compiler_accepts(*AMX_FLAGS):
+        flags += AMX_FLAGS
     return flags
 
 

@@ -71,7 +71,7 @@ static inline void scale_block(const int32_t c[AMX_ROWS][COLS], const float *s, 
 static inline void amx_pass(const uint8_t *restrict xq, const float *restrict sx, int64_t i0,
                             const int nr, const int8_t *restrict w, const int32_t *restrict neg,
                             int64_t g0, const int nc, int64_t k, const float *scales,
-                            const float *bias, float *y, int64_t n) {
+                            const float *bias, float *y, int64_t n, const int8_t *next) {
     const int64_t nb = k / QB;
     _Alignas(64) float acc[2 * AMX_ROWS][2 * COLS];
     _Alignas(64) int32_t c[4][AMX_ROWS][COLS];
@@ -80,6 +80,9 @@ static inline void amx_pass(const uint8_t *restrict xq, const float *restrict sx
     const int8_t *w0 = w + g0 * k * COLS, *w1 = w + (g0 + 1) * k * COLS;
     const int32_t *n0 = neg + g0 * nb * COLS, *n1 = neg + (g0 + 1) * nb * COLS;
     for (int64_t b = 0; b < nb; b++) {
+        if (next)
+            for (int l = 0; l < 2 * QB * COLS; l += 64)
+                _mm_prefetch((const char *)next + b * 2 * QB * COLS + l, _MM_HINT_T1);
         _tile_loadd(0, n0 + b * COLS, 0);
         _tile_loadd(4, x0 + b * QB, k);
         _tile_loadd(6, w0 + b * QB * COLS, QB);
@@ -136,7 +139,11 @@ int linear_q8_rows_amx(const float *x, int64_t m, int64_t k, const int8_t *w, co
             const int nc = (int)min64(2, groups - g0);
             for (int64_t i0 = 0; i0 < tiled; i0 += 2 * AMX_ROWS) {
                 const int nr = (int)min64(2, (tiled - i0) / AMX_ROWS);
-#define PASS(r, c) amx_pass(xq, sx, i0, r, w, neg, g0, c, k, scales, bias, y, n)
+                /* The first pass over these weights fetches the next pair's into L2
+                   (1 KB per block and group, as these are read): the tile loads would
+                   otherwise wait on memory one line at a time. */
+                const int8_t *next = i0 == 0 && g0 + 2 < groups ? w + (g0 + 2) * k * COLS : NULL;
+#define PASS(r, c) amx_pass(xq, sx, i0, r, w, neg, g0, c, k, scales, bias, y, n, next)
                 if (nr == 2) {
                     if (nc == 2) PASS(2, 2);
                     else PASS(2, 1);

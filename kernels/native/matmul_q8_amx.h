@@ -169,12 +169,12 @@ int linear_q8_rows_amx(const float *x, int64_t m, int64_t k, const int8_t *w, co
 #pragma omp parallel if (parallel)
     {
         load_tile_config();
-        for (int64_t i0 = 0; i0 < tiled; i0 += SPAN) {
-            const int64_t rows = min64(SPAN, tiled - i0);
-            /* The same split of the groups for every span (a static schedule): a thread
-               reads the same weights again, from its L2 where they fit. */
+        /* A pair of groups' weights (32 k bytes) stay in L1 or L2 over all the spans of
+           rows; the rows' quantized values (m k bytes) are read again for each pair. */
 #pragma omp for schedule(static) nowait
-            for (int64_t g0 = 0; g0 < groups; g0 += 2) {
+        for (int64_t g0 = 0; g0 < groups; g0 += 2)
+            for (int64_t i0 = 0; i0 < tiled; i0 += SPAN) {
+                const int64_t rows = min64(SPAN, tiled - i0);
                 /* The first span fetches the thread's next weights into L2 (1 KB per block
                    and group, as these are read): the tile loads would otherwise wait on
                    memory one line at a time. */
@@ -184,7 +184,6 @@ int linear_q8_rows_amx(const float *x, int64_t m, int64_t k, const int8_t *w, co
                 else
                     amx_span(xq, sx, i0, rows, w, neg, g0, 1, k, scales, bias, y, n, next);
             }
-        }
 #pragma omp for schedule(static)
         for (int64_t g0 = 0; g0 < groups; g0 += GROUPS)
             rows_vnni(xq, sx, tiled, m, w, neg, scales, n, bias, y, g0,

@@ -11,6 +11,7 @@ Each form's result is checked against the first one's.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_info import cpu_model, has_amx_int8
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.linear import PackedLinear, onednn_packing_available
 from kernels.ops import TorchOps
@@ -45,15 +47,22 @@ class Row:
     max_abs_diff: float  # against the section's first form
 
 
+# What a form's time is read from: wall time, or (`--clock cpu`) the process's CPU time,
+# which another process holding a core does not inflate (for one thread; with more, it
+# also counts the time OpenMP's threads spin while they wait).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["wall"]
+
+
 def _median_ms(forms: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in forms}
     for fn in forms.values():
         fn()  # warm-up: packing, first-call allocations
     for _ in range(rounds):
         for name, fn in forms.items():
-            start = time.perf_counter()
+            start = _clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(_clock() - start)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
@@ -169,7 +178,8 @@ def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     """All projections of one forward in `--quantize int8` above the few-row kernels' rows:
     fbgemm's dynamic int8 linear (per-row activation scales, `Int8Linear` without native
     kernels) against the native int8 product (`cpu_matmul_q8`, once per 8-bit dot product
-    this CPU runs). Differences are against float32 (oneDNN)."""
+    this CPU runs, and on AMX's tiles where it has them). Differences are against float32
+    (oneDNN)."""
     from kernels import cpu_matmul_q8
     from kernels.cpu_info import int8_dots
     from kernels.linear import Int8Linear, int8_available
@@ -181,9 +191,12 @@ def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     if int8_available():
         projections["int8 fbgemm"] = Int8Linear()
     for dot in int8_dots():
-        kernels = cpu_matmul_q8.load(dot=dot)
+        kernels = cpu_matmul_q8.load(dot=dot, amx=False)
         if kernels is not None:
             projections[f"int8 native ({dot})"] = Int8Linear(matmul=kernels)
+    tiles = cpu_matmul_q8.load()  # AMX's tile unit where this CPU, compiler and Linux allow
+    if tiles is not None and tiles.amx:
+        projections["int8 native (amx)"] = Int8Linear(matmul=tiles)
     out: list[Row] = []
     with torch.inference_mode():
         for m in rows:
@@ -251,7 +264,13 @@ def format_rows(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 400])
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="*",
+        default=[1, 32, 400],
+        help="rows at which to time the float32 and GGUF block products (none: skip)",
+    )
     parser.add_argument(
         "--int8-rows",
         type=int,
@@ -264,17 +283,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=Shape.layers)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = Shape(layers=args.layers)
-    print(f"threads: {torch.get_num_threads()}   oneDNN packing: {onednn_packing_available()}")
+    print(f"{cpu_model()}, AMX int8: {has_amx_int8()}, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"threads: {torch.get_num_threads()}   oneDNN packing: {onednn_packing_available()}"
+        f"   clock: {args.clock}"
+    )
     rows = bench_linear(shape, args.rows, args.rounds)
     rows += bench_block_linear(shape, args.rows, args.rounds)
     if args.int8_rows:
         rows += bench_int8_rows(shape, args.int8_rows, args.rounds)
     rows += bench_decode_attention(shape, args.batch, args.context, args.rounds)
     print(format_rows(rows))
+    print(f"load average {os.getloadavg()[0]:.2f}")
     return 0
 
 

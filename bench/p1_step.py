@@ -11,7 +11,8 @@ Each figure is the median of `--repeats` steps; the load average is printed with
 `--quantize int8` runs the fastest mode's projections; `--clock cpu` times in CPU seconds
 (steadier on a shared machine); `--kv-cache-dtypes float32,bfloat16`
 runs the steps once per KV cache dtype in this process (the same weights and rows) and
-ends with the ratios of the step and of its attention.
+ends with the ratios of the step and of its attention; `--no-amx` keeps the int8 mode's
+many-row products on VNNI instead of AMX's tiles (a before/after on a CPU that has them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.ops import TorchOps
+from kernels.ops import QUANTIZATIONS, TorchOps
 from services.worker.kv_cache import KVCache, blocks_needed
 from services.worker.model import LlamaModel, configure_threads
 from services.worker.runner import ModelRunner
@@ -98,12 +99,13 @@ def run(args: argparse.Namespace) -> None:
     threads = configure_threads(torch.device("cpu"), args.threads)
     config = load_model_config(resolve_model(args.model))
     weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
-    ops = TorchOps(quantize=args.quantize)
+    ops = TorchOps(quantize=args.quantize, amx=not args.no_amx)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
     timings = instrument(ops, model, CLOCKS[args.clock])
     print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
-          f"hidden {config.hidden_size}, --quantize {args.quantize}")  # fmt: skip
+          f"hidden {config.hidden_size}, --quantize {args.quantize}, clock {args.clock}, "
+          f"int8 many-row path {ops.int8_rows_path}")  # fmt: skip
     figures = {}
     for name in args.kv_cache_dtypes.split(","):
         print(f"\n--- KV cache {name}")
@@ -118,7 +120,8 @@ def run(args: argparse.Namespace) -> None:
 def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> tuple[float, float]:
     """The prefill and decode steps over a fresh cache of `kv_dtype`; returns the decode
     step's median seconds and its attention's (the KV store included)."""
-    rows, context = args.decode_rows, PROMPT + args.decode_at
+    prompt_len = args.prompt
+    rows, context = args.decode_rows, prompt_len + args.decode_at
     per_row = blocks_needed(context + 1, BLOCK_SIZE)
     kv = KVCache(config, rows * per_row, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
     runner = ModelRunner(model, kv)
@@ -132,7 +135,7 @@ def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> t
     gen = torch.Generator().manual_seed(0)
 
     def prompt() -> list[int]:
-        return torch.randint(0, config.vocab_size, (PROMPT,), generator=gen).tolist()
+        return torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist()
 
     prefill = StepPlan(step_id=1, rows=[
         StepRow(seq_id=s, token_ids=prompt(), start_pos=0, sample=True)
@@ -144,7 +147,7 @@ def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> t
     ])  # fmt: skip
     figures = (0.0, 0.0)
     for label, plan, tokens in (
-        (f"prefill {args.prefill_rows} x {PROMPT}", prefill, args.prefill_rows * PROMPT),
+        (f"prefill {args.prefill_rows} x {prompt_len}", prefill, args.prefill_rows * prompt_len),
         (f"decode {rows} rows at {context}", decode, rows),
     ):
         runner.execute(plan)  # warm-up
@@ -183,12 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prefill-rows", type=int, default=4)
     parser.add_argument("--decode-rows", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="tokens of each prompt")
     parser.add_argument("--decode-at", type=int, default=64, help="new tokens so far")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quantize", choices=["none", "int8"], default="none")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument(
         "--kv-cache-dtypes", default="float32", help="comma-separated: float32, bfloat16"
+    )
+    parser.add_argument(
+        "--no-amx", action="store_true", help="int8: keep many-row products off AMX's tiles"
     )
     run(parser.parse_args(argv))
     return 0

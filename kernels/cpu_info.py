@@ -55,3 +55,15 @@ def int8_dot(flags: frozenset[str] | None = None) -> str | None:
     """The best integer dot product of 8-bit values here; None below AVX2."""
     found = int8_dots(flags)
     return found[0] if found else None
+
+
+# AMX's tile unit with its int8 products (Sapphire Rapids and later Xeons): the many-row int8
+# product runs on it where Linux also grants the tile state (`cpu_matmul_q8`).
+AMX_INT8 = frozenset({"amx_tile", "amx_int8"})
+
+
+def has_amx_int8(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or these flags) has AMX int8 tiles, besides AVX-512 VNNI (the tile
+    path's epilogue and its rows past the last 16 run on it)."""
+    have = cpu_flags() if flags is None else flags
+    return have >= AMX_INT8 and "avx512_vnni" in int8_dots(have)

@@ -8,22 +8,30 @@ block of 64 values in 8 bits, products summed as int32 with VNNI's dpbusd, on we
 once so that each instruction gives 16 outputs' sums (matmul_q8.c says how). Its outputs are
 the same to the bit on every 8-bit dot product a CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2).
 
+Where the CPU has AMX int8 tiles (and the compiler knows them, and Linux grants the tile
+state), 16 rows and more run on the tile unit (`native/matmul_q8_amx.h`): the packed layout
+is AMX's B tile as it is, the int32 block sums are the same integers and the float steps
+the same, so the outputs are the VNNI path's to the bit.
+
 Measured figures are in `bench.cpu_kernels` (`--rows`) and the README.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kernels import cpu_native
+from kernels.cpu_info import has_amx_int8
 from kernels.cpu_matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
 from kernels.cpu_matvec import compile_flags as matvec_flags
 
 SOURCE = Path(__file__).with_name("native") / "matmul_q8.c"
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 # Outputs per packed group (COLS in matmul_q8.c): N must be a multiple of it.
 GROUP = 16
 # A product under this many multiply-adds runs on one thread (waking the sleeping OpenMP
@@ -33,8 +41,11 @@ PARALLEL_MIN_WORK = 1 << 21
 # 121 projections of SmolLM2-135M, 2 threads, a loaded 2-core Xeon: 2.5x at 8 and 16 rows,
 # 1.1-1.2x at 32 and 64). Its 256-bit builds (AVX-VNNI, AVX2) lost to fbgemm from 16 rows
 # on that machine (1.2-3.4x slower at 64): `load_faster` leaves them to tests and benchmarks.
+# On a Xeon with AMX, one thread's CPU time, its AVX-512 VNNI build lost to fbgemm at 64 and
+# 128 rows (87.5 against 68.3 ms, 171 against 128) and its tile path beat both (34.8, 67.4).
 FASTER_THAN_FBGEMM = frozenset({"avx512_vnni"})
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,11 +83,20 @@ class MatmulQ8Kernels:
         library.matmul_q8_dot.restype = ctypes.c_int
         # The instruction the integer products use (a name of cpu_info.INT8_DOTS).
         self.int8_dot = INT8_DOT_CODES.get(int(library.matmul_q8_dot()))
-        fn = library.linear_q8_rows
+        library.matmul_q8_amx.restype = ctypes.c_int
+        library.matmul_q8_amx_init.restype = ctypes.c_int
+        # Built with the tile path and the tile state granted (asked once per process).
+        self.amx = bool(library.matmul_q8_amx()) and library.matmul_q8_amx_init() == 0
+        fn = library.linear_q8_rows_amx if self.amx else library.linear_q8_rows
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
         self._rows = fn
         self.parallel_min_work = PARALLEL_MIN_WORK
+
+    @property
+    def path(self) -> str | None:
+        """What the products of 16 rows and more run on: "amx", else the 8-bit dot product."""
+        return "amx" if self.amx else self.int8_dot
 
     def fits(self, x: torch.Tensor, weight: PackedQ8, bias: torch.Tensor | None) -> bool:
         """Whether `linear` takes x (float32 rows) against this weight and bias."""
@@ -101,25 +121,47 @@ class MatmulQ8Kernels:
         )  # fmt: skip
         if code == -1:
             raise MemoryError("native int8 product could not allocate its buffers")
+        if code == -3:
+            raise RuntimeError("the AMX int8 product ran without the tile state granted")
         if code != 0:
             raise ValueError(f"native int8 product refused {tuple(x.shape)} x {n} ({code})")
         return y
 
 
+def compile_flags(dot: str | None = None, amx: bool = True) -> list[str]:
+    """`cpu_matvec`'s flags for `dot`, and AMX's where asked for, this CPU has AMX int8, the
+    dot product is AVX-512 VNNI (the tile path's epilogue and tail) and the compiler knows
+    them."""
+    flags = matvec_flags(dot)
+    wide = "-mavx512vnni" in flags
+    if amx and wide and has_amx_int8() and cpu_native.compiler_accepts(*AMX_FLAGS):
+        flags += AMX_FLAGS
+    return flags
+
+
 def load(
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, dot: str | None = None
+    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR,
+    dot: str | None = None,
+    amx: bool = True,
 ) -> MatmulQ8Kernels | None:
     """The kernel, built on first use with the 8-bit dot product `dot` (by default the best
-    this CPU has); None where it cannot be built here or this CPU lacks AVX2 and FMA."""
-    library = cpu_native.build(SOURCE, matvec_flags(dot), cache_dir)
+    this CPU has) and, unless `amx` is False, the AMX tile path where this CPU, compiler and
+    kernel allow it (`MatmulQ8Kernels.amx`); None where it cannot be built here or this CPU
+    lacks AVX2 and FMA."""
+    library = cpu_native.build(SOURCE, compile_flags(dot, amx), cache_dir)
     if library is None:
         return None
     kernels = MatmulQ8Kernels(library)
     return kernels if kernels.int8_dot is not None else None
 
 
-def load_faster(cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR) -> MatmulQ8Kernels | None:
+def load_faster(
+    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, amx: bool = True
+) -> MatmulQ8Kernels | None:
     """The kernel where this CPU's best dot product makes it faster than fbgemm
     (FASTER_THAN_FBGEMM), else None."""
-    kernels = load(cache_dir)
-    return kernels if kernels is not None and kernels.int8_dot in FASTER_THAN_FBGEMM else None
+    kernels = load(cache_dir, amx=amx)
+    if kernels is None or kernels.int8_dot not in FASTER_THAN_FBGEMM:
+        return None
+    log.info("many-row int8 products run on %s", kernels.path)
+    return kernels

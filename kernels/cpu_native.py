@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -42,6 +43,30 @@ def compile_flags() -> list[str]:
     if "f16c" in have:
         flags.append("-mf16c")
     return flags
+
+
+@cache
+def compiler_accepts(*flags: str) -> bool:
+    """Whether this machine's C compiler takes these flags (e.g. -mamx-int8, which older
+    compilers do not know)."""
+    compiler = _compiler()
+    if compiler is None:
+        return False
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-E", "-x", "c", "-", "-o", "/dev/null"],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def _compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def attention_flags() -> list[str]:
@@ -158,7 +183,7 @@ def _build_and_load(folder: Path, source: Path, flags: list[str]) -> ctypes.CDLL
     library = folder / "libspillway_native.so"  # the folder names the source and flags
     try:
         if not library.is_file():
-            compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+            compiler = _compiler()
             if compiler is None:
                 log.info("no C compiler: native CPU kernels (%s) unavailable", source.name)
                 return None

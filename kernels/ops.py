@@ -280,6 +280,7 @@ class TorchOps:
         native: cpu_native.NativeKernels | Literal["auto"] | None = "auto",
         native_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR,
         quantize: str = "none",
+        amx: bool = True,
     ) -> None:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantize!r}: use {' or '.join(QUANTIZATIONS)}")
@@ -294,8 +295,12 @@ class TorchOps:
             else None
         )
         int8 = quantize == "int8"
-        # Many-row int8 products: the native kernel where it beats fbgemm, else fbgemm.
-        matmul = cpu_matmul_q8.load_faster(native_dir) if int8 and native == "auto" else None
+        # Many-row int8 products: the native kernel where it beats fbgemm, else fbgemm; on
+        # AMX's tiles from 16 rows where this CPU has them, unless `amx` is False (the same
+        # outputs: benchmarks compare the two).
+        matmul = (
+            cpu_matmul_q8.load_faster(native_dir, amx=amx) if int8 and native == "auto" else None
+        )
         self._linear = (
             Int8Linear(matvec=matvec, matmul=matmul) if int8 else PackedLinear(matvec=matvec)
         )
@@ -303,6 +308,13 @@ class TorchOps:
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
+
+    @property
+    def int8_rows_path(self) -> str | None:
+        """What `--quantize int8` runs products of many rows on: "amx" (16 rows and more),
+        the native kernel's 8-bit dot product, or None (fbgemm, or not the int8 mode)."""
+        matmul = getattr(self._linear, "matmul", None)
+        return None if matmul is None else matmul.path
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -192,57 +192,91 @@ static inline void store_tile(int64_t i0, int nr, int64_t g0, int nc, const floa
         }
 }
 
+/* x quantized row by row into fresh buffers (*xq [m, k], *sx [m, k / QB]); -1 when out of
+ * memory. */
+static int quantize_rows(const float *x, int64_t m, int64_t k, uint8_t **xq, float **sx) {
+    const int64_t nb = k / QB;
+    *xq = malloc((size_t)(m * k));
+    *sx = malloc((size_t)(m * nb) * sizeof(float));
+    if (!*xq || !*sx) {
+        free(*xq);
+        free(*sx);
+        return -1;
+    }
+    for (int64_t i = 0; i < m; i++) quantize_row(x + i * k, k, *xq + i * k, *sx + i * nb);
+    return 0;
+}
+
+/* Rows i_from .. m - 1 of the packed groups g0 .. g0 + nc - 1 (nc <= GROUPS) in register
+ * tiles of ROWS rows. */
+static void rows_vnni(const uint8_t *xq, const float *sx, int64_t i_from, int64_t m,
+                      const int8_t *w, const int32_t *neg, const float *scales, int64_t n,
+                      const float *bias, float *y, int64_t g0, int nc, int64_t k) {
+    for (int64_t i0 = i_from; i0 < m; i0 += ROWS) {
+        const int nr = (int)min64(ROWS, m - i0);
+#ifdef WIDE
+        __m512 acc[ROWS][GROUPS];
+#else
+        __m256 acc[ROWS][GROUPS][2];
+#endif
+/* Literal tile sizes: each gets its own unrolled loops. */
+#define TILE(r, c) tile(xq, sx, i0, r, w, neg, g0, c, k, acc)
+#define COLS_OF(r)                  \
+    switch (nc) {                   \
+    case 1: TILE(r, 1); break;      \
+    case 2: TILE(r, 2); break;      \
+    case 3: TILE(r, 3); break;      \
+    default: TILE(r, 4); break;     \
+    }
+        switch (nr) {
+        case 1: COLS_OF(1); break;
+        case 2: COLS_OF(2); break;
+        case 3: COLS_OF(3); break;
+        default: COLS_OF(4); break;
+        }
+#undef COLS_OF
+#undef TILE
+        store_tile(i0, nr, g0, nc, scales, bias, y, n, acc);
+    }
+}
+
 /* Returns 0, -1 when out of memory, -2 when K is not a multiple of 64, N of 16 or M < 1. */
 int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const int32_t *neg,
                    const float *scales, int64_t n, const float *bias, float *y,
                    int64_t parallel_min_work) {
     if (k % QB != 0 || n % COLS != 0 || m < 1) return -2;
-    const int64_t nb = k / QB, groups = n / COLS;
-    uint8_t *xq = malloc((size_t)(m * k));
-    float *sx = malloc((size_t)(m * nb) * sizeof(float));
-    if (!xq || !sx) {
-        free(xq);
-        free(sx);
-        return -1;
-    }
-    for (int64_t i = 0; i < m; i++) quantize_row(x + i * k, k, xq + i * k, sx + i * nb);
+    const int64_t groups = n / COLS;
+    uint8_t *xq;
+    float *sx;
+    if (quantize_rows(x, m, k, &xq, &sx) != 0) return -1;
     const int parallel = m * n * k >= parallel_min_work;
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t g0 = 0; g0 < groups; g0 += GROUPS) {
-        const int nc = (int)min64(GROUPS, groups - g0);
-        for (int64_t i0 = 0; i0 < m; i0 += ROWS) {
-            const int nr = (int)min64(ROWS, m - i0);
-#ifdef WIDE
-            __m512 acc[ROWS][GROUPS];
-#else
-            __m256 acc[ROWS][GROUPS][2];
-#endif
-/* Literal tile sizes: each gets its own unrolled loops. */
-#define TILE(r, c) tile(xq, sx, i0, r, w, neg, g0, c, k, acc)
-#define COLS_OF(r)                      \
-    switch (nc) {                       \
-    case 1: TILE(r, 1); break;          \
-    case 2: TILE(r, 2); break;          \
-    case 3: TILE(r, 3); break;          \
-    default: TILE(r, 4); break;         \
-    }
-            switch (nr) {
-            case 1: COLS_OF(1); break;
-            case 2: COLS_OF(2); break;
-            case 3: COLS_OF(3); break;
-            default: COLS_OF(4); break;
-            }
-#undef COLS_OF
-#undef TILE
-            store_tile(i0, nr, g0, nc, scales, bias, y, n, acc);
-        }
-    }
+    for (int64_t g0 = 0; g0 < groups; g0 += GROUPS)
+        rows_vnni(xq, sx, 0, m, w, neg, scales, n, bias, y, g0, (int)min64(GROUPS, groups - g0), k);
     free(xq);
     free(sx);
     return 0;
 }
+
+#include "matmul_q8_amx.h"
 #else
 int matmul_q8_dot(void) { return 0; }
+#endif
+
+#ifndef HAVE_AMX
+/* Not built with AMX: the Python side never calls these (matmul_q8_amx() says so). */
+int matmul_q8_amx(void) { return 0; }
+int matmul_q8_amx_init(void) { return -1; }
+int linear_q8_rows_amx(const float *x, int64_t m, int64_t k, const int8_t *w, const int32_t *neg,
+                       const float *scales, int64_t n, const float *bias, float *y,
+                       int64_t parallel_min_work) {
+    (void)x, (void)m, (void)k, (void)w, (void)neg, (void)scales, (void)n, (void)bias, (void)y;
+    (void)parallel_min_work;
+    return -4;
+}
+#endif
+
+#if !(defined(__AVX2__) && defined(__FMA__))
 
 int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const int32_t *neg,
                    const float *scales, int64_t n, const float *bias, float *y,

@@ -1,26 +1,105 @@
 """The native many-row int8 product against float64 on its quantized operands, its dot
-product builds against each other, and `Int8Linear` routing batches to it."""
+product builds (and its AMX tile path) against each other, and `Int8Linear` routing batches
+to it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_matmul_q8, cpu_matvec
-from kernels.cpu_info import INT8_DOTS, int8_dots
+from kernels import cpu_matmul_q8, cpu_matvec, cpu_native
+from kernels.cpu_info import INT8_DOTS, has_amx_int8, int8_dots
 from kernels.cpu_matvec import MAX_ROWS, Q8_BLOCK, quantize_q8
 from kernels.linear import Int8Linear, int8_available
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, cpu_matmul_q8.MatmulQ8Kernels]:
-    """The kernel built with each 8-bit dot product this CPU runs (the best one first)."""
+    """The kernel built with each 8-bit dot product this CPU runs (the best one first),
+    without the AMX tile path."""
     folder = tmp_path_factory.mktemp("matmul_q8")
-    found = {dot: cpu_matmul_q8.load(folder, dot) for dot in int8_dots()}
+    found = {dot: cpu_matmul_q8.load(folder, dot, amx=False) for dot in int8_dots()}
     found = {dot: k for dot, k in found.items() if k is not None and k.int8_dot == dot}
     if not found:
         pytest.skip("no compiler or no AVX2 here: the native int8 product is not built")
+    assert not any(k.amx for k in found.values())
     return found
+
+
+@pytest.fixture(scope="module")
+def tiles(builds, tmp_path_factory) -> cpu_matmul_q8.MatmulQ8Kernels:
+    """The kernel with its AMX tile path, where this CPU, compiler and Linux allow it."""
+    if not has_amx_int8():
+        pytest.skip("this CPU has no AMX int8 (or no AVX-512 VNNI beside it)")
+    if not cpu_native.compiler_accepts(*cpu_matmul_q8.AMX_FLAGS):
+        pytest.skip("this C compiler does not know -mamx-tile -mamx-int8")
+    kernels = cpu_matmul_q8.load(tmp_path_factory.mktemp("matmul_q8_amx"))
+    assert kernels is not None and kernels.int8_dot == "avx512_vnni"
+    if not kernels.amx:
+        pytest.skip("Linux did not grant the AMX tile state (a kernel before 5.16?)")
+    assert kernels.path == "amx"
+    return kernels
+
+
+# SmolLM2-135M's projections (qkv, o, gate_up, down) and an odd number of groups of 16.
+AMX_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (80, 192)]
+
+
+@pytest.fixture(scope="module")
+def amx_weights() -> tuple[int, list[tuple[cpu_matmul_q8.PackedQ8, torch.Tensor]]]:
+    """Fresh weights of AMX_SHAPES (quantized and packed once for every row count), with
+    their seed."""
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    weights = []
+    for n, k in AMX_SHAPES:
+        q8 = quantize_q8(torch.randn(n, k, generator=g) * 0.05)
+        weights.append((cpu_matmul_q8.pack(q8), q8.q.double() * q8.scales.double()[:, None]))
+    return seed, weights
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 128, 200])
+def test_amx_tiles_give_the_vnni_outputs_to_the_bit(builds, tiles, amx_weights, rows):
+    """The tile unit sums the same int32 block sums and the epilogue does the VNNI path's
+    float operations in its order: equal outputs at every row count (tiles of 16 rows, the
+    rest on VNNI), with and without bias; and the float64 product of the quantized operands
+    within float32 rounding."""
+    vnni = builds["avx512_vnni"]
+    weight_seed, weights = amx_weights
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    where = f"seeds {weight_seed} (weights), {seed}"
+    for packed, dense in weights:
+        n, k = packed.shape
+        x = torch.randn(rows, k, generator=g)
+        x[-1, :64] = 0.0  # an all-zero block
+        bias = torch.randn(n, generator=g)
+        for b in (None, bias):
+            got = tiles.linear(x, packed, b)
+            assert torch.equal(got, vnni.linear(x, packed, b)), f"{where}, {n} x {k}"
+        want = _quantized_rows(x) @ dense.T + bias.double()
+        torch.testing.assert_close(
+            got.double(), want, rtol=1e-5, atol=1e-4, msg=lambda m: f"{where}: {m}"
+        )
+
+
+def test_amx_tiles_give_the_vnni_outputs_at_the_lm_head(builds, tiles):
+    """SmolLM2's lm_head (49152 outputs): many group pairs split over the threads."""
+    g = torch.Generator().manual_seed(7)
+    packed = cpu_matmul_q8.pack(quantize_q8(torch.randn(49152, 576, generator=g) * 0.05))
+    for rows in (17, 64):
+        x = torch.randn(rows, 576, generator=g)
+        want = builds["avx512_vnni"].linear(x, packed, None)
+        assert torch.equal(tiles.linear(x, packed, None), want), f"{rows} rows"
+
+
+def test_amx_needs_the_cpu_flags_and_is_built_only_when_asked():
+    base = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
+    amx = {"amx_tile", "amx_int8"}
+    assert has_amx_int8(frozenset(base | amx | {"avx512_vnni"}))
+    assert not has_amx_int8(frozenset(base | {"avx512_vnni", "amx_tile"}))
+    assert not has_amx_int8(frozenset(base | amx))  # no AVX-512 VNNI for the epilogue
+    assert not set(cpu_matmul_q8.AMX_FLAGS) & set(cpu_matmul_q8.compile_flags(amx=False))
 
 
 def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +108,9 @@ def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     blocks = x.view(rows, -1, Q8_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division, as the kernel's: `127.0 / amax` is amax.reciprocal() * 127 in torch,
+    # two roundings that now and then move a product onto a tie the kernel rounds the other way
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv).double() * (amax / 127.0).double()).view(rows, -1)
 
 

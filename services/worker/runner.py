@@ -158,6 +158,11 @@ class ModelRunner:
             kv_transfer.state_snapshots = state_snapshots
         # Per-sequence sampling state (penalty counts, regions, grammar matchers).
         self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
+        # The kernels' native CPU argmax where they built one (torch's keeps an index per
+        # compared value: several times slower over a step's [S, V] logits).
+        argmax = getattr(getattr(model, "ops", None), "argmax", None)
+        if argmax is not None:
+            self.sampling.argmax = argmax
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)

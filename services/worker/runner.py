@@ -176,6 +176,7 @@ class ModelRunner:
         # Each sequence's last sampled token, which a run-ahead row feeds.
         self.last_token: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+        self._decode_kept: _KeptDecodeBatch | None = None  # see _decode_batch
         self.num_steps = 0
         # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
         self.last_forward_ns: tuple[int, int] = (0, 0)
@@ -745,9 +746,11 @@ class ModelRunner:
     def _decode_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """`host_batch` of rows of one token each, in plain Python: a batch-1 step's host
         work is on its critical path, and the general path's tensor arithmetic (a dozen
-        small torch calls) cost more than the few integers it computes. Each field goes
-        list -> numpy -> tensor (its memory): a microsecond, against three for
-        torch.tensor(list) (measured at one row, thread time)."""
+        small torch calls) cost more than the few integers it computes. The integers are
+        written into the last decode batch's tensors when it had the same shape (the next
+        step of the same sequences, mostly), else into two new ones (int64, int32) whose
+        slices are the fields: every new tensor costs microseconds, more once the
+        forward has pushed the allocator's and torch's data out of the caches."""
         bs = self.block_size
         sequences, last_token = self.sequences, self.last_token
         tokens, positions, slots, sampled = [], [], [], []
@@ -762,26 +765,62 @@ class ModelRunner:
             if row.sample:
                 sampled.append(i)
         width = max(len(b) for b in block_lists)
-        if any(len(b) < width for b in block_lists):  # padding is never read: see context_lens
-            block_lists = [(*b, *(0,) * (width - len(b))) for b in block_lists]
-        context_lens = [p + 1 for p in positions]
-        return ForwardBatch(
-            token_ids=_int64(tokens),
-            positions=_int64(positions),
-            slot_mapping=_int64(slots),
-            block_tables=torch.from_numpy(np.array(block_lists, dtype=np.int32)),
-            context_lens=torch.from_numpy(np.array(context_lens, dtype=np.int32)),
-            query_start=torch.from_numpy(np.arange(len(rows) + 1, dtype=np.int32)),
-            logits_indices=_int64(sampled),
-            max_query_len=1,
-            max_context_len=max(context_lens),
-            decode_only=True,
-            **self._state_fields(rows),
+        wide = tokens + positions + slots + sampled
+        # int32: context lengths [R], query starts [R + 1], block tables [R, MB] (padded
+        # with 0: padding is never read, context_lens bound it).
+        narrow = [p + 1 for p in positions]
+        narrow.extend(range(len(rows) + 1))
+        for blocks in block_lists:
+            narrow.extend(blocks)
+            if len(blocks) < width:
+                narrow.extend([0] * (width - len(blocks)))
+        shape = (len(rows), len(sampled), width)
+        kept = self._decode_kept
+        if kept is not None and kept.shape == shape:
+            kept.wide[:] = wide
+            kept.narrow[:] = narrow
+            kept.batch.max_context_len = max(positions) + 1
+            return kept.batch
+        kept = _KeptDecodeBatch.build(shape, wide, narrow)
+        kept.batch.max_context_len = max(positions) + 1
+        if self.state_pool is not None:  # a hybrid model's batch has more fields
+            return dataclasses.replace(kept.batch, **self._state_fields(rows))
+        self._decode_kept = kept
+        return kept.batch
+
+
+@dataclass
+class _KeptDecodeBatch:
+    """A decode batch whose fields are slices of two arrays, rewritten in place for the
+    next decode step of the same shape: (rows, sampling rows, block table width)."""
+
+    shape: tuple[int, int, int]
+    batch: ForwardBatch
+    wide: np.ndarray  # int64: token ids, positions, slots, logits indices
+    narrow: np.ndarray  # int32: context lengths, query starts, block tables
+
+    @staticmethod
+    def build(shape: tuple[int, int, int], wide: list[int], narrow: list[int]) -> _KeptDecodeBatch:
+        rows, sampled, width = shape
+        wide_a, narrow_a = np.array(wide, dtype=np.int64), np.array(narrow, dtype=np.int32)
+        token_ids, positions, slots, logits_indices = torch.from_numpy(wide_a).split(
+            (rows, rows, rows, sampled)
         )
-
-
-def _int64(values: list[int]) -> torch.Tensor:
-    return torch.from_numpy(np.array(values, dtype=np.int64))
+        context_lens, query_start, block_tables = torch.from_numpy(narrow_a).split(
+            (rows, rows + 1, rows * width)
+        )
+        batch = ForwardBatch(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=block_tables.view(rows, width),
+            context_lens=context_lens,
+            query_start=query_start,
+            logits_indices=logits_indices,
+            max_query_len=1,
+            decode_only=True,
+        )
+        return _KeptDecodeBatch(shape, batch, wide_a, narrow_a)
 
 
 def row_length(row: StepRow) -> int:

@@ -673,7 +673,8 @@ class ModelRunner:
     def host_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """The step's index tensors, built on the host (then moved in one copy per tensor).
         A row with drafts runs as one-token rows, one per position (see
-        `speculative.as_decode_rows`)."""
+        `speculative.as_decode_rows`). A decode batch is valid until the next call: the
+        next decode batch of its shape is written into its tensors."""
         # A hybrid model's rows run whole: their recurrent state passes token to token.
         if self.state_pool is None and any(row.num_draft_tokens for row in rows):
             rows = as_decode_rows(rows)

@@ -13,7 +13,10 @@ cost on a quiet core, the median what this machine's load made of it):
   bus         a NATS request/reply of those bodies through a private nats-server: raw
               (nats-py alone) and through `Bus` (headers, validation, the handler task);
   worker      `ModelRunner.execute` less its forward (plan applied, batch built, result
-              made), with the real model (skipped with --no-model);
+              made), with the real model (skipped with --no-model); its sampling (one
+              row's argmax over the vocabulary, timed inside the forward's time); and the
+              whole execute with the forward replaced by fixed logits, in the thread's CPU
+              time (what the host work costs, whatever the machine's load);
   gateway     the incremental detokenizer's push of one token and one SSE chunk's JSON.
 
 With run-ahead the scheduler's part runs while the worker computes the next step; on a
@@ -164,6 +167,8 @@ async def bus_pieces(plan: StepPlan, result: StepResult, reps: int) -> dict[str,
 
 
 def worker_pieces(quantize: str, reps: int) -> dict[str, Timing]:
+    import torch
+
     from services.worker.runner import load_runner
     from services.worker.service import worker_info
     from shared.config import load_settings
@@ -172,45 +177,57 @@ def worker_pieces(quantize: str, reps: int) -> dict[str, Timing]:
     runner, model_id = load_runner(settings)
     core = SchedulerCore(MonotonicClock(), SchedulerConfig(max_batch=8, run_ahead=True))
     core.attach_worker(worker_info("w", model_id, runner))
-    _submit(core, "r0", reps + 50)
-    outside: list[float] = []
-    prepare: list[float] = []
-    whole: list[float] = []
+    _submit(core, "r0", 2 * reps + 100)
+    steps = _decode_steps(core, runner, reps + 10)[10:]
+    # The same steps with the forward replaced by logits of its shape: what is left is
+    # the worker's own host work (sampling over the vocabulary included), in CPU time.
+    vocab = runner.model.config.vocab_size
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    runner.logits = lambda batch: logits.expand(batch.logits_indices.numel(), vocab)  # type: ignore[method-assign]
+    host = _decode_steps(core, runner, reps + 10)[10:]
+
+    def us(xs: list[float]) -> Timing:
+        return 1e-3 * min(xs), 1e-3 * statistics.median(xs)
+
+    return {
+        "worker: of which the host batch (prepare_s)": us(
+            [1e9 * (r.prepare_s or 0.0) for _, _, r in steps]
+        ),
+        f"worker: execute less forward ({model_id}, {quantize})": us(
+            [wall - 1e9 * r.forward_s for wall, _, r in steps]
+        ),
+        "worker: sampling (sample_s, part of the forward's time)": us(
+            [1e9 * (r.sample_s or 0.0) for _, _, r in steps]
+        ),
+        "worker: execute, forward left out: CPU time (thread)": us([cpu for _, cpu, _ in host]),
+        "worker: execute, forward left out: wall": us([wall for wall, _, _ in host]),
+        "(worker: whole execute, forward included)": us([wall for wall, _, _ in steps]),
+    }
+
+
+def _decode_steps(core: SchedulerCore, runner, count: int) -> list[tuple[int, int, StepResult]]:
+    """Runs the request's steps (run-ahead: the next plan before the last result is in)
+    until `count` batch-1 decode steps ran; each one's (wall ns, thread CPU ns, result)."""
+    out: list[tuple[int, int, StepResult]] = []
     inflight: list[tuple[StepPlan, StepResult]] = []
-    while True:
+    while len(out) < count:
         while core.can_schedule():
             plan = core.schedule()
             if plan is None:
                 break
-            t0 = time.perf_counter_ns()
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
             result = runner.execute(plan)
-            spent = time.perf_counter_ns() - t0
+            cpu, wall = time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
             if len(plan.rows) == 1 and len(plan.rows[0].token_ids) <= 1:
-                outside.append(spent - 1e9 * result.forward_s)
-                prepare.append(1e9 * (result.prepare_s or 0.0))
-                whole.append(spent)
+                out.append((wall, cpu, result))
             inflight.append((plan, result))
-        if not inflight:
-            break
-        deltas = core.update_from_output(*inflight.pop(0))
-        deltas += core.end_tick()
-        if any(d.finish_reason for d in deltas):
-            break
-    outside, prepare, whole = outside[10:], prepare[10:], whole[10:]
-    return {
-        "worker: of which the host batch (prepare_s)": (
-            1e-3 * min(prepare),
-            1e-3 * statistics.median(prepare),
-        ),
-        f"worker: execute less forward ({model_id}, {quantize})": (
-            1e-3 * min(outside),
-            1e-3 * statistics.median(outside),
-        ),
-        "(worker: whole execute, forward included)": (
-            1e-3 * min(whole),
-            1e-3 * statistics.median(whole),
-        ),
-    }
+        assert inflight, "the request ended before the steps were measured"
+        core.update_from_output(*inflight.pop(0))
+        core.end_tick()
+    for plan, result in inflight:
+        core.update_from_output(plan, result)
+        core.end_tick()
+    return out
 
 
 def gateway_pieces(reps: int) -> dict[str, Timing]:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import (
+    cpu_argmax,
     cpu_decode_layers,
     cpu_decode_ops,
     cpu_matmul_q8,
@@ -308,6 +309,8 @@ class TorchOps:
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
+        # Each row's argmax over CPU logits (greedy sampling, the race), for the sampler.
+        self.argmax = cpu_argmax.load(native_dir) if native == "auto" else None
 
     @property
     def int8_rows_path(self) -> str | None:

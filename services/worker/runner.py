@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from kernels.ops import select_ops
@@ -159,6 +160,11 @@ class ModelRunner:
             kv_transfer.state_snapshots = state_snapshots
         # Per-sequence sampling state (penalty counts, regions, grammar matchers).
         self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
+        # The kernels' native CPU argmax where they built one (torch's keeps an index per
+        # compared value: several times slower over a step's [S, V] logits).
+        argmax = getattr(getattr(model, "ops", None), "argmax", None)
+        if argmax is not None:
+            self.sampling.argmax = argmax
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)
@@ -171,6 +177,7 @@ class ModelRunner:
         # Each sequence's last sampled token, which a run-ahead row feeds.
         self.last_token: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
+        self._decode_kept: _KeptDecodeBatch | None = None  # see _decode_batch
         self.num_steps = 0
         # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
         self.last_forward_ns: tuple[int, int] = (0, 0)
@@ -225,20 +232,25 @@ class ModelRunner:
         if self.kv_transfer is not None:
             self.kv_transfer.counters = TransferCounters()
         self.last_kv_io = []
-        result.spills = [self._spill(order) for order in plan.spills]
+        # Fields are set only when they differ from their defaults: a pydantic assignment
+        # costs about a microsecond, and a batch-1 step's host work is on its critical path.
+        if plan.spills:
+            result.spills = [self._spill(order) for order in plan.spills]
         if self.kv_transfer is not None and not self.follower:
             self.kv_transfer.store_prefix(plan.prefix_stores)
         for seq_id in [*plan.finished_seq_ids, *(n.seq_id for n in plan.new_seqs)]:
             self.last_token.pop(seq_id, None)
         self.sequences = sequences
         self.sampling.apply(plan)
-        result.lost_seq_ids = self._bring_kv_in(plan)
+        lost_seq_ids = self._bring_kv_in(plan)
         self._copy_snapshots(plan)
-        result.lost_seq_ids += self._states_lost(plan.rows, set(result.lost_seq_ids))
+        lost_seq_ids += self._states_lost(plan.rows, set(lost_seq_ids))
         if group is not None:  # every rank runs the same rows: a row lost on one is lost
-            result.lost_seq_ids = group.union(result.lost_seq_ids)
+            lost_seq_ids = group.union(lost_seq_ids)
+        if lost_seq_ids:
+            result.lost_seq_ids = lost_seq_ids
         self._count_transfers(result)
-        lost = set(result.lost_seq_ids)
+        lost = set(lost_seq_ids)
         rows = [row for row in plan.rows if row.seq_id not in lost]
         if not rows:
             return result
@@ -402,6 +414,8 @@ class ModelRunner:
         if self.kv_transfer is None:
             return
         c = self.kv_transfer.counters
+        if not (c.bytes or c.seconds or c.restored_bytes or c.restore_s):
+            return  # the defaults: no traffic this step
         result.kv_io_bytes, result.kv_io_s = c.bytes, c.seconds
         result.restored_bytes, result.restore_s = c.restored_bytes, c.restore_s
 
@@ -660,7 +674,8 @@ class ModelRunner:
     def host_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """The step's index tensors, built on the host (then moved in one copy per tensor).
         A row with drafts runs as one-token rows, one per position (see
-        `speculative.as_decode_rows`)."""
+        `speculative.as_decode_rows`). A decode batch is valid until the next call: the
+        next decode batch of its shape is written into its tensors."""
         # A hybrid model's rows run whole: their recurrent state passes token to token.
         if self.state_pool is None and any(row.num_draft_tokens for row in rows):
             rows = as_decode_rows(rows)
@@ -733,31 +748,81 @@ class ModelRunner:
     def _decode_batch(self, rows: Sequence[StepRow]) -> ForwardBatch:
         """`host_batch` of rows of one token each, in plain Python: a batch-1 step's host
         work is on its critical path, and the general path's tensor arithmetic (a dozen
-        small torch calls) cost more than the few integers it computes."""
+        small torch calls) cost more than the few integers it computes. The integers are
+        written into the last decode batch's tensors when it had the same shape (the next
+        step of the same sequences, mostly), else into two new ones (int64, int32) whose
+        slices are the fields: every new tensor costs microseconds, more once the
+        forward has pushed the allocator's and torch's data out of the caches."""
         bs = self.block_size
-        tokens, positions, slots, block_lists, sampled = [], [], [], [], []
+        sequences, last_token = self.sequences, self.last_token
+        tokens, positions, slots, sampled = [], [], [], []
+        block_lists = []
         for i, row in enumerate(rows):
-            tokens.append(self.last_token[row.seq_id] if row.feed_last else row.token_ids[0])
+            tokens.append(last_token[row.seq_id] if row.feed_last else row.token_ids[0])
             pos = row.start_pos
-            blocks = self.sequences[row.seq_id].block_ids[: pos // bs + 1]
+            blocks = sequences[row.seq_id].block_ids[: pos // bs + 1]
             positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            slots.append(blocks[-1] * bs + pos % bs)
             block_lists.append(blocks)
             if row.sample:
                 sampled.append(i)
-        return ForwardBatch(
-            token_ids=torch.tensor(tokens, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=block_table_tensor(block_lists, torch.device("cpu")),
-            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
-            query_start=torch.arange(len(rows) + 1, dtype=torch.int32),
-            logits_indices=torch.tensor(sampled, dtype=torch.int64),
-            max_query_len=1,
-            max_context_len=max(positions) + 1,
-            decode_only=True,
-            **self._state_fields(rows),
+        width = max(len(b) for b in block_lists)
+        wide = tokens + positions + slots + sampled
+        # int32: context lengths [R], query starts [R + 1], block tables [R, MB] (padded
+        # with 0: padding is never read, context_lens bound it).
+        narrow = [p + 1 for p in positions]
+        narrow.extend(range(len(rows) + 1))
+        for blocks in block_lists:
+            narrow.extend(blocks)
+            if len(blocks) < width:
+                narrow.extend([0] * (width - len(blocks)))
+        shape = (len(rows), len(sampled), width)
+        kept = self._decode_kept
+        if kept is not None and kept.shape == shape:
+            kept.wide[:] = wide
+            kept.narrow[:] = narrow
+            kept.batch.max_context_len = max(positions) + 1
+            return kept.batch
+        kept = _KeptDecodeBatch.build(shape, wide, narrow)
+        kept.batch.max_context_len = max(positions) + 1
+        if self.state_pool is not None:  # a hybrid model's batch has more fields
+            return dataclasses.replace(kept.batch, **self._state_fields(rows))
+        self._decode_kept = kept
+        return kept.batch
+
+
+@dataclass
+class _KeptDecodeBatch:
+    """A decode batch whose fields are slices of two arrays, rewritten in place for the
+    next decode step of the same shape: (rows, sampling rows, block table width)."""
+
+    shape: tuple[int, int, int]
+    batch: ForwardBatch
+    wide: np.ndarray  # int64: token ids, positions, slots, logits indices
+    narrow: np.ndarray  # int32: context lengths, query starts, block tables
+
+    @staticmethod
+    def build(shape: tuple[int, int, int], wide: list[int], narrow: list[int]) -> _KeptDecodeBatch:
+        rows, sampled, width = shape
+        wide_a, narrow_a = np.array(wide, dtype=np.int64), np.array(narrow, dtype=np.int32)
+        token_ids, positions, slots, logits_indices = torch.from_numpy(wide_a).split(
+            (rows, rows, rows, sampled)
         )
+        context_lens, query_start, block_tables = torch.from_numpy(narrow_a).split(
+            (rows, rows + 1, rows * width)
+        )
+        batch = ForwardBatch(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=block_tables.view(rows, width),
+            context_lens=context_lens,
+            query_start=query_start,
+            logits_indices=logits_indices,
+            max_query_len=1,
+            decode_only=True,
+        )
+        return _KeptDecodeBatch(shape, batch, wide_a, narrow_a)
 
 
 def row_length(row: StepRow) -> int:

@@ -22,6 +22,13 @@ from shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
 
 MIN_TEMPERATURE = 1e-5
 MaskFn = Callable[[torch.Tensor], None]  # sets disallowed logits [S, V] to -inf, in place
+# [S, V] -> [S] int64, exactly torch.argmax(dim=-1) (first index of the maximum, first NaN):
+# the worker passes the native CPU one (`kernels.cpu_argmax`), many times faster.
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -179,28 +186,34 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
 
 
 def sample(
-    logits: torch.Tensor, rows: Sequence[RowSampling], mask: MaskFn | None = None
+    logits: torch.Tensor,
+    rows: Sequence[RowSampling],
+    mask: MaskFn | None = None,
+    argmax: Argmax = torch_argmax,
 ) -> tuple[list[int], list[SampledLogprobs | None]]:
     """One token per row (and its logprobs when asked, from the raw logits). logits: [S, V]
-    float32, raw; mask: the grammar's, see process_logits."""
+    float32, raw; mask: the grammar's, see process_logits. Plain greedy rows (nothing to
+    process, no logprobs) cost one argmax pass over the logits, read in place."""
     raw, logits = logits, process_logits(logits, rows, mask)
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if len(random_rows) == len(rows):
-        tokens = _race(logits, rows)  # [S]
+        tokens = _race(logits, rows, argmax)  # [S]
     else:
-        tokens = logits.argmax(dim=-1)  # [S]: every greedy row in one go
+        tokens = argmax(logits)  # [S]: every greedy row in one go
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
-            tokens[index] = _race(logits[index], [rows[i] for i in random_rows])
+            tokens[index] = _race(logits[index], [rows[i] for i in random_rows], argmax)
     token_ids = tokens.tolist()
     return token_ids, _logprobs(raw, rows, token_ids)
 
 
-def _race(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+def _race(
+    logits: torch.Tensor, rows: Sequence[RowSampling], argmax: Argmax = torch_argmax
+) -> torch.Tensor:
     """[S] tokens drawn from the filtered distributions by the exponential race."""
     probs = filtered_probs(logits, [r.params for r in rows])  # [S, V]
     noise = race_noise(rows, logits.shape[-1], logits.device)  # [S, V]
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax(probs.div_(noise))
 
 
 def _logprobs(

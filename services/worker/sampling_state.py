@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from services.worker.grammar import GrammarEngine
-from services.worker.sampler import RowSampling, apply_token_bitmask, sample
+from services.worker.sampler import (
+    Argmax,
+    RowSampling,
+    apply_token_bitmask,
+    sample,
+    torch_argmax,
+)
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.model_files import ModelSource
@@ -214,6 +220,8 @@ class SamplingStates:
         self.token_bytes = token_bytes or _no_bytes
         self.engine = engine
         self._states: dict[str, SequenceSampling] = {}
+        # The choice of greedy rows and of the race: the worker sets its kernels' one.
+        self.argmax: Argmax = torch_argmax
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._states
@@ -310,10 +318,15 @@ class SamplingStates:
     ) -> tuple[list[int], list[SampledLogprobs | None]]:
         """Joins the grammar masks and draws one token per row."""
         if prepared.masks is None:
-            return sample(logits, prepared.rows)
+            return sample(logits, prepared.rows, argmax=self.argmax)
         bitmask = prepared.masks.result()  # [S, W]
         rows = prepared.mask_rows
-        return sample(logits, prepared.rows, lambda out: apply_token_bitmask(out, bitmask, rows))
+        return sample(
+            logits,
+            prepared.rows,
+            lambda out: apply_token_bitmask(out, bitmask, rows),
+            argmax=self.argmax,
+        )
 
     def accept(self, prepared: PreparedSampling, emitted: Sequence[Sequence[int]]) -> None:
         """Each sampling row's emitted tokens (one, or more when drafts stood)."""

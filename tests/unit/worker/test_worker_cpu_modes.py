@@ -13,6 +13,8 @@ from kernels.ops import TorchOps
 from services.worker import loader
 from services.worker.model import LlamaModel, configure_threads
 from services.worker.quality import perplexity
+from services.worker.runner import load_runner
+from shared.config import load_settings
 from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import TINY_VOCAB, tiny_runner
 
@@ -65,6 +67,64 @@ def test_a_step_reports_its_phases(runner):
     assert result.error is None and len(result.rows) == 1
     assert result.prepare_s is not None and result.prepare_s >= 0
     assert result.sample_s is not None and 0 <= result.sample_s <= result.forward_s
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_only_the_sampling_rows_reach_the_lm_head(tiny_llama_dir, monkeypatch, quantize):
+    settings = load_settings(
+        model=str(tiny_llama_dir), kv_blocks=16, device="cpu", dtype="float32", quantize=quantize
+    )
+    runner, _ = load_runner(settings)
+    ops, head = runner.model.ops, runner.model.weights.lm_head
+    linear, decode_layers = ops.linear, ops.decode_layers
+    head_rows: list[int] = []
+    at_once: list[bool] = []
+
+    def counting_linear(x, weight, bias=None):
+        if weight is head:
+            head_rows.append(x.shape[0])
+        return linear(x, weight, bias)
+
+    def watched_decode_layers(*args, **kwargs):
+        out = decode_layers(*args, **kwargs)
+        at_once.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ops, "linear", counting_linear)
+    monkeypatch.setattr(ops, "decode_layers", watched_decode_layers)
+    greedy = SamplingParams(temperature=0.0)
+    steps = [
+        StepPlan(  # a prompt's first chunk (no sampling) beside a whole short prompt
+            step_id=1,
+            new_seqs=[
+                NewSequence(seq_id="a", sampling=greedy, block_ids=[0, 1]),
+                NewSequence(seq_id="b", sampling=greedy, block_ids=[2]),
+            ],
+            rows=[
+                StepRow(seq_id="a", token_ids=TEXT[:12], start_pos=0, sample=False),
+                StepRow(seq_id="b", token_ids=TEXT[30:35], start_pos=0, sample=True),
+            ],
+        ),
+        StepPlan(  # the prompt's last chunk and a decode row: the layer loop
+            step_id=2,
+            rows=[
+                StepRow(seq_id="a", token_ids=TEXT[12:20], start_pos=12, sample=True),
+                StepRow(seq_id="b", token_ids=[], start_pos=5, feed_last=True, sample=True),
+            ],
+        ),
+        StepPlan(  # decode rows only, one of them not sampling: the one-call decode loop
+            step_id=3,
+            rows=[
+                StepRow(seq_id="a", token_ids=[], start_pos=20, feed_last=True, sample=True),
+                StepRow(seq_id="b", token_ids=[], start_pos=6, feed_last=True, sample=False),
+            ],
+        ),
+    ]
+    results = [runner.execute(plan) for plan in steps]
+    assert all(r.error is None for r in results)
+    assert [len(r.rows) for r in results] == [1, 2, 1]
+    assert head_rows == [1, 2, 1]
+    assert at_once[-1] == (ops._decode_layers is not None)
 
 
 def test_dtype_auto_is_float32_unless_asked_for_the_fastest_with_bf16_units(monkeypatch):

@@ -166,3 +166,40 @@ def test_a_decode_steps_batch_is_the_packed_paths(runner):
         else:
             assert a == b, field.name
     assert fast.token_ids[0] == runner.last_token["b"] and fast.slot_mapping.tolist() == [95, 66]
+
+
+def test_decode_steps_of_one_shape_rewrite_the_kept_batch_to_the_packed_paths_values(runner):
+    """Decode steps reuse the last decode batch's tensors when the shape holds; each
+    step's values are still the general path's; the table widening at a block boundary
+    and a row starting to sample change the shape (new tensors)."""
+    import dataclasses
+
+    import torch
+
+    _reset(runner)
+    greedy = SamplingParams(temperature=0.0)
+    plan = StepPlan(
+        step_id=1,
+        new_seqs=[_new("a", [3, 4], greedy), _new("b", [7], greedy)],
+        rows=[_row("a", PROMPT[:13]), _row("b", PROMPT[:3])],
+    )
+    assert runner.execute(plan).error is None
+    batches = []
+    for step in range(2, 8):  # a: positions 13..18, its second block from 16 on
+        rows = [
+            StepRow(seq_id="a", token_ids=[], start_pos=11 + step, feed_last=True, sample=True),
+            StepRow(seq_id="b", token_ids=[50 + step], start_pos=1 + step, sample=step >= 5),
+        ]
+        fast, packed = runner.host_batch(rows), runner._packed_batch(rows)
+        batches.append(fast)
+        for field in dataclasses.fields(fast):
+            a, b = getattr(fast, field.name), getattr(packed, field.name)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), (step, field.name)
+            else:
+                assert a == b, (step, field.name)
+        result = runner.execute(StepPlan(step_id=step, rows=rows))
+        assert result.error is None and len(result.rows) == 1 + (step >= 5)
+    first, second = batches[0], batches[3]  # a's position 16: a second block, b samples
+    assert batches[1] is first and batches[2] is first
+    assert second is not first and batches[4] is second and batches[5] is second

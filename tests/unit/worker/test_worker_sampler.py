@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kernels import cpu_argmax
 from services.worker import sampler
-from services.worker.sampler import RowSampling, filtered_probs, sample
+from services.worker.sampler import RowSampling, filtered_probs, process_logits, sample
 from shared.protocol import SamplingParams
 
 VOCAB = 1000
@@ -175,3 +177,70 @@ def test_top_p_widens_its_candidates_step_by_step_as_a_full_sort_would(monkeypat
         assert kept == _reference_nucleus(softmax[row], top_p)
         widths.append(len(kept))
     assert min(widths[:2]) <= 4 and any(4 < w <= 16 for w in widths[2:4]) and min(widths[4:]) > 16
+
+
+@pytest.fixture(scope="module")
+def native_argmax(tmp_path_factory) -> cpu_argmax.NativeArgmax:
+    kernel = cpu_argmax.load(tmp_path_factory.mktemp("argmax"))
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    return kernel
+
+
+def test_plain_greedy_rows_take_one_argmax_of_the_logits_themselves():
+    logits = _logits(4)
+    rows = [_row(seed=i, temperature=0.0) for i in range(4)]
+    assert process_logits(logits, rows) is logits  # no copy of [S, V]
+    seen: list[torch.Tensor] = []
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x)
+        return x.argmax(dim=-1)
+
+    tokens, logprobs = sample(logits, rows, argmax=argmax)
+    assert len(seen) == 1 and seen[0] is logits
+    assert tokens == logits.argmax(-1).tolist() and logprobs == [None] * 4
+
+
+def _awkward_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random logits with the cases argmax must settle as torch does, in rows 0, 2, 9 and
+    11: exact ties, a masked (-inf) stretch, NaN and +inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[0, :] = torch.randint(0, 4, (vocab,), generator=g).float()  # many equal maxima
+    x[2, : vocab // 2] = float("-inf")
+    x[9, torch.randint(0, vocab, (3,), generator=g)] = float("nan")
+    x[11, vocab // 3 :: 7] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_native_argmax_samples_every_kind_of_row_as_torch_does(native_argmax, seed):
+    vocab = 5000
+    logits = _awkward_logits(12, vocab, seed)
+    greedy = [_row(seed=i, temperature=0.0) for i in range(12)]
+    assert sample(logits, greedy, argmax=native_argmax) == sample(logits, greedy)
+    # Greedy rows where the awkward values are (0, 2, 9, 11), the others of every kind.
+    mixed = [
+        _row(seed=1, temperature=0.0),
+        _row(seed=2, temperature=0.8, top_p=0.9),
+        _row(seed=3, temperature=0.0, logprobs=3),
+        _row(seed=4, temperature=1.0, top_k=20, logprobs=1),
+        RowSampling(SamplingParams(seed=5, presence_penalty=0.5), 3, output_ids=[7, 8, 9]),
+        RowSampling(SamplingParams(seed=6, repetition_penalty=1.3), 2, (1, 2), prompt_ids=(3,)),
+        RowSampling(SamplingParams(seed=7, logit_bias={11: 100.0}), 0),
+        RowSampling(SamplingParams(seed=8), 0, banned_ids=(int(logits[7].argmax()),)),
+        _row(seed=9, temperature=0.5, min_p=0.1),
+        _row(seed=10, temperature=0.0),
+        _row(seed=11, temperature=1.2),
+        _row(seed=12, temperature=0.0),
+    ]
+
+    def mask(out: torch.Tensor) -> None:  # a grammar allowing only even tokens on row 9
+        out[9, 1::2] = float("-inf")
+
+    assert sample(logits, mixed, mask, argmax=native_argmax) == sample(logits, mixed, mask)
+    assert sample(logits, mixed, argmax=native_argmax) == sample(logits, mixed)
+    randoms = [_row(seed=20 + i, temperature=0.9, output_index=i) for i in range(12)]
+    plain = _logits(12, seed)
+    assert sample(plain, randoms, argmax=native_argmax) == sample(plain, randoms)

@@ -399,8 +399,11 @@ static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, in
  * accumulator per output; the lanes' sum at the end. Q4_1's weights come from each
  * block's 16-entry table (q4_1_table), Q8_0's as d q; the scales from block_scales. The
  * loop is bound by its vector instructions (the conversions, not the bytes): per Q4_1
- * block one FMA for the table, a widening, a shift, two permutes and the two product
- * FMAs, where converting each weight took four more. */
+ * block and output row one FMA for the table, a widening, a shift, two permutes and the
+ * two product FMAs (7), where converting each weight and its scales in place took 15.
+ * Measured on the 2-core Xeon, one thread, CPU time, SmolLM2's 30 gate_up projections
+ * from cache: 2.36 -> 1.75 ns a block and row; all 121 projections of a step from memory
+ * 11.8 -> 9.0 ms. */
 static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict w,
                                int64_t row_bytes, int64_t nb, int64_t block_bytes, int type,
                                float *restrict out) {

@@ -407,6 +407,7 @@ static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, in
 static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict w,
                                int64_t row_bytes, int64_t nb, int64_t block_bytes, int type,
                                float *restrict out) {
+    (void)block_bytes; /* each type's loop has its own, as a constant */
     __m512 c[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     float scales[4][2 * SCALE_RUN] __attribute__((aligned(64)));

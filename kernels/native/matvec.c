@@ -576,10 +576,12 @@ int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, in
     if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
     const int64_t block_bytes = type == BLOCK_Q4_1 ? 20 : 34, nb = k / 32;
     const int64_t row_bytes = nb * block_bytes;
-    /* Split by the bytes read, as linear_blocks_q8 does: a one-row step's layer projections
-     * take 50-150 us on one thread, where waking a sleeping thread for each costs about
-     * what it saves (MatvecKernels.tune picks the bound that pays here). */
-    const int parallel = n * row_bytes >= parallel_min_bytes;
+    /* Split by the bytes read times the rows they serve: at one row as linear_blocks_q8
+     * splits, since a one-row step's layer projections take 50-150 us on one thread, where
+     * waking a sleeping thread for each costs about what it saves (MatvecKernels.tune picks
+     * the bound that pays here); a verify step of several rows does several times the
+     * products per byte, and splits sooner. */
+    const int parallel = n * row_bytes * m >= parallel_min_bytes;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
         const int64_t n1 = min64(n0 + CHUNK, n);

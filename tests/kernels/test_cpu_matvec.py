@@ -159,6 +159,51 @@ def test_blocks_give_the_float32_weights_result(matvec, kind, rows, with_bias):
         assert torch.equal(got, matvec.linear_f32(x, dense, bias))
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+# one block; one more than a run of scales converted ahead (32 blocks); two runs and a tail
+@pytest.mark.parametrize("k", [32, 33 * 32, 70 * 32])
+def test_blocks_equal_the_float32_kernel_on_fresh_weights(matvec, kind, k):
+    """Fresh random blocks (their scales, minimums and every nibble or byte value) read one
+    row and 1-8 rows at a time: the float32 kernel's outputs on the dequantized weight, to
+    the bit, and each row of a several-row call that row's one-row call."""
+    if not matvec.features & HAS_BLOCKS or not matvec.features & HAS_F32:
+        pytest.skip("block or float32 kernel not built (needs AVX2, FMA and F16C)")
+    seed = torch.seed()  # fresh inputs each run; the seed is in any failure's message
+    g = torch.Generator().manual_seed(seed)
+    n = 4 * 257  # an odd count of four-row groups, past one chunk of 64
+    blocks, dense = _quantized_blocks(kind, n, k, g)
+    x = torch.randn(MAX_BLOCK_ROWS, k, generator=g) * 4.0
+    bias = torch.randn(n, generator=g)
+    one = torch.cat([matvec.linear_blocks(x[i : i + 1], blocks, bias) for i in range(len(x))])
+    assert torch.equal(one, matvec.linear_f32(x, dense, bias)), f"seed {seed}"
+    for rows in range(2, MAX_BLOCK_ROWS + 1):
+        got = matvec.linear_blocks(x[:rows], blocks, None)
+        assert torch.equal(got + bias, one[:rows]), f"seed {seed}, {rows} rows"
+
+
+def test_an_avx2_build_reads_blocks_as_its_float32_kernel(tmp_path):
+    """The 8-lane loops a CPU without AVX-512 runs, built and run here: the same bits as
+    that build's float32 kernel."""
+    from kernels import cpu_native
+    from kernels.cpu_info import cpu_flags
+
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2, FMA and F16C")
+    flags = cpu_native.compile_flags()  # AVX2 + FMA + F16C, no AVX-512
+    assert not any(f.startswith("-mavx512") for f in flags)
+    library = cpu_native.build(cpu_matvec.SOURCE, flags, tmp_path)
+    if library is None:
+        pytest.skip("no C compiler here")
+    avx2 = cpu_matvec.MatvecKernels(library)
+    g = torch.Generator().manual_seed(4)
+    for kind in ("q4_1", "q8_0"):
+        blocks, dense = _quantized_blocks(kind, 4 * 65, 40 * 32, g)
+        x = torch.randn(3, 40 * 32, generator=g)
+        for rows in (1, 3):
+            got = avx2.linear_blocks(x[:rows], blocks, None)
+            assert torch.equal(got, avx2.linear_f32(x[:rows], dense, None)), (kind, rows)
+
+
 def test_blocks_refuse_what_they_do_not_read(matvec):
     if not matvec.features & HAS_BLOCKS:
         pytest.skip("block kernel not built")

@@ -259,7 +259,7 @@ def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows
     # The activations as the kernel rounds them: float32 scale 127 / amax, half to even.
     per_block = x.view(rows, -1, 32)
     amax = per_block.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     step = (amax / 127.0).double()
     xq = (torch.round(per_block * inv).double() * step).view(rows, -1)
     want = xq @ dense.double().T + bias.double()

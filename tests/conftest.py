@@ -1,4 +1,6 @@
-"""Fixtures shared by every test folder: private NATS and Redis servers on free ports.
+"""Fixtures shared by every test folder: private NATS and Redis servers on free ports, and
+the default model in Hugging Face transformers (loaded once: its GGUF file is dequantized
+in Python, seconds of work).
 
 Without CUDA, Triton kernels run in Triton's CPU interpreter. Triton fixes the mode of a
 `@triton.jit` function when it is defined, and any test may be the first to import a
@@ -40,3 +42,19 @@ def nats_url(nats_server) -> str:
 @pytest.fixture(scope="session")
 def redis_url(redis_server) -> str:
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """SmolLM2-135M-Instruct from its GGUF file in transformers, float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_files import resolve_model
+
+    src = resolve_model("SmolLM2-135M-Instruct")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32
+    )
+    # The tests compare runs with ignore_eos: generate must not stop at EOS either.
+    model.generation_config.eos_token_id = None
+    return model.eval()

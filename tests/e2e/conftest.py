@@ -63,22 +63,6 @@ def reference_tokenizer():
     return AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
 
 
-@pytest.fixture(scope="session")
-def reference_model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from shared.model_files import resolve_model
-
-    src = resolve_model("SmolLM2-135M-Instruct")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32
-    )
-    # The tests compare runs with ignore_eos: generate must not stop at EOS either.
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
 def save_tiny_model(folder, tokenizer, context: int):
     """A tiny random Llama with the SmolLM2 tokenizer, saved as a Hugging Face folder."""
     import torch

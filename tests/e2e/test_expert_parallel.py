@@ -60,8 +60,14 @@ def two_groups(tiny_moe_dir, nats_url, redis_url):
         "--block-size", "32",
         "--max-batch", "8",
         "--dtype", "float32",
-        # The killed group is restarted only after its requests moved.
-        env={"SPILLWAY_RESTART_BACKOFF_S": "5", "SPILLWAY_EP_TIMEOUT_S": "2"},
+        # The killed group is restarted only after its requests moved. A short drain: the
+        # stop at the end may find that group still starting, and waits drain + 5 s at most
+        # for a child that cannot act on SIGTERM yet.
+        env={
+            "SPILLWAY_RESTART_BACKOFF_S": "5",
+            "SPILLWAY_EP_TIMEOUT_S": "2",
+            "SPILLWAY_DRAIN_TIMEOUT_S": "2",
+        },
     )  # fmt: skip
     try:
         assert wait_until(lambda: health(system.url)["workers"] == 2, 120), system.tail()

@@ -24,7 +24,7 @@ from tests.e2e.pressure import (
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 1200  # long enough to be in flight when the worker dies
+NEW_TOKENS = 600  # long enough to be in flight when the worker dies
 STREAMS = 16
 PROMPTS = [[(11 * i + 7 * j) % 900 + 20 for j in range(8 + 3 * i)] for i in range(STREAMS)]
 BLOCK = 32

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import RegionSampling, SamplingParams
-from tests.integration.test_scheduler_drives_worker import NEW_TOKENS, _serve_all
+from tests.integration.test_scheduler_drives_worker import NEW_TOKENS, _serve_all, memo_roomy
 from tests.unit.worker.think_llama import THINK_END_ID, save_think_llama
 
 THINKING = SamplingParams(
@@ -29,9 +29,17 @@ def think_dir(tmp_path_factory):
     return save_think_llama(tmp_path_factory.mktemp("think"))
 
 
+@pytest.fixture(scope="module")
+def roomy(think_dir):
+    """The runs without pressure, shared by both modes (deterministic)."""
+    return memo_roomy(think_dir)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "spill"])
-def test_a_sequence_preempted_inside_a_think_block_continues_in_it(think_dir, redis_url, mode):
-    roomy, roomy_core = _serve_all(think_dir, kv_blocks=64, sampling=THINKING)
+def test_a_sequence_preempted_inside_a_think_block_continues_in_it(
+    think_dir, roomy, redis_url, mode
+):
+    want, roomy_core = roomy(THINKING)
     spill_to = redis_url if mode == "spill" else None
     tight, tight_core = _serve_all(think_dir, kv_blocks=10, sampling=THINKING, spill_to=spill_to)
     assert roomy_core.preemptions["recompute"] == 0
@@ -39,9 +47,9 @@ def test_a_sequence_preempted_inside_a_think_block_continues_in_it(think_dir, re
     if mode == "spill":
         assert tight_core.swap_ins == tight_core.preemptions["spill"]
     # </think> never came, so every victim was inside its block.
-    assert all(THINK_END_ID not in tokens for tokens in roomy.values())
-    assert all(len(tokens) == NEW_TOKENS for tokens in roomy.values())
-    assert tight == roomy
+    assert all(THINK_END_ID not in tokens for tokens in want.values())
+    assert all(len(tokens) == NEW_TOKENS for tokens in want.values())
+    assert tight == want
     # Were the region lost (plain), decoding would be greedy: other tokens.
     plain = THINKING.model_copy(update={"initial_region": "plain"})
-    assert _serve_all(think_dir, kv_blocks=64, sampling=plain)[0] != roomy
+    assert roomy(plain)[0] != want

@@ -9,7 +9,6 @@ import torch
 
 from services.worker.runner import ModelRunner, load_runner
 from shared.config import load_settings
-from shared.model_files import resolve_model
 from shared.protocol import NewSequence, StepPlan, StepRow
 from tests.unit.worker.plans import GREEDY, generate
 
@@ -30,14 +29,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    source = resolve_model("SmolLM2-135M-Instruct")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(reference_model):
+    """The session's transformers model (tests/conftest.py): it never stops at EOS, so
+    its 16 tokens are compared whole."""
+    return reference_model
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,11 @@ def run(args: argparse.Namespace) -> None:
     timings = instrument(ops, model, CLOCKS[args.clock])
     print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, --quantize {args.quantize}")  # fmt: skip
+    w, first = model.weights, model.weights.layers[0]
+    forms = {n: getattr(first, n) for n in ("qkv", "o", "gate_up", "down")} | {"lm_head": w.lm_head}
+    print("many-row forms (timed at start-up): " + ", ".join(
+        f"{n} {ops.many_row_form(t)}" for n, t in forms.items() if t is not None
+    ))  # fmt: skip
     figures = {}
     for name in args.kv_cache_dtypes.split(","):
         print(f"\n--- KV cache {name}")

@@ -17,14 +17,16 @@ weights' size again in memory. The packing layout is chosen for a batch of
 hint of 16 or less made single-row calls several times slower. torch.compile's CPU GEMM
 template was slower still (2.5 against 2.0 ms for a 32-row gate_up projection).
 
-MKL on a plain transposed copy of the weight (x @ W^T as x @ (W^T contiguous)) streams
-some shapes better at a decode step's rows: on the 2-core Xeon (AVX-512, one thread, CPU
-time, 30 layers' weights streamed from memory, 64 rows, GFLOP/s oneDNN against MKL):
-qkv 960x576 115 / 133, o 576x576 111 / 150, down 576x1536 115 / 151, but gate_up
-3072x576 120 / 106 and the 49152x576 lm_head 124 / 98; at 512 rows the two are level
-(149-156 against 153-164). `PackedLinear.tune_forms` times both at start-up on each
-weight shape's products (all its layers in turn, as a step streams them) and keeps the
-faster, one form per weight (no more memory than the packing alone).
+MKL on a transposed copy of the weight (x @ W^T as x @ (W^T in rows), its rows padded off
+4 KiB multiples) streams a decode step's rows faster: on the 2-core Xeon (AVX-512, one
+thread, CPU time, 30 layers' weights streamed from memory, 64 rows, GFLOP/s oneDNN
+against MKL, one run at load 3.3): qkv 960x576 108 / 137, o 576x576 111 / 154, gate_up
+3072x576 116 / 142, down 576x1536 118 / 150, the 49152x576 lm_head 123 / 138 (figures move
+by a fifth from run to run on this shared machine; the ranking held in each of five); at
+512 rows MKL is level or ahead. Which wins depends on the CPU and the BLAS builds, so
+`PackedLinear.tune_forms` times both at start-up on each weight shape's products (its
+layers in turn, as a step streams them) and keeps the faster, one form per weight (no
+more memory than the packing alone).
 
 `linear` is the stateless fallback (and the CUDA path); `PackedLinear` holds the packed
 weights for one model. Products of a few rows (decode steps of a few sequences) go to the
@@ -394,8 +396,15 @@ def _pack_rows(weight: torch.Tensor) -> PackedQ8 | None:
 
 
 def _transpose(weight: torch.Tensor) -> torch.Tensor:
-    """W^T [K, N] contiguous: x @ it is MKL's plain product, no transpose flag."""
-    return weight.detach().t().contiguous()
+    """W^T [K, N] in rows of unit stride: x @ it is MKL's plain product, no transpose flag.
+    A row of a multiple of 1 KiB gets 16 floats of padding after it: rows 4 KiB apart
+    (N = 3072, the 49152-wide lm_head) fall into the same cache sets, which cost MKL a
+    fifth of its rate at 64 rows (96-106 GFLOP/s against 138-142 padded)."""
+    n, k = weight.shape
+    stride = n + 16 if n % 256 == 0 else n
+    rows = torch.empty(k, stride, dtype=weight.dtype, device=weight.device)
+    rows[:, :n] = weight.detach().t()
+    return rows[:, :n]
 
 
 def _forgetter(

@@ -118,8 +118,9 @@ def test_tune_forms_keeps_the_faster_form_and_only_its_copies(slow):
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("rows", [5, 64, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_transposed_form_matches_float64_reference(rows, with_bias):
-    w, b = _weights(rows)
+@pytest.mark.parametrize("out_features", [200, 256])  # 256: rows padded off 1 KiB multiples
+def test_transposed_form_matches_float64_reference(rows, with_bias, out_features):
+    w, b = _weights(rows, out_features)
     bias = b if with_bias else None
     packed = PackedLinear()
     packed.tune_forms([w], rows=8, rounds=1, clock=FormClock(packed, w, ONEDNN))
@@ -127,7 +128,8 @@ def test_transposed_form_matches_float64_reference(rows, with_bias):
     x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2000 + rows))
     got = packed(x, w, bias)
     want = x.double() @ w.double().T + (b.double() if with_bias else 0)
-    assert got.shape == (rows, 200) and got.dtype == torch.float32 and got.is_contiguous()
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert got.is_contiguous()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     # oneDNN's result and this one differ only in summation order
     torch.testing.assert_close(got, linear(x, w, bias), rtol=1e-5, atol=1e-5)

@@ -69,7 +69,10 @@ TUNE_ROWS = 64
 # Weights of one shape `tune_forms` times at most: enough that they stream from memory as
 # in a step (fewer may stay in a large last-level cache, where the forms rank otherwise),
 # few enough to keep the start-up of a model of many layers short.
-TUNE_WEIGHTS = 32
+TUNE_WEIGHTS = 16
+# Start-up seconds `tune_forms` may spend: on a busy machine a two-thread product waits for
+# its second core and takes ten times as long (the shapes left untimed keep oneDNN).
+TUNE_BUDGET_S = 2.0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,14 +169,16 @@ class PackedLinear:
         self,
         weights: Sequence[torch.Tensor],
         rows: int = TUNE_ROWS,
-        rounds: int = 3,
+        rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
+        budget_s: float = TUNE_BUDGET_S,
     ) -> dict[tuple[int, ...], str]:
         """Times `rows`-row products in each form (`FORMS`) over the weights of each shape
         in turn (as a step streams them, layer after layer; TUNE_WEIGHTS at most), `rounds`
         interleaved times, and keeps the faster form (the least time of its rounds) for
-        that shape; drops the other form's copies. Returns shape -> form for the shapes
-        timed."""
+        that shape; drops the other form's copies. The largest shapes go first, and no
+        shape starts once `budget_s` have passed (the rest keep ONEDNN). Returns shape ->
+        form for the shapes timed."""
         if not self.enabled:
             return {}
         groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
@@ -182,8 +187,12 @@ class PackedLinear:
                 groups.setdefault(tuple(w.shape), []).append(w)
         chosen: dict[tuple[int, ...], str] = {}
         g = torch.Generator().manual_seed(0)
+        began = clock()
+        by_size = sorted(groups.items(), key=lambda kv: -kv[1][0].numel() * len(kv[1]))
         with torch.inference_mode():
-            for shape, group in groups.items():
+            for shape, group in by_size:
+                if clock() - began > budget_s:
+                    break
                 x = torch.randn(rows, shape[1], generator=g)
                 times: dict[str, list[float]] = {form: [] for form in FORMS}
                 for round_ in range(rounds + 1):  # the first makes each form's copies
@@ -342,8 +351,9 @@ class Int8Linear(PackedLinear):
         self,
         weights: Sequence[torch.Tensor],
         rows: int = TUNE_ROWS,
-        rounds: int = 3,
+        rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
+        budget_s: float = TUNE_BUDGET_S,
     ) -> dict[tuple[int, ...], str]:
         """Nothing to choose: every many-row product is int8."""
         return {}

@@ -103,11 +103,12 @@ def test_tune_forms_keeps_the_faster_form_and_only_its_copies(slow):
     other = torch.randn(24, 40, generator=g)
     packed = PackedLinear()
     clock = FormClock(packed, layers[0], slow)
-    chosen = packed.tune_forms([*layers, other], rows=9, rounds=2, clock=clock)
+    chosen = packed.tune_forms([other, *layers], rows=9, rounds=2, clock=clock, budget_s=1e9)
     fast = TRANSPOSED if slow == ONEDNN else ONEDNN
     assert chosen[(96, 40)] == fast == packed.form(layers[1])
     assert set(clock.seen) == set(FORMS)  # each one timed
     assert len(packed) == 4  # one copy per weight: the other form's were dropped
+    assert list(chosen) == [(96, 40), (24, 40)]  # the largest shape first
     x = torch.randn(33, 40, generator=g)
     for w in [*layers, other]:
         want = x.double() @ w.double().T
@@ -123,7 +124,7 @@ def test_transposed_form_matches_float64_reference(rows, with_bias, out_features
     w, b = _weights(rows, out_features)
     bias = b if with_bias else None
     packed = PackedLinear()
-    packed.tune_forms([w], rows=8, rounds=1, clock=FormClock(packed, w, ONEDNN))
+    packed.tune_forms([w], rows=8, rounds=1, clock=FormClock(packed, w, ONEDNN), budget_s=1e9)
     assert packed.form(w) == TRANSPOSED
     x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2000 + rows))
     got = packed(x, w, bias)
@@ -148,6 +149,17 @@ def test_packed_linear_falls_back_where_it_cannot_pack():
     assert grad_w.grad is not None and len(packed) == 0
     off = PackedLinear(enabled=False)
     assert torch.equal(off(x, w, b), linear(x, w, b)) and len(off) == 0
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+def test_tune_forms_starts_no_shape_past_its_budget():
+    g = torch.Generator().manual_seed(12)
+    big, small = torch.randn(96, 40, generator=g), torch.randn(24, 40, generator=g)
+    packed = PackedLinear()
+    clock = FormClock(packed, big, ONEDNN)  # each reading: 1 or 10 seconds on
+    chosen = packed.tune_forms([small, big], rows=9, rounds=1, clock=clock, budget_s=15.0)
+    assert chosen == {(96, 40): TRANSPOSED}  # timed first; the budget was gone after it
+    assert packed.form(small) == ONEDNN and packed.form(big) == TRANSPOSED
 
 
 def test_nothing_to_tune_without_packing_or_in_int8():

@@ -60,7 +60,7 @@ from kernels.cpu_matvec import (
 CPU_TRANSPOSED_BELOW = 96
 PACK_BATCH_HINT = 64
 # The many-row forms of a float32 weight (`PackedLinear.tune_forms`): oneDNN on its packed
-# copy, or MKL on a contiguous copy of its transpose.
+# copy, or MKL on a copy of its transpose (`_transpose`).
 ONEDNN, TRANSPOSED = "onednn", "transposed"
 FORMS = (ONEDNN, TRANSPOSED)
 # Rows `tune_forms` times by default: a decode step of 64 sequences (the P1 load), where

@@ -8,6 +8,9 @@ call by wrapping the backend's operations, so the table says what each piece cos
 step, summed over the layers, and what is left outside them (host batch building, Python).
 
 Each figure is the median of `--repeats` steps; the load average is printed with them.
+Projections and attention also show their arithmetic rate (GFLOP/s in the chosen clock's
+seconds) and its share of the float32 matrix-product bound measured as `spillway bench`
+measures it (`machine.matmul_gflops`), in this process, with the same clock and threads.
 `--quantize int8` runs the fastest mode's projections; `--clock cpu` times in CPU seconds
 (steadier on a shared machine); `--kv-cache-dtypes float32,bfloat16`
 runs the steps once per KV cache dtype in this process (the same weights and rows) and
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.ops import QUANTIZATIONS, TorchOps
+from services.cli.bench.machine import matmul_gflops
 from services.worker.kv_cache import KVCache, blocks_needed
 from services.worker.model import LlamaModel, configure_threads
 from services.worker.runner import ModelRunner
@@ -106,10 +110,17 @@ def run(args: argparse.Namespace) -> None:
     print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, --quantize {args.quantize}, clock {args.clock}, "
           f"int8 many-row path {ops.int8_rows_path}")  # fmt: skip
+    w, first = model.weights, model.weights.layers[0]
+    forms = {n: getattr(first, n) for n in ("qkv", "o", "gate_up", "down")} | {"lm_head": w.lm_head}
+    print("many-row forms (timed at start-up): " + ", ".join(
+        f"{n} {ops.many_row_form(t)}" for n, t in forms.items() if t is not None
+    ))  # fmt: skip
+    bound = matmul_gflops(clock=CLOCKS[args.clock])
+    print(f"float32 matrix-product bound: {bound:.0f} GFLOP/s ({args.clock} clock)")
     figures = {}
     for name in args.kv_cache_dtypes.split(","):
         print(f"\n--- KV cache {name}")
-        figures[name] = run_steps(args, config, model, timings, KV_DTYPES[name])
+        figures[name] = run_steps(args, config, model, timings, KV_DTYPES[name], bound)
     if len(figures) > 1:
         base_name, base = next(iter(figures.items()))
         for name, (step, attention) in list(figures.items())[1:]:
@@ -117,7 +128,25 @@ def run(args: argparse.Namespace) -> None:
                   f"its attention (and KV store): {attention / base[1]:.3f}")  # fmt: skip
 
 
-def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> tuple[float, float]:
+def piece_flops(model: LlamaModel, tokens: int, sampled: int, pairs: int) -> dict[str, float]:
+    """The arithmetic of a step's projections and attention (2 FLOPs a multiply-add):
+    `tokens` rows through each layer, `sampled` through the lm_head, `pairs` (query, key)
+    pairs of attention per layer."""
+    c, layer = model.config, model.weights.layers[0]
+    flops = {
+        f"linear {n}": 2.0 * tokens * getattr(layer, n).numel() * c.num_layers
+        for n in ("qkv", "o", "gate_up", "down")
+        if getattr(layer, n) is not None
+    }
+    flops["linear lm_head"] = 2.0 * sampled * model.weights.lm_head.numel()
+    attention = 4.0 * pairs * c.num_heads * c.head_dim * c.num_layers  # QK^T and PV
+    flops["paged_attention"] = flops["paged_decode_attention"] = attention
+    return flops
+
+
+def run_steps(
+    args, config, model, timings: Timings, kv_dtype: torch.dtype, bound: float
+) -> tuple[float, float]:
     """The prefill and decode steps over a fresh cache of `kv_dtype`; returns the decode
     step's median seconds and its attention's (the KV store included)."""
     prompt_len = args.prompt
@@ -146,10 +175,13 @@ def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> t
         for r, s in enumerate(seqs)
     ])  # fmt: skip
     figures = (0.0, 0.0)
-    for label, plan, tokens in (
-        (f"prefill {args.prefill_rows} x {prompt_len}", prefill, args.prefill_rows * prompt_len),
-        (f"decode {rows} rows at {context}", decode, rows),
-    ):
+    prefill_pairs = args.prefill_rows * prompt_len * (prompt_len + 1) // 2  # query i sees i keys
+    for label, plan, tokens, flops in (
+        (f"prefill {args.prefill_rows} x {prompt_len}", prefill, args.prefill_rows * prompt_len,
+         piece_flops(model, args.prefill_rows * prompt_len, args.prefill_rows, prefill_pairs)),
+        (f"decode {rows} rows at {context}", decode, rows,
+         piece_flops(model, rows, rows, rows * context)),
+    ):  # fmt: skip
         runner.execute(plan)  # warm-up
         per_piece: dict[str, list[float]] = defaultdict(list)
         totals: list[float] = []
@@ -170,11 +202,18 @@ def run_steps(args, config, model, timings: Timings, kv_dtype: torch.dtype) -> t
         for k in sorted(per_piece, key=lambda k: -statistics.median(per_piece[k])):
             t = statistics.median(per_piece[k])
             timed += t
-            print(f"  {k:<28} {t * 1e3:8.2f} ms  {100 * t / total:5.1f}%")
+            rate = ""
+            if k in flops:
+                gflops = flops[k] / t / 1e9
+                rate = f"  {gflops:6.0f} GFLOP/s, {gflops / bound:4.2f} of the bound"
+            print(f"  {k:<28} {t * 1e3:8.2f} ms  {100 * t / total:5.1f}%{rate}")
         for k, v in phases.items():
             print(f"  ({k:<26} {statistics.median(v) * 1e3:8.2f} ms, within other)")
         print(f"  {'other (host, Python, sampling)':<28} {(total - timed) * 1e3:8.2f} ms  "
               f"{100 * (total - timed) / total:5.1f}%")  # fmt: skip
+        work = sum(v for k, v in flops.items() if k != "paged_decode_attention")
+        print(f"  step: {work / 1e9:.1f} GFLOP, {work / total / 1e9:.0f} GFLOP/s, "
+              f"{work / total / 1e9 / bound:.2f} of the bound")  # fmt: skip
         attention = sum(statistics.median(per_piece[k]) for k in ATTENTION if k in per_piece)
         figures = (total, attention)
     return figures

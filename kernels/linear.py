@@ -17,6 +17,17 @@ weights' size again in memory. The packing layout is chosen for a batch of
 hint of 16 or less made single-row calls several times slower. torch.compile's CPU GEMM
 template was slower still (2.5 against 2.0 ms for a 32-row gate_up projection).
 
+MKL on a transposed copy of the weight (x @ W^T as x @ (W^T in rows), its rows padded off
+4 KiB multiples) streams a decode step's rows faster: on the 2-core Xeon (AVX-512, one
+thread, CPU time, 30 layers' weights streamed from memory, 64 rows, GFLOP/s oneDNN
+against MKL, one run at load 3.3): qkv 960x576 108 / 137, o 576x576 111 / 154, gate_up
+3072x576 116 / 142, down 576x1536 118 / 150, the 49152x576 lm_head 123 / 138 (figures move
+by a fifth from run to run on this shared machine; the ranking held in each of five); at
+512 rows MKL is level or ahead. Which wins depends on the CPU and the BLAS builds, so
+`PackedLinear.tune_forms` times both at start-up on each weight shape's products (its
+layers in turn, as a step streams them) and keeps the faster, one form per weight (no
+more memory than the packing alone).
+
 `linear` is the stateless fallback (and the CUDA path); `PackedLinear` holds the packed
 weights for one model. Products of a few rows (decode steps of a few sequences) go to the
 native kernels of `kernels.cpu_matvec` where they are built: they stream the weights
@@ -25,9 +36,10 @@ faster than oneDNN and fbgemm do at that size.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +59,20 @@ from kernels.cpu_matvec import (
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
 PACK_BATCH_HINT = 64
+# The many-row forms of a float32 weight (`PackedLinear.tune_forms`): oneDNN on its packed
+# copy, or MKL on a copy of its transpose (`_transpose`).
+ONEDNN, TRANSPOSED = "onednn", "transposed"
+FORMS = (ONEDNN, TRANSPOSED)
+# Rows `tune_forms` times by default: a decode step of 64 sequences (the P1 load), where
+# the forms differ most (level at prefill chunks of 512).
+TUNE_ROWS = 64
+# Weights of one shape `tune_forms` times at most: enough that they stream from memory as
+# in a step (fewer may stay in a large last-level cache, where the forms rank otherwise),
+# few enough to keep the start-up of a model of many layers short.
+TUNE_WEIGHTS = 16
+# Start-up seconds `tune_forms` may spend: on a busy machine a two-thread product waits for
+# its second core and takes ten times as long (the shapes left untimed keep oneDNN).
+TUNE_BUDGET_S = 2.0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,6 +119,12 @@ class WeightCache:
         self._entries[key] = (weakref.ref(weight, _forgetter(self._entries, key)), version, derived)
         return derived
 
+    def forget(self, weight: torch.Tensor) -> None:
+        """Drops this weight's derived form (made again on its next use)."""
+        entry = self._entries.get(id(weight))
+        if entry is not None and entry[0]() is weight:
+            del self._entries[id(weight)]
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -105,6 +137,9 @@ class PackedLinear:
         self.enabled = onednn_packing_available() if enabled is None else enabled
         self.matvec = matvec
         self._packed = WeightCache(self._pack)
+        self._transposed = WeightCache(_transpose)
+        # weight shape -> the form its many-row products take (ONEDNN unless tuned)
+        self._forms: dict[tuple[int, ...], str] = {}
         # id(weight) -> (its weak reference, the model file's blocks of exactly its values)
         self._blocks: dict[int, tuple[weakref.ref[torch.Tensor], BlockWeight]] = {}
 
@@ -121,7 +156,58 @@ class PackedLinear:
             return linear(x, weight, bias)
         if self.matvec is not None and self._few_rows(x, weight, bias):
             return self._apply_few(x, weight, bias)
+        if self._forms.get(tuple(weight.shape)) == TRANSPOSED:
+            t = self._transposed.get(weight)  # [K, N]
+            return torch.mm(x, t) if bias is None else torch.addmm(bias, x, t)
         return self._apply(x, self._packed.get(weight), bias)  # [M, N]
+
+    def form(self, weight: torch.Tensor) -> str:
+        """The form this weight's many-row products take (ONEDNN or TRANSPOSED)."""
+        return self._forms.get(tuple(weight.shape), ONEDNN)
+
+    def tune_forms(
+        self,
+        weights: Sequence[torch.Tensor],
+        rows: int = TUNE_ROWS,
+        rounds: int = 2,
+        clock: Callable[[], float] = time.perf_counter,
+        budget_s: float = TUNE_BUDGET_S,
+    ) -> dict[tuple[int, ...], str]:
+        """Times `rows`-row products in each form (`FORMS`) over the weights of each shape
+        in turn (as a step streams them, layer after layer; TUNE_WEIGHTS at most), `rounds`
+        interleaved times, and keeps the faster form (the least time of its rounds) for
+        that shape; drops the other form's copies. The largest shapes go first, and no
+        shape starts once `budget_s` have passed (the rest keep ONEDNN). Returns shape ->
+        form for the shapes timed."""
+        if not self.enabled:
+            return {}
+        groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for w in weights:
+            if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
+                groups.setdefault(tuple(w.shape), []).append(w)
+        chosen: dict[tuple[int, ...], str] = {}
+        g = torch.Generator().manual_seed(0)
+        began = clock()
+        by_size = sorted(groups.items(), key=lambda kv: -kv[1][0].numel() * len(kv[1]))
+        with torch.inference_mode():
+            for shape, group in by_size:
+                if clock() - began > budget_s:
+                    break
+                x = torch.randn(rows, shape[1], generator=g)
+                times: dict[str, list[float]] = {form: [] for form in FORMS}
+                for round_ in range(rounds + 1):  # the first makes each form's copies
+                    for form in FORMS:
+                        self._forms[shape] = form
+                        start = clock()
+                        for w in group[:TUNE_WEIGHTS]:
+                            self(x, w)
+                        if round_:
+                            times[form].append(clock() - start)
+                chosen[shape] = self._forms[shape] = min(FORMS, key=lambda f: min(times[f]))
+                unused = self._packed if chosen[shape] == TRANSPOSED else self._transposed
+                for w in group:
+                    unused.forget(w)
+        return chosen
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -193,7 +279,7 @@ class PackedLinear:
         )
 
     def __len__(self) -> int:
-        return len(self._packed)
+        return len(self._packed) + len(self._transposed)
 
 
 def int8_available() -> bool:
@@ -261,6 +347,17 @@ class Int8Linear(PackedLinear):
                 return self.matmul.linear(x, packed, bias)
         return super().__call__(x, weight, bias)
 
+    def tune_forms(
+        self,
+        weights: Sequence[torch.Tensor],
+        rows: int = TUNE_ROWS,
+        rounds: int = 2,
+        clock: Callable[[], float] = time.perf_counter,
+        budget_s: float = TUNE_BUDGET_S,
+    ) -> dict[tuple[int, ...], str]:
+        """Nothing to choose: every many-row product is int8."""
+        return {}
+
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
         integer = self._source_blocks(x, weight, bias, HAS_BLOCKS_Q8) is not None
@@ -306,6 +403,18 @@ class Int8Linear(PackedLinear):
 def _pack_rows(weight: torch.Tensor) -> PackedQ8 | None:
     """The weight in int8 packed for `cpu_matmul_q8`; None for a shape it does not take."""
     return pack(quantize_q8(weight)) if packable(tuple(weight.shape)) else None
+
+
+def _transpose(weight: torch.Tensor) -> torch.Tensor:
+    """W^T [K, N] in rows of unit stride: x @ it is MKL's plain product, no transpose flag.
+    A row of a multiple of 1 KiB gets 16 floats of padding after it: rows 4 KiB apart
+    (N = 3072, the 49152-wide lm_head) fall into the same cache sets, which cost MKL a
+    fifth of its rate at 64 rows (96-106 GFLOP/s against 138-142 padded)."""
+    n, k = weight.shape
+    stride = n + 16 if n % 256 == 0 else n
+    rows = torch.empty(k, stride, dtype=weight.dtype, device=weight.device)
+    rows[:, :n] = weight.detach().t()
+    return rows[:, :n]
 
 
 def _forgetter(

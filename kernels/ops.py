@@ -361,6 +361,15 @@ class TorchOps:
         with torch.inference_mode():
             return matvec.tune(one_row)
 
+    def tune_many_rows(self, projections: Sequence[torch.Tensor]) -> dict[tuple[int, ...], str]:
+        """Picks each projection shape's many-row form by timing (`PackedLinear.tune_forms`:
+        oneDNN's packing or MKL on the transposed weight); returns shape -> form."""
+        return self._linear.tune_forms(projections)
+
+    def many_row_form(self, weight: torch.Tensor) -> str:
+        """The form this weight's many-row products take (`kernels.linear.FORMS`)."""
+        return self._linear.form(weight)
+
     def store_kv(
         self,
         k: torch.Tensor,

@@ -166,7 +166,8 @@ class LlamaModel:
         """Runs every projection at one row and at WARM_UP_ROWS, so one-time work (the CPU
         backend packs each weight for its BLAS, or in int8 for its integer kernels, on first
         use, in a form for a few rows and another for many) happens at start-up, not in the
-        first requests."""
+        first requests; on the CPU then times the choices of both forms and keeps the
+        faster."""
         w = self.weights
         per_layer = [(x.qkv, x.o, x.gate_up) for x in w.layers] + [(x.down,) for x in w.layers]
         projections = [t for group in per_layer for t in group if t is not None] + [w.lm_head]
@@ -180,6 +181,13 @@ class LlamaModel:
             choice = tune(projections)
             if choice is not None:
                 log.info("few-row projections: one thread below %d KiB of weights", choice >> 10)
+        forms = getattr(self.ops, "tune_many_rows", None)
+        if forms is not None and self.device.type == "cpu":
+            chosen = forms(projections)
+            if chosen:
+                log.info("many-row projections: %s", ", ".join(
+                    f"{'x'.join(map(str, shape))} {form}" for shape, form in chosen.items()
+                ))  # fmt: skip
 
     def verify_rows(self) -> int | None:
         """Positions of one sequence a decode step computes each as a step of that token

@@ -9,6 +9,9 @@ import torch
 
 from kernels.linear import (
     CPU_TRANSPOSED_BELOW,
+    FORMS,
+    ONEDNN,
+    TRANSPOSED,
     Int8Linear,
     PackedLinear,
     int8_available,
@@ -77,6 +80,62 @@ def test_packed_linear_forgets_a_freed_weight():
     assert len(packed) == 0
 
 
+class FormClock:
+    """A clock under which the products of `slow` take ten times as long: each reading
+    moves it on by what the form being timed costs."""
+
+    def __init__(self, packed: PackedLinear, weight: torch.Tensor, slow: str) -> None:
+        self.packed, self.weight, self.slow, self.now = packed, weight, slow, 0.0
+        self.seen: list[str] = []
+
+    def __call__(self) -> float:
+        form = self.packed.form(self.weight)
+        self.seen.append(form)
+        self.now += 10.0 if form == self.slow else 1.0
+        return self.now
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("slow", FORMS)
+def test_tune_forms_keeps_the_faster_form_and_only_its_copies(slow):
+    g = torch.Generator().manual_seed(11)
+    layers = [torch.randn(96, 40, generator=g) for _ in range(3)]  # one shape, three layers
+    other = torch.randn(24, 40, generator=g)
+    packed = PackedLinear()
+    clock = FormClock(packed, layers[0], slow)
+    chosen = packed.tune_forms([other, *layers], rows=9, rounds=2, clock=clock, budget_s=1e9)
+    fast = TRANSPOSED if slow == ONEDNN else ONEDNN
+    assert chosen[(96, 40)] == fast == packed.form(layers[1])
+    assert set(clock.seen) == set(FORMS)  # each one timed
+    assert len(packed) == 4  # one copy per weight: the other form's were dropped
+    assert list(chosen) == [(96, 40), (24, 40)]  # the largest shape first
+    x = torch.randn(33, 40, generator=g)
+    for w in [*layers, other]:
+        want = x.double() @ w.double().T
+        torch.testing.assert_close(packed(x, w).double(), want, rtol=1e-5, atol=1e-4)
+    assert len(packed) == 4
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("rows", [5, 64, 600])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_features", [200, 256])  # 256: rows padded off 1 KiB multiples
+def test_transposed_form_matches_float64_reference(rows, with_bias, out_features):
+    w, b = _weights(rows, out_features)
+    bias = b if with_bias else None
+    packed = PackedLinear()
+    packed.tune_forms([w], rows=8, rounds=1, clock=FormClock(packed, w, ONEDNN), budget_s=1e9)
+    assert packed.form(w) == TRANSPOSED
+    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(2000 + rows))
+    got = packed(x, w, bias)
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    # oneDNN's result and this one differ only in summation order
+    torch.testing.assert_close(got, linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
 def test_packed_linear_falls_back_where_it_cannot_pack():
     w, b = _weights(4)
     x = torch.randn(5, 72, generator=torch.Generator().manual_seed(5))
@@ -90,6 +149,24 @@ def test_packed_linear_falls_back_where_it_cannot_pack():
     assert grad_w.grad is not None and len(packed) == 0
     off = PackedLinear(enabled=False)
     assert torch.equal(off(x, w, b), linear(x, w, b)) and len(off) == 0
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+def test_tune_forms_starts_no_shape_past_its_budget():
+    g = torch.Generator().manual_seed(12)
+    big, small = torch.randn(96, 40, generator=g), torch.randn(24, 40, generator=g)
+    packed = PackedLinear()
+    clock = FormClock(packed, big, ONEDNN)  # each reading: 1 or 10 seconds on
+    chosen = packed.tune_forms([small, big], rows=9, rounds=1, clock=clock, budget_s=15.0)
+    assert chosen == {(96, 40): TRANSPOSED}  # timed first; the budget was gone after it
+    assert packed.form(small) == ONEDNN and packed.form(big) == TRANSPOSED
+
+
+def test_nothing_to_tune_without_packing_or_in_int8():
+    w, _ = _weights(6)
+    assert PackedLinear(enabled=False).tune_forms([w]) == {}
+    int8 = Int8Linear(enabled=False)
+    assert int8.tune_forms([w]) == {} and int8.form(w) == ONEDNN
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")

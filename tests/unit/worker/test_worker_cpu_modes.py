@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kernels.linear import FORMS
 from kernels.ops import TorchOps
 from services.worker import loader
 from services.worker.model import LlamaModel, configure_threads
@@ -57,6 +58,23 @@ def test_warm_up_makes_the_int8_many_row_forms_too(runner):
     # the native int8 product's packed weights where it is built, else fbgemm's
     made = len(linear._rows) if linear.matmul is not None else len(linear)
     assert made == projections
+
+
+def test_warm_up_keeps_one_many_row_form_per_exact_projection(runner):
+    m = runner.model
+    ops = TorchOps()
+    LlamaModel(m.config, m.weights, ops).warm_up()
+    w = m.weights
+    projections = [p for x in w.layers for p in (x.qkv, x.o, x.gate_up, x.down)] + [w.lm_head]
+    linear = ops._linear
+    # each weight packed for oneDNN or transposed for MKL, as the timed pass chose, not both
+    assert len(linear) == (len(projections) if linear.enabled else 0)
+    assert {ops.many_row_form(p) for p in projections} <= set(FORMS)
+    g = torch.Generator().manual_seed(3)
+    for p in projections[:4]:  # whichever form: x W^T up to float32 summation order
+        x = torch.randn(16, p.shape[1], generator=g)
+        want = x.double() @ p.double().T
+        torch.testing.assert_close(ops.linear(x, p).double(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_a_step_reports_its_phases(runner):

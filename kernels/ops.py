@@ -37,6 +37,7 @@ from kernels import (
     cpu_matmul_q8,
     cpu_matvec,
     cpu_native,
+    cpu_noise,
     ssm_reference,
 )
 from kernels._jit import interpreting
@@ -311,6 +312,8 @@ class TorchOps:
         self._rotary_factors: LastDerived = LastDerived()
         # Each row's argmax over CPU logits (greedy sampling, the race), for the sampler.
         self.argmax = cpu_argmax.load(native_dir) if native == "auto" else None
+        # The race's uniforms over CPU logits, the same values as torch's (`cpu_noise`).
+        self.uniforms = cpu_noise.load(native_dir) if native == "auto" else None
 
     @property
     def int8_rows_path(self) -> str | None:

@@ -146,7 +146,7 @@ def parse_gguf(path: str | Path) -> GGUFFile:
     GGUFFormatError naming the file when it is not one."""
     path = Path(path)
     data = np.memmap(path, mode="r")
-    cursor = _Cursor(memoryview(data), path)
+    cursor = _Cursor(data.data, path)  # the mapped bytes, read in place
     if len(data) < 24 or cursor.unpack("<I") != MAGIC:
         raise GGUFFormatError(f"{path}: not a GGUF file (no GGUF magic)")
     version = cursor.unpack("<I")

@@ -1,11 +1,12 @@
-"""A step's sampling over [S, V] float32 logits on the CPU, torch's argmax against the
-native one (`kernels.cpu_argmax`) in the same run:
+"""A step's sampling over [S, V] float32 logits on the CPU, torch's argmax and race noise
+against the native argmax (`kernels.cpu_argmax`), then with the native race uniforms too
+(`kernels.cpu_noise`), in the same run:
 
     python -m bench.sampling [--rows 1,16,64] [--vocab 49152] [--reps 30] [--threads N]
 
-Two batches per row count: every row greedy (plain: no penalties, grammar or logprobs),
-and half the rows random (temperature 0.8, top-p 0.95: the exponential race, whose last
-step is an argmax too). Figures are milliseconds per `sample()` call, the median of
+Three batches per row count: every row greedy (plain: no penalties, grammar or logprobs),
+half the rows random and every row random (temperature 0.8, top-p 0.95: the exponential
+race, whose last step is an argmax too). Figures are milliseconds per `sample()` call, the median of
 --reps: CPU (process time, every thread) and wall; the two paths' tokens are compared.
 """
 
@@ -42,7 +43,10 @@ def batches(rows: int) -> dict[str, list[Any]]:
         RowSampling(SamplingParams(temperature=0.8, top_p=0.95, seed=i), 5) if i % 2 else row
         for i, row in enumerate(greedy)
     ]
-    return {"greedy": greedy, "half random": mixed}
+    randoms = [
+        RowSampling(SamplingParams(temperature=0.8, top_p=0.95, seed=i), 5) for i in range(rows)
+    ]
+    return {"greedy": greedy, "half random": mixed, "all random": randoms}
 
 
 def main() -> int:
@@ -56,13 +60,13 @@ def main() -> int:
     apply_openmp_environment(load_settings())
     import torch
 
-    from kernels import cpu_argmax
+    from kernels import cpu_argmax, cpu_noise
     from services.worker.sampler import sample, torch_argmax
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    native = cpu_argmax.load()
-    if native is None:
+    native, uniforms = cpu_argmax.load(), cpu_noise.load()
+    if native is None or uniforms is None:
         print("no native argmax here (no C compiler): nothing to compare")
         return 1
     print(
@@ -70,22 +74,27 @@ def main() -> int:
         f" {torch.get_num_threads()} threads, {native.isa} argmax;"
         f" load {os.getloadavg()[0]:.1f})"
     )
-    print(f"{'rows':>4} {'batch':<12} {'torch cpu':>9} {'wall':>7} {'native cpu':>10} {'wall':>7}"
-          f" {'cpu ratio':>9} {'same':>5}")  # fmt: skip
+    print(f"{'rows':>4} {'batch':<12} {'torch cpu':>9} {'wall':>7} {'argmax cpu':>10} {'wall':>7}"
+          f" {'+noise cpu':>10} {'wall':>7} {'cpu ratio':>9} {'same':>5}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
         logits = torch.randn(rows, args.vocab, generator=g) * 3
         for name, batch in batches(rows).items():
-            same = sample(logits, batch, argmax=native) == sample(
-                logits, batch, argmax=torch_argmax
-            )
+            want = sample(logits, batch, argmax=torch_argmax)
+            same = sample(logits, batch, argmax=native) == want
+            same &= sample(logits, batch, argmax=native, uniforms=uniforms) == want
             t_cpu, t_wall = _median_ms(lambda x=logits, b=batch: sample(x, b), args.reps)
             n_cpu, n_wall = _median_ms(
                 lambda x=logits, b=batch: sample(x, b, argmax=native), args.reps
             )
+            u_cpu, u_wall = _median_ms(
+                lambda x=logits, b=batch: sample(x, b, argmax=native, uniforms=uniforms),
+                args.reps,
+            )
             print(
                 f"{rows:>4} {name:<12} {t_cpu:9.3f} {t_wall:7.3f} {n_cpu:10.3f} {n_wall:7.3f}"
-                f" {t_cpu / max(n_cpu, 1e-9):9.1f} {'yes' if same else 'NO':>5}"
+                f" {u_cpu:10.3f} {u_wall:7.3f} {t_cpu / max(u_cpu, 1e-9):9.1f}"
+                f" {'yes' if same else 'NO':>5}"
             )
     return 0
 

@@ -50,14 +50,14 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
-from kernels.cpu_info import cpu_flags, int8_dot
+from kernels import cpu_native, tuning_cache
+from kernels.cpu_info import cpu_flags, cpu_model, int8_dot
 from kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "matvec.c"
@@ -152,7 +152,11 @@ class IntegerBlocks:
 
 
 class MatvecKernels:
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(
+        self, library: ctypes.CDLL, cache_dir: str | Path | None = None, build_key: str = ""
+    ) -> None:
+        # Where `tune` keeps its decision (None: timed at every start), and the build's key.
+        self.cache_dir, self.build_key = cache_dir, build_key
         library.matvec_features.restype = ctypes.c_int
         self.features = int(library.matvec_features())
         library.matvec_int8_dot.restype = ctypes.c_int
@@ -173,9 +177,22 @@ class MatvecKernels:
         self._f32, self._q8, self._blocks, self._blocks_q8 = f32, q8, blocks, blocks_q8
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
 
-    def tune(self, run: Callable[[], object], rounds: int = 5) -> int:
+    def tune(
+        self, run: Callable[[], object], rounds: int = 5, workload: Sequence[object] = ()
+    ) -> int:
         """Sets `parallel_min_bytes` to the choice under which `run` (a few-row pass over
-        the model's projections) is fastest: the median of `rounds` interleaved timings."""
+        the model's projections) is fastest: the median of `rounds` interleaved timings.
+        Where `workload` describes the pass (shapes, forms) and a cache folder is known, the
+        choice is kept there per CPU, build, thread count and workload, and later starts
+        take it without timing."""
+        path = None
+        if workload and self.cache_dir is not None:
+            key = (cpu_model(), self.build_key, torch.get_num_threads(), *workload)
+            path = tuning_cache.decision_path(self.cache_dir, "matvec-threads", key)
+            cached = tuning_cache.load_decision(path, PARALLEL_MIN_BYTES_CHOICES)
+            if cached is not None:
+                self.parallel_min_bytes = cached
+                return cached
         times: dict[int, list[float]] = {c: [] for c in PARALLEL_MIN_BYTES_CHOICES}
         for _ in range(rounds):
             for choice, seconds in times.items():
@@ -184,6 +201,8 @@ class MatvecKernels:
                 run()
                 seconds.append(time.perf_counter() - start)
         self.parallel_min_bytes = min(times, key=lambda c: statistics.median(times[c]))
+        if path is not None:
+            tuning_cache.store_decision(path, self.parallel_min_bytes)
         return self.parallel_min_bytes
 
     def addresses(self) -> dict[str, int | None]:
@@ -317,8 +336,9 @@ def load(
     """The kernels, built on first use (with the 8-bit dot product `dot`, by default the
     best this CPU has); None where they cannot be built here or this CPU has none of their
     fast paths."""
-    library = cpu_native.build(SOURCE, compile_flags(dot), cache_dir)
+    flags = compile_flags(dot)
+    library = cpu_native.build(SOURCE, flags, cache_dir)
     if library is None:
         return None
-    kernels = MatvecKernels(library)
+    kernels = MatvecKernels(library, cache_dir, cpu_native.build_key(SOURCE, flags))
     return kernels if kernels.features else None

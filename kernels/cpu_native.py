@@ -163,14 +163,14 @@ def load(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> NativeKernels | None:
 def build(source: Path, flags: list[str], cache_dir: str | Path) -> ctypes.CDLL | None:
     """`source` built with `flags` into a shared library (once per source, flags and cache
     folder, kept across processes) and loaded; None where it cannot be built here."""
-    folder = Path(cache_dir).expanduser() / "native" / _build_key(source, flags)
+    folder = Path(cache_dir).expanduser() / "native" / build_key(source, flags)
     with _lock:
         if folder not in _loaded:
             _loaded[folder] = _build_and_load(folder, source, flags)
         return _loaded[folder]
 
 
-def _build_key(source: Path, flags: list[str]) -> str:
+def build_key(source: Path, flags: list[str]) -> str:
     # The headers beside the source are part of it (a source may include any of them).
     h = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):

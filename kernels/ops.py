@@ -23,6 +23,7 @@ bfloat16 or float16, and attention accumulates in float32 on both backends.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar
@@ -37,6 +38,7 @@ from kernels import (
     cpu_matmul_q8,
     cpu_matvec,
     cpu_native,
+    cpu_noise,
     ssm_reference,
 )
 from kernels._jit import interpreting
@@ -311,6 +313,8 @@ class TorchOps:
         self._rotary_factors: LastDerived = LastDerived()
         # Each row's argmax over CPU logits (greedy sampling, the race), for the sampler.
         self.argmax = cpu_argmax.load(native_dir) if native == "auto" else None
+        # The race's uniforms over CPU logits, the same values as torch's (`cpu_noise`).
+        self.uniforms = cpu_noise.load(native_dir) if native == "auto" else None
 
     @property
     def int8_rows_path(self) -> str | None:
@@ -359,7 +363,19 @@ class TorchOps:
                 self.linear(rows[weight.shape[1]], weight)
 
         with torch.inference_mode():
-            return matvec.tune(one_row)
+            forms = [self._linear.few_row_form(rows[w.shape[1]], w, None) for w in projections]
+        # What the timed pass runs (the decision is kept per workload): the mode, each
+        # projection's shape and the form its few rows read, and OpenMP's wait policy.
+        workload = [
+            self.quantize,
+            os.environ.get("OMP_WAIT_POLICY", ""),
+            *(
+                f"{tuple(w.shape)}:{w.dtype}:{getattr(f, 'kind', type(f).__name__)}"
+                for w, f in zip(projections, forms, strict=True)
+            ),
+        ]
+        with torch.inference_mode():
+            return matvec.tune(one_row, workload=workload)
 
     def tune_many_rows(self, projections: Sequence[torch.Tensor]) -> dict[tuple[int, ...], str]:
         """Picks each projection shape's many-row form by timing (`PackedLinear.tune_forms`:

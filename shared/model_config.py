@@ -116,33 +116,27 @@ class MoEConfig:
     has_correction_bias: bool = False  # e_score_correction_bias: used for choosing only
 
 
-def load_model_config(source: ModelSource, gguf_reader: Any = None) -> ModelConfig:
-    """`gguf_reader`: an open gguf.GGUFReader of the same file, to parse it only once."""
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """A GGUF file's metadata is parsed once per process (`shared.gguf_file.open_gguf`):
+    the weights' loading reads the same parse."""
     if source.kind == "gguf":
-        return _from_gguf(source.path, gguf_reader)
+        return _from_gguf(source.path)
     if source.kind == "synthetic":
         return _synthetic(source.path)
     return _from_hf_folder(source.path)
 
 
-def gguf_fields(path: Path, reader: Any = None) -> dict[str, Any]:
-    """Scalar and string metadata of a GGUF file (token tables left out: they are large)."""
-    from gguf import GGUFReader
+def gguf_fields(path: Path) -> dict[str, Any]:
+    """Scalar, string and array metadata of a GGUF file (token tables left out: they are
+    large)."""
+    from shared.gguf_file import SkippedArray, open_gguf
 
-    reader = reader or GGUFReader(str(path), "r")
-    out: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-            continue
-        try:
-            out[key] = f.contents()
-        except Exception:  # an unusual field type: not needed for the config
-            continue
-    return out
+    fields = open_gguf(path).fields
+    return {k: v for k, v in fields.items() if not isinstance(v, SkippedArray)}
 
 
-def _from_gguf(path: Path, reader: Any = None) -> ModelConfig:
-    f = gguf_fields(path, reader)
+def _from_gguf(path: Path) -> ModelConfig:
+    f = gguf_fields(path)
     arch = f["general.architecture"]
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
@@ -162,7 +156,7 @@ def _from_gguf(path: Path, reader: Any = None) -> ModelConfig:
         num_kv_heads=int(a("attention.head_count_kv", heads)),
         head_dim=head_dim,
         intermediate_size=int(a("feed_forward_length")),
-        vocab_size=int(a("vocab_size", 0)) or _gguf_vocab_size(path, reader),
+        vocab_size=int(a("vocab_size", 0)) or _gguf_vocab_size(path),
         context_length=int(a("context_length", 2048)),
         rope_theta=float(a("rope.freq_base", 10000.0)),
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -174,11 +168,11 @@ def _from_gguf(path: Path, reader: Any = None) -> ModelConfig:
     )
 
 
-def _gguf_vocab_size(path: Path, reader: Any = None) -> int:
-    from gguf import GGUFReader
+def _gguf_vocab_size(path: Path) -> int:
+    from shared.gguf_file import SkippedArray, open_gguf
 
-    reader = reader or GGUFReader(str(path), "r")
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = open_gguf(path).fields["tokenizer.ggml.tokens"]
+    return tokens.length if isinstance(tokens, SkippedArray) else len(tokens)
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

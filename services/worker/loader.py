@@ -24,6 +24,7 @@ from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
 from services.worker.mla import MLAWeights, q_width
 from services.worker.moe import MoEWeights
 from services.worker.weights import LayerWeights, ModelWeights, MtpWeights
+from shared.gguf_file import GGUFFile, open_gguf
 from shared.model_config import ModelConfig, load_model_config
 from shared.model_files import ModelSource
 
@@ -94,10 +95,8 @@ def load_model(
         config = load_model_config(source)
         return config, synthetic_weights(config, device, dtype)
     if source.kind == "gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(source.path), "r")  # parsing its metadata takes seconds: once
-        config = load_model_config(source, gguf_reader=reader)
+        config = load_model_config(source)
+        reader = open_gguf(source.path)  # the parse the config came from
         # The file's blocks hold the float32 weights' exact values: worth keeping for those.
         exact_blocks = device.type == "cpu" and dtype == torch.float32
         tensors, raw_blocks = _gguf_tensors(reader, config, exact_blocks)
@@ -117,7 +116,7 @@ def load_model(
 
 
 def _gguf_tensors(
-    reader, config: ModelConfig, keep_blocks: bool
+    reader: GGUFFile, config: ModelConfig, keep_blocks: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
     """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
     stored in a format the native few-row kernels read (`cpu_matvec.BLOCK_TYPES`), permuted

@@ -12,7 +12,8 @@ the CPU and on CUDA alike, and right shifts are masked so that a set sign bit ne
 in. The integers, and so the uniforms, are identical on any device (tests check mix32
 against the published function in plain Python integers); no generator state is involved.
 Distinct keys XOR the same distinct codes, so two rows hash disjoint inputs (but for a
-vanishing few) and their noise is unrelated.
+vanishing few) and their noise is unrelated. On the CPU the worker makes the same uniforms
+in native code (`kernels.cpu_noise`, one pass instead of a dozen [S, V] int32 ones).
 
 The exponential race (argmax probs / e, e ~ Exp(1)) and the Gumbel trick (argmax logits -
 log e) both take e = -log(u); log may differ in the last bit between CPU and CUDA math
@@ -21,7 +22,7 @@ libraries, so only the uniforms are guaranteed bit-identical across devices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import torch
@@ -97,6 +98,14 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.float().add_(0.5).mul_(2.0**-UNIFORM_BITS)
 
 
-def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S, V] float32 Exp(1) noise (finite and > 0) for the exponential race."""
-    return uniform_noise(keys, vocab_size).log_().neg_()
+# (keys [S] int32, V) -> [S, V] float32: `uniform_noise`'s values, by torch or natively on the
+# CPU (`kernels.cpu_noise`, a fraction of the time: torch runs a dozen [S, V] int32 passes).
+Uniforms = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def exponential_noise(
+    keys: torch.Tensor, vocab_size: int, uniforms: Uniforms = uniform_noise
+) -> torch.Tensor:
+    """[S, V] float32 Exp(1) noise (finite and > 0) for the exponential race. The log is
+    torch's whichever `uniforms` made u: the same float32 noise, so the same sampled tokens."""
+    return uniforms(keys, vocab_size).log_().neg_()

@@ -165,6 +165,10 @@ class ModelRunner:
         argmax = getattr(getattr(model, "ops", None), "argmax", None)
         if argmax is not None:
             self.sampling.argmax = argmax
+        # And its native race uniforms (torch's take a dozen int32 passes over [S, V]).
+        uniforms = getattr(getattr(model, "ops", None), "uniforms", None)
+        if uniforms is not None:
+            self.sampling.uniforms = uniforms
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)

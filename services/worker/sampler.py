@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.noise import exponential_noise, noise_keys
+from services.worker.noise import Uniforms, exponential_noise, noise_keys, uniform_noise
 from shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
 
 MIN_TEMPERATURE = 1e-5
@@ -50,11 +50,17 @@ class RowSampling:
         return bool(self.params.logit_bias) or self.penalized or bool(self.banned_ids)
 
 
-def race_noise(rows: Sequence[RowSampling], vocab_size: int, device: torch.device) -> torch.Tensor:
+def race_noise(
+    rows: Sequence[RowSampling],
+    vocab_size: int,
+    device: torch.device,
+    uniforms: Uniforms = uniform_noise,
+) -> torch.Tensor:
     """[S, V] Exp(1) noise; row j depends only on (seed, output_index) of rows[j]. Made on
-    the device in a few batched ops (no per-row generator), identical on CPU and CUDA."""
+    the device in a few batched ops (no per-row generator), identical on CPU and CUDA.
+    `uniforms` serves CPU devices only (the native kernel); others keep torch's."""
     keys = noise_keys([r.params.seed for r in rows], [r.output_index for r in rows], device)
-    return exponential_noise(keys, vocab_size)
+    return exponential_noise(keys, vocab_size, uniforms if keys.is_cpu else uniform_noise)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -190,29 +196,34 @@ def sample(
     rows: Sequence[RowSampling],
     mask: MaskFn | None = None,
     argmax: Argmax = torch_argmax,
+    uniforms: Uniforms = uniform_noise,
 ) -> tuple[list[int], list[SampledLogprobs | None]]:
     """One token per row (and its logprobs when asked, from the raw logits). logits: [S, V]
     float32, raw; mask: the grammar's, see process_logits. Plain greedy rows (nothing to
-    process, no logprobs) cost one argmax pass over the logits, read in place."""
+    process, no logprobs) cost one argmax pass over the logits, read in place. `uniforms`:
+    the race's uniforms on the CPU (the worker passes the native kernel's, the same values)."""
     raw, logits = logits, process_logits(logits, rows, mask)
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if len(random_rows) == len(rows):
-        tokens = _race(logits, rows, argmax)  # [S]
+        tokens = _race(logits, rows, argmax, uniforms)  # [S]
     else:
         tokens = argmax(logits)  # [S]: every greedy row in one go
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
-            tokens[index] = _race(logits[index], [rows[i] for i in random_rows], argmax)
+            tokens[index] = _race(logits[index], [rows[i] for i in random_rows], argmax, uniforms)
     token_ids = tokens.tolist()
     return token_ids, _logprobs(raw, rows, token_ids)
 
 
 def _race(
-    logits: torch.Tensor, rows: Sequence[RowSampling], argmax: Argmax = torch_argmax
+    logits: torch.Tensor,
+    rows: Sequence[RowSampling],
+    argmax: Argmax = torch_argmax,
+    uniforms: Uniforms = uniform_noise,
 ) -> torch.Tensor:
     """[S] tokens drawn from the filtered distributions by the exponential race."""
     probs = filtered_probs(logits, [r.params for r in rows])  # [S, V]
-    noise = race_noise(rows, logits.shape[-1], logits.device)  # [S, V]
+    noise = race_noise(rows, logits.shape[-1], logits.device, uniforms)  # [S, V]
     return argmax(probs.div_(noise))
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from services.worker.grammar import GrammarEngine
+from services.worker.noise import Uniforms, uniform_noise
 from services.worker.sampler import (
     Argmax,
     RowSampling,
@@ -222,6 +223,8 @@ class SamplingStates:
         self._states: dict[str, SequenceSampling] = {}
         # The choice of greedy rows and of the race: the worker sets its kernels' one.
         self.argmax: Argmax = torch_argmax
+        # The race's uniforms on the CPU: the worker sets its kernels' native ones.
+        self.uniforms: Uniforms = uniform_noise
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._states
@@ -318,7 +321,7 @@ class SamplingStates:
     ) -> tuple[list[int], list[SampledLogprobs | None]]:
         """Joins the grammar masks and draws one token per row."""
         if prepared.masks is None:
-            return sample(logits, prepared.rows, argmax=self.argmax)
+            return sample(logits, prepared.rows, argmax=self.argmax, uniforms=self.uniforms)
         bitmask = prepared.masks.result()  # [S, W]
         rows = prepared.mask_rows
         return sample(
@@ -326,6 +329,7 @@ class SamplingStates:
             prepared.rows,
             lambda out: apply_token_bitmask(out, bitmask, rows),
             argmax=self.argmax,
+            uniforms=self.uniforms,
         )
 
     def accept(self, prepared: PreparedSampling, emitted: Sequence[Sequence[int]]) -> None:

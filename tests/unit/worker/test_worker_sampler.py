@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_argmax
+from kernels import cpu_argmax, cpu_noise
 from services.worker import sampler
 from services.worker.sampler import RowSampling, filtered_probs, process_logits, sample
 from shared.protocol import SamplingParams
@@ -244,3 +244,28 @@ def test_the_native_argmax_samples_every_kind_of_row_as_torch_does(native_argmax
     randoms = [_row(seed=20 + i, temperature=0.9, output_index=i) for i in range(12)]
     plain = _logits(12, seed)
     assert sample(plain, randoms, argmax=native_argmax) == sample(plain, randoms)
+
+
+@pytest.fixture(scope="module")
+def native_uniforms(tmp_path_factory) -> cpu_noise.NativeUniforms:
+    kernel = cpu_noise.load(tmp_path_factory.mktemp("noise"))
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    return kernel
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_native_uniforms_sample_the_tokens_torch_does(native_argmax, native_uniforms, seed):
+    vocab = 4999  # odd: the vector loops' tails
+    logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    rows = [
+        _row(seed=100 * seed + i, output_index=i, temperature=0.3 + 0.1 * (i % 9), top_p=0.95)
+        for i in range(24)
+    ]
+    rows[5] = _row(seed=5, temperature=0.0)  # greedy among random rows
+    rows[7] = _row(seed=7, temperature=1.0, top_k=40, logprobs=2)
+    want = sample(logits, rows)
+    assert sample(logits, rows, uniforms=native_uniforms) == want
+    assert sample(logits, rows, argmax=native_argmax, uniforms=native_uniforms) == want
+    # Different draws per row: the race really ran on the native noise.
+    assert len(set(want[0])) > 10

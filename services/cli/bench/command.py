@@ -27,7 +27,12 @@ from services.cli.bench import machine as machine_mod
 from services.cli.bench.client import run_requests, served_model
 from services.cli.bench.metrics import summarise
 from services.cli.bench.options import DEFAULT_URL
-from services.cli.bench.peers import PeerResult, agreement, run_subprocess_peer, run_transformers
+from services.cli.bench.peers import (
+    PeerResult,
+    agreement,
+    run_llama_cpp_peer,
+    run_transformers,
+)
 from services.cli.bench.progress import ProgressBar
 from services.cli.bench.report import comparison_table, summary_table, write_json
 from services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
@@ -214,9 +219,7 @@ def compare(
         gguf = args.llama_cpp_model or (str(source.path) if source.kind == "gguf" else None)
         if gguf:
             print("peer: llama.cpp ...", flush=True)
-            peers.append(
-                run_subprocess_peer("llama.cpp", llama_python, gguf, requests, batch, env=peer_env)
-            )
+            peers.append(run_llama_cpp_peer(llama_python, gguf, requests, batch, env=peer_env))
     tokenizer = _tokenizer(source)
     agreements = {
         p.name: agreement(our_texts, [tokenizer.decode(ids) for ids in p.output_ids])

@@ -3,7 +3,8 @@
 
 Standalone on purpose: it imports nothing of spillway, so any environment with
 llama-cpp-python (and numpy) can run it. Reads {"model", "prompts", "max_tokens",
-"batch_size", "threads"} on stdin; prints one JSON line {"output_ids", "duration_s", "note"}.
+"batch_size", "threads"} and optionally "extra_bufts" (false: no weights repacked into
+llama.cpp's extra buffer types) on stdin; prints one JSON line {"output_ids", "duration_s", "note"}.
 
 Batched greedy decoding through llama.cpp's own API (llama_batch, one sequence id per
 request), as llama.cpp's `batched` example does: each group of `batch_size` requests is
@@ -116,6 +117,8 @@ def main() -> None:
     threads = spec.get("threads") or os.cpu_count() or 1
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
+    if spec.get("extra_bufts") is False and hasattr(params, "use_extra_bufts"):
+        params.use_extra_bufts = False
     model = _first("llama_model_load_from_file", "llama_load_model_from_file")(
         spec["model"].encode(), params
     )

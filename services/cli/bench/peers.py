@@ -112,15 +112,17 @@ def run_subprocess_peer(
     threads: int | None = None,
     timeout_s: float = 3600.0,
     env: dict[str, str] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> PeerResult:
     """Runs the peer script of `name` under another environment's `python` (`env`: its
-    process environment; None: this process's)."""
+    process environment; None: this process's; `extra`: more fields of the spec)."""
     spec = {
         "model": model_path,
         "prompts": [list(r.prompt_ids) for r in requests],
         "max_tokens": [r.max_tokens for r in requests],
         "batch_size": batch_size or len(requests),
         "threads": threads,
+        **(extra or {}),
     }
     result = PeerResult(name=name)
     try:
@@ -165,3 +167,29 @@ def agreement(ours: Sequence[str], theirs: Sequence[str]) -> tuple[int, float]:
             n += 1
         prefix += n / max(len(a), len(b), 1)
     return same, prefix / max(len(ours), 1)
+
+
+# A process killed by SIGSEGV (subprocess reports the signal as a negative exit code).
+CRASHED = "exit code -11"
+
+
+def run_llama_cpp_peer(
+    python: str,
+    model_path: str,
+    requests: Sequence[BenchRequest],
+    batch_size: int | None = None,
+    env: dict[str, str] | None = None,
+) -> PeerResult:
+    """llama.cpp as it comes; where it crashes, again without its extra buffer types (the
+    weights repacked for AMX or other kernels at load: llama-cpp-python 0.3.36's AMX
+    buffers crashed in `llama_decode` on a Sapphire Rapids Xeon), said in its note."""
+    result = run_subprocess_peer("llama.cpp", python, model_path, requests, batch_size, env=env)
+    if result.error is None or not result.error.startswith(CRASHED):
+        return result
+    again = run_subprocess_peer(
+        "llama.cpp", python, model_path, requests, batch_size, env=env,
+        extra={"extra_bufts": False},
+    )  # fmt: skip
+    if again.error is None:
+        again.note += "; extra buffer types (AMX repacking) off: it crashed with them"
+    return again

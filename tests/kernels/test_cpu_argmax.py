@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_argmax
-from kernels.cpu_info import cpu_flags
+from tests.kernels.native_paths import isa_kernel
 
 NAN, INF = float("nan"), float("inf")
 # Row widths around each path's block sizes (16 / 64 floats, 8 / 32, 256) and a vocabulary.
@@ -16,14 +16,7 @@ WIDTHS = [1, 7, 16, 33, 64, 100, 255, 256, 257, 1000, 49152]
 
 @pytest.fixture(scope="module", params=list(cpu_argmax.ISAS))
 def argmax(request, tmp_path_factory) -> cpu_argmax.NativeArgmax:
-    isa = request.param
-    missing = cpu_argmax.ISAS[isa] - cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU has no {', '.join(sorted(missing))} (the {isa} path)")
-    kernel = cpu_argmax.load(tmp_path_factory.mktemp(f"argmax_{isa}"), isa=isa)
-    if kernel is None:
-        pytest.skip("no C compiler here")
-    return kernel
+    return isa_kernel(cpu_argmax, request.param, tmp_path_factory)
 
 
 def _same(argmax: cpu_argmax.NativeArgmax, logits: torch.Tensor) -> None:

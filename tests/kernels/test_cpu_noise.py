@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kernels import cpu_noise
-from kernels.cpu_info import cpu_flags
 from services.worker.noise import as_int32, exponential_noise, noise_keys, uniform_noise
+from tests.kernels.native_paths import isa_kernel
 
 # Widths around the vector blocks (8 / 16 lanes), the 8192-wide chunks and a vocabulary.
 WIDTHS = [1, 7, 16, 17, 1000, 8191, 8193, 49152, 151936]
@@ -16,14 +16,7 @@ WIDTHS = [1, 7, 16, 17, 1000, 8191, 8193, 49152, 151936]
 
 @pytest.fixture(scope="module", params=list(cpu_noise.ISAS))
 def uniforms(request, tmp_path_factory) -> cpu_noise.NativeUniforms:
-    isa = request.param
-    missing = cpu_noise.ISAS[isa] - cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU has no {', '.join(sorted(missing))} (the {isa} path)")
-    kernel = cpu_noise.load(tmp_path_factory.mktemp(f"noise_{isa}"), isa=isa)
-    if kernel is None:
-        pytest.skip("no C compiler here")
-    return kernel
+    return isa_kernel(cpu_noise, request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

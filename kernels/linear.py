@@ -36,15 +36,19 @@ faster than oneDNN and fbgemm do at that size.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kernels import tuning_cache
+from kernels.cpu_info import cpu_model
 from kernels.cpu_matmul_q8 import MatmulQ8Kernels, PackedQ8, pack, packable
 from kernels.cpu_matvec import (
     HAS_BLOCKS,
@@ -133,6 +137,9 @@ class PackedLinear:
     """`linear` against weights packed once for oneDNN (CPU float32), other inputs unchanged;
     a few rows through `matvec` (the native kernels) where given."""
 
+    # Whether many-row products have forms to choose from (`tune_forms`).
+    tunes_forms = True
+
     def __init__(self, enabled: bool | None = None, matvec: MatvecKernels | None = None) -> None:
         self.enabled = onednn_packing_available() if enabled is None else enabled
         self.matvec = matvec
@@ -172,14 +179,18 @@ class PackedLinear:
         rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
         budget_s: float = TUNE_BUDGET_S,
+        cache_dir: str | Path | None = None,
     ) -> dict[tuple[int, ...], str]:
         """Times `rows`-row products in each form (`FORMS`) over the weights of each shape
         in turn (as a step streams them, layer after layer; TUNE_WEIGHTS at most), `rounds`
         interleaved times, and keeps the faster form (the least time of its rounds) for
-        that shape; drops the other form's copies. The largest shapes go first, and no
-        shape starts once `budget_s` have passed (the rest keep ONEDNN). Returns shape ->
-        form for the shapes timed."""
-        if not self.enabled:
+        that shape: every weight of the shape gets its copy in that form now (not in the
+        first request), the other form's are dropped. The largest shapes go first, and no
+        shape is timed once `budget_s` have passed (those keep ONEDNN). With `cache_dir`
+        each shape's choice is kept there per CPU, torch build, thread count and workload
+        (`kernels.tuning_cache`), and later starts take it without timing. Returns shape ->
+        form for the shapes timed or taken from the cache."""
+        if not (self.enabled and self.tunes_forms):
             return {}
         groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
         for w in weights:
@@ -187,12 +198,25 @@ class PackedLinear:
                 groups.setdefault(tuple(w.shape), []).append(w)
         chosen: dict[tuple[int, ...], str] = {}
         g = torch.Generator().manual_seed(0)
-        began = clock()
+        began: float | None = None  # read when the first shape is timed
         by_size = sorted(groups.items(), key=lambda kv: -kv[1][0].numel() * len(kv[1]))
         with torch.inference_mode():
             for shape, group in by_size:
+                path = None
+                if cache_dir is not None:
+                    key = (
+                        cpu_model(), torch.__version__, torch.get_num_threads(),
+                        os.environ.get("OMP_WAIT_POLICY", ""), shape, rows,
+                        min(len(group), TUNE_WEIGHTS),
+                    )  # fmt: skip
+                    path = tuning_cache.decision_path(cache_dir, "many-row-form", key)
+                    kept = tuning_cache.load_decision(path, range(len(FORMS)))
+                    if kept is not None:
+                        chosen[shape] = self._keep_form(shape, group, FORMS[kept])
+                        continue
+                began = clock() if began is None else began
                 if clock() - began > budget_s:
-                    break
+                    continue
                 x = torch.randn(rows, shape[1], generator=g)
                 times: dict[str, list[float]] = {form: [] for form in FORMS}
                 for round_ in range(rounds + 1):  # the first makes each form's copies
@@ -203,11 +227,25 @@ class PackedLinear:
                             self(x, w)
                         if round_:
                             times[form].append(clock() - start)
-                chosen[shape] = self._forms[shape] = min(FORMS, key=lambda f: min(times[f]))
-                unused = self._packed if chosen[shape] == TRANSPOSED else self._transposed
-                for w in group:
-                    unused.forget(w)
+                faster = min(FORMS, key=lambda f: min(times[f]))
+                chosen[shape] = self._keep_form(shape, group, faster)
+                if path is not None:
+                    tuning_cache.store_decision(path, FORMS.index(faster))
         return chosen
+
+    def _keep_form(self, shape: tuple[int, ...], group: Sequence[torch.Tensor], form: str) -> str:
+        """Makes `form` the many-row form of `shape`: each weight's copy in it made now, the
+        other form's dropped."""
+        self._forms[shape] = form
+        kept, unused = (
+            (self._transposed, self._packed)
+            if form == TRANSPOSED
+            else (self._packed, self._transposed)
+        )
+        for w in group:
+            kept.get(w)
+            unused.forget(w)
+        return form
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -321,6 +359,8 @@ class Int8Linear(PackedLinear):
     fbgemm keeps what it does not take.
     """
 
+    tunes_forms = False  # nothing to choose: every many-row product is int8
+
     def __init__(
         self,
         enabled: bool | None = None,
@@ -346,17 +386,6 @@ class Int8Linear(PackedLinear):
             if packed is not None and self.matmul.fits(x, packed, bias):
                 return self.matmul.linear(x, packed, bias)
         return super().__call__(x, weight, bias)
-
-    def tune_forms(
-        self,
-        weights: Sequence[torch.Tensor],
-        rows: int = TUNE_ROWS,
-        rounds: int = 2,
-        clock: Callable[[], float] = time.perf_counter,
-        budget_s: float = TUNE_BUDGET_S,
-    ) -> dict[tuple[int, ...], str]:
-        """Nothing to choose: every many-row product is int8."""
-        return {}
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None

@@ -288,6 +288,9 @@ class TorchOps:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantize!r}: use {' or '.join(QUANTIZATIONS)}")
         self.native = cpu_native.load(native_dir) if native == "auto" else native
+        # Where start-up tuning decisions are kept (`kernels.tuning_cache`): with the native
+        # kernels' builds, as the few-row one is; none without them.
+        self._tuning_dir = native_dir if native == "auto" else None
         self.quantize = quantize
         self._decode_query_start: torch.Tensor | None = None  # [R + 1] int64: 0, 1, ..., R
         matvec = cpu_matvec.load(native_dir) if native == "auto" else None
@@ -378,9 +381,10 @@ class TorchOps:
             return matvec.tune(one_row, workload=workload)
 
     def tune_many_rows(self, projections: Sequence[torch.Tensor]) -> dict[tuple[int, ...], str]:
-        """Picks each projection shape's many-row form by timing (`PackedLinear.tune_forms`:
-        oneDNN's packing or MKL on the transposed weight); returns shape -> form."""
-        return self._linear.tune_forms(projections)
+        """Picks each projection shape's many-row form by timing, or as a start before on
+        this machine did (`PackedLinear.tune_forms`: oneDNN's packing or MKL on the
+        transposed weight); returns shape -> form."""
+        return self._linear.tune_forms(projections, cache_dir=self._tuning_dir)
 
     def many_row_form(self, weight: torch.Tensor) -> str:
         """The form this weight's many-row products take (`kernels.linear.FORMS`)."""

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+from kernels import linear as linear_module
 from kernels.linear import (
     CPU_TRANSPOSED_BELOW,
     FORMS,
@@ -149,6 +150,46 @@ def test_packed_linear_falls_back_where_it_cannot_pack():
     assert grad_w.grad is not None and len(packed) == 0
     off = PackedLinear(enabled=False)
     assert torch.equal(off(x, w, b), linear(x, w, b)) and len(off) == 0
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+def test_tune_forms_gives_every_weight_of_a_shape_its_copy_at_once(monkeypatch):
+    """Only TUNE_WEIGHTS of a shape are timed; the rest get the chosen form's copy at
+    start-up too, not in the first request."""
+    monkeypatch.setattr(linear_module, "TUNE_WEIGHTS", 1)
+    g = torch.Generator().manual_seed(13)
+    layers = [torch.randn(96, 40, generator=g) for _ in range(3)]
+    packed = PackedLinear()
+    clock = FormClock(packed, layers[0], ONEDNN)
+    assert packed.tune_forms(layers, rows=9, rounds=1, clock=clock, budget_s=1e9) == {
+        (96, 40): TRANSPOSED
+    }
+    assert len(packed._transposed) == 3 and len(packed._packed) == 0
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("slow", FORMS)
+def test_tune_forms_keeps_its_choices_for_the_next_start(tmp_path, slow):
+    g = torch.Generator().manual_seed(14)
+    layers = [torch.randn(96, 40, generator=g) for _ in range(2)]
+    first = PackedLinear()
+    clock = FormClock(first, layers[0], slow)
+    chosen = first.tune_forms(
+        layers, rows=9, rounds=1, clock=clock, cache_dir=tmp_path, budget_s=1e9
+    )
+    assert set(clock.seen) == set(FORMS)  # timed, and the choice stored
+    again = PackedLinear()
+    untimed = FormClock(again, layers[0], slow)
+    assert (
+        again.tune_forms(layers, rows=9, rounds=1, clock=untimed, cache_dir=tmp_path, budget_s=1e9)
+        == chosen
+    )
+    assert untimed.seen == []  # taken from the cache, nothing timed
+    assert again.form(layers[1]) == chosen[(96, 40)] and len(again) == 2
+    other_rows = PackedLinear()  # another workload is timed afresh
+    clock = FormClock(other_rows, layers[0], slow)
+    other_rows.tune_forms(layers, rows=17, rounds=1, clock=clock, cache_dir=tmp_path, budget_s=1e9)
+    assert set(clock.seen) == set(FORMS)
 
 
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")

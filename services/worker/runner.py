@@ -160,15 +160,14 @@ class ModelRunner:
             kv_transfer.state_snapshots = state_snapshots
         # Per-sequence sampling state (penalty counts, regions, grammar matchers).
         self.sampling = sampling or SamplingStates(model.config.eos_token_ids)
-        # The kernels' native CPU argmax where they built one (torch's keeps an index per
-        # compared value: several times slower over a step's [S, V] logits).
-        argmax = getattr(getattr(model, "ops", None), "argmax", None)
-        if argmax is not None:
-            self.sampling.argmax = argmax
-        # And its native race uniforms (torch's take a dozen int32 passes over [S, V]).
-        uniforms = getattr(getattr(model, "ops", None), "uniforms", None)
-        if uniforms is not None:
-            self.sampling.uniforms = uniforms
+        # The kernels' native CPU argmax and race uniforms where they built them (torch's
+        # argmax keeps an index per compared value, its uniforms take a dozen int32 passes
+        # over a step's [S, V]: several times slower).
+        ops = getattr(model, "ops", None)
+        for name in ("argmax", "uniforms"):
+            native = getattr(ops, name, None)
+            if native is not None:
+                setattr(self.sampling, name, native)
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)

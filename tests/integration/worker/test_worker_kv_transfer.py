@@ -5,6 +5,8 @@ out-of-memory forward is reported as such and the runner goes on."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import redis
 import torch
@@ -19,6 +21,7 @@ from shared.protocol import (
     PrefixBlock,
     PrefixLoad,
     SamplingParams,
+    SpillOutcome,
     StepPlan,
     StepRow,
 )
@@ -87,7 +90,19 @@ def _reset(runner: ModelRunner) -> None:
     runner.execute(StepPlan(step_id=0, finished_seq_ids=list(runner.sequences)))
 
 
-def test_a_spilled_sequence_restored_into_other_blocks_continues_exactly(runner):
+@dataclass
+class SpillRoundTrip:
+    expected: list[int]  # an undisturbed sequence's tokens
+    continued: list[int]  # the spilled one's, continued after its restore
+    spill: SpillOutcome
+    before: torch.Tensor  # its two blocks when spilled
+    restored: torch.Tensor  # the blocks they were restored into
+
+
+def _spill_round_trip(runner: ModelRunner) -> SpillRoundTrip:
+    """A sequence spilled after 30 tokens (two blocks, the second partial), its blocks
+    overwritten by another, restored into new blocks, then continued; and the same
+    sequence undisturbed."""
     _reset(runner)
     reference = Driver(runner, "ref", SAMPLED)
     reference.start([0, 1, 2, 3])
@@ -97,10 +112,9 @@ def test_a_spilled_sequence_restored_into_other_blocks_continues_exactly(runner)
     d = Driver(runner, "s", SAMPLED)
     d.start([4, 5, 6, 7])
     d.generate(9)  # 30 tokens computed: two blocks, the second partial
+    before = runner.kv_cache.read_blocks([4, 5])
     spill = KVSpill(seq_id="s", spill_id=1, block_ids=[4, 5])
     result = runner.execute(d.plan(d.blocks, spills=[spill], finished_seq_ids=["s"]))
-    assert result.spills[0].ok and result.spills[0].num_keys == 1
-    assert result.spills[0].num_bytes == 2 * runner.kv_transfer.block_bytes
     # Another sequence overwrites the old blocks meanwhile.
     other = Driver(runner, "other")
     other.start([4, 5, 6, 7])
@@ -112,7 +126,15 @@ def test_a_spilled_sequence_restored_into_other_blocks_continues_exactly(runner)
         new_seqs=[NewSequence(seq_id="s", sampling=SAMPLED, block_ids=d.blocks)],
         restores=[restore],
     )
-    assert d.generate(14) == expected
+    restored = runner.kv_cache.read_blocks([10, 11])
+    return SpillRoundTrip(expected, d.generate(14), result.spills[0], before, restored)
+
+
+def test_a_spilled_sequence_restored_into_other_blocks_continues_exactly(runner):
+    trip = _spill_round_trip(runner)
+    assert trip.spill.ok and trip.spill.num_keys == 1
+    assert trip.spill.num_bytes == 2 * runner.kv_transfer.block_bytes
+    assert trip.continued == trip.expected
 
 
 def test_a_bf16_cache_spills_half_the_bytes_and_restores_exactly(tiny_llama_dir, redis_url):  # noqa: F811
@@ -121,30 +143,12 @@ def test_a_bf16_cache_spills_half_the_bytes_and_restores_exactly(tiny_llama_dir,
         connect_kv_store(redis_url, 2.0), SpillKeys("kvt-bf16"), r.kv_cache, group_blocks=2
     )
     assert r.kv_transfer.block_bytes == 2 * 2 * BS * 2 * 16 * 2  # K and V, 2 layers, bf16
-    reference = Driver(r, "ref", SAMPLED)
-    reference.start([0, 1, 2, 3])
-    expected = reference.generate(24)
-    _reset(r)
-    d = Driver(r, "s", SAMPLED)
-    d.start([4, 5, 6, 7])
-    d.generate(9)
-    before = r.kv_cache.read_blocks([4, 5])
-    spill = KVSpill(seq_id="s", spill_id=1, block_ids=[4, 5])
-    result = r.execute(d.plan(d.blocks, spills=[spill], finished_seq_ids=["s"]))
-    assert result.spills[0].ok and result.spills[0].num_bytes == 2 * r.kv_transfer.block_bytes
-    other = Driver(r, "other")
-    other.start([4, 5, 6, 7])
-    other.generate(5)
-    d.blocks = [10, 11, 12, 13]
-    restore = KVRestore(seq_id="s", spill_id=1, block_ids=[10, 11])
-    d.run(
-        new_seqs=[NewSequence(seq_id="s", sampling=SAMPLED, block_ids=d.blocks)],
-        restores=[restore],
-    )
-    restored = r.kv_cache.read_blocks([10, 11])
-    assert restored.dtype == torch.bfloat16
-    assert torch.equal(restored[..., :1, :, :, :], before[..., :1, :, :, :])  # the full block
-    assert d.generate(14) == expected
+    trip = _spill_round_trip(r)
+    assert trip.spill.ok and trip.spill.num_bytes == 2 * r.kv_transfer.block_bytes
+    assert trip.restored.dtype == torch.bfloat16
+    # the full block
+    assert torch.equal(trip.restored[..., :1, :, :, :], trip.before[..., :1, :, :, :])
+    assert trip.continued == trip.expected
 
 
 def test_a_restore_past_blocks_still_cached_reads_only_the_rest(runner):

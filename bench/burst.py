@@ -66,7 +66,7 @@ def burst(runner, prompts: list[list[int]], output_len: int, policy: str, first:
         max_num_batched_tokens=int(budget),
         itl_target_s=float(itl_ms) / 1e3 if itl_ms else None,
     )
-    from services.worker.service import worker_info
+    from services.worker.info import worker_info
 
     core = SchedulerCore(MonotonicClock(), config)
     core.attach_worker(worker_info("w", "m", runner))

@@ -25,7 +25,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 nvidia-smi -L 2>/dev/null || true
 
-if ! "$PY" -c 'import pydantic, pydantic_settings' 2>/dev/null; then
+if ! "$PY" -c 'import pydantic, pydantic_settings, redis, gguf' 2>/dev/null; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
@@ -35,7 +35,7 @@ fi
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 need = ["torch", "triton", "transformers", "pytest", "numpy", "safetensors", "pydantic",
-        "pydantic_settings", "dotenv", "typing_inspection", "annotated_types"]
+        "pydantic_settings", "dotenv", "typing_inspection", "annotated_types", "redis", "gguf"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 PYEOF
 )
@@ -51,11 +51,14 @@ fi
 # and the bus's packages, which the GPU image does not carry.
 GPU_TESTS=(
   tests/kernels/test_gpu.py
+  tests/kernels/test_gpu_ssm.py
+  tests/kernels/test_fused_moe.py
   tests/unit/worker/test_worker_cuda.py
+  tests/unit/worker/test_worker_families_cuda.py
   tests/unit/worker/test_worker_cuda_graphs.py
   tests/unit/worker/test_worker_noise.py
 )
-timeout "$TEST_LIMIT_S" "$PY" -m pytest -m gpu -q -ra -p no:cacheprovider "${GPU_TESTS[@]}" \
+timeout "$TEST_LIMIT_S" "$PY" -m pytest -m gpu -q -ra -p no:cacheprovider --durations=12 "${GPU_TESTS[@]}" \
   2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches, on a machine with package-registry access, the wheels bench/gpu_check.sh needs
 # on a GPU machine whose Python (3.12) has torch, triton, transformers and pytest but not
-# the project's pydantic stack. They land in .whl/ (kept out of git through
+# the project's pydantic stack, nor redis and gguf (which the worker's modules import). They land in .whl/ (kept out of git through
 # .git/info/exclude), to be carried to the GPU machine. Run from the repository root.
 set -euo pipefail
 
@@ -12,6 +12,8 @@ WHEELS=(
   annotated-types==0.8.0
   typing-inspection==0.4.5
   python-dotenv==1.2.4
+  redis==8.2.0
+  gguf==0.19.0
 )
 PY=${PYTHON:-python3}
 

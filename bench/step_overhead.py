@@ -169,8 +169,8 @@ async def bus_pieces(plan: StepPlan, result: StepResult, reps: int) -> dict[str,
 def worker_pieces(quantize: str, reps: int) -> dict[str, Timing]:
     import torch
 
+    from services.worker.info import worker_info
     from services.worker.runner import load_runner
-    from services.worker.service import worker_info
     from shared.config import load_settings
 
     settings = load_settings(device="cpu", quantize=quantize)

@@ -36,8 +36,7 @@ from opentelemetry.trace import Span, set_span_in_context
 
 from services.worker.ep_group import KEEPALIVE, follow, leave
 from services.worker.expert_parallel import ExpertGroup
-from services.worker.kv_cache import block_bytes
-from services.worker.kv_transfer import cache_block_bytes
+from services.worker.info import worker_info
 from services.worker.ownership import Ownership
 from services.worker.runner import KVIo, ModelRunner, load_runner
 from services.worker.step_spans import StepSpans
@@ -122,32 +121,6 @@ async def _follow(runner: ModelRunner, group: ExpertGroup, executor: ThreadPoolE
     outlives its own SIGTERM on purpose: rank 0, draining, still needs it for its steps."""
     announce_ready("worker", f"rank={group.rank} of {group.size} (expert parallel)")
     await asyncio.get_running_loop().run_in_executor(executor, follow, runner, group)
-
-
-def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInfo:
-    config = runner.model.config
-    transfer = runner.kv_transfer
-    return WorkerInfo(
-        worker_id=worker_id,
-        model_id=model_id,
-        num_kv_blocks=runner.num_kv_blocks,
-        block_size=runner.block_size,
-        max_model_len=runner.max_model_len,
-        vocab_size=config.vocab_size,
-        eos_token_ids=list(config.eos_token_ids),
-        device=str(runner.model.device),
-        dtype=str(runner.model.dtype).removeprefix("torch."),
-        kv_layout=runner.kv_layout,
-        # What a block costs to spill: a drafter's blocks go with the target's.
-        block_bytes=block_bytes(config, runner.block_size, runner.kv_cache.dtype)
-        + sum(cache_block_bytes(c) for c in runner.drafter_caches()),
-        kv_store=transfer is not None and transfer.ping(),
-        boot_id=uuid.uuid4().hex,
-        num_state_slots=0 if runner.state_pool is None else runner.state_pool.num_slots,
-        state_slot_bytes=0 if runner.state_pool is None else runner.state_pool.slot_bytes(),
-        num_state_snapshots=runner.num_state_snapshots,
-        max_verify_tokens=runner.max_verify_tokens,
-    )
 
 
 class WorkerService:

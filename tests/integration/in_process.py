@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, replace
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.worker.info import worker_info
 from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.runner import ModelRunner
-from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
 from shared.spill_keys import SpillKeys

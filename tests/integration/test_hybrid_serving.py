@@ -19,9 +19,9 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.prefix_hash import hash_hex
 from services.spillstore.service import SpillStore
+from services.worker.info import worker_info
 from services.worker.kv_transfer import KVTransfer, connect_kv_store
 from services.worker.runner import ModelRunner, load_runner
-from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.config import load_settings
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest

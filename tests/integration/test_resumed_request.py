@@ -10,7 +10,7 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.worker.service import worker_info
+from services.worker.info import worker_info
 from shared.clock import FakeClock
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner

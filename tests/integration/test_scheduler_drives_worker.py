@@ -13,8 +13,8 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.worker.info import worker_info
 from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
 from shared.spill_keys import SpillKeys

@@ -9,8 +9,8 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.worker.info import worker_info
 from services.worker.runner import load_runner
-from services.worker.service import worker_info
 from shared.clock import FakeClock
 from shared.config import load_settings
 from shared.protocol import SamplingParams, SubmitRequest

@@ -33,10 +33,17 @@ run: install
 	$(BIN)/spillway up
 
 test: install
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/pytest -q -ra tests
 
+# The import graph is read from the package as `pip install .` lays it out (the checkout's
+# folders are `spillway.*` only through pyproject's package-dir).
 lint: install
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	rm -rf build/installed
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --no-compile \
+		--target build/installed .
+	cd build/installed && PYTHONPATH=$(CURDIR) $(CURDIR)/$(BIN)/lint-imports --no-cache \
+		--config $(CURDIR)/pyproject.toml
 
 bench: install
 	$(BIN)/spillway bench --launch --compare --json bench-results/bench.json

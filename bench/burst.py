@@ -26,12 +26,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from services.cli.worker_env import apply_openmp_environment
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from shared.clock import MonotonicClock
-from shared.config import DEFAULT_MODEL, load_settings
-from shared.protocol import SamplingParams, SubmitRequest
+from spillway.services.cli.worker_env import apply_openmp_environment
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.config import DEFAULT_MODEL, load_settings
+from spillway.shared.protocol import SamplingParams, SubmitRequest
 
 
 @dataclass
@@ -66,7 +66,7 @@ def burst(runner, prompts: list[list[int]], output_len: int, policy: str, first:
         max_num_batched_tokens=int(budget),
         itl_target_s=float(itl_ms) / 1e3 if itl_ms else None,
     )
-    from services.worker.info import worker_info
+    from spillway.services.worker.info import worker_info
 
     core = SchedulerCore(MonotonicClock(), config)
     core.attach_worker(worker_info("w", "m", runner))
@@ -144,7 +144,7 @@ def main() -> int:
     # Before torch loads (the worker's way): OpenMP reads its wait policy once, and
     # spinning threads on a busy 2-core machine lose most of their speed.
     apply_openmp_environment(load_settings())
-    from services.worker.runner import load_runner
+    from spillway.services.worker.runner import load_runner
 
     settings = load_settings(model=args.model, device="cpu", quantize=args.quantize or None)
     runner, model_id = load_runner(settings)

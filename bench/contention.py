@@ -19,11 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.cli.bench.client import run_requests, served_model
-from services.cli.bench.command import Launched, build_requests
-from services.cli.bench.metrics import Summary, summarise
-from services.cli.bench.workload import BenchRequest, Workload
-from shared.model_files import resolve_model
+from spillway.services.cli.bench.client import run_requests, served_model
+from spillway.services.cli.bench.command import Launched, build_requests
+from spillway.services.cli.bench.metrics import Summary, summarise
+from spillway.services.cli.bench.workload import BenchRequest, Workload
+from spillway.shared.model_files import resolve_model
 
 SPIN = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
 
@@ -77,7 +77,7 @@ def main() -> int:
     share = results["one busy process beside"].output_throughput / quiet
     print(f"disturbed / undisturbed throughput: {share:.2f} (target >= 0.40)")
     if args.json:
-        from services.cli.bench.report import write_json
+        from spillway.services.cli.bench.report import write_json
 
         write_json(args.json, {"results": results, "share": share, "args": vars(args)})
     return 0

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_info import cpu_model, has_amx_int8
-from kernels.decode_attention import paged_decode_attention_ref
-from kernels.linear import PackedLinear, onednn_packing_available
-from kernels.ops import TorchOps
+from spillway.kernels.cpu_info import cpu_model, has_amx_int8
+from spillway.kernels.decode_attention import paged_decode_attention_ref
+from spillway.kernels.linear import PackedLinear, onednn_packing_available
+from spillway.kernels.ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from kernels import cpu_matvec
-    from kernels.cpu_info import int8_dots
+    from spillway.kernels import cpu_matvec
+    from spillway.kernels.cpu_info import int8_dots
 
     gen = torch.Generator().manual_seed(2)
     sizes = forward_sizes(shape)
@@ -180,9 +180,9 @@ def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     kernels) against the native int8 product (`cpu_matmul_q8`, once per 8-bit dot product
     this CPU runs, and on AMX's tiles where it has them). Differences are against float32
     (oneDNN)."""
-    from kernels import cpu_matmul_q8
-    from kernels.cpu_info import int8_dots
-    from kernels.linear import Int8Linear, int8_available
+    from spillway.kernels import cpu_matmul_q8
+    from spillway.kernels.cpu_info import int8_dots
+    from spillway.kernels.linear import Int8Linear, int8_available
 
     gen = torch.Generator().manual_seed(3)
     weights = forward_weights(shape, gen)

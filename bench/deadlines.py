@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 
 COMP = "/v1/completions"
 MAX_TOKENS = 4000  # never reached within a deadline; fits any served context of 4k+

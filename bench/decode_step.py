@@ -32,15 +32,15 @@ import torch
 
 from bench.kernels import SECTIONS, Result, timer_for
 from bench.kernels import main as bench_main
-from kernels.ops import KernelOps
-from services.worker.kv_cache import KVCache, blocks_needed
-from services.worker.model import LlamaModel
-from services.worker.runner import ModelRunner
-from services.worker.synthetic import synthetic_weights
-from services.worker.weights import ModelWeights
-from shared.model_config import ModelConfig, load_model_config
-from shared.model_files import resolve_model
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.kv_cache import KVCache, blocks_needed
+from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.runner import ModelRunner
+from spillway.services.worker.synthetic import synthetic_weights
+from spillway.services.worker.weights import ModelWeights
+from spillway.shared.model_config import ModelConfig, load_model_config
+from spillway.shared.model_files import resolve_model
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 log = logging.getLogger(__name__)
 

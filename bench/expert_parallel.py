@@ -51,8 +51,8 @@ def save_model(folder: Path, layers: int, hidden: int, experts: int) -> Path:
 
 def batch(rows: int, length: int, context: int, block_size: int, seed: int):
     """`rows` rows of `length` new tokens each, ending at position `context`."""
-    from services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
-    from services.worker.model import ForwardBatch
+    from spillway.services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
+    from spillway.services.worker.model import ForwardBatch
 
     g = torch.Generator().manual_seed(seed)
     per_row = -(-context // block_size)
@@ -80,8 +80,8 @@ def batch(rows: int, length: int, context: int, block_size: int, seed: int):
 def rank_main(
     rank: int, size: int, url: str, folder: str, repeat: int, out: str, redis_url: str, kv_mb: int
 ) -> None:
-    from services.worker.runner import load_runner
-    from shared.config import load_settings
+    from spillway.services.worker.runner import load_runner
+    from spillway.shared.config import load_settings
 
     torch.set_num_threads(1)
     # One math thread per rank: on a shared machine two OpenMP threads wait on each other.
@@ -212,7 +212,7 @@ def main() -> None:
         rank_main(args.rank, args.size, args.url, args.folder, args.repeat, args.out,
                   args.redis_url, args.kv_mb)  # fmt: skip
         return
-    from services.cli.servers import start_redis
+    from spillway.services.cli.servers import start_redis
 
     redis_server = start_redis()
     try:

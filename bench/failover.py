@@ -108,7 +108,7 @@ def tiny_model(folder: Path) -> Path:
     """The e2e tests' tiny Llama (8k context) with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
-    from shared.model_files import resolve_model
+    from spillway.shared.model_files import resolve_model
     from tests.e2e.conftest import save_tiny_model
 
     src = resolve_model("SmolLM2-135M-Instruct")
@@ -138,7 +138,7 @@ def driving(url: str) -> list[dict]:
 
 
 def start(model: Path, nats_url: str, redis_url: str):
-    from services.cli.launcher import ServiceGroup, wait_until
+    from spillway.services.cli.launcher import ServiceGroup, wait_until
 
     group = ServiceGroup(
         "--model", str(model), "--namespace", "failover-bench",
@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=1500)
     parser.add_argument("--model", type=Path, help="a Hugging Face folder (default: tiny)")
     args = parser.parse_args()
-    from services.cli.servers import start_nats, start_redis
+    from spillway.services.cli.servers import start_nats, start_redis
 
     nats, redis = start_nats(), start_redis()
     group = None

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from kernels.moe import fused_experts_ref
-from kernels.ops import KernelOps, select_ops
-from kernels.rotary import rope_cache
+from spillway.kernels.moe import fused_experts_ref
+from spillway.kernels.ops import KernelOps, select_ops
+from spillway.kernels.rotary import rope_cache
 
 DEFAULT_OUT = Path("bench-results/kernels.json")
 DECODE_TARGET = 0.7  # share of copy bandwidth decode attention should reach at batch 64, 4k

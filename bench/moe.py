@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.runner import ModelRunner, load_runner
-from shared.config import load_settings
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 GREEDY = SamplingParams(temperature=0.0)
 SHAPES = dict(

@@ -21,8 +21,8 @@ from functools import partial
 
 import torch
 
-from kernels.moe import fused_experts_ref
-from kernels.ops import TorchOps
+from spillway.kernels.moe import fused_experts_ref
+from spillway.kernels.ops import TorchOps
 
 TOKENS = (1, 4, 64, 512)
 # (experts, top-k, hidden, expert intermediate)

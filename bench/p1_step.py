@@ -29,15 +29,15 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.ops import QUANTIZATIONS, TorchOps
-from services.cli.bench.machine import matmul_gflops
-from services.worker.kv_cache import KVCache, blocks_needed
-from services.worker.model import LlamaModel, configure_threads
-from services.worker.runner import ModelRunner
-from services.worker.synthetic import synthetic_weights
-from shared.model_config import load_model_config
-from shared.model_files import resolve_model
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.kernels.ops import QUANTIZATIONS, TorchOps
+from spillway.services.cli.bench.machine import matmul_gflops
+from spillway.services.worker.kv_cache import KVCache, blocks_needed
+from spillway.services.worker.model import LlamaModel, configure_threads
+from spillway.services.worker.runner import ModelRunner
+from spillway.services.worker.synthetic import synthetic_weights
+from spillway.shared.model_config import load_model_config
+from spillway.shared.model_files import resolve_model
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 BLOCK_SIZE = 16
 PROMPT = 128

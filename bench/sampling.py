@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.cli.worker_env import apply_openmp_environment
-from shared.config import load_settings
-from shared.protocol import SamplingParams
+from spillway.services.cli.worker_env import apply_openmp_environment
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import SamplingParams
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -36,7 +36,7 @@ def _median_ms(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 
 
 def batches(rows: int) -> dict[str, list[Any]]:
-    from services.worker.sampler import RowSampling
+    from spillway.services.worker.sampler import RowSampling
 
     greedy = [RowSampling(SamplingParams(temperature=0.0, seed=i), 5) for i in range(rows)]
     mixed = [
@@ -60,8 +60,8 @@ def main() -> int:
     apply_openmp_environment(load_settings())
     import torch
 
-    from kernels import cpu_argmax, cpu_noise
-    from services.worker.sampler import sample, torch_argmax
+    from spillway.kernels import cpu_argmax, cpu_noise
+    from spillway.services.worker.sampler import sample, torch_argmax
 
     if args.threads:
         torch.set_num_threads(args.threads)

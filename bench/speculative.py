@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.launcher import System
-from shared.model_files import resolve_model
+from spillway.services.cli.launcher import System
+from spillway.shared.model_files import resolve_model
 
 CODE = '''def parse_config(path):
     """Reads a key = value file into a dict, skipping comments and blank lines."""

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.launcher import ServiceGroup, wait_until
-from services.cli.servers import start_nats, start_redis
-from services.cli.worker_env import apply_openmp_environment
-from services.scheduler.preemption import PreemptionPolicy
-from shared.bus import Bus
-from shared.config import load_settings
-from shared.protocol import SchedulerStats, StatsRequest
-from shared.subjects import SCHED_STATS
+from spillway.services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.servers import start_nats, start_redis
+from spillway.services.cli.worker_env import apply_openmp_environment
+from spillway.services.scheduler.preemption import PreemptionPolicy
+from spillway.shared.bus import Bus
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import SchedulerStats, StatsRequest
+from spillway.shared.subjects import SCHED_STATS
 
 BLOCK = 16
 
@@ -46,10 +46,10 @@ BLOCK = 16
 def per_sequence(model: str, redis_url: str, lengths: list[int], repeats: int) -> dict:
     import torch
 
-    from services.worker.kv_transfer import KVTransfer, connect_kv_store
-    from services.worker.runner import load_runner
-    from shared.config import load_settings
-    from shared.protocol import (
+    from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
+    from spillway.services.worker.runner import load_runner
+    from spillway.shared.config import load_settings
+    from spillway.shared.protocol import (
         KVRestore,
         KVSpill,
         NewSequence,
@@ -57,7 +57,7 @@ def per_sequence(model: str, redis_url: str, lengths: list[int], repeats: int) -
         StepPlan,
         StepRow,
     )
-    from shared.spill_keys import SpillKeys
+    from spillway.shared.spill_keys import SpillKeys
 
     longest = max(lengths)
     blocks = 2 * (longest // BLOCK + 2)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from bench.moe_experts import time_ms
-from kernels.ops import TorchOps
-from kernels.ssm_reference import (
+from spillway.kernels.ops import TorchOps
+from spillway.kernels.ssm_reference import (
     causal_conv1d_update_ref,
     gated_delta_rule_step_ref,
     selective_state_update_ref,

@@ -33,12 +33,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-from services.cli.worker_env import apply_openmp_environment
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from shared.clock import MonotonicClock
-from shared.config import load_settings
-from shared.protocol import (
+from spillway.services.cli.worker_env import apply_openmp_environment
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import (
     DeltaBatch,
     RowResult,
     SamplingParams,
@@ -126,8 +126,8 @@ def codec_pieces(plan: StepPlan, result: StepResult, batch: DeltaBatch, reps: in
 
 
 async def bus_pieces(plan: StepPlan, result: StepResult, reps: int) -> dict[str, Timing]:
-    from services.cli.servers import start_nats
-    from shared.bus import Bus
+    from spillway.services.cli.servers import start_nats
+    from spillway.shared.bus import Bus
 
     server = start_nats(jetstream=False)
     try:
@@ -169,9 +169,9 @@ async def bus_pieces(plan: StepPlan, result: StepResult, reps: int) -> dict[str,
 def worker_pieces(quantize: str, reps: int) -> dict[str, Timing]:
     import torch
 
-    from services.worker.info import worker_info
-    from services.worker.runner import load_runner
-    from shared.config import load_settings
+    from spillway.services.worker.info import worker_info
+    from spillway.services.worker.runner import load_runner
+    from spillway.shared.config import load_settings
 
     settings = load_settings(device="cpu", quantize=quantize)
     runner, model_id = load_runner(settings)
@@ -231,10 +231,10 @@ def _decode_steps(core: SchedulerCore, runner, count: int) -> list[tuple[int, in
 
 
 def gateway_pieces(reps: int) -> dict[str, Timing]:
-    from services.gateway.detokenizer import IncrementalDetokenizer
-    from shared.config import DEFAULT_MODEL, load_settings
-    from shared.model_files import resolve_model
-    from shared.tokenizer_files import load_tokenizer
+    from spillway.services.gateway.detokenizer import IncrementalDetokenizer
+    from spillway.shared.config import DEFAULT_MODEL, load_settings
+    from spillway.shared.model_files import resolve_model
+    from spillway.shared.tokenizer_files import load_tokenizer
 
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL), load_settings().cache_dir)
     detok = IncrementalDetokenizer(lambda ids: tok.decode(ids))

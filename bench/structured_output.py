@@ -28,13 +28,13 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.launcher import System
-from services.cli.servers import start_nats, start_redis
-from services.gateway.structured_output import GrammarBuilder
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
-from services.worker.grammar import GrammarEngine
-from shared.config import DEFAULT_MODEL, Settings
-from shared.model_files import resolve_model
+from spillway.services.cli.launcher import System
+from spillway.services.cli.servers import start_nats, start_redis
+from spillway.services.gateway.structured_output import GrammarBuilder
+from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer
+from spillway.services.worker.grammar import GrammarEngine
+from spillway.shared.config import DEFAULT_MODEL, Settings
+from spillway.shared.model_files import resolve_model
 
 SCHEMA = {
     "type": "object",
@@ -210,7 +210,7 @@ def main() -> None:
     tokenizer = load_tokenizer(source, Settings().cache_dir)
     report: dict = {"xgrammar_mask": summary(mask_times(tokenizer))}
     if args.compare_engines:
-        from shared.tokenizer_files import cache_folder
+        from spillway.shared.tokenizer_files import cache_folder
 
         report["other_engines_mask"] = other_engines(
             tokenizer, cache_folder(source, Settings().cache_dir)

@@ -19,13 +19,13 @@ import asyncio
 import statistics
 import time
 
-from services.cli.servers import start_nats
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.tick_report import TickLog
-from shared.bus import Bus
-from shared.clock import MonotonicClock
-from shared.protocol import (
+from spillway.services.cli.servers import start_nats
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.tick_report import TickLog
+from spillway.shared.bus import Bus
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.protocol import (
     FinishReason,
     RowResult,
     SamplingParams,

@@ -24,13 +24,13 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.observer import NullObserver
-from services.scheduler.tracing import SpanObserver
-from services.worker.step_spans import StepSpans
-from shared.clock import MonotonicClock
-from shared.protocol import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.observer import NullObserver
+from spillway.services.scheduler.tracing import SpanObserver
+from spillway.services.worker.step_spans import StepSpans
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.protocol import (
     RowResult,
     SamplingParams,
     StepPlan,
@@ -38,7 +38,7 @@ from shared.protocol import (
     SubmitRequest,
     WorkerInfo,
 )
-from shared.telemetry import Telemetry
+from spillway.shared.telemetry import Telemetry
 
 BLOCK_SIZE = 16
 

@@ -36,8 +36,8 @@ from pathlib import Path
 import httpx
 
 from bench.spill import per_sequence
-from services.cli.launcher import System, wait_until
-from services.cli.servers import start_nats, start_redis
+from spillway.services.cli.launcher import System, wait_until
+from spillway.services.cli.servers import start_nats, start_redis
 
 OUT = Path("bench-results/workers.json")
 WORKER_TIMEOUT_S = 2.0  # the default: how long a dead worker goes unnoticed
@@ -49,7 +49,7 @@ WORKER_TIMEOUT_S = 2.0  # the default: how long a dead worker goes unnoticed
 def launched_run(model: str, requests: int, launch_args: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [
-            sys.executable, "-m", "services.cli.main", "bench", "--launch",
+            sys.executable, "-P", "-m", "spillway.services.cli.main", "bench", "--launch",
             "--model", model, "--requests", str(requests), "--json", f.name,
             "--launch-args", f"--model {model} {launch_args}",
         ]  # fmt: skip

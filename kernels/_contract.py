@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jit import is_pow2
+from spillway.kernels._jit import is_pow2
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

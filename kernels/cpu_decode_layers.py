@@ -28,10 +28,16 @@ from typing import Protocol
 
 import torch
 
-from kernels import cpu_matvec, cpu_native
-from kernels.cpu_decode_ops import DecodeOps
-from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight, IntegerBlocks, MatvecKernels, Q8Weight
-from kernels.cpu_native import NativeKernels
+from spillway.kernels import cpu_matvec, cpu_native
+from spillway.kernels.cpu_decode_ops import DecodeOps
+from spillway.kernels.cpu_matvec import (
+    BLOCK_TYPES,
+    BlockWeight,
+    IntegerBlocks,
+    MatvecKernels,
+    Q8Weight,
+)
+from spillway.kernels.cpu_native import NativeKernels
 
 SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_matvec, cpu_native
-from kernels.cpu_native import address_of
+from spillway.kernels import cpu_matvec, cpu_native
+from spillway.kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "decode_ops.c"
 # The one-call decode loop's row limit (`cpu_decode_layers`); these operations take any.

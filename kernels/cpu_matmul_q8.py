@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
-from kernels.cpu_info import has_amx_int8
-from kernels.cpu_matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
-from kernels.cpu_matvec import compile_flags as matvec_flags
+from spillway.kernels import cpu_native
+from spillway.kernels.cpu_info import has_amx_int8
+from spillway.kernels.cpu_matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
+from spillway.kernels.cpu_matvec import compile_flags as matvec_flags
 
 SOURCE = Path(__file__).with_name("native") / "matmul_q8.c"
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")

@@ -56,9 +56,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native, tuning_cache
-from kernels.cpu_info import cpu_flags, cpu_model, int8_dot
-from kernels.cpu_native import address_of
+from spillway.kernels import cpu_native, tuning_cache
+from spillway.kernels.cpu_info import cpu_flags, cpu_model, int8_dot
+from spillway.kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "matvec.c"
 HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8 = 1, 2, 4, 8

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._contract import check_experts
-from kernels.cpu_matvec import MAX_ROWS, MatvecKernels
+from spillway.kernels._contract import check_experts
+from spillway.kernels.cpu_matvec import MAX_ROWS, MatvecKernels
 
 # Active experts from which a step's products go through one grouped_mm (when no native
 # few-row kernel fits them all): below it the Python loop costs less than grouped_mm's set-up.

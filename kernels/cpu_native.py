@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_info import cpu_flags
+from spillway.kernels.cpu_info import cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_argmax, cpu_native
-from kernels.cpu_info import cpu_flags
+from spillway.kernels import cpu_argmax, cpu_native
+from spillway.kernels.cpu_info import cpu_flags
 
 SOURCE = Path(__file__).with_name("native") / "noise.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p

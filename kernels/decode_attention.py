@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._contract import check_out, check_paged_kv
-from kernels._jit import cdiv, helper, jit, next_pow2, num_sms
+from spillway.kernels._contract import check_out, check_paged_kv
+from spillway.kernels._jit import cdiv, helper, jit, next_pow2, num_sms
 
 try:
     import triton.language as tl

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._contract import check_experts
-from kernels._jit import cdiv, interpreting, is_pow2, jit
+from spillway.kernels._contract import check_experts
+from spillway.kernels._jit import cdiv, interpreting, is_pow2, jit
 
 try:
     import triton.language as tl

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._contract import FLOAT_DTYPES, check_same_device
-from kernels._jit import jit, next_pow2
+from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
+from spillway.kernels._jit import jit, next_pow2
 
 try:
     import triton.language as tl

@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import tuning_cache
-from kernels.cpu_info import cpu_model
-from kernels.cpu_matmul_q8 import MatmulQ8Kernels, PackedQ8, pack, packable
-from kernels.cpu_matvec import (
+from spillway.kernels import tuning_cache
+from spillway.kernels.cpu_info import cpu_model
+from spillway.kernels.cpu_matmul_q8 import MatmulQ8Kernels, PackedQ8, pack, packable
+from spillway.kernels.cpu_matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
     BlockWeight,

@@ -31,7 +31,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
-from kernels import (
+from spillway.kernels import (
     cpu_argmax,
     cpu_decode_layers,
     cpu_decode_ops,
@@ -41,17 +41,21 @@ from kernels import (
     cpu_noise,
     ssm_reference,
 )
-from kernels._jit import interpreting
-from kernels.cpu_decode_layers import Geometry, LayerTensors
-from kernels.cpu_matvec import BlockWeight
-from kernels.cpu_moe import CpuExperts
-from kernels.decode_attention import GatherBuffers, decode_gather, paged_decode_attention_ref
-from kernels.kv_store import store_kv_ref
-from kernels.linear import Int8Linear, PackedLinear, linear
-from kernels.moe import fused_experts_ref
-from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
-from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import heads_together, rotary_factors, rotary_ref
+from spillway.kernels._jit import interpreting
+from spillway.kernels.cpu_decode_layers import Geometry, LayerTensors
+from spillway.kernels.cpu_matvec import BlockWeight
+from spillway.kernels.cpu_moe import CpuExperts
+from spillway.kernels.decode_attention import (
+    GatherBuffers,
+    decode_gather,
+    paged_decode_attention_ref,
+)
+from spillway.kernels.kv_store import store_kv_ref
+from spillway.kernels.linear import Int8Linear, PackedLinear, linear
+from spillway.kernels.moe import fused_experts_ref
+from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
+from spillway.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from spillway.kernels.rotary import heads_together, rotary_factors, rotary_ref
 
 Derived = TypeVar("Derived")
 # Weight quantizations of the CPU projections (`TorchOps(quantize=...)`).
@@ -722,7 +726,7 @@ class TritonOps:
 
     def __init__(self) -> None:
         # Imported here so that the torch backend never needs Triton installed.
-        from kernels import (
+        from spillway.kernels import (
             causal_conv1d,
             decode_attention,
             fused_moe,

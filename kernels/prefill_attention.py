@@ -15,9 +15,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._contract import check_out, check_paged_kv
-from kernels._jit import cdiv, jit
-from kernels.decode_attention import GatherBuffers, attend_tile, decode_gather, gather_kv
+from spillway.kernels._contract import check_out, check_paged_kv
+from spillway.kernels._jit import cdiv, jit
+from spillway.kernels.decode_attention import GatherBuffers, attend_tile, decode_gather, gather_kv
 
 try:
     import triton.language as tl

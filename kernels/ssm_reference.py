@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels._contract import CONV_ACTIVATIONS, check_conv, check_delta, check_ssm
+from spillway.kernels._contract import CONV_ACTIVATIONS, check_conv, check_delta, check_ssm
 
 # "view": the rows' states were one contiguous run of the pool, updated in place;
 # "gather": scattered slots (or padding rows), gathered and scattered back.

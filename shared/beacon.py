@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from shared.bus import Bus
-from shared.waiting import wait_event
+from spillway.shared.bus import Bus
+from spillway.shared.waiting import wait_event
 
 log = logging.getLogger(__name__)
 

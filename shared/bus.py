@@ -29,13 +29,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry.context import Context, attach, detach
 from pydantic import BaseModel, ValidationError
 
-from shared.log_safety import error_text, safe_text
-from shared.protocol import ErrorInfo, ErrorReply, decode, encode
-from shared.subjects import Namespace
-from shared.telemetry import extract, inject
+from spillway.shared.log_safety import error_text, safe_text
+from spillway.shared.protocol import ErrorInfo, ErrorReply, decode, encode
+from spillway.shared.subjects import Namespace
+from spillway.shared.telemetry import extract, inject
 
 if TYPE_CHECKING:
-    from shared.config import Settings
+    from spillway.shared.config import Settings
 
 log = logging.getLogger(__name__)
 

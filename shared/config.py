@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.protocol import RegionName, RegionSampling
+from spillway.shared.protocol import RegionName, RegionSampling
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"

@@ -4,8 +4,8 @@ use the same arithmetic)."""
 
 from __future__ import annotations
 
-from shared.config import Settings
-from shared.model_config import ModelConfig
+from spillway.shared.config import Settings
+from spillway.shared.model_config import ModelConfig
 
 
 def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.clock import Clock
-from shared.protocol import SchedulerLease
-from shared.subjects import is_token
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import SchedulerLease
+from spillway.shared.subjects import is_token
 
 
 def load_of(lease: SchedulerLease) -> int:

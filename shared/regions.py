@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import RegionName
+from spillway.shared.protocol import RegionName
 
 MARKER_NAMES = ("think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end")
 CODE_FENCE = "```"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.config import Settings
-from shared.model_config import ModelConfig
+from spillway.shared.config import Settings
+from spillway.shared.model_config import ModelConfig
 
 
 def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:

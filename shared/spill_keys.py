@@ -13,7 +13,7 @@ Workers write and read the KV values directly; the spill store owns the rest.
 
 from __future__ import annotations
 
-from shared.subjects import Namespace
+from spillway.shared.subjects import Namespace
 
 SPILL_PREFIX = "spill:"
 PREFIX_TIER = "prefix:"

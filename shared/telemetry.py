@@ -46,7 +46,7 @@ class Telemetry:
                 BatchSpanProcessor(OTLPSpanExporter(endpoint=url), schedule_delay_millis=500)
             )
         if trace_file:
-            from shared.trace_file import FileSpanExporter
+            from spillway.shared.trace_file import FileSpanExporter
 
             self.provider.add_span_processor(
                 BatchSpanProcessor(FileSpanExporter(trace_file), schedule_delay_millis=500)

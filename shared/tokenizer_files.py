@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from shared.model_files import ModelSource
+from spillway.shared.model_files import ModelSource
 
 log = logging.getLogger(__name__)
 

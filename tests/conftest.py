@@ -10,6 +10,10 @@ kernel module, so the switch is set here, before every test module.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,24 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from services.cli.servers import start_nats, start_redis
+from spillway.services.cli.servers import start_nats, start_redis
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def installed() -> Path:
+    """The package as `pip install .` (not editable) lays it out, in build/installed/ of the
+    checkout: a fixed path, so that mypy's cache in the checkout serves every run."""
+    target = ROOT / "build" / "installed"
+    shutil.rmtree(target, ignore_errors=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-compile", "--target", str(target), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return target
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +70,7 @@ def reference_model():
     """SmolLM2-135M-Instruct from its GGUF file in transformers, float32, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from shared.model_files import resolve_model
+    from spillway.shared.model_files import resolve_model
 
     src = resolve_model("SmolLM2-135M-Instruct")
     model = AutoModelForCausalLM.from_pretrained(

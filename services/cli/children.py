@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
-from shared.lifecycle import READY_MARK
+from spillway.shared.lifecycle import READY_MARK
 
 PR_SET_PDEATHSIG = 1
 
@@ -48,7 +48,7 @@ class Child:
         self.ready = threading.Event()
         self.ready_detail = ""
         self.proc = popen_child(
-            [sys.executable, "-m", "services.cli.main", "serve", service, *args],
+            [sys.executable, "-P", "-m", "spillway.services.cli.main", "serve", service, *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=stderr,

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.cli.children import Child
+from spillway.services.cli.children import Child
 
 SPILLWAY = str(Path(sys.executable).with_name("spillway"))
 SERVICES = ("gateway", "scheduler", "worker", "spillstore")

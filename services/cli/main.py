@@ -13,11 +13,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.cli.bench.options import add_bench_options
-from services.cli.options import add_options, overrides_from
-from services.cli.trace.command import add_trace_options
-from shared.config import Settings, load_settings
-from shared.health import DEFAULT_MAX_AGE_S, check_health_file
+from spillway.services.cli.bench.options import add_bench_options
+from spillway.services.cli.options import add_options, overrides_from
+from spillway.services.cli.trace.command import add_trace_options
+from spillway.shared.config import Settings, load_settings
+from spillway.shared.health import DEFAULT_MAX_AGE_S, check_health_file
 
 SERVICES = ("gateway", "scheduler", "worker", "spillstore")
 
@@ -77,21 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "nats-config":
-        from services.cli.nats_auth import print_config
+        from spillway.services.cli.nats_auth import print_config
 
         return print_config(args.namespace)
     if args.command == "top":
-        from services.cli.top import top_main
+        from spillway.services.cli.top import top_main
 
         return top_main(args.nats_url, args.namespace, args.window)
     if args.command == "bench":
-        from services.cli.bench.command import bench_main
+        from spillway.services.cli.bench.command import bench_main
 
         return bench_main(args)
     if args.command == "healthcheck":
         return healthcheck(args.file, args.max_age)
     if args.command == "trace":
-        from services.cli.trace.command import trace_main
+        from spillway.services.cli.trace.command import trace_main
 
         return trace_main(args)
     try:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spillway: --{field.replace('_', '-')}: {err['msg']}", file=sys.stderr)
         return 2
     if args.command == "up":
-        from services.cli.up import up
+        from spillway.services.cli.up import up
 
         return up(settings)
     return serve_one(args.service, settings, args.health_file)
@@ -115,10 +115,10 @@ def healthcheck(path: Path, max_age_s: float) -> int:
 
 
 def serve_one(service: str, settings: Settings, health_file: Path | None = None) -> int:
-    from shared.lifecycle import run_service
+    from spillway.shared.lifecycle import run_service
 
     if service == "worker":
-        from services.cli.worker_env import apply_openmp_environment
+        from spillway.services.cli.worker_env import apply_openmp_environment
 
         apply_openmp_environment(settings)  # before the worker's imports load torch
     # Imported lazily: the gateway never loads torch, the worker never loads FastAPI.

@@ -21,8 +21,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from shared.bus import inbox_prefix
-from shared.subjects import (
+from spillway.shared.bus import inbox_prefix
+from spillway.shared.subjects import (
     ABORT,
     GATEWAY_HEARTBEAT,
     GENERATE,

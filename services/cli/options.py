@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shared.config import Settings
+from spillway.shared.config import Settings
 
 # (flag, settings field, kwargs) in the order of the contract.
 OPTIONS: list[tuple[str, str, dict[str, Any]]] = [

@@ -92,7 +92,7 @@ def start_nats(
         if jetstream:
             args += ["-js", "-sd", workdir.name]
     else:
-        from services.cli.nats_auth import new_passwords, server_config
+        from spillway.services.cli.nats_auth import new_passwords, server_config
 
         passwords = new_passwords()
         monitor_port = free_port()

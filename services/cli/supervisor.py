@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from shared.clock import Clock
+from spillway.shared.clock import Clock
 
 MAX_BACKOFF_S = 10.0
 

@@ -15,11 +15,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from services.cli.top_figures import DEFAULT_WINDOW_S, LaneFigures, TopFigures
-from shared import subjects
-from shared.bus import Bus
-from shared.clock import MonotonicClock
-from shared.protocol import TICK_PHASES, TickReport, decode
+from spillway.services.cli.top_figures import DEFAULT_WINDOW_S, LaneFigures, TopFigures
+from spillway.shared import subjects
+from spillway.shared.bus import Bus
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.protocol import TICK_PHASES, TickReport, decode
 
 REFRESH_S = 0.5
 # Lanes silent this long leave the view (a scheduler that is gone).

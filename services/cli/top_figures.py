@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.clock import Clock
-from shared.protocol import TICK_PHASES, TickReport
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import TICK_PHASES, TickReport
 
 DEFAULT_WINDOW_S = 5.0
 # A lane with no report for this long is shown as stale (its scheduler or worker may be

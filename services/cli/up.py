@@ -25,12 +25,18 @@ import urllib.request
 from collections.abc import Callable
 from urllib.parse import urlparse
 
-from services.cli.children import Child
-from services.cli.options import as_arguments
-from services.cli.servers import ServerProcess, free_port, port_open, start_nats, start_redis
-from services.cli.supervisor import RestartPolicy, RestartTracker
-from shared.clock import MonotonicClock
-from shared.config import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, Settings, child_environment
+from spillway.services.cli.children import Child
+from spillway.services.cli.options import as_arguments
+from spillway.services.cli.servers import (
+    ServerProcess,
+    free_port,
+    port_open,
+    start_nats,
+    start_redis,
+)
+from spillway.services.cli.supervisor import RestartPolicy, RestartTracker
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.config import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, Settings, child_environment
 
 START_ORDER = ("spillstore", "scheduler", "worker", "gateway")
 STARTUP_TIMEOUT_S = 300.0
@@ -121,8 +127,8 @@ def check_servable_model(settings: Settings) -> None:
     """A model the system cannot serve yet (a hybrid family) is refused before anything
     starts, with the reason. Only a local folder is read here: the default model (which
     may need a download) and a missing one are the worker's to resolve and report."""
-    from shared.model_config import load_model_config, serving_refusal
-    from shared.model_files import DEFAULT_MODEL, resolve_model
+    from spillway.shared.model_config import load_model_config, serving_refusal
+    from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 
     if settings.model == DEFAULT_MODEL:
         return
@@ -142,9 +148,9 @@ def check_expert_parallel_model(settings: Settings) -> None:
     its experts) is refused before anything starts."""
     if settings.expert_parallel == 1:
         return
-    from shared.expert_parallel import check_expert_parallel
-    from shared.model_config import load_model_config
-    from shared.model_files import resolve_model
+    from spillway.shared.expert_parallel import check_expert_parallel
+    from spillway.shared.model_config import load_model_config
+    from spillway.shared.model_files import resolve_model
 
     source = resolve_model(settings.model)
     placeholder = settings.with_overrides(rank=0, dist_url="tcp://127.0.0.1:1")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-from shared.config import Settings
+from spillway.shared.config import Settings
 
 
 def openmp_environment(settings: Settings) -> dict[str, str]:

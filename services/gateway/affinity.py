@@ -20,8 +20,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from shared.leases import least, load_of
-from shared.protocol import SchedulerLease
+from spillway.shared.leases import least, load_of
+from spillway.shared.protocol import SchedulerLease
 
 WINDOW_TOKENS = 32  # the granularity of a remembered prefix
 MAX_WINDOWS = 64  # prefixes longer than 2,048 tokens are told apart by their first 2,048

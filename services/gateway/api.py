@@ -17,10 +17,15 @@ from typing import Any
 
 from opentelemetry import trace
 
-from services.gateway.engine import GatewayEngine, RequestRun
-from services.gateway.errors import ApiError
-from services.gateway.responses import ChunkBuilder, ResponseMeta, completion_body, models_body
-from services.gateway.validation import Kind, ModelInfo, PreparedRequest, RequestPreparer
+from spillway.services.gateway.engine import GatewayEngine, RequestRun
+from spillway.services.gateway.errors import ApiError
+from spillway.services.gateway.responses import (
+    ChunkBuilder,
+    ResponseMeta,
+    completion_body,
+    models_body,
+)
+from spillway.services.gateway.validation import Kind, ModelInfo, PreparedRequest, RequestPreparer
 
 
 class Generation:

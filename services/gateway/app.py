@@ -32,15 +32,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.api import GatewayApi, Generation
-from services.gateway.errors import ApiError
-from services.gateway.json_body import parse_json_body
-from services.gateway.metrics import GatewayMetrics, spill_health
-from services.gateway.openapi import openapi_document
-from services.gateway.validation import Kind
-from shared.clock import Clock, MonotonicClock
-from shared.protocol import SchedulerLease
-from shared.telemetry import extract, inject
+from spillway.services.gateway.api import GatewayApi, Generation
+from spillway.services.gateway.errors import ApiError
+from spillway.services.gateway.json_body import parse_json_body
+from spillway.services.gateway.metrics import GatewayMetrics, spill_health
+from spillway.services.gateway.openapi import openapi_document
+from spillway.services.gateway.validation import Kind
+from spillway.shared.clock import Clock, MonotonicClock
+from spillway.shared.protocol import SchedulerLease
+from spillway.shared.telemetry import extract, inject
 
 log = logging.getLogger(__name__)
 

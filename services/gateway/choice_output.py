@@ -12,14 +12,14 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from services.gateway.detokenizer import DecodeFn, IncrementalDetokenizer
-from services.gateway.reasoning import ReasoningSplit
-from services.gateway.stop_strings import StopCheck, StopStringMatcher
-from services.gateway.tokenizer import ModelTokenizer
-from services.gateway.tool_call_parser import ToolCall, ToolCallDelta, ToolCallParser
-from services.gateway.validation import PreparedRequest
-from shared.protocol import ErrorInfo, RegionName, RequestDelta, SampledLogprobs
-from shared.regions import RegionMarkers
+from spillway.services.gateway.detokenizer import DecodeFn, IncrementalDetokenizer
+from spillway.services.gateway.reasoning import ReasoningSplit
+from spillway.services.gateway.stop_strings import StopCheck, StopStringMatcher
+from spillway.services.gateway.tokenizer import ModelTokenizer
+from spillway.services.gateway.tool_call_parser import ToolCall, ToolCallDelta, ToolCallParser
+from spillway.services.gateway.validation import PreparedRequest
+from spillway.shared.protocol import ErrorInfo, RegionName, RequestDelta, SampledLogprobs
+from spillway.shared.regions import RegionMarkers
 
 # JSON has no -inf; OpenAI-compatible servers report a very unlikely token like this.
 MIN_LOGPROB = -9999.0

@@ -32,18 +32,18 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
-from services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
-from services.gateway.errors import ApiError
-from services.gateway.failover import Decision, Failover, GiveUp, Place, Retry, in_order
-from services.gateway.metrics import GatewayMetrics, TokenTimer
-from services.gateway.responses import Usage, usage_of
-from services.gateway.scheduler_watch import GoneReason, SchedulerWatch
-from services.gateway.tokenizer import ModelTokenizer
-from services.gateway.validation import PreparedRequest
-from shared.beacon import Beacon
-from shared.bus import Bus, BusError, sender_of
-from shared.clock import Clock, MonotonicClock
-from shared.protocol import (
+from spillway.services.gateway.choice_output import ChoiceOutput, ChoiceStep, output_options
+from spillway.services.gateway.errors import ApiError
+from spillway.services.gateway.failover import Decision, Failover, GiveUp, Place, Retry, in_order
+from spillway.services.gateway.metrics import GatewayMetrics, TokenTimer
+from spillway.services.gateway.responses import Usage, usage_of
+from spillway.services.gateway.scheduler_watch import GoneReason, SchedulerWatch
+from spillway.services.gateway.tokenizer import ModelTokenizer
+from spillway.services.gateway.validation import PreparedRequest
+from spillway.shared.beacon import Beacon
+from spillway.shared.bus import Bus, BusError, sender_of
+from spillway.shared.clock import Clock, MonotonicClock
+from spillway.shared.protocol import (
     GATEWAY_BEAT_INTERVAL_S,
     HANDED_BACK_CODE,
     AbortRequest,
@@ -56,8 +56,8 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
 )
-from shared.regions import RegionMarkers
-from shared.subjects import (
+from spillway.shared.regions import RegionMarkers
+from spillway.shared.subjects import (
     GATEWAY_HEARTBEAT,
     SCHED_ABORT,
     SCHED_SUBMIT,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.protocol import ErrorInfo
+from spillway.shared.protocol import ErrorInfo
 
 # OpenAI's error `type` for each status class it uses.
 _TYPE_BY_STATUS = {

@@ -35,7 +35,7 @@ import logging
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.protocol import ErrorInfo, RequestDelta
+from spillway.shared.protocol import ErrorInfo, RequestDelta
 
 log = logging.getLogger(__name__)
 

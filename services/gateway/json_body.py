@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from services.gateway.errors import invalid
+from spillway.services.gateway.errors import invalid
 
 # Far above what an OpenAI body needs (a tool's JSON schema is the deepest part).
 MAX_JSON_DEPTH = 64

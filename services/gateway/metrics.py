@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shared.protocol import PhaseHistogram, SchedulerLease, SchedulerStats, SpillStats
+from spillway.shared.protocol import PhaseHistogram, SchedulerLease, SchedulerStats, SpillStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

@@ -14,9 +14,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shared.model_config import load_model_config
-from shared.model_files import ModelSource
-from shared.tokenizer_files import cache_key
+from spillway.shared.model_config import load_model_config
+from spillway.shared.model_files import ModelSource
+from spillway.shared.tokenizer_files import cache_key
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,15 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.gateway.api import GatewayApi, Generation
-from services.gateway.errors import ApiError, invalid
-from services.gateway.json_body import parse_json_body
-from services.gateway.validation import kind_of
-from shared.bus import ERROR_HEADER, Bus
-from shared.clock import Clock, MonotonicClock
-from shared.log_safety import safe_text
-from shared.subjects import ABORT, GATEWAY_QUEUE, GENERATE, MODELS
-from shared.telemetry import inject
+from spillway.services.gateway.api import GatewayApi, Generation
+from spillway.services.gateway.errors import ApiError, invalid
+from spillway.services.gateway.json_body import parse_json_body
+from spillway.services.gateway.validation import kind_of
+from spillway.shared.bus import ERROR_HEADER, Bus
+from spillway.shared.clock import Clock, MonotonicClock
+from spillway.shared.log_safety import safe_text
+from spillway.shared.subjects import ABORT, GATEWAY_QUEUE, GENERATE, MODELS
+from spillway.shared.telemetry import inject
 
 log = logging.getLogger(__name__)
 

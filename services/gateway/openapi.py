@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from spillway.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from shared.protocol import RegionName
-from shared.regions import RegionMarkers, RegionTracker, TokenBytes
+from spillway.shared.protocol import RegionName
+from spillway.shared.regions import RegionMarkers, RegionTracker, TokenBytes
 
 Channel = Literal["reasoning", "content", "marker"]
 

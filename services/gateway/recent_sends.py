@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.protocol import SchedulerLease
+from spillway.shared.protocol import SchedulerLease
 
 
 class RecentSends:

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.choice_output import ChoiceOutput, ChoiceStep, TokenLogprobInfo
-from services.gateway.tool_call_parser import ToolCall, ToolCallDelta
-from services.gateway.validation import Kind
+from spillway.services.gateway.choice_output import ChoiceOutput, ChoiceStep, TokenLogprobInfo
+from spillway.services.gateway.tool_call_parser import ToolCall, ToolCallDelta
+from spillway.services.gateway.validation import Kind
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from services.gateway.errors import invalid
-from services.gateway.schemas import (
+from spillway.services.gateway.errors import invalid
+from spillway.services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     RegionSamplingBody,
 )
-from shared.protocol import RegionName, RegionSampling
+from spillway.shared.protocol import RegionName, RegionSampling
 
 MAX_LOGIT_BIAS = 100.0
 

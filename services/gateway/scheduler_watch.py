@@ -35,13 +35,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
-from services.gateway.affinity import PrefixAffinity
-from services.gateway.recent_sends import RecentSends
-from shared.bus import Bus
-from shared.clock import Clock
-from shared.leases import LeaseBook, StallGuard
-from shared.protocol import SchedulerLease
-from shared.subjects import SCHED_HEARTBEAT
+from spillway.services.gateway.affinity import PrefixAffinity
+from spillway.services.gateway.recent_sends import RecentSends
+from spillway.shared.bus import Bus
+from spillway.shared.clock import Clock
+from spillway.shared.leases import LeaseBook, StallGuard
+from spillway.shared.protocol import SchedulerLease
+from spillway.shared.subjects import SCHED_HEARTBEAT
 
 log = logging.getLogger(__name__)
 

@@ -25,23 +25,23 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from services.gateway.api import GatewayApi
-from services.gateway.app import HttpLimits, create_app
-from services.gateway.engine import GatewayEngine
-from services.gateway.http_server import guarded_protocol
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.model_facts import load_model_facts
-from services.gateway.nats_api import NatsApi
-from services.gateway.sampling_fields import SamplingDefaults
-from services.gateway.structured_output import GrammarBuilder
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
-from services.gateway.validation import ModelInfo, RequestPreparer
-from shared.bus import Bus
-from shared.config import Settings
-from shared.lifecycle import announce_ready
-from shared.model_files import resolve_model
-from shared.regions import detect_markers
-from shared.telemetry import Telemetry
+from spillway.services.gateway.api import GatewayApi
+from spillway.services.gateway.app import HttpLimits, create_app
+from spillway.services.gateway.engine import GatewayEngine
+from spillway.services.gateway.http_server import guarded_protocol
+from spillway.services.gateway.metrics import GatewayMetrics
+from spillway.services.gateway.model_facts import load_model_facts
+from spillway.services.gateway.nats_api import NatsApi
+from spillway.services.gateway.sampling_fields import SamplingDefaults
+from spillway.services.gateway.structured_output import GrammarBuilder
+from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer
+from spillway.services.gateway.validation import ModelInfo, RequestPreparer
+from spillway.shared.bus import Bus
+from spillway.shared.config import Settings
+from spillway.shared.lifecycle import announce_ready
+from spillway.shared.model_files import resolve_model
+from spillway.shared.regions import detect_markers
+from spillway.shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

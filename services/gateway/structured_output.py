@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from services.gateway.errors import invalid
+from spillway.services.gateway.errors import invalid
 
 ANNOTATIONS = frozenset(
     {

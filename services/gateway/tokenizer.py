@@ -9,10 +9,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from services.gateway.chat_template import ChatTemplate, ChatTemplateError
-from shared import tokenizer_files
-from shared.model_files import ModelSource
-from shared.tokenizer_files import LoadedTokenizer
+from spillway.services.gateway.chat_template import ChatTemplate, ChatTemplateError
+from spillway.shared import tokenizer_files
+from spillway.shared.model_files import ModelSource
+from spillway.shared.tokenizer_files import LoadedTokenizer
 
 
 class ModelTokenizer(LoadedTokenizer):

@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import invalid
-from services.gateway.schemas import ChatCompletionRequest, Tool
-from services.gateway.structured_output import GrammarBuilder, check_schema
+from spillway.services.gateway.errors import invalid
+from spillway.services.gateway.schemas import ChatCompletionRequest, Tool
+from spillway.services.gateway.structured_output import GrammarBuilder, check_schema
 
 # Calls one forced response may hold when parallel calls are allowed.
 MAX_FORCED_CALLS = 4

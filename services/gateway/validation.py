@@ -13,26 +13,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from services.gateway.chat_template import ChatTemplateError
-from services.gateway.errors import ApiError, invalid
-from services.gateway.reasoning import splits_reasoning
-from services.gateway.sampling_fields import SamplingDefaults, sampling_fields
-from services.gateway.schemas import (
+from spillway.services.gateway.chat_template import ChatTemplateError
+from spillway.services.gateway.errors import ApiError, invalid
+from spillway.services.gateway.reasoning import splits_reasoning
+from spillway.services.gateway.sampling_fields import SamplingDefaults, sampling_fields
+from spillway.services.gateway.schemas import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
 )
-from services.gateway.structured_output import GrammarBuilder, response_format_grammar
-from services.gateway.tokenizer import ModelTokenizer
-from services.gateway.tool_calls import (
+from spillway.services.gateway.structured_output import GrammarBuilder, response_format_grammar
+from spillway.services.gateway.tokenizer import ModelTokenizer
+from spillway.services.gateway.tool_calls import (
     ToolSetup,
     template_knows_tools,
     template_messages,
     tool_setup,
 )
-from shared.protocol import RegionName, SamplingParams
-from shared.regions import RegionMarkers, region_after_text
+from spillway.shared.protocol import RegionName, SamplingParams
+from spillway.shared.regions import RegionMarkers, region_after_text
 
 Kind = Literal["chat", "completion"]
 MAX_PROMPTS = 16  # prompts in one batched completions request

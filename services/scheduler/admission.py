@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.protocol import ErrorInfo, SubmitRequest, WorkerInfo
+from spillway.shared.protocol import ErrorInfo, SubmitRequest, WorkerInfo
 
 NOT_IN_A_SUBJECT_TOKEN = frozenset(".*> \t\r\n")
 

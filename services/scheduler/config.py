@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import PreemptionMode, Settings, SpeculativeMethod
+from spillway.shared.config import PreemptionMode, Settings, SpeculativeMethod
 
 
 @dataclass(frozen=True)

@@ -38,26 +38,26 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from services.scheduler.admission import admission_error, invalid_request
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow
-from services.scheduler.kv_orders import KVOrders
-from services.scheduler.moe_stats import MoEStats
-from services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
-from services.scheduler.preemption import PreemptionPolicy
-from services.scheduler.prefill_budget import PrefillBudget
-from services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
-from services.scheduler.request_queue import RequestQueue
-from services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
-from services.scheduler.speculation import Speculation
-from services.scheduler.state_slots import StateSlots
-from services.scheduler.state_snapshots import StateSnapshots
-from services.scheduler.step_plan import make_row, worker_diff
-from services.scheduler.stopping import finish_reason_after_token
-from services.scheduler.tick_report import TickLog
-from shared.clock import Clock
-from shared.protocol import (
+from spillway.services.scheduler.admission import admission_error, invalid_request
+from spillway.services.scheduler.block_manager import BlockManager
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow
+from spillway.services.scheduler.kv_orders import KVOrders
+from spillway.services.scheduler.moe_stats import MoEStats
+from spillway.services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
+from spillway.services.scheduler.preemption import PreemptionPolicy
+from spillway.services.scheduler.prefill_budget import PrefillBudget
+from spillway.services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
+from spillway.services.scheduler.request_queue import RequestQueue
+from spillway.services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
+from spillway.services.scheduler.speculation import Speculation
+from spillway.services.scheduler.state_slots import StateSlots
+from spillway.services.scheduler.state_snapshots import StateSnapshots
+from spillway.services.scheduler.step_plan import make_row, worker_diff
+from spillway.services.scheduler.stopping import finish_reason_after_token
+from spillway.services.scheduler.tick_report import TickLog
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import (
     OUT_OF_MEMORY_CODE,
     ErrorInfo,
     FinishReason,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.protocol import RequestDelta
+from spillway.shared.protocol import RequestDelta
 
 
 def merge_deltas(deltas: Iterable[RequestDelta]) -> list[RequestDelta]:

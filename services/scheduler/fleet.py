@@ -38,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import NO_WORKER, SchedulerCore
-from services.scheduler.deltas import merge_deltas
-from services.scheduler.fleet_effects import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import NO_WORKER, SchedulerCore
+from spillway.services.scheduler.deltas import merge_deltas
+from spillway.services.scheduler.fleet_effects import (
     Answered,
     DropSpills,
     Effect,
@@ -50,7 +50,7 @@ from services.scheduler.fleet_effects import (
     SendDeltas,
     SendStep,
 )
-from services.scheduler.fleet_events import (
+from spillway.services.scheduler.fleet_events import (
     Aborted,
     BusReconnected,
     DrainExpired,
@@ -69,21 +69,25 @@ from services.scheduler.fleet_events import (
     Woken,
     WorkerRegistered,
 )
-from services.scheduler.fleet_stats import EndedLanes, load_of, pooled_kv
-from services.scheduler.gateway_watch import GatewayWatch
-from services.scheduler.observer import NullObserver, SchedulerObserver
-from services.scheduler.phase_stats import PhaseStats
-from services.scheduler.pipeline import Pipeline, PipelineSettings
-from services.scheduler.placement import Candidate, place
-from services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
-from services.scheduler.registry import RegisteredWorker, WorkerRegistry, registration_error
-from services.scheduler.sequence import Sequence
-from services.scheduler.speculation import merged as merged_speculation
-from services.scheduler.step_timing import StepTimings
-from shared.clock import Clock
-from shared.config import Settings
-from shared.leases import LeaseBook, StallGuard
-from shared.protocol import (
+from spillway.services.scheduler.fleet_stats import EndedLanes, load_of, pooled_kv
+from spillway.services.scheduler.gateway_watch import GatewayWatch
+from spillway.services.scheduler.observer import NullObserver, SchedulerObserver
+from spillway.services.scheduler.phase_stats import PhaseStats
+from spillway.services.scheduler.pipeline import Pipeline, PipelineSettings
+from spillway.services.scheduler.placement import Candidate, place
+from spillway.services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
+from spillway.services.scheduler.registry import (
+    RegisteredWorker,
+    WorkerRegistry,
+    registration_error,
+)
+from spillway.services.scheduler.sequence import Sequence
+from spillway.services.scheduler.speculation import merged as merged_speculation
+from spillway.services.scheduler.step_timing import StepTimings
+from spillway.shared.clock import Clock
+from spillway.shared.config import Settings
+from spillway.shared.leases import LeaseBook, StallGuard
+from spillway.shared.protocol import (
     GATEWAY_TIMEOUT_S,
     HANDED_BACK_CODE,
     ErrorInfo,

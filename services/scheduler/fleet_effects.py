@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol import ErrorInfo, RequestDelta, SpillRef, StepPlan, TickReport
+from spillway.shared.protocol import ErrorInfo, RequestDelta, SpillRef, StepPlan, TickReport
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol import (
+from spillway.shared.protocol import (
     ErrorInfo,
     Heartbeat,
     SchedulerLease,

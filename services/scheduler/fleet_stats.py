@@ -3,9 +3,9 @@ that totals never go back), the pooled KV usage and each worker's load (pure).""
 
 from __future__ import annotations
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.pipeline import Pipeline
-from shared.protocol import WorkerLoad
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.pipeline import Pipeline
+from spillway.shared.protocol import WorkerLoad
 
 
 class EndedLanes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.clock import Clock
+from spillway.shared.clock import Clock
 
 
 class GatewayWatch:

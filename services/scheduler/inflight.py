@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.sequence import Sequence
+from spillway.services.scheduler.sequence import Sequence
 
 
 @dataclass

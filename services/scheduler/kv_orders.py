@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.inflight import InflightStep, PlannedSpill
-from services.scheduler.sequence import Sequence
-from shared.protocol import (
+from spillway.services.scheduler.inflight import InflightStep, PlannedSpill
+from spillway.services.scheduler.sequence import Sequence
+from spillway.shared.protocol import (
     KVRestore,
     KVSpill,
     PrefixBlock,

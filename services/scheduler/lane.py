@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from services.scheduler.fleet_effects import SendStep
-from services.scheduler.fleet_events import StepLost, StepReturned
-from shared import subjects
-from shared.bus import Bus, BusError
-from shared.protocol import StepResult
+from spillway.services.scheduler.fleet_effects import SendStep
+from spillway.services.scheduler.fleet_events import StepLost, StepReturned
+from spillway.shared import subjects
+from spillway.shared.bus import Bus, BusError
+from spillway.shared.protocol import StepResult
 
 
 async def carry(bus: Bus, step: SendStep, timeout_s: float) -> StepReturned | StepLost:

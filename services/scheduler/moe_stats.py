@@ -4,8 +4,8 @@ bytes and time of the experts' exchange between the worker's ranks (pure: no I/O
 
 from __future__ import annotations
 
-from services.scheduler.phase_stats import PhaseStats
-from shared.protocol import PhaseHistogram, StepResult
+from spillway.services.scheduler.phase_stats import PhaseStats
+from spillway.shared.protocol import PhaseHistogram, StepResult
 
 # An exchange ranges from tens of microseconds (a decode step on one machine) to seconds.
 EXCHANGE_BUCKETS = (

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from services.scheduler.sequence import Sequence
-from shared.protocol import StepPlan, StepResult, StepRow
+from spillway.services.scheduler.sequence import Sequence
+from spillway.shared.protocol import StepPlan, StepResult, StepRow
 
 RowKind = Literal["prefill", "decode"]
 PreemptionMode = Literal["recompute", "spill"]

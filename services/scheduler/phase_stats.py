@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from shared.protocol import PhaseHistogram
+from spillway.shared.protocol import PhaseHistogram
 
 # Phases range from microseconds (a retire) to seconds (a drain behind a long step).
 PHASE_BUCKETS = (

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.observer import Phase
-from services.scheduler.registry import RegisteredWorker
-from services.scheduler.step_timing import StepTimings
-from shared.clock import Clock
-from shared.protocol import ErrorInfo, RequestDelta, StepPlan, StepResult, TickReport
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.observer import Phase
+from spillway.services.scheduler.registry import RegisteredWorker
+from spillway.services.scheduler.step_timing import StepTimings
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import ErrorInfo, RequestDelta, StepPlan, StepResult, TickReport
 
 log = logging.getLogger(__name__)
 

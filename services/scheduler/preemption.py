@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.log_safety import safe_text
-from shared.protocol import SpillStats
+from spillway.shared.log_safety import safe_text
+from spillway.shared.protocol import SpillStats
 
 Mode = Literal["spill", "recompute"]
 ConfiguredMode = Literal["auto", "spill", "recompute"]

@@ -19,9 +19,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from shared.clock import Clock
-from shared.protocol import ErrorInfo, Heartbeat, WorkerInfo
-from shared.subjects import is_token
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import ErrorInfo, Heartbeat, WorkerInfo
+from spillway.shared.subjects import is_token
 
 MAX_KV_BLOCKS = 1 << 22
 MAX_BLOCK_SIZE = 4096

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from services.scheduler.sequence import Sequence
+from spillway.services.scheduler.sequence import Sequence
 
 
 class RequestQueue:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.protocol import ErrorInfo, FinishReason, SamplingParams, SubmitRequest
+from spillway.shared.protocol import ErrorInfo, FinishReason, SamplingParams, SubmitRequest
 
 
 class SequenceStatus(Enum):

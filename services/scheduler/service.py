@@ -37,9 +37,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.fleet import Fleet, FleetSettings
-from services.scheduler.fleet_effects import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.fleet import Fleet, FleetSettings
+from spillway.services.scheduler.fleet_effects import (
     Answered,
     DropSpills,
     Effect,
@@ -48,7 +48,7 @@ from services.scheduler.fleet_effects import (
     SendDeltas,
     SendStep,
 )
-from services.scheduler.fleet_events import (
+from spillway.services.scheduler.fleet_events import (
     Aborted,
     BusReconnected,
     DrainExpired,
@@ -65,17 +65,17 @@ from services.scheduler.fleet_events import (
     Woken,
     WorkerRegistered,
 )
-from services.scheduler.lane import carry
-from services.scheduler.prefix_hash import hash_hex
-from services.scheduler.registry import registration_error
-from services.scheduler.tracing import SpanObserver
-from shared import subjects
-from shared.beacon import Beacon
-from shared.bus import Bus, BusError, sender_of
-from shared.clock import Clock, MonotonicClock
-from shared.config import Settings
-from shared.lifecycle import announce_ready
-from shared.protocol import (
+from spillway.services.scheduler.lane import carry
+from spillway.services.scheduler.prefix_hash import hash_hex
+from spillway.services.scheduler.registry import registration_error
+from spillway.services.scheduler.tracing import SpanObserver
+from spillway.shared import subjects
+from spillway.shared.beacon import Beacon
+from spillway.shared.bus import Bus, BusError, sender_of
+from spillway.shared.clock import Clock, MonotonicClock
+from spillway.shared.config import Settings
+from spillway.shared.lifecycle import announce_ready
+from spillway.shared.protocol import (
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
@@ -95,8 +95,8 @@ from shared.protocol import (
     SubmitRequest,
     WorkerInfo,
 )
-from shared.telemetry import Telemetry
-from shared.waiting import raise_if_cancelled, wait_event
+from spillway.shared.telemetry import Telemetry
+from spillway.shared.waiting import raise_if_cancelled, wait_event
 
 log = logging.getLogger(__name__)
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.phase_stats import PhaseStats
-from services.scheduler.sequence import Sequence
-from shared.clock import Clock
-from shared.protocol import PhaseHistogram, StepResult
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.phase_stats import PhaseStats
+from spillway.services.scheduler.sequence import Sequence
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import PhaseHistogram, StepResult
 
 # A draft token's cost relative to a plain decode row's, in a step's time, until measured:
 # small while a step is bound by reading the weights (a small batch on a GPU), close to 1

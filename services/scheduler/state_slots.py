@@ -21,8 +21,8 @@ worker runs that step before the spill): it is recomputed instead (`spill_allowe
 
 from __future__ import annotations
 
-from services.scheduler.slots import SlotAllocator
-from shared.protocol import WorkerInfo
+from spillway.services.scheduler.slots import SlotAllocator
+from spillway.shared.protocol import WorkerInfo
 
 
 class StateSlots:

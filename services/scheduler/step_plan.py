@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.sequence import Sequence
-from shared.protocol import NewSequence, SequenceUpdate, StepRow
+from spillway.services.scheduler.sequence import Sequence
+from spillway.shared.protocol import NewSequence, SequenceUpdate, StepRow
 
 
 def make_row(seq: Sequence, num_tokens: int) -> StepRow:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from services.scheduler.sequence import Sequence
-from shared.protocol import FinishReason
+from spillway.services.scheduler.sequence import Sequence
+from spillway.shared.protocol import FinishReason
 
 
 def finish_reason_after_token(

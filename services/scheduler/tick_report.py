@@ -9,7 +9,7 @@ thread: a few list appends per event, one report per tick.
 
 from __future__ import annotations
 
-from shared.protocol import (
+from spillway.shared.protocol import (
     TICK_PHASES,
     AdmittedRequest,
     FinishReason,

@@ -38,10 +38,10 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from services.scheduler.observer import Phase, PreemptionMode, RowKind
-from services.scheduler.sequence import Sequence
-from shared.clock import Clock
-from shared.protocol import (
+from spillway.services.scheduler.observer import Phase, PreemptionMode, RowKind
+from spillway.services.scheduler.sequence import Sequence
+from spillway.shared.clock import Clock
+from spillway.shared.protocol import (
     TICK_PHASES,
     ErrorInfo,
     StepPlan,
@@ -49,7 +49,7 @@ from shared.protocol import (
     StepRow,
     SubmitRequest,
 )
-from shared.telemetry import Telemetry, inject
+from spillway.shared.telemetry import Telemetry, inject
 
 REQUEST_ID = "spillway.request.id"
 # The core's phase names that the seeds call otherwise: planning a step admits, applying

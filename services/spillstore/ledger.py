@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.protocol import SpillRecord
-from shared.spill_keys import spill_name
+from spillway.shared.protocol import SpillRecord
+from spillway.shared.spill_keys import spill_name
 
 REMEMBER_DROPS = 4096
 

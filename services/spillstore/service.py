@@ -27,13 +27,13 @@ import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 from opentelemetry.context import Context
 
-from services.spillstore.ledger import SpillEntry, SpillLedger
-from shared import subjects
-from shared.bus import Bus
-from shared.config import Settings
-from shared.lifecycle import announce_ready
-from shared.log_safety import error_text
-from shared.protocol import (
+from spillway.services.spillstore.ledger import SpillEntry, SpillLedger
+from spillway.shared import subjects
+from spillway.shared.bus import Bus
+from spillway.shared.config import Settings
+from spillway.shared.lifecycle import announce_ready
+from spillway.shared.log_safety import error_text
+from spillway.shared.protocol import (
     Heartbeat,
     PrefixLookup,
     PrefixLookupReply,
@@ -42,8 +42,8 @@ from shared.protocol import (
     SpillStats,
     StatsRequest,
 )
-from shared.spill_keys import SpillKeys
-from shared.telemetry import Telemetry
+from spillway.shared.spill_keys import SpillKeys
+from spillway.shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Protocol
 
 import torch
 
-from services.worker.kv_cache import KVCache, blocks_needed
-from services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.kv_cache import KVCache, blocks_needed
+from spillway.services.worker.model import ForwardBatch, LlamaModel
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.worker.kv_cache import KVCache
-from services.worker.model import ForwardBatch, LlamaModel
-from shared.protocol import StepRow
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.shared.protocol import StepRow
 
 
 class DraftModelDrafter:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.worker.state_pool import StatePool
-from shared.protocol import StepRow
+from spillway.services.worker.state_pool import StatePool
+from spillway.shared.protocol import StepRow
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.worker.expert_parallel import ExpertGroup
-from shared.config import Settings
-from shared.protocol import StepPlan
+from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.shared.config import Settings
+from spillway.shared.protocol import StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.ops import KernelOps
-from services.worker.moe import MoEWeights, route
-from shared.expert_parallel import expert_range
-from shared.model_config import MoEConfig
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.moe import MoEWeights, route
+from spillway.shared.expert_parallel import expert_range
+from spillway.shared.model_config import MoEConfig
 
 log = logging.getLogger(__name__)
 

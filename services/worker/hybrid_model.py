@@ -19,16 +19,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import KernelOps
-from services.worker.gated_delta import GatedDeltaWeights, gated_delta_dims, gated_delta_mixer
-from services.worker.kv_cache import KVCache
-from services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
-from services.worker.model import ForwardBatch, LlamaModel
-from services.worker.moe import MoEWeights, moe_forward
-from services.worker.rope import rope_tables
-from services.worker.state_pool import StateLayerSpec, StatePool
-from services.worker.weights import LayerWeights, ModelWeights
-from shared.model_config import ModelConfig
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.gated_delta import (
+    GatedDeltaWeights,
+    gated_delta_dims,
+    gated_delta_mixer,
+)
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.moe import MoEWeights, moe_forward
+from spillway.services.worker.rope import rope_tables
+from spillway.services.worker.state_pool import StateLayerSpec, StatePool
+from spillway.services.worker.weights import LayerWeights, ModelWeights
+from spillway.shared.model_config import ModelConfig
 
 
 @dataclass
@@ -130,7 +134,7 @@ def load_qwen3_next_layers(
     """Qwen3-Next's layers from its Hugging Face tensors (popped as they are taken). Its
     RMSNorms scale by (1 + w): the weights are stored here as 1 + w, so the plain norm
     runs them."""
-    from services.worker.loader import _moe_weights
+    from spillway.services.worker.loader import _moe_weights
 
     c = config.hybrid
     assert c is not None and config.moe is not None
@@ -367,7 +371,7 @@ def load_hybrid_model(
     device: torch.device | str = "cpu",
 ) -> HybridModel:
     """A Granite 4.0-H or Qwen3-Next model from a Hugging Face folder."""
-    from services.worker.loader import _safetensors_tensors
+    from spillway.services.worker.loader import _safetensors_tensors
 
     loaders = {"granitemoehybrid": load_granite_layers, "qwen3_next": load_qwen3_next_layers}
     if config.architecture not in loaders:

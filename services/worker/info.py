@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import uuid
 
-from services.worker.kv_cache import block_bytes
-from services.worker.kv_transfer import cache_block_bytes
-from services.worker.runner import ModelRunner
-from shared.protocol import WorkerInfo
+from spillway.services.worker.kv_cache import block_bytes
+from spillway.services.worker.kv_transfer import cache_block_bytes
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import WorkerInfo
 
 
 def worker_info(worker_id: str, model_id: str, runner: ModelRunner) -> WorkerInfo:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.model_config import ModelConfig
+from spillway.shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

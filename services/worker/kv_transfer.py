@@ -31,11 +31,11 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.worker.kv_cache import KVCache
-from services.worker.state_pool import StatePool
-from shared.log_safety import error_text, size_text
-from shared.protocol import KVRestore, KVSpill, PrefixBlock, PrefixLoad, SpillOutcome
-from shared.spill_keys import SpillKeys
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.state_pool import StatePool
+from spillway.shared.log_safety import error_text, size_text
+from spillway.shared.protocol import KVRestore, KVSpill, PrefixBlock, PrefixLoad, SpillOutcome
+from spillway.shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
 

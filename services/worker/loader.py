@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.cpu_info import cpu_flags
-from kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
-from services.worker.mla import MLAWeights, q_width
-from services.worker.moe import MoEWeights
-from services.worker.weights import LayerWeights, ModelWeights, MtpWeights
-from shared.gguf_file import GGUFFile, open_gguf
-from shared.model_config import ModelConfig, load_model_config
-from shared.model_files import ModelSource
+from spillway.kernels.cpu_info import cpu_flags
+from spillway.kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
+from spillway.services.worker.mla import MLAWeights, q_width
+from spillway.services.worker.moe import MoEWeights
+from spillway.services.worker.weights import LayerWeights, ModelWeights, MtpWeights
+from spillway.shared.gguf_file import GGUFFile, open_gguf
+from spillway.shared.model_config import ModelConfig, load_model_config
+from spillway.shared.model_files import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def load_model(
     """The model's config (tie_word_embeddings as found in the weights) and its weights
     (with `mtp`, its multi-token-prediction layer too: Hugging Face folders only)."""
     if source.kind == "synthetic":
-        from services.worker.synthetic import synthetic_weights
+        from spillway.services.worker.synthetic import synthetic_weights
 
         config = load_model_config(source)
         return config, synthetic_weights(config, device, dtype)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import KernelOps
-from services.worker.state_pool import take_step_snapshots
-from shared.model_config import HybridConfig
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.state_pool import take_step_snapshots
+from spillway.shared.model_config import HybridConfig
 
 
 @dataclass

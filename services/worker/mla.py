@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import KernelOps
-from shared.model_config import MLAConfig
+from spillway.kernels.ops import KernelOps
+from spillway.shared.model_config import MLAConfig
 
 # kv_a_layernorm and q_a_layernorm keep DeepseekV3RMSNorm's default epsilon, whatever the
 # config's rms_norm_eps says.

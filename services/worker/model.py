@@ -24,16 +24,16 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_layers import Geometry, LayerTensors
-from kernels.ops import KernelOps, TorchOps
-from services.worker.expert_parallel import ExpertGroup
-from services.worker.kv_cache import KVCache
-from services.worker.mla import mla_output, mla_queries_and_latents
-from services.worker.moe import moe_forward
-from services.worker.rope import rope_tables, yarn_mscale
-from services.worker.weights import LayerWeights, ModelWeights
-from services.worker.window_attention import windowed_paged_attention
-from shared.model_config import ModelConfig
+from spillway.kernels.cpu_decode_layers import Geometry, LayerTensors
+from spillway.kernels.ops import KernelOps, TorchOps
+from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.mla import mla_output, mla_queries_and_latents
+from spillway.services.worker.moe import moe_forward
+from spillway.services.worker.rope import rope_tables, yarn_mscale
+from spillway.services.worker.weights import LayerWeights, ModelWeights
+from spillway.services.worker.window_attention import windowed_paged_attention
+from spillway.shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 # Rows of warm_up's second pass: more than the few-row kernels take (cpu_matvec.MAX_ROWS).

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import KernelOps
-from services.worker.routing import grouped_sigmoid_topk, softmax_topk
-from shared.model_config import MoEConfig
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.routing import grouped_sigmoid_topk, softmax_topk
+from spillway.shared.model_config import MoEConfig
 
 
 @dataclass

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from services.worker.kv_cache import KVCache
-from services.worker.model import ForwardBatch, LlamaModel
-from services.worker.weights import MtpWeights
-from shared.protocol import StepRow
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.weights import MtpWeights
+from spillway.shared.protocol import StepRow
 
 
 class MtpCache(KVCache):

@@ -15,8 +15,8 @@ Right after joining, a scheduler gets one timeout to show the worker in its leas
 
 from __future__ import annotations
 
-from shared.clock import Clock
-from shared.leases import LeaseBook
+from spillway.shared.clock import Clock
+from spillway.shared.leases import LeaseBook
 
 
 class Ownership:

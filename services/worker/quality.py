@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import torch
 
-from kernels.ops import TorchOps
-from services.worker.kv_cache import KVCache, blocks_needed
-from services.worker.loader import load_model
-from services.worker.model import LlamaModel
-from services.worker.runner import ModelRunner
-from shared.model_files import ModelSource
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker.kv_cache import KVCache, blocks_needed
+from spillway.services.worker.loader import load_model
+from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.model_files import ModelSource
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 SEQ_ID = "perplexity"
 

@@ -41,14 +41,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kernels.ops import select_ops
-from services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
-from services.worker.draft_model import DraftModelDrafter
-from services.worker.draft_states import DraftStates
-from services.worker.ep_group import agree_num_blocks, join_group
-from services.worker.expert_parallel import ExpertGroup
-from services.worker.hybrid_model import HybridModel, load_hybrid_model
-from services.worker.kv_cache import (
+from spillway.kernels.ops import select_ops
+from spillway.services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
+from spillway.services.worker.draft_model import DraftModelDrafter
+from spillway.services.worker.draft_states import DraftStates
+from spillway.services.worker.ep_group import agree_num_blocks, join_group
+from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.services.worker.hybrid_model import HybridModel, load_hybrid_model
+from spillway.services.worker.kv_cache import (
     KVCache,
     block_bytes,
     block_table_tensor,
@@ -57,24 +57,24 @@ from services.worker.kv_cache import (
     resolve_kv_dtype,
     slot_mapping_tensor,
 )
-from services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
-from services.worker.loader import load_model, resolve_device, resolve_dtype
-from services.worker.model import ForwardBatch, LlamaModel, configure_threads
-from services.worker.mtp import MtpCache, MtpDrafter
-from services.worker.sampling_state import SamplingStates, load_sampling_states
-from services.worker.speculative import (
+from spillway.services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
+from spillway.services.worker.loader import load_model, resolve_device, resolve_dtype
+from spillway.services.worker.model import ForwardBatch, LlamaModel, configure_threads
+from spillway.services.worker.mtp import MtpCache, MtpDrafter
+from spillway.services.worker.sampling_state import SamplingStates, load_sampling_states
+from spillway.services.worker.speculative import (
     as_decode_rows,
     extra_logprobs,
     row_drafts,
     verify_drafts,
 )
-from services.worker.state_pool import StatePool, slot_bytes
-from services.worker.weights import ModelWeights
-from shared.config import Settings
-from shared.expert_parallel import check_expert_parallel
-from shared.model_config import ModelConfig, check_servable, load_model_config
-from shared.model_files import ModelSource, resolve_model, weights_fingerprint
-from shared.protocol import (
+from spillway.services.worker.state_pool import StatePool, slot_bytes
+from spillway.services.worker.weights import ModelWeights
+from spillway.shared.config import Settings
+from spillway.shared.expert_parallel import check_expert_parallel
+from spillway.shared.model_config import ModelConfig, check_servable, load_model_config
+from spillway.shared.model_files import ModelSource, resolve_model, weights_fingerprint
+from spillway.shared.protocol import (
     OUT_OF_MEMORY_CODE,
     ErrorInfo,
     KVRestore,
@@ -86,8 +86,8 @@ from shared.protocol import (
     StepResult,
     StepRow,
 )
-from shared.speculative import speculation_refusal
-from shared.spill_keys import SpillKeys
+from spillway.shared.speculative import speculation_refusal
+from spillway.shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.noise import Uniforms, exponential_noise, noise_keys, uniform_noise
-from shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
+from spillway.services.worker.noise import Uniforms, exponential_noise, noise_keys, uniform_noise
+from spillway.shared.protocol import SampledLogprobs, SamplingParams, TokenLogprob
 
 MIN_TEMPERATURE = 1e-5
 MaskFn = Callable[[torch.Tensor], None]  # sets disallowed logits [S, V] to -inf, in place

@@ -28,27 +28,27 @@ from typing import Any
 
 import torch
 
-from services.worker.grammar import GrammarEngine
-from services.worker.noise import Uniforms, uniform_noise
-from services.worker.sampler import (
+from spillway.services.worker.grammar import GrammarEngine
+from spillway.services.worker.noise import Uniforms, uniform_noise
+from spillway.services.worker.sampler import (
     Argmax,
     RowSampling,
     apply_token_bitmask,
     sample,
     torch_argmax,
 )
-from shared.config import Settings
-from shared.model_config import ModelConfig
-from shared.model_files import ModelSource
-from shared.protocol import (
+from spillway.shared.config import Settings
+from spillway.shared.model_config import ModelConfig
+from spillway.shared.model_files import ModelSource
+from spillway.shared.protocol import (
     NewSequence,
     RegionName,
     SampledLogprobs,
     SamplingParams,
     StepPlan,
 )
-from shared.regions import RegionMarkers, RegionTracker, detect_markers, marker_ids
-from shared.tokenizer_files import load_tokenizer
+from spillway.shared.regions import RegionMarkers, RegionTracker, detect_markers, marker_ids
+from spillway.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -34,21 +34,21 @@ from nats.aio.msg import Msg
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, set_span_in_context
 
-from services.worker.ep_group import KEEPALIVE, follow, leave
-from services.worker.expert_parallel import ExpertGroup
-from services.worker.info import worker_info
-from services.worker.ownership import Ownership
-from services.worker.runner import KVIo, ModelRunner, load_runner
-from services.worker.step_spans import StepSpans
-from shared import subjects
-from shared.beacon import Beacon
-from shared.bus import Bus, BusError, sender_of
-from shared.clock import MonotonicClock
-from shared.config import Settings
-from shared.leases import LeaseBook, StallGuard
-from shared.lifecycle import announce_ready
-from shared.log_safety import error_text
-from shared.protocol import (
+from spillway.services.worker.ep_group import KEEPALIVE, follow, leave
+from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.services.worker.info import worker_info
+from spillway.services.worker.ownership import Ownership
+from spillway.services.worker.runner import KVIo, ModelRunner, load_runner
+from spillway.services.worker.step_spans import StepSpans
+from spillway.shared import subjects
+from spillway.shared.beacon import Beacon
+from spillway.shared.bus import Bus, BusError, sender_of
+from spillway.shared.clock import MonotonicClock
+from spillway.shared.config import Settings
+from spillway.shared.leases import LeaseBook, StallGuard
+from spillway.shared.lifecycle import announce_ready
+from spillway.shared.log_safety import error_text
+from spillway.shared.protocol import (
     ErrorInfo,
     Heartbeat,
     RegisterReply,
@@ -58,8 +58,8 @@ from shared.protocol import (
     StepResult,
     WorkerInfo,
 )
-from shared.telemetry import Telemetry
-from shared.waiting import raise_if_cancelled, wait_event
+from spillway.shared.telemetry import Telemetry
+from spillway.shared.waiting import raise_if_cancelled, wait_event
 
 log = logging.getLogger(__name__)
 

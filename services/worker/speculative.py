@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.protocol import SampledLogprobs, StepRow
+from spillway.shared.protocol import SampledLogprobs, StepRow
 
 
 def as_decode_rows(rows: Sequence[StepRow]) -> list[StepRow]:

@@ -23,9 +23,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, Status, StatusCode
 
-from services.worker.runner import KVIo
-from shared.protocol import StepPlan, StepResult
-from shared.telemetry import extract
+from spillway.services.worker.runner import KVIo
+from spillway.shared.protocol import StepPlan, StepResult
+from spillway.shared.telemetry import extract
 
 REQUEST_ID = "spillway.request.id"
 

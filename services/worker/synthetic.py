@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.weights import LayerWeights, ModelWeights
-from shared.model_config import ModelConfig
+from spillway.services.worker.weights import LayerWeights, ModelWeights
+from spillway.shared.model_config import ModelConfig
 
 WEIGHT_STD = 0.02
 DEFAULT_SEED = 0

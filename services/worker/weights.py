@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_matvec import BlockWeight
-from services.worker.mla import MLAWeights
-from services.worker.moe import MoEWeights
+from spillway.kernels.cpu_matvec import BlockWeight
+from spillway.services.worker.mla import MLAWeights
+from spillway.services.worker.moe import MoEWeights
 
 
 @dataclass

@@ -27,7 +27,7 @@ def test_cpu_bench_main_prints_a_table(capsys) -> None:
 
 
 def test_int8_rows_forms_are_near_float32_at_toy_sizes() -> None:
-    from kernels.linear import int8_available
+    from spillway.kernels.linear import int8_available
 
     shape = cpu_kernels.Shape(
         layers=1, hidden=64, intermediate=128, q_heads=4, kv_heads=2, head_dim=16, vocab=112

@@ -12,7 +12,7 @@ import torch
 import bench.kernels
 from bench import decode_step
 from bench.decode_step import SMALL_CONFIG, StepSetup, kv_bytes, weight_bytes_read
-from kernels.ops import TorchOps
+from spillway.kernels.ops import TorchOps
 
 TINY = dataclasses.replace(
     SMALL_CONFIG, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,

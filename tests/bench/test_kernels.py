@@ -37,7 +37,7 @@ def test_bench_checks_every_kernel_and_writes_json(tmp_path, monkeypatch) -> Non
 
 def test_bench_flags_a_wrong_result(monkeypatch) -> None:
     from bench import kernels as kernel_bench
-    from kernels.ops import TorchOps
+    from spillway.kernels.ops import TorchOps
 
     class OffByOne(TorchOps):
         def fused_add_rms_norm(self, x, residual, weight, eps, *, out=None):

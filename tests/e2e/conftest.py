@@ -14,7 +14,7 @@ import signal
 import httpx
 import pytest
 
-from services.cli.launcher import System, pid_alive, wait_until
+from spillway.services.cli.launcher import System, pid_alive, wait_until
 from tests.e2e.keys import TINY_API_KEY
 from tests.e2e.otlp_sink import OtlpSink
 
@@ -57,7 +57,7 @@ def client(system):
 def reference_tokenizer():
     from transformers import AutoTokenizer
 
-    from shared.model_files import resolve_model
+    from spillway.shared.model_files import resolve_model
 
     src = resolve_model("SmolLM2-135M-Instruct")
     return AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.launcher import ServiceGroup, wait_until
 
 TIE_MARGIN = 1e-3
 # Every scheduler in these tests checks its block manager's invariants after every tick.

@@ -20,8 +20,8 @@ import httpx
 import nats
 import pytest
 
-from services.cli.launcher import System, pid_alive, wait_until
-from services.cli.servers import port_open
+from spillway.services.cli.launcher import System, pid_alive, wait_until
+from spillway.services.cli.servers import port_open
 from tests.clients import (
     END_S,
     nats_stream,

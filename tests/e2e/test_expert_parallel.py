@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.launcher import System, wait_until
+from spillway.services.cli.launcher import System, wait_until
 from tests.e2e.pressure import (
     assert_same_greedy,
     generate_all,

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from services.cli.launcher import System, wait_until
+from spillway.services.cli.launcher import System, wait_until
 from tests.e2e.pressure import (
     assert_same_greedy,
     generate,

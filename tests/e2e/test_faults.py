@@ -20,7 +20,7 @@ import httpx
 import nats
 import pytest
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 from tests.clients import (
     END_S,
     nats_stream,

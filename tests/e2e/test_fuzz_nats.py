@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from schemathesis.generation.modes import GenerationMode
 
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from shared.bus import SENDER_HEADER
-from shared.protocol import (
+from spillway.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from spillway.shared.bus import SENDER_HEADER
+from spillway.shared.protocol import (
     AbortRequest,
     DeltaBatch,
     Heartbeat,

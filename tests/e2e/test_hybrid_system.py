@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 from tests.e2e.pressure import generate
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 

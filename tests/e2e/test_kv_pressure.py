@@ -9,8 +9,8 @@ import concurrent.futures as cf
 
 import pytest
 
-from services.cli.launcher import ServiceGroup, wait_until
-from services.cli.servers import start_redis
+from spillway.services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.servers import start_redis
 from tests.e2e.pressure import (
     assert_same_greedy,
     generate,

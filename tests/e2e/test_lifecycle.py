@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from services.cli.launcher import wait_until
+from spillway.services.cli.launcher import wait_until
 
 pytestmark = pytest.mark.slow
 

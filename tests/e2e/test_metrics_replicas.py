@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.launcher import ServiceGroup, wait_until
 
 pytestmark = pytest.mark.slow
 

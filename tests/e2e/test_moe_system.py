@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 
 pytestmark = pytest.mark.slow

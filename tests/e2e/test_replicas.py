@@ -14,7 +14,7 @@ import signal
 import httpx
 import pytest
 
-from services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.launcher import ServiceGroup, wait_until
 from tests.clients import sse_events, stream_error, stream_finish, stream_text, until
 
 pytestmark = pytest.mark.slow

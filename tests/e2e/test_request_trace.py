@@ -12,8 +12,8 @@ import os
 import httpx
 import pytest
 
-from services.cli.launcher import System, wait_until
-from services.scheduler.tracing import SEED_PHASES
+from spillway.services.cli.launcher import System, wait_until
+from spillway.services.scheduler.tracing import SEED_PHASES
 from tests.e2e.otlp_sink import OtlpSink, ReceivedSpan
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
 
 pytestmark = pytest.mark.slow

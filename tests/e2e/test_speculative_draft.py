@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
 from tests.e2e.test_speculative import REPEATS, _greedy, _save_sharp_tiny_model
 

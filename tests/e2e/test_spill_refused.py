@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
-from services.cli.launcher import ServiceGroup, wait_until
-from services.cli.servers import start_redis
+from spillway.services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.servers import start_redis
 from tests.e2e.pressure import health, metrics
 
 pytestmark = pytest.mark.slow

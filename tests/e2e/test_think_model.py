@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from services.cli.launcher import System
+from spillway.services.cli.launcher import System
 from tests.unit.worker.think_llama import CONTENT, REASONING, save_think_llama
 
 pytestmark = pytest.mark.slow

@@ -20,10 +20,10 @@ import pytest
 import redis
 import torch
 
-from services.cli.launcher import SPILLWAY, pid_alive, wait_until
-from services.cli.trace.spans import spans_from_otlp_lines
-from shared.protocol import SpillDrop, SpillRecord, SpillRef, encode
-from shared.spill_keys import SpillKeys
+from spillway.services.cli.launcher import SPILLWAY, pid_alive, wait_until
+from spillway.services.cli.trace.spans import spans_from_otlp_lines
+from spillway.shared.protocol import SpillDrop, SpillRecord, SpillRef, encode
+from spillway.shared.spill_keys import SpillKeys
 from tests.e2e.keys import TINY_API_KEY
 
 AUTH = {"Authorization": f"Bearer {TINY_API_KEY}"}

@@ -9,14 +9,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.worker.info import worker_info
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from services.worker.runner import ModelRunner
-from shared.clock import FakeClock
-from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
-from shared.spill_keys import SpillKeys
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.worker.info import worker_info
+from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import (
+    RequestDelta,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+)
+from spillway.shared.spill_keys import SpillKeys
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from opentelemetry import trace
 
-from shared.bus import Bus, BusError
-from shared.protocol import AbortRequest, SubmitReply
-from shared.telemetry import Telemetry
+from spillway.shared.bus import Bus, BusError
+from spillway.shared.protocol import AbortRequest, SubmitReply
+from spillway.shared.telemetry import Telemetry
 
 
 async def test_request_reply_roundtrip_carries_trace_context(nats_url):
@@ -52,7 +52,7 @@ async def test_malformed_body_gets_error_reply_and_service_goes_on(nats_url):
 
 async def test_closing_on_purpose_warns_of_no_lost_connection(nats_url, caplog):
     bus = await Bus.connect(nats_url, "", "client")
-    with caplog.at_level("INFO", logger="shared.bus"):
+    with caplog.at_level("INFO", logger="spillway.shared.bus"):
         await bus.close()
     assert bus.nc.is_closed and not bus.events.is_connected  # the callback did run
     assert not [r for r in caplog.records if "lost the connection" in r.getMessage()]

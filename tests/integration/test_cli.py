@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import up as up_module
-from services.cli.servers import free_port, port_open
-from shared.config import load_settings
+from spillway.services.cli import up as up_module
+from spillway.services.cli.servers import free_port, port_open
+from spillway.shared.config import load_settings
 
 SPILLWAY = str(Path(sys.executable).with_name("spillway"))
 CONTRACT_OPTIONS = [

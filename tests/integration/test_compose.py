@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.cli.main import build_parser
-from shared.health import HEALTH_INTERVAL_S
+from spillway.services.cli.main import build_parser
+from spillway.shared.health import HEALTH_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "docker-compose.yml"

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.metrics import GatewayMetrics
+from spillway.services.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "infra" / "grafana" / "dashboards"

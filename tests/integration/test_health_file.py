@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.health import HealthBeat, write_beat
+from spillway.shared.health import HealthBeat, write_beat
 
 SPILLWAY = str(Path(sys.executable).with_name("spillway"))
 

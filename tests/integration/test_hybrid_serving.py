@@ -14,18 +14,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import ssm_reference
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.prefix_hash import hash_hex
-from services.spillstore.service import SpillStore
-from services.worker.info import worker_info
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from services.worker.runner import ModelRunner, load_runner
-from shared.clock import FakeClock
-from shared.config import load_settings
-from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
-from shared.spill_keys import SpillKeys
+from spillway.kernels import ssm_reference
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.prefix_hash import hash_hex
+from spillway.services.spillstore.service import SpillStore
+from spillway.services.worker.info import worker_info
+from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.clock import FakeClock
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import RequestDelta, SamplingParams, SubmitRequest
+from spillway.shared.spill_keys import SpillKeys
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 
 FAMILIES = ["granitemoehybrid", "qwen3_next"]

@@ -19,13 +19,13 @@ import pytest
 import yaml
 from opentelemetry import trace
 
-from services.cli.main import SERVICES, build_parser
-from services.cli.nats_auth import CLIENT_USER, authorization_block
-from services.cli.options import overrides_from
-from services.cli.servers import find_binary
-from services.gateway.app import create_app
-from services.gateway.metrics import GatewayMetrics
-from shared.config import Settings, load_settings
+from spillway.services.cli.main import SERVICES, build_parser
+from spillway.services.cli.nats_auth import CLIENT_USER, authorization_block
+from spillway.services.cli.options import overrides_from
+from spillway.services.cli.servers import find_binary
+from spillway.services.gateway.app import create_app
+from spillway.services.gateway.metrics import GatewayMetrics
+from spillway.shared.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "infra" / "k8s"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import RegionSampling, SamplingParams
+from spillway.shared.protocol import RegionSampling, SamplingParams
 from tests.integration.test_scheduler_drives_worker import NEW_TOKENS, _serve_all, memo_roomy
 from tests.unit.worker.think_llama import THINK_END_ID, save_think_llama
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.worker.info import worker_info
-from shared.clock import FakeClock
-from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.worker.info import worker_info
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import RequestDelta, SamplingParams, SubmitRequest
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
 PROMPT = [(11 * j) % 200 + 3 for j in range(23)]

@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.worker.info import worker_info
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from shared.clock import FakeClock
-from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
-from shared.spill_keys import SpillKeys
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.worker.info import worker_info
+from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import RequestDelta, SamplingParams, SubmitRequest
+from spillway.shared.spill_keys import SpillKeys
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(6)]

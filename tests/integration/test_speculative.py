@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from shared.protocol import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.shared.protocol import (
     NewSequence,
     RequestDelta,
     SamplingParams,

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.structured_output import GrammarBuilder
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.worker.runner import ModelRunner, load_runner
-from shared.config import load_settings
-from shared.protocol import RequestDelta, SamplingParams
+from spillway.services.gateway.structured_output import GrammarBuilder
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import RequestDelta, SamplingParams
 from tests.integration.in_process import serve
 from tests.unit.worker.think_llama import save_think_llama
 from tests.unit.worker.tiny_llama import save_tiny_llama

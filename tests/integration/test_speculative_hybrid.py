@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig
-from services.worker.runner import load_runner
-from shared.config import load_settings
-from shared.protocol import SamplingParams
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.worker.runner import load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import SamplingParams
 from tests.integration.in_process import serve
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 

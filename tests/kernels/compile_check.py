@@ -15,16 +15,16 @@ import sys
 
 import torch
 
-import kernels._jit as kjit
+import spillway.kernels._jit as kjit
 
 
 def _launchers() -> dict:
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.fused_moe import fused_experts
-    from kernels.kv_store import store_kv
-    from kernels.prefill_attention import paged_prefill_attention
-    from kernels.rmsnorm import fused_add_rms_norm
-    from kernels.rotary import rotary
+    from spillway.kernels.decode_attention import paged_decode_attention
+    from spillway.kernels.fused_moe import fused_experts
+    from spillway.kernels.kv_store import store_kv
+    from spillway.kernels.prefill_attention import paged_prefill_attention
+    from spillway.kernels.rmsnorm import fused_add_rms_norm
+    from spillway.kernels.rotary import rotary
 
     # Shapes of an 8B Llama at bf16; nothing is launched, so the tensors stay tiny.
     rows, q_heads, kv_heads, dim, bs = 4, 32, 8, 128, 16

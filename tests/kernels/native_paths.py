@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cpu_info import cpu_flags
+from spillway.kernels.cpu_info import cpu_flags
 
 
 def isa_kernel(module, isa: str, tmp_path_factory):

@@ -14,9 +14,9 @@ from tests.kernels.compile_check import _capture, _compile
 
 
 def _launchers() -> dict:
-    from kernels.causal_conv1d import causal_conv1d_update
-    from kernels.gated_delta import gated_delta_rule_step
-    from kernels.selective_state import selective_state_update
+    from spillway.kernels.causal_conv1d import causal_conv1d_update
+    from spillway.kernels.gated_delta import gated_delta_rule_step
+    from spillway.kernels.selective_state import selective_state_update
 
     # Granite-4.0-H-tiny's Mamba2 mixer and Qwen3-Next's gated DeltaNet, bf16 inputs over
     # float32 pools; nothing is launched, so the pools hold two slots.

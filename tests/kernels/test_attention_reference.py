@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import paged_decode_attention_ref
-from kernels.ops import LastDerived, TorchOps
-from kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
+from spillway.kernels.decode_attention import paged_decode_attention_ref
+from spillway.kernels.ops import LastDerived, TorchOps
+from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.paged_cases import dense_attention, make_paged_batch
 
 SCALE = 0.125

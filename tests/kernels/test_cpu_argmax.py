@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_argmax
+from spillway.kernels import cpu_argmax
 from tests.kernels.native_paths import isa_kernel
 
 NAN, INF = float("nan"), float("inf")

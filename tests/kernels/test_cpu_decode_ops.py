@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_ops
-from kernels.kv_store import store_kv_ref
-from kernels.ops import TorchOps
-from kernels.rmsnorm import fused_add_rms_norm_ref
-from kernels.rotary import rope_cache, rotary_ref
+from spillway.kernels import cpu_decode_ops
+from spillway.kernels.kv_store import store_kv_ref
+from spillway.kernels.ops import TorchOps
+from spillway.kernels.rmsnorm import fused_add_rms_norm_ref
+from spillway.kernels.rotary import rope_cache, rotary_ref
 
 EPS = 1e-5
 
@@ -95,7 +95,7 @@ def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkey
             torch_path.append(name)
             return fn(*args, **kwargs)
 
-        monkeypatch.setattr(f"kernels.ops.{name}", wrapper)
+        monkeypatch.setattr(f"spillway.kernels.ops.{name}", wrapper)
 
     counted("fused_add_rms_norm_ref", fused_add_rms_norm_ref)
     counted("store_kv_ref", store_kv_ref)
@@ -130,7 +130,7 @@ def test_the_int8_mode_takes_the_native_path_at_any_row_count(tmp_path, monkeypa
         torch_path.append("fused_add_rms_norm_ref")
         return fused_add_rms_norm_ref(*args, **kwargs)
 
-    monkeypatch.setattr("kernels.ops.fused_add_rms_norm_ref", counted)
+    monkeypatch.setattr("spillway.kernels.ops.fused_add_rms_norm_ref", counted)
     g = torch.Generator().manual_seed(6)
     rows = 19
     x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_matmul_q8, cpu_matvec, cpu_native
-from kernels.cpu_info import INT8_DOTS, has_amx_int8, int8_dots
-from kernels.cpu_matvec import MAX_ROWS, Q8_BLOCK, quantize_q8
-from kernels.linear import Int8Linear, int8_available
+from spillway.kernels import cpu_matmul_q8, cpu_matvec, cpu_native
+from spillway.kernels.cpu_info import INT8_DOTS, has_amx_int8, int8_dots
+from spillway.kernels.cpu_matvec import MAX_ROWS, Q8_BLOCK, quantize_q8
+from spillway.kernels.linear import Int8Linear, int8_available
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_int8_linear_sends_batches_to_the_native_product(builds, tmp_path):
 
 
 def test_serving_takes_the_kernel_only_where_it_beats_fbgemm(tmp_path):
-    from kernels.cpu_info import int8_dot
+    from spillway.kernels.cpu_info import int8_dot
 
     kernels = cpu_matmul_q8.load_faster(tmp_path)
     fast = int8_dot() in cpu_matmul_q8.FASTER_THAN_FBGEMM

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_matvec
-from kernels.cpu_info import INT8_DOTS, int8_dot, int8_dots
-from kernels.cpu_matvec import (
+from spillway.kernels import cpu_matvec
+from spillway.kernels.cpu_info import INT8_DOTS, int8_dot, int8_dots
+from spillway.kernels.cpu_matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
     HAS_F32,
@@ -19,7 +19,12 @@ from kernels.cpu_matvec import (
     IntegerBlocks,
     quantize_q8,
 )
-from kernels.linear import Int8Linear, PackedLinear, int8_available, onednn_packing_available
+from spillway.kernels.linear import (
+    Int8Linear,
+    PackedLinear,
+    int8_available,
+    onednn_packing_available,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +125,7 @@ def test_int8_linear_sends_few_rows_to_the_native_kernel(matvec):
 def test_tune_keeps_the_faster_threading_choice(matvec):
     import time
 
-    from kernels.cpu_matvec import PARALLEL_MIN_BYTES_CHOICES
+    from spillway.kernels.cpu_matvec import PARALLEL_MIN_BYTES_CHOICES
 
     for fast in PARALLEL_MIN_BYTES_CHOICES:
         seen = []
@@ -184,8 +189,8 @@ def test_blocks_equal_the_float32_kernel_on_fresh_weights(matvec, kind, k):
 def test_an_avx2_build_reads_blocks_as_its_float32_kernel(tmp_path):
     """The 8-lane loops a CPU without AVX-512 runs, built and run here: the same bits as
     that build's float32 kernel."""
-    from kernels import cpu_native
-    from kernels.cpu_info import cpu_flags
+    from spillway.kernels import cpu_native
+    from spillway.kernels.cpu_info import cpu_flags
 
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU has no AVX2, FMA and F16C")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_matvec
-from kernels.cpu_moe import CpuExperts
-from kernels.moe import fused_experts_ref
-from kernels.ops import TorchOps
+from spillway.kernels import cpu_matvec
+from spillway.kernels.cpu_moe import CpuExperts
+from spillway.kernels.moe import fused_experts_ref
+from spillway.kernels.ops import TorchOps
 from tests.kernels.paged_cases import rel_error
 
 E, H, I = 6, 64, 48

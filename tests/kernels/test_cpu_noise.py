@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_noise
-from services.worker.noise import as_int32, exponential_noise, noise_keys, uniform_noise
+from spillway.kernels import cpu_noise
+from spillway.services.worker.noise import as_int32, exponential_noise, noise_keys, uniform_noise
 from tests.kernels.native_paths import isa_kernel
 
 # Widths around the vector blocks (8 / 16 lanes), the 8192-wide chunks and a vocabulary.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import paged_decode_attention_ref
+from spillway.kernels.decode_attention import paged_decode_attention_ref
 from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 SCALE = 0.125
@@ -18,7 +18,7 @@ SCALE = 0.125
 def test_decode_matches_reference(
     device: torch.device, num_splits: int, group: int, block_size: int
 ) -> None:
-    from kernels.decode_attention import paged_decode_attention
+    from spillway.kernels.decode_attention import paged_decode_attention
 
     # ragged: a lone token, a partial last block, a full last block, splits of unequal length
     batch = make_paged_batch(
@@ -39,7 +39,7 @@ def test_decode_matches_reference(
 
 
 def test_decode_float16(device: torch.device) -> None:
-    from kernels.decode_attention import paged_decode_attention
+    from spillway.kernels.decode_attention import paged_decode_attention
 
     batch = make_paged_batch(
         [1, 1, 1],
@@ -58,7 +58,7 @@ def test_decode_float16(device: torch.device) -> None:
 
 
 def test_packed_decode_writes_only_single_query_rows(device: torch.device) -> None:
-    from kernels.decode_attention import paged_decode_attention
+    from spillway.kernels.decode_attention import paged_decode_attention
 
     batch = make_paged_batch(
         [1, 4, 1, 2],
@@ -99,8 +99,8 @@ def test_packed_decode_writes_only_single_query_rows(device: torch.device) -> No
 
 
 def test_choose_num_splits_fills_the_device_and_respects_short_contexts(monkeypatch) -> None:
-    from kernels import decode_attention
-    from kernels.decode_attention import MAX_SPLITS, choose_num_splits
+    from spillway.kernels import decode_attention
+    from spillway.kernels.decode_attention import MAX_SPLITS, choose_num_splits
 
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
@@ -114,7 +114,7 @@ def test_choose_num_splits_fills_the_device_and_respects_short_contexts(monkeypa
 
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_row_without_context_gets_zeros(device: torch.device, num_splits: int) -> None:
-    from kernels.decode_attention import paged_decode_attention
+    from spillway.kernels.decode_attention import paged_decode_attention
 
     # a padding row (context 0), as a fixed-size batch may carry
     batch = make_paged_batch(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_moe import fused_experts, moe_align
-from kernels.moe import fused_experts_ref
-from kernels.ops import TritonOps
+from spillway.kernels.fused_moe import fused_experts, moe_align
+from spillway.kernels.moe import fused_experts_ref
+from spillway.kernels.ops import TritonOps
 from tests.kernels.paged_cases import nan_like, rel_error
 
 # relative error ||out - ref|| / ||ref||: float32 differs by summation order only; the 16-bit
@@ -69,7 +69,7 @@ def test_default_blocks_and_widths_off_the_tile_grid(device) -> None:
 
 
 def test_triton_ops_runs_the_kernel(device, monkeypatch) -> None:
-    import kernels.fused_moe as fused_moe
+    import spillway.kernels.fused_moe as fused_moe
 
     calls = []
     original = fused_moe.fused_experts

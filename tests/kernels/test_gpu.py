@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import paged_prefill_attention_ref
-from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rope_cache, rotary_ref
+from spillway.kernels.decode_attention import paged_decode_attention_ref
+from spillway.kernels.prefill_attention import paged_prefill_attention_ref
+from spillway.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from spillway.kernels.rotary import rope_cache, rotary_ref
 from tests.kernels.paged_cases import make_paged_batch, nan_like, rel_error
 
 pytestmark = [
@@ -25,7 +25,7 @@ SHAPES = [(32, 8, 128), (9, 3, 64)]
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_bf16(q_heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
-    from kernels.decode_attention import paged_decode_attention
+    from spillway.kernels.decode_attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(1, 3000, (24,), generator=gen).tolist()
@@ -48,8 +48,8 @@ def test_decode_bf16(q_heads: int, kv_heads: int, head_dim: int, block_size: int
 
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), SHAPES)
 def test_mixed_batch_bf16(q_heads: int, kv_heads: int, head_dim: int) -> None:
-    from kernels.ops import TorchOps, TritonOps
-    from kernels.prefill_attention import paged_prefill_attention
+    from spillway.kernels.ops import TorchOps, TritonOps
+    from spillway.kernels.prefill_attention import paged_prefill_attention
 
     # a whole prompt, decode rows, chunks extending cached prefixes, a one-token prompt
     q_lens = [512, 1, 1, 200, 37, 1, 1]
@@ -82,7 +82,7 @@ def test_mixed_batch_bf16(q_heads: int, kv_heads: int, head_dim: int) -> None:
 
 
 def test_store_kv_bf16_is_exact() -> None:
-    from kernels.kv_store import store_kv
+    from spillway.kernels.kv_store import store_kv
 
     tokens, kv_heads, head_dim, block_size = 300, 8, 128, 16
     slots = torch.randperm(64 * block_size, device="cuda")[:tokens]
@@ -102,7 +102,7 @@ def test_store_kv_bf16_is_exact() -> None:
 
 @pytest.mark.parametrize("hidden", [576, 4096])
 def test_fused_add_rms_norm_bf16(hidden: int) -> None:
-    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from spillway.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
     x = torch.randn(333, hidden, device="cuda", dtype=BF16)
     residual = torch.randn_like(x)
@@ -117,7 +117,7 @@ def test_fused_add_rms_norm_bf16(hidden: int) -> None:
 
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), SHAPES)
 def test_rotary_bf16(q_heads: int, kv_heads: int, head_dim: int) -> None:
-    from kernels.rotary import rotary
+    from spillway.kernels.rotary import rotary
 
     cos, sin = (t.cuda() for t in rope_cache(head_dim, 8192, 500000.0))
     q = torch.randn(1000, q_heads, head_dim, device="cuda", dtype=BF16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ssm_reference import (
+from spillway.kernels.ssm_reference import (
     causal_conv1d_update_ref,
     gated_delta_rule_step_ref,
     selective_state_update_ref,
@@ -40,7 +40,7 @@ def _slot_layouts(rows: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("channels", [48 * 64 + 2 * 128, 2 * 16 * 128 + 32 * 128])
 def test_conv_bf16(channels: int) -> None:
-    from kernels.causal_conv1d import causal_conv1d_update
+    from spillway.kernels.causal_conv1d import causal_conv1d_update
 
     for slots in _slot_layouts(64):
         gen = torch.Generator(device="cuda").manual_seed(channels)
@@ -56,7 +56,7 @@ def test_conv_bf16(channels: int) -> None:
 
 
 def test_mamba2_bf16() -> None:
-    from kernels.selective_state import selective_state_update
+    from spillway.kernels.selective_state import selective_state_update
 
     h, p, g, n = MAMBA["heads"], MAMBA["head_dim"], MAMBA["groups"], MAMBA["state"]
     for slots in _slot_layouts(64):
@@ -79,7 +79,7 @@ def test_mamba2_bf16() -> None:
 
 
 def test_gated_delta_bf16() -> None:
-    from kernels.gated_delta import gated_delta_rule_step
+    from spillway.kernels.gated_delta import gated_delta_rule_step
 
     hk, hv, kd, vd = DELTA["k_heads"], DELTA["v_heads"], DELTA["k_dim"], DELTA["v_dim"]
     for slots in _slot_layouts(64):

@@ -9,7 +9,7 @@ NAN = float("nan")
 
 
 def _store_fns():
-    from kernels.kv_store import store_kv, store_kv_ref
+    from spillway.kernels.kv_store import store_kv, store_kv_ref
 
     return {"triton": store_kv, "torch": store_kv_ref}
 
@@ -46,7 +46,7 @@ def test_store_writes_exactly_the_mapped_slots(
 
 
 def test_torch_store_without_padding_slots_writes_every_token() -> None:
-    from kernels.kv_store import store_kv_ref
+    from spillway.kernels.kv_store import store_kv_ref
 
     gen = torch.Generator().manual_seed(9)
     slots = torch.randperm(4 * 16, generator=gen)[:10]
@@ -75,7 +75,7 @@ def test_store_casts_to_the_cache_dtype(device: torch.device, impl: str) -> None
 
 
 def test_store_rejects_a_mapping_of_the_wrong_dtype() -> None:
-    from kernels.kv_store import store_kv
+    from spillway.kernels.kv_store import store_kv
 
     k = torch.zeros((2, 1, 16))
     cache = torch.zeros((1, 16, 1, 16))

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from kernels import linear as linear_module
-from kernels.linear import (
+from spillway.kernels import linear as linear_module
+from spillway.kernels.linear import (
     CPU_TRANSPOSED_BELOW,
     FORMS,
     ONEDNN,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.ops import TorchOps
+from spillway.kernels import cpu_native
+from spillway.kernels.ops import TorchOps
 from tests.kernels.paged_cases import dense_attention, make_paged_batch, nan_like
 
 SCALE = 0.125
@@ -68,8 +68,8 @@ def test_torch_ops_mixed_batches_take_the_native_path(native, monkeypatch) -> No
     def no_gather(*args, **kwargs):
         raise AssertionError("a float32 cache's prefill rows went through the gather")
 
-    monkeypatch.setattr("kernels.ops.padded_prefill_attention", no_gather)
-    monkeypatch.setattr("kernels.ops.paged_prefill_attention_ref", no_gather)
+    monkeypatch.setattr("spillway.kernels.ops.padded_prefill_attention", no_gather)
+    monkeypatch.setattr("spillway.kernels.ops.paged_prefill_attention_ref", no_gather)
     # prompts, a decode row, an extend past a cached prefix; unowned slots hold NaN
     batch = make_paged_batch(
         [12, 1, 9, 40], [12, 40, 45, 40], q_heads=9, kv_heads=3, head_dim=64, block_size=16

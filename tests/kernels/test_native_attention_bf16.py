@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_decode_ops, cpu_native
-from kernels.kv_store import store_kv_ref
-from kernels.ops import TorchOps
+from spillway.kernels import cpu_decode_ops, cpu_native
+from spillway.kernels.kv_store import store_kv_ref
+from spillway.kernels.ops import TorchOps
 from tests.kernels.paged_cases import PagedBatch, dense_attention, make_paged_batch, nan_like
 
 SCALE = 0.125
@@ -117,8 +117,8 @@ def test_decode_and_mixed_steps_equal_the_torch_path(native, monkeypatch):
     def no_gather(*a, **k):
         raise AssertionError("a bfloat16 cache's prefill rows went through the gather")
 
-    monkeypatch.setattr("kernels.ops.padded_prefill_attention", no_gather)
-    monkeypatch.setattr("kernels.ops.paged_prefill_attention_ref", no_gather)
+    monkeypatch.setattr("spillway.kernels.ops.padded_prefill_attention", no_gather)
+    monkeypatch.setattr("spillway.kernels.ops.paged_prefill_attention_ref", no_gather)
     got = ops.paged_attention(*args, SCALE)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     torch.testing.assert_close(got.double(), dense_attention(mixed, SCALE), rtol=0, atol=2e-6)
@@ -167,7 +167,7 @@ def test_torch_ops_store_into_a_bf16_cache_natively(ops, tmp_path, monkeypatch):
     def counted(*a, **kw):
         raise AssertionError("the torch store ran for a bfloat16 cache")
 
-    monkeypatch.setattr("kernels.ops.store_kv_ref", counted)
+    monkeypatch.setattr("spillway.kernels.ops.store_kv_ref", counted)
     k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     cache_k, cache_v = (torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16) for _ in range(2))
     torch_ops.store_kv(k, v, cache_k, cache_v, torch.tensor([0, 3, 9, 15, 2]))

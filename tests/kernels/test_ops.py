@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.ops import TorchOps, TritonOps, select_ops
+from spillway.kernels.ops import TorchOps, TritonOps, select_ops
 from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 SCALE = 0.125
@@ -91,7 +91,7 @@ def test_decode_fast_path_agrees(device: torch.device) -> None:
 
 
 def test_norm_and_rotary_methods_agree(device: torch.device) -> None:
-    from kernels.rotary import rope_cache
+    from spillway.kernels.rotary import rope_cache
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn((3, 48), generator=gen).to(device)
@@ -123,7 +123,7 @@ def test_torch_backend_works_without_triton() -> None:
 import sys
 sys.modules["triton"] = None
 import torch
-from kernels.ops import select_ops
+from spillway.kernels.ops import select_ops
 ops = select_ops("auto", "cpu")
 x = torch.randn(2, 8)
 out = ops.rms_norm(x, torch.ones(8), 1e-6)

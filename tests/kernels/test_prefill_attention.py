@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import paged_prefill_attention_ref
+from spillway.kernels.prefill_attention import paged_prefill_attention_ref
 from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 SCALE = 0.125
@@ -26,7 +26,7 @@ def _args(batch):
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_matches_reference(device: torch.device, group: int, block_size: int) -> None:
-    from kernels.prefill_attention import paged_prefill_attention
+    from spillway.kernels.prefill_attention import paged_prefill_attention
 
     # a whole prompt over two query blocks, a decode row, an extend over a cached prefix
     # (a prefix-cache hit or an earlier chunk) and a chunk that ends mid-block
@@ -49,7 +49,7 @@ def test_prefill_matches_reference(device: torch.device, group: int, block_size:
 
 
 def test_prefill_default_tiles_and_exact_grid(device: torch.device) -> None:
-    from kernels.prefill_attention import paged_prefill_attention
+    from spillway.kernels.prefill_attention import paged_prefill_attention
 
     batch = make_paged_batch(
         [5, 2, 1], [5, 30, 17], q_heads=6, kv_heads=2, head_dim=32, block_size=16, device=device
@@ -61,7 +61,7 @@ def test_prefill_default_tiles_and_exact_grid(device: torch.device) -> None:
 
 
 def test_prefill_can_leave_decode_rows_alone(device: torch.device) -> None:
-    from kernels.prefill_attention import paged_prefill_attention
+    from spillway.kernels.prefill_attention import paged_prefill_attention
 
     batch = make_paged_batch(
         [1, 6, 1], [12, 20, 3], q_heads=6, kv_heads=2, head_dim=32, block_size=16, device=device
@@ -75,7 +75,7 @@ def test_prefill_can_leave_decode_rows_alone(device: torch.device) -> None:
 
 
 def test_prefill_float16(device: torch.device) -> None:
-    from kernels.prefill_attention import paged_prefill_attention
+    from spillway.kernels.prefill_attention import paged_prefill_attention
 
     batch = make_paged_batch(
         [16, 4],

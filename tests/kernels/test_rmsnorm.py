@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from spillway.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
 EPS = 1e-5
 
@@ -64,7 +64,7 @@ def test_reference_in_float32_is_bit_identical_to_llama_with_and_without_out() -
 def test_rms_norm_kernel_matches_reference(
     device: torch.device, dtype: torch.dtype, hidden: int
 ) -> None:
-    from kernels.rmsnorm import rms_norm
+    from spillway.kernels.rmsnorm import rms_norm
 
     x, _, weight = _inputs((2, 3, hidden), dtype, seed=hidden, device=device)
     out = torch.full_like(x, float("nan"))
@@ -76,7 +76,7 @@ def test_rms_norm_kernel_matches_reference(
 def test_fused_add_rms_norm_kernel_matches_reference(
     device: torch.device, dtype: torch.dtype
 ) -> None:
-    from kernels.rmsnorm import fused_add_rms_norm
+    from spillway.kernels.rmsnorm import fused_add_rms_norm
 
     x, residual, weight = _inputs((7, 96), dtype, seed=1, device=device)
     ref_residual = residual.clone()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.rotary import heads_together, rope_cache, rotary_factors, rotary_ref
+from spillway.kernels.rotary import heads_together, rope_cache, rotary_factors, rotary_ref
 
 
 def _rotate_f64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -55,7 +55,7 @@ def test_reference_matches_complex_rotation() -> None:
 def test_kernel_matches_reference(
     device: torch.device, dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    from kernels.rotary import rotary
+    from spillway.kernels.rotary import rotary
 
     q, k, positions = _inputs(5, q_heads, kv_heads, head_dim, seed=q_heads)
     q, k = q.to(dtype), k.to(dtype)

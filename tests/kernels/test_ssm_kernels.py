@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ops import TritonOps
-from kernels.ssm_reference import (
+from spillway.kernels.ops import TritonOps
+from spillway.kernels.ssm_reference import (
     causal_conv1d_update_ref,
     gated_delta_rule_step_ref,
     selective_state_update_ref,
@@ -62,7 +62,7 @@ def test_conv_kernel_matches_reference(
     activation: str | None,
     with_bias: bool,
 ) -> None:
-    from kernels.causal_conv1d import causal_conv1d_update
+    from spillway.kernels.causal_conv1d import causal_conv1d_update
 
     slots = slots_tensor(SLOT_LAYOUTS[layout], device)
     x, pool, weight, bias = to(device, *conv_case(len(slots), 40, width, dtype, seed=width))
@@ -81,7 +81,7 @@ def test_conv_kernel_matches_reference(
 def test_ssm_kernel_matches_reference(
     device: torch.device, dtype: torch.dtype, layout: str, groups: int, with_z: bool
 ) -> None:
-    from kernels.selective_state import selective_state_update
+    from spillway.kernels.selective_state import selective_state_update
 
     slots = slots_tensor(SLOT_LAYOUTS[layout], device)
     # head_dim 12 and state 16 leave masked lanes in the head_dim tile
@@ -97,7 +97,7 @@ def test_ssm_kernel_matches_reference(
 
 
 def test_ssm_kernel_without_optional_inputs(device: torch.device) -> None:
-    from kernels.selective_state import selective_state_update
+    from spillway.kernels.selective_state import selective_state_update
 
     slots = slots_tensor(SLOT_LAYOUTS["scattered"], device)
     pool, x, dt, a, b, c, *_ = to(device, *ssm_case(len(slots), 2, 8, 1, 8, torch.float32))
@@ -124,7 +124,7 @@ def test_delta_kernel_matches_reference(
     l2norm: bool,
     scale: float | None,
 ) -> None:
-    from kernels.gated_delta import gated_delta_rule_step
+    from spillway.kernels.gated_delta import gated_delta_rule_step
 
     slots = slots_tensor(SLOT_LAYOUTS[layout], device)
     case = delta_case(len(slots), k_heads, v_heads, k_dim, v_dim, dtype, seed=k_dim)
@@ -162,7 +162,7 @@ def test_triton_ops_run_the_kernels(device: torch.device) -> None:
 
 def test_two_steps_carry_the_state(device: torch.device) -> None:
     """The second step reads what the first wrote (slot order reversed between them)."""
-    from kernels.causal_conv1d import causal_conv1d_update
+    from spillway.kernels.causal_conv1d import causal_conv1d_update
 
     first = slots_tensor([1, 4], device)
     x, pool, weight, bias = to(device, *conv_case(2, 8, 4, torch.float32))
@@ -178,7 +178,7 @@ def test_two_steps_carry_the_state(device: torch.device) -> None:
 def test_ssm_kernel_reads_x_b_c_as_views_of_the_conv_output(device: torch.device) -> None:
     """Mamba2 splits the convolution's output [R, H*P + 2*G*N] into x, B, C: row-strided
     views, read in place."""
-    from kernels.selective_state import selective_state_update
+    from spillway.kernels.selective_state import selective_state_update
 
     slots = slots_tensor(SLOT_LAYOUTS["scattered"], device)
     rows, h, p, g, n = len(slots), 4, 8, 2, 16

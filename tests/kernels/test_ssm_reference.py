@@ -12,9 +12,9 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
-from kernels import ssm_reference
-from kernels.ops import TorchOps
-from kernels.ssm_reference import (
+from spillway.kernels import ssm_reference
+from spillway.kernels.ops import TorchOps
+from spillway.kernels.ssm_reference import (
     causal_conv1d_update_ref,
     gated_delta_rule_step_ref,
     selective_state_update_ref,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_matvec, tuning_cache
+from spillway.kernels import cpu_matvec, tuning_cache
 
 
 @pytest.fixture

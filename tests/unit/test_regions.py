@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.regions import (
+from spillway.shared.regions import (
     Marker,
     RegionMarkers,
     RegionTracker,

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from services.cli.bench.metrics import RequestRecord
-from services.cli.bench.workload import BenchRequest
+from spillway.services.cli.bench.metrics import RequestRecord
+from spillway.services.cli.bench.workload import BenchRequest
 
 Progress = Callable[[RequestRecord], None]
 

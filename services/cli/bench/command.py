@@ -23,23 +23,23 @@ from typing import Any
 
 import httpx
 
-from services.cli.bench import machine as machine_mod
-from services.cli.bench.client import run_requests, served_model
-from services.cli.bench.metrics import summarise
-from services.cli.bench.options import DEFAULT_URL
-from services.cli.bench.peers import (
+from spillway.services.cli.bench import machine as machine_mod
+from spillway.services.cli.bench.client import run_requests, served_model
+from spillway.services.cli.bench.metrics import summarise
+from spillway.services.cli.bench.options import DEFAULT_URL
+from spillway.services.cli.bench.peers import (
     PeerResult,
     agreement,
     run_llama_cpp_peer,
     run_transformers,
 )
-from services.cli.bench.progress import ProgressBar
-from services.cli.bench.report import comparison_table, summary_table, write_json
-from services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
-from services.cli.worker_env import apply_openmp_environment
-from shared.config import load_settings
-from shared.model_config import ModelConfig, load_model_config
-from shared.model_files import ModelNotFound, ModelSource, resolve_model
+from spillway.services.cli.bench.progress import ProgressBar
+from spillway.services.cli.bench.report import comparison_table, summary_table, write_json
+from spillway.services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
+from spillway.services.cli.worker_env import apply_openmp_environment
+from spillway.shared.config import load_settings
+from spillway.shared.model_config import ModelConfig, load_model_config
+from spillway.shared.model_files import ModelNotFound, ModelSource, resolve_model
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -134,7 +134,7 @@ def build_requests(source: ModelSource, workload: Workload) -> list[BenchRequest
 
 
 def _tokenizer(source: ModelSource):
-    from shared.tokenizer_files import load_tokenizer
+    from spillway.shared.tokenizer_files import load_tokenizer
 
     return load_tokenizer(source, load_settings().cache_dir)
 
@@ -168,9 +168,9 @@ async def _load_test(
 
 async def step_split(nats_url: str, namespace: str) -> dict[str, float | None] | None:
     """The scheduler's rolling medians of a step's parts (None when it does not answer)."""
-    from shared.bus import Bus, BusError
-    from shared.protocol import SchedulerStats, StatsRequest
-    from shared.subjects import SCHED_STATS
+    from spillway.shared.bus import Bus, BusError
+    from spillway.shared.protocol import SchedulerStats, StatsRequest
+    from spillway.shared.subjects import SCHED_STATS
 
     try:
         bus = await Bus.connect(nats_url, namespace, "spillway-bench")
@@ -245,8 +245,8 @@ def compare(
 
 
 def measure_perplexity(source: ModelSource) -> dict[str, float]:
-    from services.cli.bench.quality import perplexity_lines
-    from services.worker.quality import perplexities
+    from spillway.services.cli.bench.quality import perplexity_lines
+    from spillway.services.worker.quality import perplexities
 
     ids = _tokenizer(source).encode(TEXT, add_special_tokens=False)
     results = perplexities(source, ids)
@@ -293,8 +293,8 @@ class Launched:
 
     @classmethod
     def start(cls, extra_args: list[str]) -> Launched:
-        from services.cli.launcher import System
-        from services.cli.servers import start_nats, start_redis
+        from spillway.services.cli.launcher import System
+        from spillway.services.cli.servers import start_nats, start_redis
 
         servers = [start_nats(), start_redis()]
         try:

@@ -6,8 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
-from services.cli.bench.workload import DATASETS
-from shared.config import DEFAULT_MODEL
+from spillway.services.cli.bench.workload import DATASETS
+from spillway.shared.config import DEFAULT_MODEL
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

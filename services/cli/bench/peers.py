@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.cli.bench.workload import BenchRequest
-from shared.model_files import ModelSource
+from spillway.services.cli.bench.workload import BenchRequest
+from spillway.shared.model_files import ModelSource
 
 PEER_SCRIPTS = {"llama.cpp": Path(__file__).with_name("llama_cpp_peer.py")}
 

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from services.cli.bench.metrics import RequestRecord
+from spillway.services.cli.bench.metrics import RequestRecord
 
 
 class ProgressBar:

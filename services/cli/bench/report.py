@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.cli.bench.metrics import Stats, Summary
-from services.cli.bench.peers import PeerResult
+from spillway.services.cli.bench.metrics import Stats, Summary
+from spillway.services.cli.bench.peers import PeerResult
 
 
 def _stats_line(name: str, stats: Stats | None) -> str:

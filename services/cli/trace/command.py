@@ -29,13 +29,13 @@ def add_trace_options(p: argparse.ArgumentParser, default_file: str | None) -> N
 
 def trace_main(args: argparse.Namespace) -> int:
     # Imported here: `spillway up` builds this parser too and needs none of it.
-    from services.cli.trace.sources import (
+    from spillway.services.cli.trace.sources import (
         JaegerClient,
         SourceError,
         traces_from_file,
         traces_from_jaeger,
     )
-    from services.cli.trace.timeline import render
+    from spillway.services.cli.trace.timeline import render
 
     ident = args.id.strip()
     try:

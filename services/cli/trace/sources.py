@@ -15,15 +15,15 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from services.cli.trace.spans import (
+from spillway.services.cli.trace.spans import (
     LinesRead,
     TraceSpan,
     jaeger_trace_ids,
     spans_from_jaeger,
     spans_from_otlp_lines,
 )
-from services.cli.trace.timeline import REQUEST_ID_KEYS, find_traces, looks_like_trace_id
-from shared.telemetry import SERVICE_NAMES
+from spillway.services.cli.trace.timeline import REQUEST_ID_KEYS, find_traces, looks_like_trace_id
+from spillway.shared.telemetry import SERVICE_NAMES
 
 # Jaeger's search looks back this far: a trace older than this is found by its trace id.
 JAEGER_LOOKBACK_S = 7 * 24 * 3600

@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from services.cli.trace.spans import TraceSpan
+from spillway.services.cli.trace.spans import TraceSpan
 
 # Attributes that name a request, in the order a lookup tries them: the id every span of
 # a request carries, the gateway's list of its choices' ids, the id in the response body,

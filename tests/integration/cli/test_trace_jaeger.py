@@ -75,7 +75,7 @@ def jaeger():
 
 def spillway_trace(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "trace", *args],
+        [sys.executable, "-P", "-m", "spillway.services.cli.main", "trace", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -123,7 +123,7 @@ def test_an_unknown_id_is_a_clear_error_with_exit_code_1(jaeger):
 
 
 def test_an_unreachable_jaeger_is_a_clear_error(jaeger):
-    from services.cli.servers import free_port
+    from spillway.services.cli.servers import free_port
 
     r = spillway_trace("gw-1", "--jaeger", f"http://127.0.0.1:{free_port()}")
     assert r.returncode == 1

@@ -12,11 +12,11 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.gateway import service as gateway_service
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
-from shared.bus import Bus
-from shared.config import DEFAULT_MODEL, Settings
-from shared.model_files import resolve_model
+from spillway.services.gateway import service as gateway_service
+from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer
+from spillway.shared.bus import Bus
+from spillway.shared.config import DEFAULT_MODEL, Settings
+from spillway.shared.model_files import resolve_model
 from tests.integration.gateway.scheduler_double import SchedulerDouble
 
 MODEL = DEFAULT_MODEL

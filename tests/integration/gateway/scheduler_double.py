@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from shared.beacon import Beacon
-from shared.bus import Bus
-from shared.protocol import (
+from spillway.shared.beacon import Beacon
+from spillway.shared.bus import Bus
+from spillway.shared.protocol import (
     AbortRequest,
     DeltaBatch,
     ErrorInfo,
@@ -43,7 +43,7 @@ from shared.protocol import (
     TokenLogprob,
     decode,
 )
-from shared.subjects import (
+from spillway.shared.subjects import (
     SCHED_ABORT,
     SCHED_HEARTBEAT,
     SCHED_STATS,

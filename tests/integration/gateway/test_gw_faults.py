@@ -11,9 +11,9 @@ import uuid
 import httpx
 import nats
 
-from shared.bus import Bus
-from shared.protocol import DeltaBatch, RequestDelta
-from shared.subjects import gateway_deltas
+from spillway.shared.bus import Bus
+from spillway.shared.protocol import DeltaBatch, RequestDelta
+from spillway.shared.subjects import gateway_deltas
 from tests.clients import END_S, nats_stream, sse_events, stream_finish, stream_text
 from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import REPLY_TEXT, SchedulerDouble

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation.modes import GenerationMode
 
-from shared.bus import Bus
+from spillway.shared.bus import Bus
 from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import SchedulerDouble
 

@@ -15,8 +15,8 @@ import nats
 import pytest
 import pytest_asyncio
 
-from services.gateway.validation import RequestPreparer
-from shared.bus import Bus
+from spillway.services.gateway.validation import RequestPreparer
+from spillway.shared.bus import Bus
 from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import SchedulerDouble
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from shared.bus import Bus
+from spillway.shared.bus import Bus
 from tests.clients import sse_events, stream_finish
 from tests.integration.gateway.conftest import MODEL, gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import REPLY_TEXT, SchedulerDouble

@@ -9,8 +9,8 @@ import uuid
 import httpx
 import pytest
 
-from services.gateway.service import serve
-from shared.bus import Bus
+from spillway.services.gateway.service import serve
+from spillway.shared.bus import Bus
 from tests.integration.gateway.conftest import gateway_settings, start_serving
 from tests.integration.gateway.scheduler_double import SchedulerDouble
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from shared import subjects
-from shared.bus import Bus, BusError
-from shared.protocol import (
+from spillway.shared import subjects
+from spillway.shared.bus import Bus, BusError
+from spillway.shared.protocol import (
     ErrorInfo,
     Heartbeat,
     RegisterReply,

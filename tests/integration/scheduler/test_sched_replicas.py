@@ -9,12 +9,12 @@ from unittest import mock
 
 import pytest
 
-from services.scheduler import fleet as fleet_module
-from services.scheduler.service import serve
-from shared import subjects
-from shared.bus import Bus, BusError
-from shared.config import load_settings
-from shared.protocol import (
+from spillway.services.scheduler import fleet as fleet_module
+from spillway.services.scheduler.service import serve
+from spillway.shared import subjects
+from spillway.shared.bus import Bus, BusError
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import (
     RegisterReply,
     SchedulerLease,
     SchedulerStats,

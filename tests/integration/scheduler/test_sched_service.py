@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.scheduler.service import serve
-from shared import subjects
-from shared.bus import Bus, BusError
-from shared.config import load_settings
-from shared.protocol import (
+from spillway.services.scheduler.service import serve
+from spillway.shared import subjects
+from spillway.shared.bus import Bus, BusError
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import (
     AbortRequest,
     DeltaBatch,
     SamplingParams,

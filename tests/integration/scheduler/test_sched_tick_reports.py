@@ -20,12 +20,12 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.cli.servers import ServerProcess, start_nats
-from services.scheduler.service import serve
-from shared import subjects
-from shared.bus import Bus
-from shared.config import load_settings
-from shared.protocol import TICK_PHASES, SpillStats, StatsRequest, TickReport, decode
+from spillway.services.cli.servers import ServerProcess, start_nats
+from spillway.services.scheduler.service import serve
+from spillway.shared import subjects
+from spillway.shared.bus import Bus
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import TICK_PHASES, SpillStats, StatsRequest, TickReport, decode
 from tests.integration.scheduler.scripted_worker import ScriptedWorker
 from tests.integration.scheduler.test_sched_service import Gateway, _until_stats
 
@@ -228,7 +228,7 @@ async def test_spillway_top_shows_the_scheduler_live_in_a_terminal(guarded, tmp_
     socket = f"spillway-test-{uuid.uuid4().hex[:8]}"
     errors = tmp_path / "top.err"
     command = (
-        f"cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m services.cli.main top "
+        f"cd {ROOT} && {sys.executable} -P -m spillway.services.cli.main top "
         f"--nats-url {g.server.url} --namespace {g.namespace} --window 2 2>{errors}; sleep 60"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TMUX")}

@@ -8,11 +8,11 @@ import contextlib
 
 import redis.asyncio as aioredis
 
-from services.cli.servers import start_redis
-from services.spillstore.service import serve
-from shared.bus import Bus
-from shared.config import load_settings
-from shared.protocol import (
+from spillway.services.cli.servers import start_redis
+from spillway.services.spillstore.service import serve
+from spillway.shared.bus import Bus
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import (
     Heartbeat,
     PrefixLookup,
     PrefixLookupReply,
@@ -23,8 +23,8 @@ from shared.protocol import (
     StatsRequest,
     WorkerInfo,
 )
-from shared.spill_keys import SpillKeys
-from shared.subjects import (
+from spillway.shared.spill_keys import SpillKeys
+from spillway.shared.subjects import (
     SPILL_DROP,
     SPILL_PREFIX_LOOKUP,
     SPILL_RECORDED,

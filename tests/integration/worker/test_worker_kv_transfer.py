@@ -11,10 +11,10 @@ import pytest
 import redis
 import torch
 
-from services.cli.servers import start_redis
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from services.worker.runner import ModelRunner
-from shared.protocol import (
+from spillway.services.cli.servers import start_redis
+from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import (
     KVRestore,
     KVSpill,
     NewSequence,
@@ -25,7 +25,7 @@ from shared.protocol import (
     StepPlan,
     StepRow,
 )
-from shared.spill_keys import SpillKeys
+from spillway.shared.spill_keys import SpillKeys
 from tests.unit.worker.conftest import tiny_llama_dir  # noqa: F401 (fixture)
 from tests.unit.worker.tiny_llama import tiny_runner
 
@@ -223,7 +223,7 @@ def test_a_store_that_refuses_writes_fails_the_spill_in_words_not_bytes(tiny_lla
         d.generate(2)
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", 1)  # above it: every write refused
-        with caplog.at_level("DEBUG", logger="services.worker.kv_transfer"):
+        with caplog.at_level("DEBUG", logger="spillway.services.worker.kv_transfer"):
             spill = KVSpill(seq_id="s", spill_id=1, block_ids=[0, 1])
             result = r.execute(d.plan(d.blocks, spills=[spill]))
         outcome = result.spills[0]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.kv_transfer import KVTransfer, connect_kv_store
-from services.worker.runner import ModelRunner
-from shared.protocol import KVRestore, KVSpill, NewSequence, SamplingParams
-from shared.spill_keys import SpillKeys
+from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import KVRestore, KVSpill, NewSequence, SamplingParams
+from spillway.shared.spill_keys import SpillKeys
 from tests.integration.worker.test_worker_kv_transfer import Driver, _reset
 from tests.unit.worker.tiny_families import save_tiny_family
 from tests.unit.worker.tiny_llama import tiny_runner

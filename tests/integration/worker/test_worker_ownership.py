@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from services.worker.service import serve
-from shared import subjects
-from shared.bus import Bus
-from shared.config import load_settings
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepResult, StepRow
+from spillway.services.worker.service import serve
+from spillway.shared import subjects
+from spillway.shared.bus import Bus
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepResult, StepRow
 from tests.integration.worker.test_worker_service import (
     LOAD_TIMEOUT_S,
     SchedulerDouble,

@@ -10,12 +10,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.worker.service import serve
-from shared import subjects
-from shared.beacon import Beacon
-from shared.bus import Bus, BusError
-from shared.config import load_settings
-from shared.protocol import (
+from spillway.services.worker.service import serve
+from spillway.shared import subjects
+from spillway.shared.beacon import Beacon
+from spillway.shared.bus import Bus, BusError
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import (
     AbortRequest,
     Heartbeat,
     NewSequence,
@@ -27,7 +27,7 @@ from shared.protocol import (
     StepRow,
     WorkerInfo,
 )
-from shared.telemetry import Telemetry, inject
+from spillway.shared.telemetry import Telemetry, inject
 from tests.unit.worker.tiny_llama import (
     TINY_VOCAB,
     tiny_runner,

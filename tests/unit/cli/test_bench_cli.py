@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli.main import build_parser, main
+from spillway.services.cli.main import build_parser, main
 
 
 def test_bench_options_default_to_the_p1_workload():
@@ -42,8 +42,8 @@ def test_a_subprocess_peer_runs_with_the_environment_it_is_given(tmp_path, monke
     import os
     import sys
 
-    from services.cli.bench import peers
-    from services.cli.bench.workload import BenchRequest
+    from spillway.services.cli.bench import peers
+    from spillway.services.cli.bench.workload import BenchRequest
 
     script = tmp_path / "peer.py"
     script.write_text(
@@ -68,8 +68,8 @@ def test_llama_cpp_crashing_with_its_extra_buffers_runs_again_without_them(tmp_p
     without them, and its note says so; one that runs is run once, as it comes."""
     import sys
 
-    from services.cli.bench import peers
-    from services.cli.bench.workload import BenchRequest
+    from spillway.services.cli.bench import peers
+    from spillway.services.cli.bench.workload import BenchRequest
 
     calls = tmp_path / "calls"
     script = tmp_path / "peer.py"

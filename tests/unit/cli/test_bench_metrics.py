@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from services.cli.bench.command import bound_tokens_per_s, flops_per_request
-from services.cli.bench.metrics import RequestRecord, Stats, summarise
-from services.cli.bench.peers import PeerResult, agreement
-from services.cli.bench.report import comparison_table, summary_table, write_json
-from services.cli.bench.workload import BenchRequest
-from shared.model_config import ModelConfig
+from spillway.services.cli.bench.command import bound_tokens_per_s, flops_per_request
+from spillway.services.cli.bench.metrics import RequestRecord, Stats, summarise
+from spillway.services.cli.bench.peers import PeerResult, agreement
+from spillway.services.cli.bench.report import comparison_table, summary_table, write_json
+from spillway.services.cli.bench.workload import BenchRequest
+from spillway.shared.model_config import ModelConfig
 
 
 def _record(index, sent, chunks, out_tokens, prompt=10, error=None):

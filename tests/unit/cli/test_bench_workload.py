@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.cli.bench.workload import (
+from spillway.services.cli.bench.workload import (
     BenchRequest,
     Workload,
     arrival_times,

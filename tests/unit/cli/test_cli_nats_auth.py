@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.nats_auth import (
+from spillway.services.cli.nats_auth import (
     CLIENT_USER,
     SERVICES,
     authorization_block,
@@ -17,7 +17,7 @@ from services.cli.nats_auth import (
     permissions,
     server_config,
 )
-from services.cli.servers import find_binary
+from spillway.services.cli.servers import find_binary
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from services.cli.supervisor import RestartPolicy, RestartTracker
-from services.cli.up import StartupError, supervise
-from shared.clock import FakeClock
+from spillway.services.cli.supervisor import RestartPolicy, RestartTracker
+from spillway.services.cli.up import StartupError, supervise
+from spillway.shared.clock import FakeClock
 
 
 def test_restarts_back_off_doubling_up_to_a_cap():

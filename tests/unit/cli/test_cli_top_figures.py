@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from services.cli.main import main
-from services.cli.top import render
-from services.cli.top_figures import TopFigures
-from shared.clock import FakeClock
-from shared.protocol import (
+from spillway.services.cli.main import main
+from spillway.services.cli.top import render
+from spillway.services.cli.top_figures import TopFigures
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import (
     TICK_PHASES,
     PreemptedRequest,
     SwappedInRequest,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from services.cli.trace.spans import spans_from_jaeger, spans_from_otlp_lines
-from services.cli.trace.timeline import find_traces, ordered_tree, render
+from spillway.services.cli.trace.spans import spans_from_jaeger, spans_from_otlp_lines
+from spillway.services.cli.trace.timeline import find_traces, ordered_tree, render
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 OTHER_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -189,7 +189,7 @@ def test_a_failed_span_says_so():
 
 
 def test_a_trace_file_gives_only_the_named_trace_even_from_batched_lines(tmp_path):
-    from services.cli.trace.sources import traces_from_file
+    from spillway.services.cli.trace.sources import traces_from_file
 
     # One line may hold a whole export batch (another OTLP writer's file): spans of two
     # traces in one line are told apart.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.cli.worker_env import apply_openmp_environment, openmp_environment
-from shared.config import load_settings
+from spillway.services.cli.worker_env import apply_openmp_environment, openmp_environment
+from spillway.shared.config import load_settings
 
 
 def test_passive_waiting_by_default_and_the_thread_count_when_set():

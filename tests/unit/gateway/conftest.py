@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer_folder
-from shared.config import DEFAULT_MODEL, Settings
-from shared.model_files import resolve_model
-from shared.tokenizer_files import cache_folder, convert_tokenizer
+from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer_folder
+from spillway.shared.config import DEFAULT_MODEL, Settings
+from spillway.shared.model_files import resolve_model
+from spillway.shared.tokenizer_files import cache_folder, convert_tokenizer
 
 
 @pytest.fixture(scope="session")

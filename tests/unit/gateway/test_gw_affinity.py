@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from services.gateway.affinity import PrefixAffinity
-from shared.protocol import SchedulerLease
+from spillway.services.gateway.affinity import PrefixAffinity
+from spillway.shared.protocol import SchedulerLease
 
 WINDOW = 4
 

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from services.gateway.errors import ApiError
-from services.gateway.sampling_fields import SamplingDefaults
-from services.gateway.structured_output import GrammarBuilder, check_schema
-from services.gateway.tokenizer import load_tokenizer_folder
-from services.gateway.validation import ModelInfo, RequestPreparer
-from shared.protocol import RegionSampling
-from shared.regions import detect_markers
+from spillway.services.gateway.errors import ApiError
+from spillway.services.gateway.sampling_fields import SamplingDefaults
+from spillway.services.gateway.structured_output import GrammarBuilder, check_schema
+from spillway.services.gateway.tokenizer import load_tokenizer_folder
+from spillway.services.gateway.validation import ModelInfo, RequestPreparer
+from spillway.shared.protocol import RegionSampling
+from spillway.shared.regions import detect_markers
 from tests.unit.worker.think_llama import save_think_llama
 
 MODEL = "SmolLM2-135M-Instruct"

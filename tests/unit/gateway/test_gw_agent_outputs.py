@@ -6,11 +6,16 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from services.gateway.choice_output import ChoiceOutput, OutputOptions
-from services.gateway.responses import ChunkBuilder, ResponseMeta, completion_body, usage_of
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer_folder
-from shared.protocol import RequestDelta
-from shared.regions import detect_markers
+from spillway.services.gateway.choice_output import ChoiceOutput, OutputOptions
+from spillway.services.gateway.responses import (
+    ChunkBuilder,
+    ResponseMeta,
+    completion_body,
+    usage_of,
+)
+from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer_folder
+from spillway.shared.protocol import RequestDelta
+from spillway.shared.regions import detect_markers
 from tests.unit.worker.think_llama import save_think_llama
 
 META = ResponseMeta(id="chatcmpl-1", created=1, model="m", kind="chat", want_logprobs=False)

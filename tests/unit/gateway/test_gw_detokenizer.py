@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from spillway.services.gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 ALPHABET = (
     "abcdefghijklmnopqrstuvwxyz ABC 0123456789 .,;:!?'\"()[]{}\n\t"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.failover import (
+from spillway.services.gateway.failover import (
     NO_SCHEDULER,
     Failover,
     GiveUp,
@@ -14,7 +14,7 @@ from services.gateway.failover import (
     State,
     in_order,
 )
-from shared.protocol import RequestDelta, SampledLogprobs
+from spillway.shared.protocol import RequestDelta, SampledLogprobs
 
 
 def running_on(scheduler: str, sent: int = 0, timeout_s: float = 30.0) -> Failover:

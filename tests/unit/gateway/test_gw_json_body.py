@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from services.gateway.errors import ApiError
-from services.gateway.json_body import MAX_JSON_DEPTH, parse_json_body
+from spillway.services.gateway.errors import ApiError
+from spillway.services.gateway.json_body import MAX_JSON_DEPTH, parse_json_body
 
 
 def _refused(raw: bytes) -> ApiError:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.metrics import GatewayMetrics, TokenTimer, spill_health
-from services.scheduler.phase_stats import PhaseStats
-from services.scheduler.preemption import spill_status
-from shared.protocol import SchedulerLease, SchedulerStats, SpillStats, WorkerLoad
+from spillway.services.gateway.metrics import GatewayMetrics, TokenTimer, spill_health
+from spillway.services.scheduler.phase_stats import PhaseStats
+from spillway.services.scheduler.preemption import spill_status
+from spillway.shared.protocol import SchedulerLease, SchedulerStats, SpillStats, WorkerLoad
 
 CONTRACT_NAMES = [
     "spillway_time_to_first_token_seconds_bucket",

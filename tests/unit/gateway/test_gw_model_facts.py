@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.gateway import model_facts
-from services.gateway.model_facts import ModelFacts, load_model_facts
-from shared.config import DEFAULT_MODEL
-from shared.model_files import ModelSource, resolve_model
+from spillway.services.gateway import model_facts
+from spillway.services.gateway.model_facts import ModelFacts, load_model_facts
+from spillway.shared.config import DEFAULT_MODEL
+from spillway.shared.model_files import ModelSource, resolve_model
 
 
 def test_gguf_facts_are_read_once_then_cached(tmp_path, monkeypatch):

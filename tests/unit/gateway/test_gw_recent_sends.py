@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from services.gateway.recent_sends import RecentSends
-from services.gateway.scheduler_watch import SchedulerWatch
-from shared.clock import FakeClock
-from shared.protocol import SchedulerLease
+from spillway.services.gateway.recent_sends import RecentSends
+from spillway.services.gateway.scheduler_watch import SchedulerWatch
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import SchedulerLease
 
 
 def lease(sid: str, running: int = 0, waiting: int = 0) -> SchedulerLease:

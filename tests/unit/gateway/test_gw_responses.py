@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.choice_output import ChoiceOutput, OutputOptions
-from services.gateway.responses import (
+from spillway.services.gateway.choice_output import ChoiceOutput, OutputOptions
+from spillway.services.gateway.responses import (
     ChunkBuilder,
     ResponseMeta,
     Usage,
@@ -13,7 +13,7 @@ from services.gateway.responses import (
     models_body,
     usage_of,
 )
-from shared.protocol import ErrorInfo, RequestDelta, SampledLogprobs, TokenLogprob
+from spillway.shared.protocol import ErrorInfo, RequestDelta, SampledLogprobs, TokenLogprob
 
 
 def deltas_for(ids: list[int], per_delta: int = 1, finish: str = "length") -> list[RequestDelta]:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.gateway.stop_strings import StopStringMatcher
+from spillway.services.gateway.stop_strings import StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, str | None]:

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
-from services.gateway.chat_template import ChatTemplate, ChatTemplateError
-from services.gateway.tokenizer import load_tokenizer, load_tokenizer_folder
-from shared import tokenizer_files as tokenizer_module
-from shared.config import DEFAULT_MODEL
-from shared.model_files import ModelSource, resolve_model
+from spillway.services.gateway.chat_template import ChatTemplate, ChatTemplateError
+from spillway.services.gateway.tokenizer import load_tokenizer, load_tokenizer_folder
+from spillway.shared import tokenizer_files as tokenizer_module
+from spillway.shared.config import DEFAULT_MODEL
+from spillway.shared.model_files import ModelSource, resolve_model
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],

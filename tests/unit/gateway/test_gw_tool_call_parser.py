@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from services.gateway.tool_call_parser import ToolCallDelta, ToolCallParser
+from spillway.services.gateway.tool_call_parser import ToolCallDelta, ToolCallParser
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.gateway.errors import ApiError
-from services.gateway.json_body import parse_json_body
-from services.gateway.validation import ModelInfo, RequestPreparer, kind_of
+from spillway.services.gateway.errors import ApiError
+from spillway.services.gateway.json_body import parse_json_body
+from spillway.services.gateway.validation import ModelInfo, RequestPreparer, kind_of
 
 MODEL = "SmolLM2-135M-Instruct"
 MSG = [{"role": "user", "content": "hi"}]

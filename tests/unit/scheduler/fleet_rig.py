@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.fleet import Fleet, FleetSettings
-from services.scheduler.fleet_effects import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.fleet import Fleet, FleetSettings
+from spillway.services.scheduler.fleet_effects import (
     Answered,
     DropSpills,
     Effect,
@@ -17,7 +17,7 @@ from services.scheduler.fleet_effects import (
     SendDeltas,
     SendStep,
 )
-from services.scheduler.fleet_events import (
+from spillway.services.scheduler.fleet_events import (
     Event,
     HeartbeatHeard,
     StepLost,
@@ -27,8 +27,8 @@ from services.scheduler.fleet_events import (
     Woken,
     WorkerRegistered,
 )
-from shared.clock import FakeClock
-from shared.protocol import ErrorInfo, Heartbeat, StepResult, WorkerInfo
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import ErrorInfo, Heartbeat, StepResult, WorkerInfo
 from tests.unit.scheduler.harness import (
     FakeWorker,
     Outcome,

@@ -13,17 +13,17 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.deltas import merge_deltas
-from services.scheduler.observer import NullObserver
-from services.scheduler.pipeline import Pipeline as LanePipeline
-from services.scheduler.pipeline import PipelineSettings
-from services.scheduler.registry import RegisteredWorker
-from services.scheduler.sequence import Sequence
-from services.scheduler.step_timing import StepTimings
-from shared.clock import FakeClock
-from shared.protocol import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.deltas import merge_deltas
+from spillway.services.scheduler.observer import NullObserver
+from spillway.services.scheduler.pipeline import Pipeline as LanePipeline
+from spillway.services.scheduler.pipeline import PipelineSettings
+from spillway.services.scheduler.registry import RegisteredWorker
+from spillway.services.scheduler.sequence import Sequence
+from spillway.services.scheduler.step_timing import StepTimings
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import (
     ErrorInfo,
     RequestDelta,
     RowResult,

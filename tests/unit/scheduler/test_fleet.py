@@ -5,8 +5,8 @@ moved request must go on exactly where it was (no token lost or repeated)."""
 
 from __future__ import annotations
 
-from services.scheduler.fleet import HANDED_BACK
-from services.scheduler.fleet_events import (
+from spillway.services.scheduler.fleet import HANDED_BACK
+from spillway.services.scheduler.fleet_events import (
     Aborted,
     BusReconnected,
     DrainExpired,
@@ -15,8 +15,8 @@ from services.scheduler.fleet_events import (
     LeaseHeard,
     Stopped,
 )
-from services.scheduler.pipeline import MAX_LOST_STEPS
-from shared.protocol import GATEWAY_TIMEOUT_S, SchedulerLease
+from spillway.services.scheduler.pipeline import MAX_LOST_STEPS
+from spillway.shared.protocol import GATEWAY_TIMEOUT_S, SchedulerLease
 from tests.unit.scheduler.fleet_rig import FleetRig
 from tests.unit.scheduler.harness import expected_tokens
 

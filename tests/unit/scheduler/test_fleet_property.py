@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.fleet_events import (
+from spillway.services.scheduler.fleet_events import (
     Aborted,
     BusReconnected,
     GatewayBeatHeard,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.gateway.metrics import SchedulerStatsCollector
-from services.scheduler.moe_stats import MoEStats
-from shared.protocol import SchedulerStats, StepResult, WorkerLoad
+from spillway.services.gateway.metrics import SchedulerStatsCollector
+from spillway.services.scheduler.moe_stats import MoEStats
+from spillway.shared.protocol import SchedulerStats, StepResult, WorkerLoad
 
 
 def test_steps_add_up_per_expert_and_exchange():

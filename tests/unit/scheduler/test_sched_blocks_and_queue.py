@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request_queue import RequestQueue
-from services.scheduler.sequence import Sequence
+from spillway.services.scheduler.block_manager import BlockManager
+from spillway.services.scheduler.request_queue import RequestQueue
+from spillway.services.scheduler.sequence import Sequence
 from tests.unit.scheduler.harness import submit_request
 
 

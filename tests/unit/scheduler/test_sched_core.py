@@ -182,7 +182,7 @@ def test_rows_are_sorted_by_kv_slot_not_by_scheduling_rank():
 
 
 def test_logprobs_from_the_worker_reach_the_delta():
-    from shared.protocol import RowResult, SampledLogprobs, StepResult
+    from spillway.shared.protocol import RowResult, SampledLogprobs, StepResult
 
     core, _ = make_core()
     submit(core, "r", max_tokens=1)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.gateway_watch import GatewayWatch
-from shared.clock import FakeClock
+from spillway.services.scheduler.gateway_watch import GatewayWatch
+from spillway.shared.clock import FakeClock
 
 
 def test_a_gateway_heard_then_silent_past_the_timeout_is_dead_once():

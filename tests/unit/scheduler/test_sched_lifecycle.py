@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from shared.clock import FakeClock
-from shared.protocol import ErrorInfo, RowResult, StepResult
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import ErrorInfo, RowResult, StepResult
 from tests.unit.scheduler.harness import (
     FakeWorker,
     Outcome,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import itertools
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.placement import Candidate, place
-from services.scheduler.sequence import SequenceStatus
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.placement import Candidate, place
+from spillway.services.scheduler.sequence import SequenceStatus
 from tests.unit.scheduler.harness import (
     FakeWorker,
     Outcome,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import itertools
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.prefill_budget import PrefillBudget
-from shared.clock import FakeClock
-from shared.protocol import StepPlan, StepResult
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.prefill_budget import PrefillBudget
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import StepPlan, StepResult
 from tests.unit.scheduler.harness import (
     FakeWorker,
     collect,

@@ -4,8 +4,8 @@ contents, so a wrong hit fails the test)."""
 
 from __future__ import annotations
 
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.prefix_hash import chain_hash, extend_hashes, layout_root
+from spillway.services.scheduler.block_manager import BlockManager
+from spillway.services.scheduler.prefix_hash import chain_hash, extend_hashes, layout_root
 from tests.unit.scheduler.harness import (
     FakeWorker,
     Outcome,

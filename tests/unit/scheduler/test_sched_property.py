@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.prefix_hash import hash_hex
+from spillway.services.scheduler.prefix_hash import hash_hex
 from tests.unit.scheduler.harness import (
     FakeWorker,
     Outcome,

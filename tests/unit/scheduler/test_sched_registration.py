@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.registry import WorkerRegistry, registration_error
-from shared.clock import FakeClock
-from shared.protocol import Heartbeat
+from spillway.services.scheduler.registry import WorkerRegistry, registration_error
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import Heartbeat
 from tests.unit.scheduler.harness import worker_info
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import services.scheduler as package
-from services.scheduler.deltas import merge_deltas
-from services.scheduler.registry import WorkerRegistry
-from shared.clock import FakeClock
-from shared.protocol import ErrorInfo, Heartbeat, RequestDelta, SampledLogprobs
+import spillway.services.scheduler as package
+from spillway.services.scheduler.deltas import merge_deltas
+from spillway.services.scheduler.registry import WorkerRegistry
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import ErrorInfo, Heartbeat, RequestDelta, SampledLogprobs
 from tests.unit.scheduler.harness import worker_info
 
 

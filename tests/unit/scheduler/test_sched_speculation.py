@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.speculation import (
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.scheduler.speculation import (
     BACKOFF_TOKENS,
     DRAFT_COST,
     MISS_BACKOFF_TOKENS,
@@ -19,8 +19,8 @@ from services.scheduler.speculation import (
     expected_accepted,
     merged,
 )
-from shared.clock import FakeClock
-from shared.protocol import RowResult, SamplingParams, StepPlan, StepResult, SubmitRequest
+from spillway.shared.clock import FakeClock
+from spillway.shared.protocol import RowResult, SamplingParams, StepPlan, StepResult, SubmitRequest
 from tests.unit.scheduler.harness import worker_info
 
 

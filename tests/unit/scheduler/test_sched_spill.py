@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.preemption import PreemptionPolicy
+from spillway.services.scheduler.preemption import PreemptionPolicy
 from tests.unit.scheduler.harness import (
     EOS,
     FakeWorker,

@@ -3,8 +3,8 @@ writes, and spills refused lately, read as degraded, with the reason in words.""
 
 from __future__ import annotations
 
-from services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
-from shared.protocol import SpillStats
+from spillway.services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
+from spillway.shared.protocol import SpillStats
 
 OOM = "OutOfMemoryError: command not allowed when used memory > 'maxmemory'."
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.state_slots import StateSlots
-from shared.protocol import SpillOutcome, StepPlan, StepResult
+from spillway.services.scheduler.state_slots import StateSlots
+from spillway.shared.protocol import SpillOutcome, StepPlan, StepResult
 from tests.unit.scheduler.harness import (
     FakeWorker,
     Pipeline,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from services.scheduler.core import SchedulerCore
-from shared.protocol import TICK_PHASES, ErrorInfo, TickReport
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.shared.protocol import TICK_PHASES, ErrorInfo, TickReport
 from tests.unit.scheduler.harness import FakeWorker, Outcome, collect, make_core, submit, tick
 
 BS = 4

@@ -7,10 +7,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.scheduler.phase_stats import PhaseStats
-from services.scheduler.tracing import SEED_PHASES, SpanObserver
-from shared.clock import FakeClock
-from shared.telemetry import Telemetry
+from spillway.services.scheduler.phase_stats import PhaseStats
+from spillway.services.scheduler.tracing import SEED_PHASES, SpanObserver
+from spillway.shared.clock import FakeClock
+from spillway.shared.telemetry import Telemetry
 from tests.unit.scheduler.harness import FakeWorker, Pipeline, make_core, submit_request, tick
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.step_timing import StepTimings
+from spillway.services.scheduler.step_timing import StepTimings
 
 
 def test_bus_and_store_shares_of_a_step():

@@ -11,10 +11,10 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
-from shared import gguf_file
-from shared.gguf_file import GGUFFormatError, SkippedArray, open_gguf, parse_gguf
-from shared.model_config import load_model_config
-from shared.model_files import DEFAULT_MODEL, resolve_model
+from spillway.shared import gguf_file
+from spillway.shared.gguf_file import GGUFFormatError, SkippedArray, open_gguf, parse_gguf
+from spillway.shared.model_config import load_model_config
+from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 
 
 def _same_as_reader(path) -> gguf_file.GGUFFile:

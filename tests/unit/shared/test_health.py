@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from shared.health import (
+from spillway.shared.health import (
     HealthBeat,
     Readiness,
     check_health_file,

@@ -8,8 +8,8 @@ import logging
 
 from opentelemetry import trace
 
-from shared.json_logs import JsonLogFormatter
-from shared.telemetry import Telemetry
+from spillway.shared.json_logs import JsonLogFormatter
+from spillway.shared.telemetry import Telemetry
 
 
 def _logger() -> tuple[logging.Logger, io.StringIO]:

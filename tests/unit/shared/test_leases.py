@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from services.worker.ownership import Ownership
-from shared.clock import FakeClock
-from shared.leases import LeaseBook, StallGuard, least, load_of
-from shared.protocol import SchedulerLease
+from spillway.services.worker.ownership import Ownership
+from spillway.shared.clock import FakeClock
+from spillway.shared.leases import LeaseBook, StallGuard, least, load_of
+from spillway.shared.protocol import SchedulerLease
 
 
 def lease(sid: str, worker: str | None = "w", running: int = 0, **fields) -> SchedulerLease:

@@ -10,7 +10,7 @@ import redis
 import torch
 from pydantic import BaseModel, ValidationError
 
-from shared.log_safety import BINARY, error_text, safe_text, size_text
+from spillway.shared.log_safety import BINARY, error_text, safe_text, size_text
 
 KV_VALUE = bytes(range(256)) * 64 + os.urandom(4096)
 # What the end-to-end check calls binary in a log line.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.model_config import _from_hf_config
+from spillway.shared.model_config import _from_hf_config
 
 BASE = {
     "vocab_size": 256,

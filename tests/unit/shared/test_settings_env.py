@@ -4,7 +4,7 @@ MODEL or API_KEY must not change what is served or who may call it)."""
 
 from __future__ import annotations
 
-from shared.config import DEFAULT_MODEL, Settings, load_settings
+from spillway.shared.config import DEFAULT_MODEL, Settings, load_settings
 
 
 def test_prefixed_and_ecosystem_names_configure_and_bare_field_names_do_not(monkeypatch):

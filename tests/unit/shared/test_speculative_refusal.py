@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shared.config import Settings
-from shared.speculative import speculation_refusal
+from spillway.shared.config import Settings
+from spillway.shared.speculative import speculation_refusal
 
 DENSE = SimpleNamespace(architecture="llama", hybrid=None, num_mtp_layers=0)
 HYBRID = SimpleNamespace(architecture="qwen3_next", hybrid=object(), num_mtp_layers=0)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.trace.spans import spans_from_otlp_lines
-from shared.telemetry import Telemetry
+from spillway.services.cli.trace.spans import spans_from_otlp_lines
+from spillway.shared.telemetry import Telemetry
 
 SPANS_PER_WRITER = 150
 

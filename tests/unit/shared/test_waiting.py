@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from shared.waiting import raise_if_cancelled, wait_event
+from spillway.shared.waiting import raise_if_cancelled, wait_event
 
 
 async def test_a_swallowed_cancellation_is_raised_again_and_a_plain_task_goes_on():

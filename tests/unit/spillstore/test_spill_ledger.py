@@ -3,8 +3,8 @@ record, and orphans of silent workers."""
 
 from __future__ import annotations
 
-from services.spillstore.ledger import SpillLedger
-from shared.protocol import SpillRecord
+from spillway.services.spillstore.ledger import SpillLedger
+from spillway.shared.protocol import SpillRecord
 
 
 def _rec(seq: str, spill_id: int = 1, worker: str = "w1", num_bytes: int = 100) -> SpillRecord:

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from services.worker.ep_group import follow, leave
-from services.worker.expert_parallel import EXCHANGES
-from services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
-from services.worker.loader import load_model
-from services.worker.model import ForwardBatch, LlamaModel
-from services.worker.runner import ModelRunner, load_runner
-from shared.config import load_settings
-from shared.model_files import resolve_model
+from spillway.services.worker.ep_group import follow, leave
+from spillway.services.worker.expert_parallel import EXCHANGES
+from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
+from spillway.services.worker.loader import load_model
+from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.model_files import resolve_model
 from tests.unit.worker.plans import generate
 
 PROMPTS = [[1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5], [1, 200], [1, 64, 65, 66, 67, 68, 9]]

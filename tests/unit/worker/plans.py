@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from services.worker.kv_cache import blocks_needed
-from services.worker.runner import ModelRunner
-from shared.protocol import NewSequence, SamplingParams, SequenceUpdate, StepPlan, StepRow
+from spillway.services.worker.kv_cache import blocks_needed
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import NewSequence, SamplingParams, SequenceUpdate, StepPlan, StepRow
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.expert_parallel import ExpertGroup, token_range
-from shared.expert_parallel import expert_range
+from spillway.services.worker.expert_parallel import ExpertGroup, token_range
+from spillway.shared.expert_parallel import expert_range
 from tests.unit.worker import ep_ranks
 from tests.unit.worker.tiny_families import (
     load_reference,
@@ -158,10 +158,10 @@ def test_unknown_exchange_is_refused():
 
 
 def test_a_dense_model_or_a_bad_group_is_refused(tmp_path, folders):
-    from shared.config import load_settings
-    from shared.expert_parallel import check_expert_parallel
-    from shared.model_config import load_model_config
-    from shared.model_files import resolve_model
+    from spillway.shared.config import load_settings
+    from spillway.shared.expert_parallel import check_expert_parallel
+    from spillway.shared.model_config import load_model_config
+    from spillway.shared.model_files import resolve_model
     from tests.unit.worker.tiny_llama import write_synthetic_config
 
     dense_path = write_synthetic_config(tmp_path)
@@ -221,7 +221,7 @@ def test_a_rank_that_dies_or_hangs_takes_the_group_down(folders, victim, how):
 
 
 def test_a_broken_group_says_so_once_and_issues_nothing_more():
-    from services.worker.expert_parallel import GroupBroken
+    from spillway.services.worker.expert_parallel import GroupBroken
 
     said: list[str] = []
     group = ExpertGroup(0, 2, on_broken=said.append)

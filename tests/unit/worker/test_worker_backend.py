@@ -8,10 +8,10 @@ import argparse
 import pytest
 import torch
 
-from services.cli.options import add_options, as_arguments, overrides_from
-from services.worker.runner import graphs_wanted, load_runner
-from shared.config import Settings, load_settings
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.services.cli.options import add_options, as_arguments, overrides_from
+from spillway.services.worker.runner import graphs_wanted, load_runner
+from spillway.shared.config import Settings, load_settings
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import TINY_VOCAB
 
 GREEDY = SamplingParams(temperature=0.0)

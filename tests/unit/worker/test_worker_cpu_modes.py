@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from kernels.linear import FORMS
-from kernels.ops import TorchOps
-from services.worker import loader
-from services.worker.model import LlamaModel, configure_threads
-from services.worker.quality import perplexity
-from services.worker.runner import load_runner
-from shared.config import load_settings
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.kernels.linear import FORMS
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker import loader
+from spillway.services.worker.model import LlamaModel, configure_threads
+from spillway.services.worker.quality import perplexity
+from spillway.services.worker.runner import load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import TINY_VOCAB, tiny_runner
 
 TEXT = [random.Random(5).randrange(3, TINY_VOCAB) for _ in range(70)]

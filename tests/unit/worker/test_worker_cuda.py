@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.runner import load_runner
-from shared.config import load_settings
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.services.worker.runner import load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.plans import generate
 
 pytestmark = [

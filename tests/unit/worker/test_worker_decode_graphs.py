@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from services.worker.cuda_graphs import (
+from spillway.services.worker.cuda_graphs import (
     bucket_for,
     graph_batch_sizes,
     pad_decode_batch,
 )
-from services.worker.runner import ModelRunner
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.plans import generate
 from tests.unit.worker.tiny_llama import tiny_runner
 

@@ -8,16 +8,16 @@ import copy
 import pytest
 import torch
 
-from kernels import cpu_matvec
-from kernels.cpu_decode_layers import Geometry
-from kernels.cpu_matvec import BlockWeight
-from kernels.ops import TorchOps
-from services.worker.kv_cache import KVCache
-from services.worker.model import LlamaModel
-from services.worker.runner import ModelRunner
-from services.worker.synthetic import synthetic_weights
-from shared.model_config import ModelConfig
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.kernels import cpu_matvec
+from spillway.kernels.cpu_decode_layers import Geometry
+from spillway.kernels.cpu_matvec import BlockWeight
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.runner import ModelRunner
+from spillway.services.worker.synthetic import synthetic_weights
+from spillway.shared.model_config import ModelConfig
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 CONFIG = ModelConfig(
     architecture="llama",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.draft_states import DraftStates
-from services.worker.state_pool import StateLayerSpec, StatePool
-from shared.protocol import StepRow
+from spillway.services.worker.draft_states import DraftStates
+from spillway.services.worker.state_pool import StateLayerSpec, StatePool
+from spillway.shared.protocol import StepRow
 
 SPECS = [StateLayerSpec("mamba2", 2, 3, (1, 2, 2)), None]
 

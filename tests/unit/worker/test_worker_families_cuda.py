@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.worker.info import worker_info
-from services.worker.runner import load_runner
-from shared.clock import FakeClock
-from shared.config import load_settings
-from shared.protocol import SamplingParams, SubmitRequest
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.core import SchedulerCore
+from spillway.services.worker.info import worker_info
+from spillway.services.worker.runner import load_runner
+from spillway.shared.clock import FakeClock
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import SamplingParams, SubmitRequest
 from tests.unit.worker.tiny_families import (
     FAMILIES,
     HYBRID_FAMILIES,

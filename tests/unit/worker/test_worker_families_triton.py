@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.runner import load_runner
-from shared.config import load_settings
+from spillway.services.worker.runner import load_runner
+from spillway.shared.config import load_settings
 from tests.unit.worker.plans import generate
 from tests.unit.worker.test_worker_families import PROMPTS
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family

@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ssm_reference
-from kernels.ops import TorchOps
-from services.worker.gated_delta import GatedDeltaWeights, gated_delta_dims, gated_delta_mixer
-from services.worker.state_pool import StateLayerSpec, StatePool
-from shared.model_config import load_model_config
-from shared.model_files import resolve_model
+from spillway.kernels import ssm_reference
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker.gated_delta import (
+    GatedDeltaWeights,
+    gated_delta_dims,
+    gated_delta_mixer,
+)
+from spillway.services.worker.state_pool import StateLayerSpec, StatePool
+from spillway.shared.model_config import load_model_config
+from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import load_reference, save_tiny_family
 
 LENGTHS = (9, 3, 6)  # three rows of mixed lengths

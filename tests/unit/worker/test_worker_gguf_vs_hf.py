@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner, load_runner
-from shared.config import load_settings
-from shared.protocol import NewSequence, StepPlan, StepRow
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import NewSequence, StepPlan, StepRow
 from tests.unit.worker.plans import GREEDY, generate
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.loader import load_model
-from shared.model_files import resolve_model
+from spillway.services.worker.loader import load_model
+from spillway.shared.model_files import resolve_model
 from tests.unit.worker.plans import generate
 from tests.unit.worker.tiny_llama import TINY_VOCAB, save_tiny_llama, tiny_runner
 

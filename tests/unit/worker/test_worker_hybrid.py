@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli.up import check_servable_model
-from services.worker.model import ForwardBatch
-from services.worker.state_pool import StateLayerSpec, StatePool
-from shared.config import Settings
-from shared.model_config import check_servable, load_model_config
-from shared.model_files import resolve_model
+from spillway.services.cli.up import check_servable_model
+from spillway.services.worker.model import ForwardBatch
+from spillway.services.worker.state_pool import StateLayerSpec, StatePool
+from spillway.shared.config import Settings
+from spillway.shared.model_config import check_servable, load_model_config
+from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import save_tiny_family
 
 HYBRIDS = ("granitemoehybrid", "qwen3_next")

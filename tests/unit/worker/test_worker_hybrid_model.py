@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ssm_reference
-from kernels.ops import TorchOps
-from services.worker.hybrid_model import HybridModel, load_hybrid_model
-from services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
-from services.worker.model import ForwardBatch
-from services.worker.state_pool import StatePool
-from shared.model_config import load_model_config
-from shared.model_files import resolve_model
+from spillway.kernels import ssm_reference
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker.hybrid_model import HybridModel, load_hybrid_model
+from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
+from spillway.services.worker.model import ForwardBatch
+from spillway.services.worker.state_pool import StatePool
+from spillway.shared.model_config import load_model_config
+from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import (
     load_reference,
     reference_greedy,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.kv_cache import (
+from spillway.services.worker.kv_cache import (
     block_bytes,
     block_table_tensor,
     num_blocks_for_memory,
     slot_mapping_tensor,
 )
-from services.worker.loader import _unpermute_rope_rows
-from shared.model_config import ModelConfig
+from spillway.services.worker.loader import _unpermute_rope_rows
+from spillway.shared.model_config import ModelConfig
 
 CONFIG = ModelConfig(
     architecture="llama",

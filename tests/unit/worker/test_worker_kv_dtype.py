@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kv_cache import block_bytes, resolve_kv_dtype
-from services.worker.quality import perplexity
+from spillway.services.worker.kv_cache import block_bytes, resolve_kv_dtype
+from spillway.services.worker.quality import perplexity
 from tests.unit.worker.plans import generate
 from tests.unit.worker.tiny_families import packed_prefill_logits, save_tiny_family
 from tests.unit.worker.tiny_llama import tiny_runner

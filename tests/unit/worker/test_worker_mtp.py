@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ops import TorchOps
-from services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
-from services.worker.loader import load_model
-from services.worker.model import ForwardBatch, LlamaModel
-from services.worker.mtp import MtpCache, mtp_forward
-from shared.model_files import resolve_model
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
+from spillway.services.worker.loader import load_model
+from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.mtp import MtpCache, mtp_forward
+from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import load_reference, save_tiny_family
 from tests.unit.worker.tiny_mtp import save_mtp_layer
 

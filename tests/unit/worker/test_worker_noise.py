@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.noise import (
+from spillway.services.worker.noise import (
     as_int32,
     exponential_noise,
     mix32,

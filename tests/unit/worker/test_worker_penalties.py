@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner
-from shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import tiny_runner
 
 PROMPT = [1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5, 19]

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from services.gateway.structured_output import GrammarBuilder
-from services.gateway.tokenizer import load_tokenizer_folder
-from services.worker.runner import ModelRunner, load_runner
-from shared.config import load_settings
-from shared.protocol import NewSequence, RegionSampling, SamplingParams, StepPlan, StepRow
+from spillway.services.gateway.structured_output import GrammarBuilder
+from spillway.services.gateway.tokenizer import load_tokenizer_folder
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import NewSequence, RegionSampling, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.think_llama import script_ids
 
 USER = [{"role": "user", "content": "Where shall we go?"}]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.rope import inverse_frequencies
-from shared.model_config import rope_parameters
+from spillway.services.worker.rope import inverse_frequencies
+from spillway.shared.model_config import rope_parameters
 from tests.unit.worker.tiny_families import (
     family_config,
     load_reference,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.runner import ModelRunner
-from shared.protocol import NewSequence, SamplingParams, SequenceUpdate, StepPlan, StepRow
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.protocol import NewSequence, SamplingParams, SequenceUpdate, StepPlan, StepRow
 from tests.unit.worker.plans import generate
 from tests.unit.worker.tiny_llama import TINY_VOCAB, tiny_runner
 

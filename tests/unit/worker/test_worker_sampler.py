@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_argmax, cpu_noise
-from services.worker import sampler
-from services.worker.sampler import RowSampling, filtered_probs, process_logits, sample
-from shared.protocol import SamplingParams
+from spillway.kernels import cpu_argmax, cpu_noise
+from spillway.services.worker import sampler
+from spillway.services.worker.sampler import RowSampling, filtered_probs, process_logits, sample
+from spillway.shared.protocol import SamplingParams
 
 VOCAB = 1000
 

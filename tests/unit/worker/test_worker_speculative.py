@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.runner import ModelRunner
-from services.worker.speculative import accepted_length, extra_logprobs, verify_drafts
-from shared.protocol import RegionSampling, SampledLogprobs, SamplingParams, StepPlan, StepRow
+from spillway.services.worker.runner import ModelRunner
+from spillway.services.worker.speculative import accepted_length, extra_logprobs, verify_drafts
+from spillway.shared.protocol import (
+    RegionSampling,
+    SampledLogprobs,
+    SamplingParams,
+    StepPlan,
+    StepRow,
+)
 from tests.unit.worker.test_worker_regions import (  # noqa: F401 (fixtures)
     _grammar,
     prompt,

@@ -7,10 +7,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.worker.runner import KVIo
-from services.worker.step_spans import StepSpans
-from shared.protocol import RowResult, StepPlan, StepResult, StepRow
-from shared.telemetry import Telemetry, inject
+from spillway.services.worker.runner import KVIo
+from spillway.services.worker.step_spans import StepSpans
+from spillway.shared.protocol import RowResult, StepPlan, StepResult, StepRow
+from spillway.shared.telemetry import Telemetry, inject
 
 
 def _setup():

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from shared.config import DEFAULT_MODEL, Settings
-from shared.model_files import resolve_model
-from shared.tokenizer_files import cache_folder, load_tokenizer
+from spillway.shared.config import DEFAULT_MODEL, Settings
+from spillway.shared.model_files import resolve_model
+from spillway.shared.tokenizer_files import cache_folder, load_tokenizer
 
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 THINK_END_ID = 49153  # the added tokens follow SmolLM2's 49152

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from services.worker.runner import ModelRunner, load_runner
-from shared.config import load_settings
+from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.shared.config import load_settings
 
 TINY_VOCAB = 256
 

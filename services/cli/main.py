@@ -122,7 +122,7 @@ def serve_one(service: str, settings: Settings, health_file: Path | None = None)
 
         apply_openmp_environment(settings)  # before the worker's imports load torch
     # Imported lazily: the gateway never loads torch, the worker never loads FastAPI.
-    module = importlib.import_module(f"services.{service}.service")
+    module = importlib.import_module(f"spillway.services.{service}.service")
     return run_service(
         service,
         lambda stop: module.serve(settings, stop),

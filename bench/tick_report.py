@@ -145,7 +145,7 @@ async def main_async(seqs: int, ticks: int) -> None:
     core_off = 1e6 * statistics.median(off.tick_s)
     report = 1e6 * statistics.median(report_s)
     record = core_on - core_off
-    preemptions = sum(on.core.preemptions.values())
+    preemptions = sum(on.core.stats.preemptions.values())
     print(f"{seqs} sequences, {ticks} ticks, {preemptions} preemptions (medians per tick)")
     print(f"core tick, tick log off        {core_off:9.1f} us")
     print(f"core tick, tick log on         {core_on:9.1f} us  ({record:+.1f} us recording)")

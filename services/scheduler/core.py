@@ -53,6 +53,7 @@ from spillway.services.scheduler.sequence import Sequence, SequenceStatus, Spill
 from spillway.services.scheduler.speculation import Speculation
 from spillway.services.scheduler.state_slots import StateSlots
 from spillway.services.scheduler.state_snapshots import StateSnapshots
+from spillway.services.scheduler.stats import CoreStats, RowCap
 from spillway.services.scheduler.step_plan import make_row, worker_diff
 from spillway.services.scheduler.stopping import finish_reason_after_token
 from spillway.services.scheduler.tick_report import TickLog
@@ -83,7 +84,6 @@ from spillway.shared.protocol import (
 log = logging.getLogger(__name__)
 
 NO_WORKER = ErrorInfo(status=503, message="no worker available", code="no_worker")
-OOM_RECOVERY_STEPS = 32
 
 
 def kv_exhausted(seq: Sequence, num_blocks: int) -> ErrorInfo:
@@ -135,22 +135,9 @@ class SchedulerCore:
         # between them keeps its place among theirs.
         self._arrivals = arrivals if arrivals is not None else itertools.count()
         self._step_ids = itertools.count(1)
-        self.num_steps = 0
+        self.stats = CoreStats()
         self.moe = MoEStats()  # a MoE worker's experts' load and exchange
-        self.preemptions = {"recompute": 0, "spill": 0}
-        self.spill_failures = 0
-        self.last_spill_error = ""  # the worker's words for the last failed spill
-        self.swap_ins = 0
-        self.swap_in_cached_blocks = 0  # blocks a swap-in found still cached (not read)
-        # Requests carried over to this core's worker from a lost one (a worker that
-        # replaced it, or another worker of this scheduler).
-        self.migrations = 0
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
-        # After the worker ran out of memory with R rows, at most R - 1 run together; the
-        # cap rises by one every OOM_RECOVERY_STEPS good steps until max_batch.
-        self._row_cap: int | None = None
-        self._good_steps = 0
+        self.row_cap = RowCap(config.max_batch)
         # What this tick's phases did: a TickReport at its end (tick_report()).
         self.ticks = TickLog()
         # Speculative decoding (None: off); the drafts of the step being planned.
@@ -205,7 +192,9 @@ class SchedulerCore:
                 )
         self._retire_finished()
         if takeover:
-            self.migrations += sum(1 for seq in self._requests.values() if not seq.is_finished)
+            self.stats.migrations += sum(
+                1 for seq in self._requests.values() if not seq.is_finished
+            )
         return self._take_news()
 
     def detach_worker(self, error: ErrorInfo = NO_WORKER) -> list[RequestDelta]:
@@ -270,7 +259,7 @@ class SchedulerCore:
             if seq.status is SequenceStatus.WAITING:
                 self._waiting.push(seq)
             else:
-                self.migrations += 1
+                self.stats.migrations += 1
                 if seq.status is SequenceStatus.SWAPPED and same_layout:
                     self._swapped.append(seq)
                 else:
@@ -398,8 +387,7 @@ class SchedulerCore:
     @property
     def max_batch(self) -> int:
         """Sequences that may hold blocks at once (max_batch, or less after an OOM)."""
-        cap = self._row_cap
-        return self.config.max_batch if cap is None else min(cap, self.config.max_batch)
+        return self.row_cap.limit
 
     # --- the tick: planning ---------------------------------------------------------
 
@@ -432,7 +420,7 @@ class SchedulerCore:
             self._resume_preempted()
         scheduled: dict[str, int] = {}  # request id -> tokens this step
         self._drafts = {}
-        preemptions_before = sum(self.preemptions.values())
+        preemptions_before = sum(self.stats.preemptions.values())
         order = sorted(self._running.values(), key=lambda s: (not s.is_decoding, s.rank))
         self._prefill_left = self.config.max_num_batched_tokens
         decode_rows: int | None = None  # counted once the prefill chunks' turn comes
@@ -458,7 +446,7 @@ class SchedulerCore:
             budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
             self._prefill_left = self.prefill_budget.tokens(len(scheduled), budget)
         # After a preemption the cache is short: new requests would only be victims next.
-        if sum(self.preemptions.values()) == preemptions_before:
+        if sum(self.stats.preemptions.values()) == preemptions_before:
             self._admit_waiting(scheduled)
         plan = self._build_plan(scheduled)
         end = self.clock.now()
@@ -540,8 +528,8 @@ class SchedulerCore:
             self.spec.step_timed(len(step.rows), drafts, decode_only, result)
         self._observe_step(step, result)
         self.moe.observe(result)
-        self._recover_row_cap()
-        self.num_steps += 1
+        self.row_cap.step_ran()
+        self.stats.num_steps += 1
         self.observer.step_finished(plan, result)
         self.observer.phase_timed("update", start, self.clock.now())
         return self._take_news()
@@ -559,14 +547,13 @@ class SchedulerCore:
         live = self._void(step)
         if error.code == OUT_OF_MEMORY_CODE and len(live) > 1:
             victim = max(live, key=lambda s: s.rank)
-            self._row_cap = len(live) - 1
-            self._good_steps = 0
+            cap = self.row_cap.out_of_memory(len(live))
             log.warning(
                 "step %d ran out of memory: preempting %s and retrying the rest "
                 "(at most %d rows for now)",
                 plan.step_id,
                 victim.request_id,
-                self._row_cap,
+                cap,
             )
             self._preempt(victim)
         else:
@@ -610,7 +597,7 @@ class SchedulerCore:
         None: the step is void, so it wrote and read nothing)."""
         outcomes = self.orders.outcomes(step, result)
         if outcomes.spill_error is not None:
-            self.last_spill_error = outcomes.spill_error
+            self.stats.last_spill_error = outcomes.spill_error
         self._apply_spill_outcomes(step, outcomes.written)
         self._apply_loads(step, outcomes.lost)
         lost_rows = set(result.lost_seq_ids) if result is not None else set()
@@ -634,8 +621,8 @@ class SchedulerCore:
             if not current:
                 continue
             if not written:
-                self.spill_failures += 1
-                self._spill_became_recompute()
+                self.stats.spill_failures += 1
+                self.stats.spill_became_recompute()
                 self.policy.spill_failed(self.clock.now())
                 log.warning("spilling %s failed: it will be recomputed", seq.request_id)
             seq.spilled = None
@@ -657,7 +644,7 @@ class SchedulerCore:
                 self._kv_lost(seq)
                 continue
             self.orders.drop_spill(seq)  # a swap-in: the spill is not needed any more
-            self.prefix_hit_tokens += load.num_tier_tokens
+            self.stats.prefix_hit_tokens += load.num_tier_tokens
 
     def _state_lost(self, step: InflightStep, lost: list[str]) -> None:
         """Rows the worker skipped because the sequence's recurrent state was not where
@@ -673,16 +660,6 @@ class SchedulerCore:
             ):
                 log.warning("%s: its recurrent state was lost: recomputing", seq.request_id)
                 self._kv_lost(seq)
-
-    def _recover_row_cap(self) -> None:
-        if self._row_cap is None:
-            return
-        self._good_steps += 1
-        if self._good_steps >= OOM_RECOVERY_STEPS:
-            self._good_steps = 0
-            self._row_cap += 1
-            if self._row_cap >= self.config.max_batch:
-                self._row_cap = None
 
     def _observe_step(self, step: InflightStep, result: StepResult) -> None:
         if result.kv_io_bytes:
@@ -942,7 +919,7 @@ class SchedulerCore:
             seq.status = SequenceStatus.PREEMPTED
             self._preempted.push(seq)
         seq.count_preemption(mode)
-        self.preemptions[mode] += 1
+        self.stats.preemptions[mode] += 1
         self.ticks.preempted(seq.request_id, mode, num_bytes)
         self.observer.request_preempted(seq, mode)
 
@@ -976,12 +953,6 @@ class SchedulerCore:
         self._release_slot(seq)
         self._requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
-
-    def _spill_became_recompute(self) -> None:
-        """A preemption counted as a spill whose KV never reached the store: what was
-        done in the end is a recompute, and the counters say so."""
-        self.preemptions["spill"] -= 1
-        self.preemptions["recompute"] += 1
 
     def _requeue_for_recompute(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.PREEMPTED
@@ -1084,8 +1055,8 @@ class SchedulerCore:
             self._next_state_copies.append((seq, seq.epoch, copy))
         if seq.status is SequenceStatus.WAITING:  # first admission
             if self._prefix_cache_on:
-                self.prefix_query_tokens += seq.num_prompt_tokens
-                self.prefix_hit_tokens += len(hits) * bs
+                self.stats.prefix_query_tokens += seq.num_prompt_tokens
+                self.stats.prefix_hit_tokens += len(hits) * bs
             seq.num_cached_tokens = cached
         if tier:
             blocks = [
@@ -1191,8 +1162,8 @@ class SchedulerCore:
         seq.state_slot = self._slots.take()
         seq.status = SequenceStatus.RUNNING
         self._running[seq.request_id] = seq
-        self.swap_ins += 1
-        self.swap_in_cached_blocks += len(hits)
+        self.stats.swap_ins += 1
+        self.stats.swap_in_cached_blocks += len(hits)
         assert self.worker is not None
         read_back = max(0, spilled.num_blocks - len(hits)) * self.worker.block_bytes
         self.ticks.swapped_in(seq.request_id, read_back)
@@ -1246,7 +1217,7 @@ class SchedulerCore:
         spills, loads = self.orders.discard()
         for seq, spill in spills:
             if seq.spilled is not None and seq.spilled.spill_id == spill.spill_id:
-                self._spill_became_recompute()  # the order was never sent
+                self.stats.spill_became_recompute()  # the order was never sent
                 if seq.status is SequenceStatus.SWAPPED:
                     self._unswap_to_recompute(seq)
                 else:

@@ -69,7 +69,7 @@ from spillway.services.scheduler.fleet_events import (
     Woken,
     WorkerRegistered,
 )
-from spillway.services.scheduler.fleet_stats import EndedLanes, load_of, pooled_kv
+from spillway.services.scheduler.fleet_stats import load_of, pooled_kv
 from spillway.services.scheduler.gateway_watch import GatewayWatch
 from spillway.services.scheduler.observer import NullObserver, SchedulerObserver
 from spillway.services.scheduler.phase_stats import PhaseStats
@@ -83,6 +83,7 @@ from spillway.services.scheduler.registry import (
 )
 from spillway.services.scheduler.sequence import Sequence
 from spillway.services.scheduler.speculation import merged as merged_speculation
+from spillway.services.scheduler.stats import CoreStats
 from spillway.services.scheduler.step_timing import StepTimings
 from spillway.shared.clock import Clock
 from spillway.shared.config import Settings
@@ -240,7 +241,7 @@ class Fleet:
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id, until its finish
         self._pending: list[RequestDelta] = []  # news made outside every lane
         self._spill_stats: SpillStats | None = None
-        self._ended = EndedLanes()
+        self._ended = CoreStats.empty()  # the counters of cores whose worker left
         self._recent_spill_failures = RecentSpillFailures()
         self._guard = StallGuard(clock, settings.tick_interval_s)
         self._out: list[Effect] = []
@@ -355,8 +356,8 @@ class Fleet:
         )
         now = self.clock.now()
         self._recent_spill_failures.observe(
-            self._ended.spill_failures + sum(c.spill_failures for c in cores),
-            next((c.last_spill_error for c in cores if c.last_spill_error), ""),
+            self._ended.spill_failures + sum(c.stats.spill_failures for c in cores),
+            next((c.stats.last_spill_error for c in cores if c.stats.last_spill_error), ""),
             now,
         )
         failing = self._recent_spill_failures.failing(now)
@@ -378,11 +379,7 @@ class Fleet:
 
     def stats(self) -> SchedulerStats:
         cores = [lane.core for lane in self.lanes.values()]
-        ended = self._ended
-        preemptions = dict(ended.preemptions)
-        for core in cores:
-            for mode, n in core.preemptions.items():
-                preemptions[mode] = preemptions.get(mode, 0) + n
+        total = CoreStats.total([self._ended, *(core.stats for core in cores)])
         num_blocks, kv_usage = pooled_kv(cores)
         spec, spec_phases = merged_speculation([c.spec for c in cores if c.spec is not None])
         return SchedulerStats(
@@ -395,14 +392,13 @@ class Fleet:
             num_kv_blocks=num_blocks,
             num_cached_blocks=sum(c.blocks.num_cached_blocks for c in cores if c.blocks),
             max_model_len=max((c.worker.max_model_len for c in cores if c.worker), default=0),
-            preemptions=preemptions,
-            spill_failures=ended.spill_failures + sum(c.spill_failures for c in cores),
-            swap_ins=ended.swap_ins + sum(c.swap_ins for c in cores),
-            migrations=ended.migrations + sum(c.migrations for c in cores),
-            prefix_cache_hit_tokens=ended.hit_tokens + sum(c.prefix_hit_tokens for c in cores),
-            prefix_cache_query_tokens=ended.query_tokens
-            + sum(c.prefix_query_tokens for c in cores),
-            num_steps=ended.steps + sum(c.num_steps for c in cores),
+            preemptions=total.preemptions,
+            spill_failures=total.spill_failures,
+            swap_ins=total.swap_ins,
+            migrations=total.migrations,
+            prefix_cache_hit_tokens=total.prefix_hit_tokens,
+            prefix_cache_query_tokens=total.prefix_query_tokens,
+            num_steps=total.num_steps,
             step_bookkeeping_s=self.timings.bookkeeping_s.median(),
             step_bus_s=self.timings.bus_s.median(),
             step_forward_s=self.timings.forward_s.median(),
@@ -721,7 +717,7 @@ class Fleet:
         workers, or end with an error when there is none. The lane ends."""
         if self.lanes.get(lane.worker_id) is lane:
             del self.lanes[lane.worker_id]
-        self._ended.add(lane.core)
+        self._ended.add(lane.core.stats)
         core = lane.core
         others = [o for o in self.lanes.values() if o.accepting]
         if not others:

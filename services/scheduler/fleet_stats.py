@@ -1,34 +1,11 @@
-"""What a scheduler says of its workers together: the counters of lanes that ended (so
-that totals never go back), the pooled KV usage and each worker's load (pure)."""
+"""What a scheduler says of its workers together: the pooled KV usage and each worker's
+load (pure)."""
 
 from __future__ import annotations
 
 from spillway.services.scheduler.core import SchedulerCore
 from spillway.services.scheduler.pipeline import Pipeline
 from spillway.shared.protocol import WorkerLoad
-
-
-class EndedLanes:
-    """The counters of cores whose worker left, kept in the scheduler's totals."""
-
-    def __init__(self) -> None:
-        self.preemptions: dict[str, int] = {}
-        self.migrations = 0
-        self.hit_tokens = 0
-        self.query_tokens = 0
-        self.steps = 0
-        self.spill_failures = 0
-        self.swap_ins = 0
-
-    def add(self, core: SchedulerCore) -> None:
-        for mode, n in core.preemptions.items():
-            self.preemptions[mode] = self.preemptions.get(mode, 0) + n
-        self.migrations += core.migrations
-        self.hit_tokens += core.prefix_hit_tokens
-        self.query_tokens += core.prefix_query_tokens
-        self.steps += core.num_steps
-        self.spill_failures += core.spill_failures
-        self.swap_ins += core.swap_ins
 
 
 def pooled_kv(cores: list[SchedulerCore]) -> tuple[int, float]:
@@ -48,9 +25,9 @@ def load_of(lane: Pipeline) -> WorkerLoad:
         num_live=core.num_live,
         kv_usage=core.kv_usage,
         num_kv_blocks=core.blocks.num_blocks if core.blocks is not None else 0,
-        prefix_cache_hit_tokens=core.prefix_hit_tokens,
-        migrations=core.migrations,
-        num_steps=core.num_steps,
+        prefix_cache_hit_tokens=core.stats.prefix_hit_tokens,
+        migrations=core.stats.migrations,
+        num_steps=core.stats.num_steps,
         draining=not lane.accepting,
         expert_tokens=list(core.moe.expert_tokens),
         ep_exchange_bytes=core.moe.exchange_bytes,

@@ -45,10 +45,10 @@ from spillway.services.scheduler.inflight import InflightStep, PlannedLoad, Plan
 from spillway.services.scheduler.kv_orders import KVOrders
 from spillway.services.scheduler.moe_stats import MoEStats
 from spillway.services.scheduler.observer import NullObserver, RowKind, SchedulerObserver
+from spillway.services.scheduler.places import Places
 from spillway.services.scheduler.preemption import PreemptionPolicy
 from spillway.services.scheduler.prefill_budget import PrefillBudget
 from spillway.services.scheduler.prefix_hash import extend_hashes, hash_hex, layout_root
-from spillway.services.scheduler.request_queue import RequestQueue
 from spillway.services.scheduler.sequence import Sequence, SequenceStatus, SpilledKV
 from spillway.services.scheduler.speculation import Speculation
 from spillway.services.scheduler.state_slots import StateSlots
@@ -114,13 +114,7 @@ class SchedulerCore:
         self.blocks: BlockManager | None = None
         self._hash_root = 0
         self._eos_token_ids: frozenset[int] = frozenset()
-        self._requests: dict[str, Sequence] = {}  # every sequence not yet retired
-        self._waiting = RequestQueue()
-        self._running: dict[str, Sequence] = {}
-        self._preempted = RequestQueue()
-        self._swapped: list[Sequence] = []  # in spill order
-        self._finishing: list[Sequence] = []
-        self._deadlines: list[tuple[float, int, str]] = []  # heap: (deadline, arrival, id)
+        self.places = Places()
         self._slots = StateSlots()
         self._snapshots = StateSnapshots()
         # Snapshot copies for sequences admitted this tick: (sequence, epoch, copy).
@@ -156,17 +150,17 @@ class SchedulerCore:
         # Another worker takes over from one that was lost (not the same one back).
         takeover = self.worker is not None and self.worker.worker_id != info.worker_id
         self._drop_pending_orders()
-        for seq in self._finishing:
+        for seq in self.places.finishing:
             self._forget_worker_state(seq)
             self._release_slot(seq)
-        for seq in list(self._running.values()):
-            del self._running[seq.request_id]
+        for seq in list(self.places.running.values()):
+            del self.places.running[seq.request_id]
             self._forget_worker_state(seq)
             self._release_slot(seq)
             seq.status = SequenceStatus.PREEMPTED
-            self._preempted.push(seq)
+            self.places.preempted.push(seq)
         if old_layout is not None and old_layout != info.kv_layout:
-            for seq in list(self._swapped):
+            for seq in list(self.places.swapped):
                 self._unswap_to_recompute(seq)
         self.orders.clear_forgets()
         self.worker = info
@@ -174,12 +168,12 @@ class SchedulerCore:
         self._slots = StateSlots.for_worker(info)
         self._snapshots = StateSnapshots(info.num_state_snapshots if info.num_state_slots else 0)
         self._hash_root = layout_root(info.kv_layout or f"{info.model_id}/{info.dtype}")
-        for seq in self._requests.values():
+        for seq in self.places.requests.values():
             seq.block_hashes.clear()  # chained from another root now
             seq.tier_hashes.clear()
         self._tier_stored.clear()
         self._eos_token_ids = frozenset(info.eos_token_ids)
-        for seq in list(self._requests.values()):
+        for seq in list(self.places.requests.values()):
             if not seq.is_finished and not self._fits_worker(seq.num_tokens):
                 self._finish(
                     seq,
@@ -193,7 +187,7 @@ class SchedulerCore:
         self._retire_finished()
         if takeover:
             self.stats.migrations += sum(
-                1 for seq in self._requests.values() if not seq.is_finished
+                1 for seq in self.places.requests.values() if not seq.is_finished
             )
         return self._take_news()
 
@@ -201,7 +195,7 @@ class SchedulerCore:
         """The worker is gone and none replaces it: every request ends with `error`."""
         assert not self._inflight, "detach_worker with steps in flight"
         self._drop_pending_orders()
-        for seq in list(self._requests.values()):
+        for seq in list(self.places.requests.values()):
             self._finish(seq, "error", error)
         self._let_worker_go()
         return self._take_news()
@@ -214,9 +208,9 @@ class SchedulerCore:
         land. Finished ones retire here (their ends went out already)."""
         assert not self._inflight, "evacuate with steps in flight"
         self._drop_pending_orders()
-        leaving = [seq for seq in self._requests.values() if not seq.is_finished]
+        leaving = [seq for seq in self.places.requests.values() if not seq.is_finished]
         for seq in leaving:
-            self._unplace(seq)
+            self.places.unplace(seq)
             if seq.status is SequenceStatus.RUNNING:
                 seq.status = SequenceStatus.PREEMPTED  # its KV stays with the lost worker
             self._bump_epoch(seq)
@@ -226,7 +220,7 @@ class SchedulerCore:
                 self.orders.drop_spill(seq)
                 seq.status = SequenceStatus.PREEMPTED
             self._release_slot(seq)
-            del self._requests[seq.request_id]
+            self.places.leave(seq)
             if self.spec is not None:
                 self.spec.forget(seq.request_id)
         self._let_worker_go()
@@ -234,7 +228,7 @@ class SchedulerCore:
 
     def _let_worker_go(self) -> None:
         """The last of a gone worker: finished sequences retire, nothing is left to tell it."""
-        for seq in self._finishing:
+        for seq in self.places.finishing:
             self._forget_worker_state(seq)
         self._retire_finished()
         self.orders.clear_forgets()
@@ -250,21 +244,19 @@ class SchedulerCore:
         assert self.worker is not None and self.blocks is not None
         same_layout = kv_layout == self.worker.kv_layout
         for seq in seqs:
-            self._requests[seq.request_id] = seq
-            if seq.deadline_s is not None:
-                heapq.heappush(self._deadlines, (seq.deadline_s, seq.arrival_index, seq.request_id))
+            self.places.enter(seq)
             if not same_layout:
                 seq.block_hashes.clear()
                 seq.tier_hashes.clear()
             if seq.status is SequenceStatus.WAITING:
-                self._waiting.push(seq)
+                self.places.waiting.push(seq)
             else:
                 self.stats.migrations += 1
                 if seq.status is SequenceStatus.SWAPPED and same_layout:
-                    self._swapped.append(seq)
+                    self.places.swapped.append(seq)
                 else:
                     self.orders.drop_spill(seq)
-                    self._requeue_for_recompute(seq)
+                    self.places.requeue_for_recompute(seq)
             if not self._fits_worker(seq.num_tokens):
                 self._finish(
                     seq,
@@ -294,14 +286,14 @@ class SchedulerCore:
                 or seq.request_id in self._news
             )
 
-        return heapq.nsmallest(n, filter(movable, self._waiting), key=lambda s: s.rank)
+        return heapq.nsmallest(n, filter(movable, self.places.waiting), key=lambda s: s.rank)
 
     def give_up_waiting(self, seq: Sequence) -> None:
         """A sequence from `movable_waiting` leaves this core (another core `adopt`s it,
         keeping its fields and rank). Its deadline entry here is skipped once it is due."""
-        assert seq.status is SequenceStatus.WAITING and seq.request_id in self._waiting
-        self._waiting.remove(seq.request_id)
-        del self._requests[seq.request_id]
+        assert seq.status is SequenceStatus.WAITING and seq.request_id in self.places.waiting
+        self.places.waiting.remove(seq.request_id)
+        self.places.leave(seq)
         if self.spec is not None:
             self.spec.forget(seq.request_id)
 
@@ -309,7 +301,7 @@ class SchedulerCore:
         """Ends, with `error`, every request that has produced no token yet (waiting,
         or still in its prefill): the gateway runs them again on another scheduler. What
         has produced tokens stays."""
-        for seq in list(self._requests.values()):
+        for seq in list(self.places.requests.values()):
             if not seq.is_finished and seq.num_output_tokens == 0:
                 self._finish(seq, "error", error)
         return self._take_news()
@@ -324,14 +316,14 @@ class SchedulerCore:
             return 0, 0, 0
         needed = self.blocks.blocks_for(len(token_ids) + 1)
         hits = len(self.blocks.lookup(self._hashes_for_lookup(token_ids, [])))
-        queued = [*self._waiting, *self._preempted, *self._swapped]
+        queued = [*self.places.waiting, *self.places.preempted, *self.places.swapped]
         wanted = sum(self.blocks.blocks_for(seq.num_tokens) for seq in queued)
         return needed, hits, self.blocks.num_available_blocks - wanted
 
     @property
     def num_live(self) -> int:
         """Sequences here that have not finished (in any place)."""
-        return sum(1 for seq in self._requests.values() if not seq.is_finished)
+        return self.places.num_live
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -344,18 +336,16 @@ class SchedulerCore:
         error = admission_error(
             req,
             self.worker,
-            len(self._waiting),
+            len(self.places.waiting),
             self.config.max_waiting,
-            req.request_id in self._requests,
+            req.request_id in self.places.requests,
         )
         if error is not None:
             return error
         seq = Sequence.from_submit(req, self.clock.now(), next(self._arrivals))
         seq.tier_hashes = list(tier_hashes or [])
-        self._requests[seq.request_id] = seq
-        self._waiting.push(seq)
-        if seq.deadline_s is not None:
-            heapq.heappush(self._deadlines, (seq.deadline_s, seq.arrival_index, seq.request_id))
+        self.places.enter(seq)
+        self.places.waiting.push(seq)
         self.observer.request_queued(seq)
         return None
 
@@ -372,7 +362,7 @@ class SchedulerCore:
         """Ends those requests wherever they are (unknown ids are ignored: they may have
         finished already). Blocks return at the next retirement."""
         for request_id in request_ids:
-            seq = self._requests.get(request_id)
+            seq = self.places.requests.get(request_id)
             if seq is not None:
                 self._finish(seq, "abort")
 
@@ -421,7 +411,7 @@ class SchedulerCore:
         scheduled: dict[str, int] = {}  # request id -> tokens this step
         self._drafts = {}
         preemptions_before = sum(self.stats.preemptions.values())
-        order = sorted(self._running.values(), key=lambda s: (not s.is_decoding, s.rank))
+        order = sorted(self.places.running.values(), key=lambda s: (not s.is_decoding, s.rank))
         self._prefill_left = self.config.max_num_batched_tokens
         decode_rows: int | None = None  # counted once the prefill chunks' turn comes
         for seq in order:
@@ -466,7 +456,7 @@ class SchedulerCore:
         # row in flight verifies drafts (where the next row starts is not known yet), or
         # the sequence would rather wait to speculate.
         if self.spec is not None and (
-            seq.num_inflight_drafts or self.spec.wants(seq, len(self._running))
+            seq.num_inflight_drafts or self.spec.wants(seq, len(self.places.running))
         ):
             return 0
         assert seq.num_unscheduled_tokens == 1, "a sampling row in flight ends the sequence"
@@ -627,8 +617,8 @@ class SchedulerCore:
                 log.warning("spilling %s failed: it will be recomputed", seq.request_id)
             seq.spilled = None
             if seq.status is SequenceStatus.SWAPPED:
-                self._swapped.remove(seq)
-                self._requeue_for_recompute(seq)
+                self.places.swapped.remove(seq)
+                self.places.requeue_for_recompute(seq)
                 self.observer.request_kv_lost(seq, "spill failed")
 
     def _apply_loads(self, step: InflightStep, lost: set[str]) -> None:
@@ -675,12 +665,9 @@ class SchedulerCore:
         """Phase 1: requests past their deadline end with "timeout" (they retire in this
         same tick)."""
         t0 = self.clock.now()
-        while self._deadlines and self._deadlines[0][0] <= t0:
-            _, _, request_id = heapq.heappop(self._deadlines)
-            seq = self._requests.get(request_id)
-            if seq is not None and not seq.is_finished:
-                self._finish(seq, "timeout")
-                self.ticks.swept(request_id)
+        for seq in self.places.past_deadline(t0):
+            self._finish(seq, "timeout")
+            self.ticks.swept(seq.request_id)
         t1 = self.clock.now()
         self.observer.phase_timed("deadline_sweep", t0, t1)
         self.ticks.timed("deadline_sweep", t1 - t0)
@@ -689,7 +676,7 @@ class SchedulerCore:
     def must_drain(self) -> bool:
         """Phase 2: a finished sequence still has a row in a step in flight, which may be
         writing its blocks: those steps must be applied before retirement."""
-        return any(seq.num_inflight_rows > 0 for seq in self._finishing)
+        return any(seq.num_inflight_rows > 0 for seq in self.places.finishing)
 
     def finish_tick(self) -> list[RequestDelta]:
         """Phases 3-6: store finished sequences' full blocks in the shared prefix tier,
@@ -736,35 +723,26 @@ class SchedulerCore:
     def next_deadline(self) -> float | None:
         """The earliest deadline still pending (clock time), so an idle shell knows when
         the next sweep is due even if nothing else happens."""
-        while self._deadlines and self._deadlines[0][2] not in self._requests:
-            heapq.heappop(self._deadlines)  # that request ended some other way
-        return self._deadlines[0][0] if self._deadlines else None
+        return self.places.next_deadline()
 
     def has_work(self) -> bool:
-        return self.blocks is not None and bool(
-            self._running
-            or len(self._waiting)
-            or len(self._preempted)
-            or self._swapped
-            or self._finishing
-            or self._has_pending_orders()
-        )
+        return self.blocks is not None and (self.places.occupied or self._has_pending_orders())
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.places.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.places.waiting)
 
     @property
     def num_preempted(self) -> int:
-        return len(self._preempted)
+        return len(self.places.preempted)
 
     @property
     def num_swapped(self) -> int:
-        return len(self._swapped)
+        return len(self.places.swapped)
 
     @property
     def kv_usage(self) -> float:
@@ -777,18 +755,18 @@ class SchedulerCore:
             scheduler,
             worker,
             time,
-            running=len(self._running),
-            waiting=len(self._waiting) + len(self._preempted),
-            swapped=len(self._swapped),
+            running=len(self.places.running),
+            waiting=len(self.places.waiting) + len(self.places.preempted),
+            swapped=len(self.places.swapped),
             kv_cache_usage=self.kv_usage,
         )
 
     def sequence(self, request_id: str) -> Sequence | None:
-        return self._requests.get(request_id)
+        return self.places.requests.get(request_id)
 
     def batch_diagnostics(self) -> str:
         """The seed's per-step line: one entry per running sequence in slot order."""
-        rows = sorted(self._running.values(), key=lambda s: s.sort_slot)
+        rows = sorted(self.places.running.values(), key=lambda s: s.sort_slot)
         parts = [
             f"[{i}: slot={s.state_slot} seq_len={s.num_tokens} "
             f"bt={s.block_ids[0] if s.block_ids else -1}/{len(s.block_ids)} "
@@ -803,31 +781,21 @@ class SchedulerCore:
         running sequence's blocks cover its scheduled tokens, every live sequence in
         exactly one place, only running and finishing sequences hold blocks, slots
         unique, swapped sequences know where their KV is."""
-        places = [
-            *(s.request_id for s in self._waiting),
-            *self._running,
-            *(s.request_id for s in self._preempted),
-            *(s.request_id for s in self._swapped),
-            *(s.request_id for s in self._finishing),
-        ]
-        if len(places) != len(set(places)) or set(places) != set(self._requests):
-            raise AssertionError("a sequence is in no place or in two")
-        slots = [s.state_slot for s in self._requests.values() if s.state_slot is not None]
+        self.places.check()
+        slots = [s.state_slot for s in self.places.requests.values() if s.state_slot is not None]
         self._slots.check(slots)
         self._snapshots.check()
-        for seq in self._requests.values():
+        for seq in self.places.requests.values():
             holds = seq.status is SequenceStatus.RUNNING or (seq.is_finished and seq.block_ids)
             if seq.state_slot is not None and not holds:
                 raise AssertionError(f"{seq.request_id} holds a state slot but no blocks")
         if self.blocks is None:
-            if self._requests:
+            if self.places.requests:
                 raise AssertionError("sequences live without a worker")
             return
-        holders = [*self._running.values(), *self._finishing]
+        holders = [*self.places.running.values(), *self.places.finishing]
         self.blocks.check_integrity(b for s in holders for b in s.block_ids)
-        for seq in self._running.values():
-            if seq.status is not SequenceStatus.RUNNING:
-                raise AssertionError(f"{seq.request_id} is running with status {seq.status}")
+        for seq in self.places.running.values():
             if len(seq.block_ids) < self.blocks.blocks_for(seq.num_scheduled_tokens):
                 raise AssertionError(f"{seq.request_id}: blocks do not cover scheduled tokens")
             if not 0 <= seq.num_computed_tokens <= seq.num_scheduled_tokens:
@@ -836,18 +804,8 @@ class SchedulerCore:
                 raise AssertionError(f"{seq.request_id}: scheduled past its tokens")
             if seq.num_blocks_sent > len(seq.block_ids):
                 raise AssertionError(f"{seq.request_id}: worker knows more blocks than held")
-        for queue, status in (
-            (list(self._waiting), "waiting"),
-            (list(self._preempted), "preempted"),
-            (self._swapped, "swapped"),
-        ):
-            for seq in queue:
-                if seq.block_ids or seq.status.value != status or seq.known_to_worker:
-                    raise AssertionError(f"{seq.request_id} is {status} but holds state")
-                if (seq.spilled is not None) != (status == "swapped"):
-                    raise AssertionError(f"{seq.request_id} is {status}: spill record wrong")
         if not self._inflight:
-            for seq in self._requests.values():
+            for seq in self.places.requests.values():
                 if seq.num_inflight_rows or seq.num_inflight_tokens or seq.num_inflight_samples:
                     raise AssertionError(f"{seq.request_id} counts rows in no step")
 
@@ -867,8 +825,8 @@ class SchedulerCore:
         assert self.blocks is not None
         target = seq.num_scheduled_tokens + num_tokens
         while (new_block_ids := self.blocks.append_slots(seq.block_ids, target)) is None:
-            victim = max(self._running.values(), key=lambda s: s.rank)
-            if victim is seq and len(self._running) == 1:
+            victim = max(self.places.running.values(), key=lambda s: s.rank)
+            if victim is seq and len(self.places.running) == 1:
                 self._finish(seq, "error", kv_exhausted(seq, self.blocks.num_blocks))
                 return False
             scheduled.pop(victim.request_id, None)
@@ -882,7 +840,7 @@ class SchedulerCore:
         """Frees a running sequence's blocks, spilling or requeueing it (the policy's
         choice). Its rows in flight become void."""
         assert self.blocks is not None and self.worker is not None
-        del self._running[seq.request_id]
+        del self.places.running[seq.request_id]
         spill_allowed = self._slots.spill_allowed(seq.num_inflight_rows)
         self._bump_epoch(seq)
         if seq.kv_pending and self._cancel_load(seq):
@@ -914,10 +872,10 @@ class SchedulerCore:
         self._release_slot(seq)
         if mode == "spill":
             seq.status = SequenceStatus.SWAPPED
-            self._swapped.append(seq)
+            self.places.swapped.append(seq)
         else:
             seq.status = SequenceStatus.PREEMPTED
-            self._preempted.push(seq)
+            self.places.preempted.push(seq)
         seq.count_preemption(mode)
         self.stats.preemptions[mode] += 1
         self.ticks.preempted(seq.request_id, mode, num_bytes)
@@ -937,33 +895,28 @@ class SchedulerCore:
         self._forget_worker_state(seq)
         self._release_slot(seq)
         seq.status = SequenceStatus.SWAPPED
-        self._swapped.insert(0, seq)
+        self.places.swapped.insert(0, seq)
         return True
 
     def _kv_lost(self, seq: Sequence) -> None:
         """A running sequence whose blocks hold nothing usable (a failed restore or
         prefix load): it starts over by recompute."""
         assert self.blocks is not None
-        del self._running[seq.request_id]
+        del self.places.running[seq.request_id]
         self._bump_epoch(seq)
         seq.kv_pending = False
         self.orders.drop_spill(seq)
         self.blocks.free(seq.block_ids)
         self._forget_worker_state(seq)
         self._release_slot(seq)
-        self._requeue_for_recompute(seq)
+        self.places.requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
-
-    def _requeue_for_recompute(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.PREEMPTED
-        seq.num_computed_tokens = 0
-        self._preempted.push(seq)
 
     def _unswap_to_recompute(self, seq: Sequence) -> None:
         assert seq.spilled is not None
         self.orders.drop_spill(seq)
-        self._swapped.remove(seq)
-        self._requeue_for_recompute(seq)
+        self.places.swapped.remove(seq)
+        self.places.requeue_for_recompute(seq)
 
     def _resync(self, seq: Sequence) -> None:
         """The worker's view of a running sequence is unknown (a step failed or was
@@ -999,27 +952,20 @@ class SchedulerCore:
 
     # --- internals: admission, swap-in, resume --------------------------------------
 
-    def _better_ranked_held(self, rank: tuple[int, float, int]) -> bool:
-        """A preempted or swapped sequence ranks before `rank` (it resumes first)."""
-        resuming = self._preempted.peek()
-        if resuming is not None and resuming.rank < rank:
-            return True
-        return any(s.rank < rank for s in self._swapped)
-
     def _admit_waiting(self, scheduled: dict[str, int]) -> None:
         assert self.blocks is not None
-        while len(self._running) < self.max_batch:
+        while len(self.places.running) < self.max_batch:
             budget = self.config.max_num_batched_tokens - self._num_planned(scheduled)
             budget = min(budget, self._prefill_left)
-            seq = self._waiting.peek()
+            seq = self.places.waiting.peek()
             if budget <= 0 or seq is None:
                 return
-            if self._better_ranked_held(seq.rank):
+            if self.places.better_ranked_held(seq.rank):
                 return  # an earlier request waits for blocks to resume: it goes first
             num_tokens = self._start_running(seq, budget, use_tier=True)
             if num_tokens is None:
                 return
-            self._waiting.pop()
+            self.places.waiting.pop()
             scheduled[seq.request_id] = num_tokens
             self._prefill_left -= num_tokens
             self.ticks.admitted(seq.request_id, seq.num_cached_tokens)
@@ -1068,8 +1014,7 @@ class SchedulerCore:
                 load.state_slot, load.state_tokens = seq.state_slot, cached
             self.orders.load(seq, load, len(tier) * bs)
             seq.kv_pending = True
-        seq.status = SequenceStatus.RUNNING
-        self._running[seq.request_id] = seq
+        self.places.run(seq)
         return num_tokens
 
     def _hashes_for_lookup(self, token_ids: list[int], chain: list[int]) -> list[int]:
@@ -1104,10 +1049,10 @@ class SchedulerCore:
         assert self.blocks is not None
         if not self.config.spill_store:
             return
-        while len(self._running) < self.max_batch and self._slots.has_free():
+        while len(self.places.running) < self.max_batch and self._slots.has_free():
             ready = [
                 (s, self._own_hits(s))
-                for s in self._swapped
+                for s in self.places.swapped
                 if s.spilled is not None and s.spilled.confirmed
             ]
             if not ready:
@@ -1155,13 +1100,12 @@ class SchedulerCore:
         assert self.blocks is not None and seq.spilled is not None
         block_ids = self.blocks.allocate(seq.num_tokens, hits)
         assert block_ids is not None
-        self._swapped.remove(seq)
+        self.places.swapped.remove(seq)
         spilled = seq.spilled
         seq.block_ids = block_ids
         seq.num_computed_tokens = spilled.num_tokens
         seq.state_slot = self._slots.take()
-        seq.status = SequenceStatus.RUNNING
-        self._running[seq.request_id] = seq
+        self.places.run(seq)
         self.stats.swap_ins += 1
         self.stats.swap_in_cached_blocks += len(hits)
         assert self.worker is not None
@@ -1194,8 +1138,8 @@ class SchedulerCore:
         """Preempted sequences, best rank first, get blocks for their whole recompute
         (their own full blocks may still be cached: those are not recomputed)."""
         assert self.blocks is not None
-        while len(self._running) < self.max_batch:
-            seq = self._preempted.peek()
+        while len(self.places.running) < self.max_batch:
+            seq = self.places.preempted.peek()
             if seq is None:
                 return
             if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
@@ -1203,7 +1147,7 @@ class SchedulerCore:
                 continue
             if self._start_running(seq, seq.num_tokens, use_tier=False) is None:
                 return
-            self._preempted.pop()
+            self.places.preempted.pop()
             self.ticks.resumed(seq.request_id)
             self.observer.request_resumed(seq)
 
@@ -1226,13 +1170,13 @@ class SchedulerCore:
             if seq.status is SequenceStatus.RUNNING and seq.spilled is not None:
                 # A swap-in never done: the spilled data is still where it was.
                 assert self.blocks is not None
-                del self._running[seq.request_id]
+                del self.places.running[seq.request_id]
                 self.blocks.free(seq.block_ids)
                 self._release_slot(seq)
                 seq.block_ids = []
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.SWAPPED
-                self._swapped.append(seq)
+                self.places.swapped.append(seq)
         self._next_state_copies = []
 
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan | None:
@@ -1241,7 +1185,7 @@ class SchedulerCore:
         plan = StepPlan(step_id=next(self._step_ids))
         step = InflightStep(plan.step_id)
         self.orders.into_plan(plan, step)
-        for seq in sorted((self._running[i] for i in scheduled), key=lambda s: s.sort_slot):
+        for seq in sorted((self.places.running[i] for i in scheduled), key=lambda s: s.sort_slot):
             num_tokens = scheduled[seq.request_id]
             kind: RowKind = "decode" if seq.is_decoding else "prefill"
             row = make_row(seq, num_tokens)
@@ -1315,7 +1259,7 @@ class SchedulerCore:
         assert self.spec is not None and self.blocks is not None and self.worker is not None
         if seq.num_inflight_samples or not seq.is_decoding:
             return
-        if not self.spec.wants(seq, len(self._running)):
+        if not self.spec.wants(seq, len(self.places.running)):
             return
         room = min(budget, self.worker.max_model_len - seq.num_tokens - 1)
         if self.worker.max_verify_tokens:  # more would not verify at one row's rounding
@@ -1416,7 +1360,7 @@ class SchedulerCore:
         """Sets the final delta; the sequence keeps its blocks until retirement."""
         if seq.is_finished:
             return
-        self._unplace(seq)
+        self.places.unplace(seq)
         self.orders.drop_spill(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -1424,26 +1368,15 @@ class SchedulerCore:
         delta = self._delta(seq)
         delta.finish_reason = reason
         delta.error = error
-        self._finishing.append(seq)
+        self.places.finishing.append(seq)
         self.observer.request_finished(seq)
-
-    def _unplace(self, seq: Sequence) -> None:
-        """Takes an unfinished sequence out of the queue or batch its status names."""
-        if seq.status is SequenceStatus.RUNNING:
-            del self._running[seq.request_id]
-        elif seq.status is SequenceStatus.WAITING:
-            self._waiting.remove(seq.request_id)
-        elif seq.status is SequenceStatus.SWAPPED:
-            self._swapped.remove(seq)
-        else:
-            self._preempted.remove(seq.request_id)
 
     def _store_finished(self) -> None:
         """The full blocks of finished sequences go to the shared prefix tier (written by
         the worker before the next step's rows, as the blocks may be reused then)."""
         if not (self.config.prefix_tier and self._prefix_cache_on) or self.blocks is None:
             return
-        for seq in self._finishing:
+        for seq in self.places.finishing:
             if not seq.block_ids or seq.num_inflight_rows:
                 continue
             full = seq.num_computed_tokens // self.blocks.block_size
@@ -1467,7 +1400,7 @@ class SchedulerCore:
         """Frees finished sequences' blocks (full ones stay cached), except those of a
         sequence a step in flight may still write."""
         keep: list[Sequence] = []
-        for seq in self._finishing:
+        for seq in self.places.finishing:
             if seq.num_inflight_rows > 0:
                 keep.append(seq)
                 continue
@@ -1476,12 +1409,12 @@ class SchedulerCore:
                 self.blocks.free(seq.block_ids)
             self._forget_worker_state(seq)
             self._release_slot(seq)
-            del self._requests[seq.request_id]
+            self.places.leave(seq)
             if self.spec is not None:
                 self.spec.forget(seq.request_id)
             self.ticks.retired(seq.request_id, seq.finish_reason or "error")
             self.observer.request_retired(seq)
-        self._finishing = keep
+        self.places.finishing = keep
 
     def _delta(self, seq: Sequence) -> RequestDelta:
         delta = self._news.get(seq.request_id)

@@ -323,7 +323,7 @@ def test_a_swapped_sequence_takes_its_state_to_another_worker():
     worker_b.spilled, worker_b.spilled_state = worker_a.spilled, worker_a.spilled_state
     _submit_all(core=a)
     outcomes: dict = {}
-    while not any(s.spilled is not None and s.spilled.confirmed for s in a._swapped):
+    while not any(s.spilled is not None and s.spilled.confirmed for s in a.places.swapped):
         collect(outcomes, tick(a, worker_a)[1])
     moved = a.evacuate()
     swapped = {s.request_id for s in moved if s.spilled is not None}

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator
 from spillway.services.scheduler.admission import admission_error, invalid_request
 from spillway.services.scheduler.block_manager import BlockManager
 from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.deltas import News
 from spillway.services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow
 from spillway.services.scheduler.kv_orders import KVOrders
 from spillway.services.scheduler.moe_stats import MoEStats
@@ -117,14 +118,12 @@ class SchedulerCore:
         self.places = Places()
         self._slots = StateSlots()
         self._snapshots = StateSnapshots()
-        # Snapshot copies for sequences admitted this tick: (sequence, epoch, copy).
-        self._next_state_copies: list[tuple[Sequence, int, StateCopy]] = []
         self._inflight: dict[int, InflightStep] = {}
         # What the next plan carries besides rows, and the spills the store may delete.
         self.orders = KVOrders()
         # Hashes recently written to the shared tier (not written again while here).
         self._tier_stored: OrderedDict[int, None] = OrderedDict()
-        self._news: dict[str, RequestDelta] = {}
+        self.news = News()
         # Shared by the cores of one scheduler (one per worker), so that a sequence moved
         # between them keeps its place among theirs.
         self._arrivals = arrivals if arrivals is not None else itertools.count()
@@ -151,11 +150,11 @@ class SchedulerCore:
         takeover = self.worker is not None and self.worker.worker_id != info.worker_id
         self._drop_pending_orders()
         for seq in self.places.finishing:
-            self._forget_worker_state(seq)
+            self.orders.forget_sequence(seq)
             self._release_slot(seq)
         for seq in list(self.places.running.values()):
             del self.places.running[seq.request_id]
-            self._forget_worker_state(seq)
+            self.orders.forget_sequence(seq)
             self._release_slot(seq)
             seq.status = SequenceStatus.PREEMPTED
             self.places.preempted.push(seq)
@@ -189,7 +188,7 @@ class SchedulerCore:
             self.stats.migrations += sum(
                 1 for seq in self.places.requests.values() if not seq.is_finished
             )
-        return self._take_news()
+        return self.news.take()
 
     def detach_worker(self, error: ErrorInfo = NO_WORKER) -> list[RequestDelta]:
         """The worker is gone and none replaces it: every request ends with `error`."""
@@ -198,7 +197,7 @@ class SchedulerCore:
         for seq in list(self.places.requests.values()):
             self._finish(seq, "error", error)
         self._let_worker_go()
-        return self._take_news()
+        return self.news.take()
 
     def evacuate(self) -> list[Sequence]:
         """The worker is gone (no step of it in flight) and other workers take its
@@ -213,8 +212,8 @@ class SchedulerCore:
             self.places.unplace(seq)
             if seq.status is SequenceStatus.RUNNING:
                 seq.status = SequenceStatus.PREEMPTED  # its KV stays with the lost worker
-            self._bump_epoch(seq)
-            self._forget_worker_state(seq)
+            seq.bump_epoch()
+            self.orders.forget_sequence(seq)
             seq.kv_pending = False
             if seq.spilled is not None and not seq.spilled.confirmed:
                 self.orders.drop_spill(seq)
@@ -229,7 +228,7 @@ class SchedulerCore:
     def _let_worker_go(self) -> None:
         """The last of a gone worker: finished sequences retire, nothing is left to tell it."""
         for seq in self.places.finishing:
-            self._forget_worker_state(seq)
+            self.orders.forget_sequence(seq)
         self._retire_finished()
         self.orders.clear_forgets()
         self.worker = None
@@ -267,7 +266,7 @@ class SchedulerCore:
                         code="context_length_exceeded",
                     ),
                 )
-        return self._take_news()
+        return self.news.take()
 
     def movable_waiting(self, n: int) -> list[Sequence]:
         """Up to `n` sequences waiting for their first admission, in queue order, that
@@ -283,7 +282,7 @@ class SchedulerCore:
                 or seq.known_to_worker
                 or seq.kv_pending
                 or seq.spilled is not None
-                or seq.request_id in self._news
+                or seq.request_id in self.news
             )
 
         return heapq.nsmallest(n, filter(movable, self.places.waiting), key=lambda s: s.rank)
@@ -304,7 +303,7 @@ class SchedulerCore:
         for seq in list(self.places.requests.values()):
             if not seq.is_finished and seq.num_output_tokens == 0:
                 self._finish(seq, "error", error)
-        return self._take_news()
+        return self.news.take()
 
     def placement(self, token_ids: list[int]) -> tuple[int, int, int]:
         """What a placement decision needs of this worker for a sequence of these
@@ -476,7 +475,7 @@ class SchedulerCore:
         checked against the stop conditions. Returns this tick's news so far."""
         step = self._inflight.get(plan.step_id)
         if step is None:
-            return self._take_news()  # voided already
+            return self.news.take()  # voided already
         if result.error is not None:
             return self.fail_step(plan, result.error)
         if result.step_id != plan.step_id:
@@ -522,7 +521,7 @@ class SchedulerCore:
         self.stats.num_steps += 1
         self.observer.step_finished(plan, result)
         self.observer.phase_timed("update", start, self.clock.now())
-        return self._take_news()
+        return self.news.take()
 
     def fail_step(self, plan: StepPlan, error: ErrorInfo) -> list[RequestDelta]:
         """The step got no usable result. Out of memory: one victim (lowest priority, then
@@ -532,7 +531,7 @@ class SchedulerCore:
         this one must be voided by the caller.)"""
         step = self._inflight.pop(plan.step_id, None)
         if step is None:
-            return self._take_news()
+            return self.news.take()
         self.ticks.current = "step"
         live = self._void(step)
         if error.code == OUT_OF_MEMORY_CODE and len(live) > 1:
@@ -550,7 +549,7 @@ class SchedulerCore:
             for seq in live:
                 self._finish(seq, "error", error)
         self.observer.step_finished(plan)
-        return self._take_news()
+        return self.news.take()
 
     def void_step(self, plan: StepPlan) -> None:
         """The step's result will not be used (its worker went away, or a step before it
@@ -567,7 +566,7 @@ class SchedulerCore:
         live: list[Sequence] = []
         for row in step.rows:
             if self._settle_row(row) and row.seq.status is SequenceStatus.RUNNING:
-                self._resync(row.seq)
+                self.orders.resync(row.seq)
                 live.append(row.seq)
         return live
 
@@ -671,7 +670,7 @@ class SchedulerCore:
         t1 = self.clock.now()
         self.observer.phase_timed("deadline_sweep", t0, t1)
         self.ticks.timed("deadline_sweep", t1 - t0)
-        return self._take_news()
+        return self.news.take()
 
     def must_drain(self) -> bool:
         """Phase 2: a finished sequence still has a row in a step in flight, which may be
@@ -703,7 +702,7 @@ class SchedulerCore:
             ("resume", t4 - t3),
         ):
             self.ticks.timed(name, seconds)  # type: ignore[arg-type]
-        return self._take_news()
+        return self.news.take()
 
     def end_tick(self) -> list[RequestDelta]:
         """Every end-of-tick phase, for a caller with no step in flight."""
@@ -726,7 +725,7 @@ class SchedulerCore:
         return self.places.next_deadline()
 
     def has_work(self) -> bool:
-        return self.blocks is not None and (self.places.occupied or self._has_pending_orders())
+        return self.blocks is not None and (self.places.occupied or self.orders.pending)
 
     @property
     def num_running(self) -> int:
@@ -842,7 +841,7 @@ class SchedulerCore:
         assert self.blocks is not None and self.worker is not None
         del self.places.running[seq.request_id]
         spill_allowed = self._slots.spill_allowed(seq.num_inflight_rows)
-        self._bump_epoch(seq)
+        seq.bump_epoch()
         if seq.kv_pending and self._cancel_load(seq):
             return
         self._commit_blocks(seq)  # a recompute may find its own full blocks again
@@ -868,7 +867,7 @@ class SchedulerCore:
                 spill.state_tokens = seq.num_computed_tokens
             self.orders.spill(seq, spill)
         self.blocks.free(seq.block_ids)
-        self._forget_worker_state(seq)
+        self.orders.forget_sequence(seq)
         self._release_slot(seq)
         if mode == "spill":
             seq.status = SequenceStatus.SWAPPED
@@ -892,7 +891,7 @@ class SchedulerCore:
             seq.num_computed_tokens = 0
             return False
         self.blocks.free(seq.block_ids)
-        self._forget_worker_state(seq)
+        self.orders.forget_sequence(seq)
         self._release_slot(seq)
         seq.status = SequenceStatus.SWAPPED
         self.places.swapped.insert(0, seq)
@@ -903,11 +902,11 @@ class SchedulerCore:
         prefix load): it starts over by recompute."""
         assert self.blocks is not None
         del self.places.running[seq.request_id]
-        self._bump_epoch(seq)
+        seq.bump_epoch()
         seq.kv_pending = False
         self.orders.drop_spill(seq)
         self.blocks.free(seq.block_ids)
-        self._forget_worker_state(seq)
+        self.orders.forget_sequence(seq)
         self._release_slot(seq)
         self.places.requeue_for_recompute(seq)
         self.observer.request_kv_lost(seq, "read back failed")
@@ -917,32 +916,6 @@ class SchedulerCore:
         self.orders.drop_spill(seq)
         self.places.swapped.remove(seq)
         self.places.requeue_for_recompute(seq)
-
-    def _resync(self, seq: Sequence) -> None:
-        """The worker's view of a running sequence is unknown (a step failed or was
-        voided): it forgets it and takes it afresh; its computed KV stays valid."""
-        self._bump_epoch(seq)
-        if seq.known_to_worker:
-            self.orders.forget(seq.request_id)
-        seq.known_to_worker = False
-        seq.num_blocks_sent = 0
-
-    def _bump_epoch(self, seq: Sequence) -> None:
-        seq.epoch += 1
-        seq.num_inflight_tokens = 0
-        seq.num_inflight_samples = 0
-        seq.num_inflight_rows = 0
-        seq.num_inflight_drafts = 0
-
-    def _forget_worker_state(self, seq: Sequence) -> None:
-        """The sequence's KV is gone (or moved): the worker must drop it."""
-        if seq.known_to_worker:
-            self.orders.forget(seq.request_id)
-        seq.known_to_worker = False
-        seq.num_blocks_sent = 0
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
-        seq.num_committed_blocks = 0
 
     def _release_slot(self, seq: Sequence) -> None:
         """The sequence holds no blocks any more: nor a state slot (`state_slots`)."""
@@ -998,7 +971,7 @@ class SchedulerCore:
         seq.state_slot = self._slots.take()
         if snapshot is not None and not tier:  # (a tier load brings a later state)
             copy = StateCopy(seq_id=seq.request_id, snapshot=snapshot, num_tokens=len(hits) * bs)
-            self._next_state_copies.append((seq, seq.epoch, copy))
+            self.orders.copy_state(seq, copy)
         if seq.status is SequenceStatus.WAITING:  # first admission
             if self._prefix_cache_on:
                 self.stats.prefix_query_tokens += seq.num_prompt_tokens
@@ -1153,9 +1126,6 @@ class SchedulerCore:
 
     # --- internals: plans -----------------------------------------------------------
 
-    def _has_pending_orders(self) -> bool:
-        return self.orders.pending or bool(self._next_state_copies)
-
     def _drop_pending_orders(self) -> None:
         """Orders for a worker that is gone: spills never made, loads never done."""
         spills, loads = self.orders.discard()
@@ -1177,10 +1147,9 @@ class SchedulerCore:
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.SWAPPED
                 self.places.swapped.append(seq)
-        self._next_state_copies = []
 
     def _build_plan(self, scheduled: dict[str, int]) -> StepPlan | None:
-        if not scheduled and not self._has_pending_orders():
+        if not scheduled and not self.orders.pending:
             return None
         plan = StepPlan(step_id=next(self._step_ids))
         step = InflightStep(plan.step_id)
@@ -1216,13 +1185,12 @@ class SchedulerCore:
             step.loads.append(PlannedLoad(seq, seq.epoch, tier_tokens))
             if not seq.known_to_worker:  # no row for it this step: the worker needs it
                 plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
-        for seq, epoch, copy in self._next_state_copies:
+        for seq, epoch, copy in self.orders.take_state_copies():
             if seq.status is not SequenceStatus.RUNNING or seq.epoch != epoch:
                 continue
             plan.state_copies.append(copy)
             if not seq.known_to_worker:  # no row for it this step: the worker needs its slot
                 plan.new_seqs.append(worker_diff(seq))  # type: ignore[arg-type]
-        self._next_state_copies = []
         self._drafts = {}
         self._inflight[plan.step_id] = step
         if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
@@ -1329,7 +1297,7 @@ class SchedulerCore:
 
     def _append_token(self, seq: Sequence, out: RowResult) -> None:
         assert self.worker is not None
-        delta = self._delta(seq)  # before the token: the delta counts what came before
+        delta = self.news.of(seq)  # before the token: the delta counts what came before
         seq.token_ids.append(out.token_id)
         delta.token_ids.append(out.token_id)
         if out.logprobs is not None:
@@ -1365,7 +1333,7 @@ class SchedulerCore:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
-        delta = self._delta(seq)
+        delta = self.news.of(seq)
         delta.finish_reason = reason
         delta.error = error
         self.places.finishing.append(seq)
@@ -1407,7 +1375,7 @@ class SchedulerCore:
             if seq.block_ids:
                 assert self.blocks is not None
                 self.blocks.free(seq.block_ids)
-            self._forget_worker_state(seq)
+            self.orders.forget_sequence(seq)
             self._release_slot(seq)
             self.places.leave(seq)
             if self.spec is not None:
@@ -1415,19 +1383,3 @@ class SchedulerCore:
             self.ticks.retired(seq.request_id, seq.finish_reason or "error")
             self.observer.request_retired(seq)
         self.places.finishing = keep
-
-    def _delta(self, seq: Sequence) -> RequestDelta:
-        delta = self._news.get(seq.request_id)
-        if delta is None:
-            delta = RequestDelta(request_id=seq.request_id, first_token=seq.num_output_tokens)
-            if not seq.sent_first_delta:
-                seq.sent_first_delta = True
-                delta.num_prompt_tokens = seq.num_prompt_tokens
-                delta.num_cached_tokens = seq.num_cached_tokens
-            self._news[seq.request_id] = delta
-        return delta
-
-    def _take_news(self) -> list[RequestDelta]:
-        news = list(self._news.values())
-        self._news.clear()
-        return news

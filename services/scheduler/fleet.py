@@ -479,7 +479,7 @@ class Fleet:
         self._out.append(PublishLease())  # gateways stop routing to us now
         if self._replica_can_serve():
             for lane in self.lanes.values():
-                lane.pending += lane.core.hand_back(HANDED_BACK)
+                lane.pending += lane.core.membership.hand_back(HANDED_BACK)
                 self._wake(lane)
 
     def _replica_can_serve(self) -> bool:
@@ -771,11 +771,11 @@ class Fleet:
                 continue
             layout = core.worker.kv_layout
             moved: dict[str, int] = {}
-            for seq in core.movable_waiting(excess):
+            for seq in core.membership.movable_waiting(excess):
                 target = self._room_for(seq.token_ids, targets)
                 if target is None:
                     break  # the next in line waits here too: order is kept
-                core.give_up_waiting(seq)
+                core.membership.give_up_waiting(seq)
                 target.pending += target.core.adopt([seq], layout)
                 self.observer.request_migrated(seq, source.worker_id, target.worker_id)
                 self._wake(target)

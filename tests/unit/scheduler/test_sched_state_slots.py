@@ -149,7 +149,7 @@ def test_the_core_never_runs_more_sequences_than_the_worker_has_slots():
     _check(outcomes)
     assert max(len(p.rows) for p in worker.plans) == 2
     assert core.stats.preemptions == {"recompute": 0, "spill": 0}
-    assert not core._slots.in_use  # every slot back
+    assert not core.pool.slots.in_use  # every slot back
 
 
 @pytest.mark.parametrize("mode", ["spill", "recompute", "auto"])
@@ -175,7 +175,7 @@ def test_pressure_on_blocks_and_slots_gives_every_request_its_tokens(mode):
     # No prefix hit ever skipped a state: every recompute started at position 0.
     assert all(n.seq_id for p in worker.plans for n in p.new_seqs)
     assert all(d.num_cached_tokens in (None, 0) for o in outcomes.values() for d in o.deltas)
-    assert not core._slots.in_use
+    assert not core.pool.slots.in_use
 
 
 def test_auto_counts_the_state_bytes_in_a_spill():
@@ -231,7 +231,7 @@ def test_a_state_the_worker_lost_is_recomputed():
     run_to_completion(core, worker, outcomes)
     assert worker.lost_states == 1
     _check(outcomes, n=3, max_tokens=8)
-    assert core.sequence("r1") is None and not core._slots.in_use
+    assert core.sequence("r1") is None and not core.pool.slots.in_use
 
 
 def test_slots_are_the_smallest_free_and_a_full_batch_is_one_run():

@@ -46,14 +46,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal
 
 from spillway.services.scheduler.admission import admission_error
 from spillway.services.scheduler.block_manager import BlockManager
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.deltas import News
 from spillway.services.scheduler.endings import Endings
-from spillway.services.scheduler.inflight import InflightStep, PlannedRow
+from spillway.services.scheduler.inflight import InflightStep
 from spillway.services.scheduler.kv_orders import KVOrders
 from spillway.services.scheduler.kv_pool import KVPool
 from spillway.services.scheduler.membership import Membership
@@ -66,7 +67,7 @@ from spillway.services.scheduler.residency import Residency
 from spillway.services.scheduler.sequence import Sequence, SequenceStatus
 from spillway.services.scheduler.speculation import Speculation, verified_tokens
 from spillway.services.scheduler.stats import CoreStats, RowCap
-from spillway.services.scheduler.step_plan import Planned, build_plan
+from spillway.services.scheduler.step_plan import Planned, batch_line, build_plan
 from spillway.services.scheduler.stopping import finish_reason_after_token
 from spillway.services.scheduler.tick_report import TickLog
 from spillway.shared.clock import Clock
@@ -86,6 +87,7 @@ from spillway.shared.protocol import (
 log = logging.getLogger(__name__)
 
 NO_WORKER = ErrorInfo(status=503, message="no worker available", code="no_worker")
+EndOfTickPhase = Literal["deadline_sweep", "store_finished", "retire", "swap_in", "resume"]
 
 
 class SchedulerCore:
@@ -137,13 +139,7 @@ class SchedulerCore:
             self.observer,
         )
         self.membership = Membership(
-            self.pool,
-            self.places,
-            self.orders,
-            self.residency,
-            self.endings,
-            self.news,
-            self.stats,
+            self.pool, self.places, self.orders, self.residency, self.endings, self.news, self.stats
         )
 
     @property
@@ -341,7 +337,7 @@ class SchedulerCore:
         self._drafts = {}
         self._inflight[plan.step_id] = step
         if len(plan.rows) > 1 and log.isEnabledFor(logging.DEBUG):
-            log.debug("CONC_DIAG %s", self.batch_diagnostics())
+            log.debug("CONC_DIAG %s", batch_line(self.places.running.values()))
         return plan
 
     # --- the tick: results ----------------------------------------------------------
@@ -367,7 +363,7 @@ class SchedulerCore:
         sampled = {r.seq_id: r for r in result.rows}
         for row in step.rows:
             seq = row.seq
-            if not self._settle_row(row):
+            if not row.settle():
                 continue
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # it finished while the step ran: the row is an over-run
@@ -442,21 +438,10 @@ class SchedulerCore:
         self.residency.apply_outcomes(step, None)
         live: list[Sequence] = []
         for row in step.rows:
-            if self._settle_row(row) and row.seq.status is SequenceStatus.RUNNING:
+            if row.settle() and row.seq.status is SequenceStatus.RUNNING:
                 self.orders.resync(row.seq)
                 live.append(row.seq)
         return live
-
-    def _settle_row(self, row: PlannedRow) -> bool:
-        """Takes the row out of its sequence's in-flight counts; False when it was void."""
-        seq = row.seq
-        if seq.epoch != row.epoch:
-            return False
-        seq.num_inflight_tokens -= row.num_tokens
-        seq.num_inflight_samples -= int(row.sample)
-        seq.num_inflight_rows -= 1
-        seq.num_inflight_drafts -= len(row.drafts)
-        return True
 
     def _append_token(self, seq: Sequence, out: RowResult) -> None:
         info, _ = self.pool.attached()
@@ -513,14 +498,13 @@ class SchedulerCore:
     def sweep_deadlines(self) -> list[RequestDelta]:
         """Phase 1: requests past their deadline end with "timeout" (they retire in this
         same tick)."""
-        t0 = self.clock.now()
-        for seq in self.places.past_deadline(t0):
+        self._timed("deadline_sweep", self._sweep)
+        return self.news.take()
+
+    def _sweep(self) -> None:
+        for seq in self.places.past_deadline(self.clock.now()):
             self.endings.finish(seq, "timeout")
             self.ticks.swept(seq.request_id)
-        t1 = self.clock.now()
-        self.observer.phase_timed("deadline_sweep", t0, t1)
-        self.ticks.timed("deadline_sweep", t1 - t0)
-        return self.news.take()
 
     def must_drain(self) -> bool:
         """Phase 2: a finished sequence still has a row in a step in flight, which may be
@@ -530,29 +514,22 @@ class SchedulerCore:
     def finish_tick(self) -> list[RequestDelta]:
         """Phases 3-6: store finished sequences' full blocks in the shared prefix tier,
         retire finished sequences, swap in spilled ones, resume preempted ones."""
-        t0 = self.clock.now()
-        self.pool.store_finished(self.places.finishing, self.orders)
-        t1 = self.clock.now()
-        self.observer.phase_timed("store_finished", t0, t1)
-        self.endings.retire()
-        t2 = self.clock.now()
-        self.observer.phase_timed("retire", t1, t2)
-        if self.blocks is not None:
-            self.residency.swap_in()
-        t3 = self.clock.now()
-        self.observer.phase_timed("swap_in", t2, t3)
-        if self.blocks is not None:
-            self.residency.resume_preempted()
-        t4 = self.clock.now()
-        self.observer.phase_timed("resume", t3, t4)
-        for name, seconds in (
-            ("store_finished", t1 - t0),
-            ("retire", t2 - t1),
-            ("swap_in", t3 - t2),
-            ("resume", t4 - t3),
-        ):
-            self.ticks.timed(name, seconds)  # type: ignore[arg-type]
+        self._timed("store_finished", self._store_finished)
+        self._timed("retire", self.endings.retire)
+        self._timed("swap_in", self.residency.swap_in)
+        self._timed("resume", self.residency.resume_preempted)
         return self.news.take()
+
+    def _store_finished(self) -> None:
+        self.pool.store_finished(self.places.finishing, self.orders)
+
+    def _timed(self, phase: EndOfTickPhase, run: Callable[[], None]) -> None:
+        """Runs one end-of-tick phase, timed for the observer and the tick's report."""
+        start = self.clock.now()
+        run()
+        end = self.clock.now()
+        self.observer.phase_timed(phase, start, end)
+        self.ticks.timed(phase, end - start)
 
     def end_tick(self) -> list[RequestDelta]:
         """Every end-of-tick phase, for a caller with no step in flight."""
@@ -626,17 +603,6 @@ class SchedulerCore:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.places.get(request_id)
-
-    def batch_diagnostics(self) -> str:
-        """The seed's per-step line: one entry per running sequence in slot order."""
-        rows = sorted(self.places.running.values(), key=lambda s: s.sort_slot)
-        parts = [
-            f"[{i}: slot={s.state_slot} seq_len={s.num_tokens} "
-            f"bt={s.block_ids[0] if s.block_ids else -1}/{len(s.block_ids)} "
-            f"last={s.token_ids[-1] if s.token_ids else -1} out_n={s.num_output_tokens}]"
-            for i, s in enumerate(rows)
-        ]
-        return f"n={len(rows)}: {' '.join(parts)}"
 
     def check_integrity(self) -> None:
         """Raises AssertionError when the bookkeeping is inconsistent: every live

@@ -136,8 +136,8 @@ class Residency:
         A sequence's own full blocks that the prefix cache still holds (its blocks were
         cached when it was preempted) are reused, not counted and not reclaimed: only the
         rest is read back."""
-        _, blocks = self.pool.attached()
-        if not self.policy.spill_available:  # no spill store: nothing is ever swapped
+        blocks = self.pool.blocks
+        if blocks is None or not self.policy.spill_available:  # no worker, or no store
             return
         while len(self.places.running) < self.row_cap.limit and self.pool.slots.has_free():
             ready = [
@@ -222,7 +222,9 @@ class Residency:
     def resume_preempted(self) -> None:
         """Preempted sequences, best rank first, get blocks for their whole recompute
         (their own full blocks may still be cached: those are not recomputed)."""
-        _, blocks = self.pool.attached()
+        blocks = self.pool.blocks
+        if blocks is None:
+            return
         while len(self.places.running) < self.row_cap.limit:
             seq = self.places.preempted.peek()
             if seq is None:

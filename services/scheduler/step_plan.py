@@ -1,7 +1,10 @@
 """Turning scheduling decisions into the worker's wire form: the step plan (`build_plan`),
-its rows (`make_row`) and block-table diffs (`worker_diff`)."""
+its rows (`make_row`) and block-table diffs (`worker_diff`); and the seed's line on a
+step's batch (`batch_line`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from spillway.services.scheduler.inflight import InflightStep, PlannedLoad, PlannedRow
 from spillway.services.scheduler.kv_orders import KVOrders
@@ -121,3 +124,15 @@ def worker_diff(seq: Sequence) -> NewSequence | SequenceUpdate | None:
             seq_id=seq.request_id, new_block_ids=new_block_ids, num_kept_blocks=kept
         )
     return None
+
+
+def batch_line(running: Iterable[Sequence]) -> str:
+    """The seed's per-step line: one entry per running sequence in slot order."""
+    rows = sorted(running, key=lambda s: s.sort_slot)
+    parts = [
+        f"[{i}: slot={s.state_slot} seq_len={s.num_tokens} "
+        f"bt={s.block_ids[0] if s.block_ids else -1}/{len(s.block_ids)} "
+        f"last={s.token_ids[-1] if s.token_ids else -1} out_n={s.num_output_tokens}]"
+        for i, s in enumerate(rows)
+    ]
+    return f"n={len(rows)}: {' '.join(parts)}"

@@ -73,10 +73,10 @@ def _result(plan: StepPlan) -> StepResult:
 
 def _core(seqs: int, log_on: bool) -> SchedulerCore:
     core = SchedulerCore(
-        MonotonicClock(), SchedulerConfig(max_batch=seqs, max_num_batched_tokens=4096)
+        MonotonicClock(),
+        SchedulerConfig(max_batch=seqs, max_num_batched_tokens=4096),
+        ticks=None if log_on else _Off(),
     )
-    if not log_on:
-        core.ticks = _Off()
     # Room for about 3/4 of the sequences at full length: preemptions happen.
     info = WorkerInfo(
         worker_id="w1", model_id="bench", num_kv_blocks=seqs * 12, block_size=16,

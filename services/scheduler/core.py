@@ -97,6 +97,7 @@ class SchedulerCore:
         config: SchedulerConfig,
         observer: SchedulerObserver | None = None,
         arrivals: Iterator[int] | None = None,
+        ticks: TickLog | None = None,
     ) -> None:
         self.clock = clock
         self.config = config
@@ -119,7 +120,7 @@ class SchedulerCore:
         self.moe = MoEStats()  # a MoE worker's experts' load and exchange
         self.row_cap = RowCap(config.max_batch)
         # What this tick's phases did: a TickReport at its end (tick_report()).
-        self.ticks = TickLog()
+        self.ticks = ticks or TickLog()
         # Speculative decoding (None: off); the drafts of the step being planned.
         self.spec = Speculation.for_config(config, clock)
         self._drafts: dict[str, list[int]] = {}

@@ -12,7 +12,7 @@ from spillway.services.scheduler.state_slots import StateSlots
 from spillway.shared.protocol import SpillOutcome, StepPlan, StepResult
 from tests.unit.scheduler.harness import (
     FakeWorker,
-    Pipeline,
+    LaneDriver,
     collect,
     expected_tokens,
     make_core,
@@ -198,7 +198,7 @@ def test_with_steps_run_ahead_a_victim_in_flight_is_recomputed_not_spilled_ahead
     )  # fmt: skip
     worker = HybridWorker(BS, num_slots=3)
     _submit_all(core)
-    outcomes = Pipeline(core, worker).run()
+    outcomes = LaneDriver(core, worker).run()
     _check(outcomes)
     # Every spill that went out held a state at its confirmed tokens (the fake checks it).
     assert worker.state_spills == sum(len(p.spills) for p in worker.plans)

@@ -10,6 +10,8 @@ forget(seq)                  a sequence leaves this core (retired, or moved away
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from spillway.services.scheduler.deltas import News
 from spillway.services.scheduler.kv_orders import KVOrders
 from spillway.services.scheduler.kv_pool import KVPool
@@ -21,24 +23,15 @@ from spillway.services.scheduler.tick_report import TickLog
 from spillway.shared.protocol import ErrorInfo, FinishReason
 
 
+@dataclass(eq=False)
 class Endings:
-    def __init__(
-        self,
-        places: Places,
-        pool: KVPool,
-        orders: KVOrders,
-        news: News,
-        spec: Speculation | None,
-        ticks: TickLog,
-        observer: SchedulerObserver,
-    ) -> None:
-        self.places = places
-        self.pool = pool
-        self.orders = orders
-        self.news = news
-        self.spec = spec
-        self.ticks = ticks
-        self.observer = observer
+    places: Places
+    pool: KVPool
+    orders: KVOrders
+    news: News
+    spec: Speculation | None
+    ticks: TickLog
+    observer: SchedulerObserver
 
     def finish(self, seq: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> None:
         """Sets the final delta; the sequence keeps its blocks until retirement."""

@@ -6,7 +6,7 @@ phases it measured, and the spill store's last report."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.lane import Lane
@@ -54,25 +54,19 @@ def pooled(lanes: Iterable[Lane], ended: CoreStats) -> Pooled:
     )
 
 
+@dataclass(eq=False)
 class FleetStats:
-    def __init__(
-        self,
-        clock: Clock,
-        config: SchedulerConfig,
-        scheduler_id: str,
-        boot_id: str,
-        lease_interval_s: float,
-    ) -> None:
-        self.clock = clock
-        self.config = config
-        self.scheduler_id = scheduler_id
-        self.boot_id = boot_id
-        self.lease_interval_s = lease_interval_s
-        self.timings = StepTimings()  # every lane's steps
-        self.phases = PhaseStats()  # tick phases timed in-process
-        self.ended = CoreStats.empty()  # the counters of cores whose worker left
-        self.spill_store: SpillStats | None = None  # its last report
-        self._recent_spill_failures = RecentSpillFailures()
+    clock: Clock
+    config: SchedulerConfig
+    scheduler_id: str
+    boot_id: str
+    lease_interval_s: float
+    timings: StepTimings = field(default_factory=StepTimings)  # every lane's steps
+    phases: PhaseStats = field(default_factory=PhaseStats)  # tick phases timed in-process
+    # The counters of cores whose worker left.
+    ended: CoreStats = field(default_factory=CoreStats.empty)
+    spill_store: SpillStats | None = None  # its last report
+    _recent_spill_failures: RecentSpillFailures = field(default_factory=RecentSpillFailures)
 
     def lease(self, lanes: list[Lane], worker_ids: list[str], draining: bool) -> SchedulerLease:
         pool = pooled(lanes, self.ended)

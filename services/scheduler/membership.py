@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from spillway.services.scheduler.admission import invalid_request
 from spillway.services.scheduler.deltas import News
@@ -32,24 +33,15 @@ from spillway.services.scheduler.stats import CoreStats
 from spillway.shared.protocol import ErrorInfo, RequestDelta, WorkerInfo
 
 
+@dataclass(eq=False)
 class Membership:
-    def __init__(
-        self,
-        pool: KVPool,
-        places: Places,
-        orders: KVOrders,
-        residency: Residency,
-        endings: Endings,
-        news: News,
-        stats: CoreStats,
-    ) -> None:
-        self.pool = pool
-        self.places = places
-        self.orders = orders
-        self.residency = residency
-        self.endings = endings
-        self.news = news
-        self.stats = stats
+    pool: KVPool
+    places: Places
+    orders: KVOrders
+    residency: Residency
+    endings: Endings
+    news: News
+    stats: CoreStats
 
     def attach(self, info: WorkerInfo) -> list[RequestDelta]:
         """Drives `info`'s KV cache from now on. Running sequences are requeued for

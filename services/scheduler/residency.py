@@ -20,6 +20,7 @@ running --KV lost (a failed restore, load or spill)--> preempted
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from spillway.services.scheduler.endings import Endings
 from spillway.services.scheduler.inflight import InflightStep
@@ -55,30 +56,18 @@ def kv_exhausted(seq: Sequence, num_blocks: int) -> ErrorInfo:
     )
 
 
+@dataclass(eq=False)
 class Residency:
-    def __init__(
-        self,
-        clock: Clock,
-        pool: KVPool,
-        places: Places,
-        orders: KVOrders,
-        endings: Endings,
-        policy: PreemptionPolicy,
-        row_cap: RowCap,
-        stats: CoreStats,
-        ticks: TickLog,
-        observer: SchedulerObserver,
-    ) -> None:
-        self.clock = clock
-        self.pool = pool
-        self.places = places
-        self.orders = orders
-        self.endings = endings
-        self.policy = policy
-        self.row_cap = row_cap
-        self.stats = stats
-        self.ticks = ticks
-        self.observer = observer
+    clock: Clock
+    pool: KVPool
+    places: Places
+    orders: KVOrders
+    endings: Endings
+    policy: PreemptionPolicy
+    row_cap: RowCap
+    stats: CoreStats
+    ticks: TickLog
+    observer: SchedulerObserver
 
     # --- getting blocks -------------------------------------------------------------
 

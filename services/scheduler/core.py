@@ -445,7 +445,8 @@ class SchedulerCore:
         return live
 
     def _append_token(self, seq: Sequence, out: RowResult) -> None:
-        info, _ = self.pool.attached()
+        info = self.pool.info
+        assert info is not None
         delta = self.news.of(seq)  # before the token: the delta counts what came before
         seq.token_ids.append(out.token_id)
         delta.token_ids.append(out.token_id)

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from spillway.services.cli.main import build_parser
+from spillway.services.cli.nats_auth import CLIENT_USER, SERVICES, permissions
 from spillway.services.cli.options import OFF_SWITCHES, OPTIONS
 from spillway.services.gateway.metrics import GatewayMetrics, TokenTimer
 from spillway.shared.config import Settings
@@ -32,6 +33,7 @@ from spillway.shared.protocol import (
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+DEPLOYMENT = DOCS / "deployment.md"
 CONFIGURATION = DOCS / "configuration.md"
 OBSERVABILITY = DOCS / "observability.md"
 
@@ -117,12 +119,17 @@ def anchors(path: Path) -> set[str]:
 # --- options and settings ---------------------------------------------------------------
 
 
-def command_line_options() -> set[str]:
+def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def command_line_options() -> set[str]:
+    commands = subcommands()
     flags = set()
     for command in ("up", "serve"):
-        for action in sub.choices[command]._actions:
+        for action in commands[command]._actions:
             flags.update(s for s in action.option_strings if s.startswith("--"))
     return flags - {"--help"}
 
@@ -162,6 +169,24 @@ def test_each_option_row_gives_its_environment_name_and_default():
             assert not default.startswith("`") or default.startswith("`--"), flag
         else:
             assert code_spans(default) == [str(value)], f"README: {flag}'s default"
+
+
+def test_the_readme_commands_table_names_every_command():
+    (rows,) = list(tables(section(README.read_text(), "## Commands")))
+    named = {code_spans(row[0])[0].split()[1] for row in rows}
+    assert named == set(subcommands()), "README's commands table against `spillway --help`"
+
+
+def test_the_bus_users_table_gives_each_user_its_permissions():
+    (rows,) = list(tables(section(DEPLOYMENT.read_text(), "## Who may speak on the bus")))
+    documented = {row[0]: row for row in rows}
+    assert set(documented) == {*SERVICES, CLIENT_USER}
+    for user, (_, publishes, subscribes) in documented.items():
+        real = permissions(user)
+        own_inbox = {s for s in real.subscribe if s.startswith("_INBOX_")}
+        assert set(code_spans(publishes)) == set(real.publish), f"{user} publishes"
+        assert ("replies" in publishes) == real.responds, f"{user} replies"
+        assert set(code_spans(subscribes)) == set(real.subscribe) - own_inbox, f"{user} subscribes"
 
 
 def configuration_settings() -> set[str]:

@@ -119,7 +119,7 @@ def check_schema(schema: Any, param: str) -> None:
         if problem is not None:
             raise invalid(
                 f"{param}: {problem} at {path} cannot be enforced; supported keywords are "
-                "listed in the README (Structured output)",
+                "listed in docs/api.md (Structured output)",
                 param,
                 "unsupported_schema",
             )

@@ -290,7 +290,7 @@ def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
         param = _param_of(first["loc"])
         if first["type"] == "extra_forbidden":
             raise invalid(
-                f"{param}: this field is not supported by this server (README lists the"
+                f"{param}: this field is not supported by this server (docs/api.md lists the"
                 " accepted ones)",
                 param,
                 "unsupported_field",

@@ -74,12 +74,12 @@ def _named_call(section: str, at: int, final: bool) -> SectionScan:
         at += len(ARGS)
     elif _unsettled(section, at, (ARGS,)):
         return SectionScan([call], bad=final)
-    call.name = name.group()
     at = skip_space(section, at)
     if at >= len(section):
         return SectionScan([call], bad=final)
     if section[at] != "{":
-        return SectionScan([call], bad=True)
+        return SectionScan(bad=True)
+    call.name = name.group()  # named once its arguments begin: a call for sure
     value = value_at(section, at, final)
     call.arguments = section[at : at + (value.end or value.scanned)]
     if value.end is None:

@@ -111,31 +111,51 @@ def _unsettled(text: str, at: int, final: bool) -> bool:
 
 
 def _value(text: str, schema: Any) -> Any:
-    """A parameter's value by its schema's type (vLLM's rules)."""
+    """A parameter's value by its schema (vLLM's rules): the line breaks that frame it
+    are not part of it; whitespace around a value that is not a string never is."""
     if text.startswith("\n"):
         text = text[1:]
     if text.endswith("\n"):
         text = text[:-1]
-    types = (schema or {}).get("type") if isinstance(schema, dict) else None
+    schema = schema if isinstance(schema, dict) else {}
+    bare = text.strip()
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(choices, list):
+        if bare in choices:
+            return bare
+        parsed = _json(bare)
+        return parsed if parsed is not _NOT_JSON and parsed in choices else text
+    types = schema.get("type")
     names = set(types if isinstance(types, list) else [types] if types else [])
     if names and names <= {"string"}:
         return text
-    if text.strip() == "null" and (not names or "null" in names):
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+    value = _json(bare)
+    if value is _NOT_JSON:
         return text
-    if not names:
-        return value
-    kinds = {
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "boolean": lambda v: isinstance(v, bool),
-        "object": lambda v: isinstance(v, dict),
-        "array": lambda v: isinstance(v, list),
-        "null": lambda v: v is None,
-    }
-    if any(kinds.get(n, lambda v: False)(value) for n in names):
+    if not names or any(_KINDS.get(n, _never)(value) for n in names):
         return value
     return text if "string" in names else value
+
+
+_NOT_JSON = object()
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return _NOT_JSON
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+_KINDS = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "null": lambda v: v is None,
+}

@@ -183,6 +183,9 @@ SAMPLES: dict[str, list[tuple[str, str, list[tuple[str, dict]]]]] = {
          "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
          "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>",
          "Checking.", [("get_weather", ARGS), ("get_time", {"zone": "UTC"})]),
+        # Whitespace around a value that is not a string is not part of it.
+        ("<tool_call>\n<function=get_time>\n<parameter=zone> UTC\r</parameter>\n</function>\n"
+         "</tool_call>", "", [("get_time", {"zone": "UTC"})]),
         # A value that is not its type stays text; an unknown function's values read as JSON.
         ("<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
          "<parameter=days>\ntwo\n</parameter>\n</function>\n</tool_call>", "",

@@ -61,6 +61,18 @@ class CallShape:
         return self.begin.replace("{name}", name)
 
 
+def list_shape(start: str) -> CallShape:
+    """`start`, then a JSON list of call objects (Mistral v3, Granite 3)."""
+    return CallShape(
+        open=start + "[",
+        begin='{"name": "{name}", "arguments": ',
+        close="}",
+        separator=", ",
+        finish="]",
+        trigger=start,
+    )
+
+
 class ToolFormat(ABC):
     name: str = ""
     starts: tuple[str, ...] = ()

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from spillway.services.gateway.tool_formats.base import CallShape, Schemas, SectionScan, ToolFormat
+from spillway.services.gateway.tool_formats.base import Schemas, SectionScan, ToolFormat, list_shape
 from spillway.services.gateway.tool_formats.json_scan import calls_in_list
 
 START = "<|tool_call|>"
@@ -14,14 +14,7 @@ START = "<|tool_call|>"
 class Granite(ToolFormat):
     name = "granite"
     starts = (START,)
-    shape = CallShape(
-        open=START + "[",
-        begin='{"name": "{name}", "arguments": ',
-        close="}",
-        separator=", ",
-        finish="]",
-        trigger=START,
-    )
+    shape = list_shape(START)
 
     def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
         return calls_in_list(section, 0, final)

@@ -21,6 +21,7 @@ from spillway.services.gateway.tool_formats.base import (
     Schemas,
     SectionScan,
     ToolFormat,
+    list_shape,
 )
 from spillway.services.gateway.tool_formats.json_scan import calls_in_list, skip_space, value_at
 
@@ -29,14 +30,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _ID = re.compile(r"[A-Za-z0-9]*")
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
-LIST_SHAPE = CallShape(
-    open=START + "[",
-    begin='{"name": "{name}", "arguments": ',
-    close="}",
-    separator=", ",
-    finish="]",
-    trigger=START,
-)
+LIST_SHAPE = list_shape(START)
 NAMED_SHAPE = CallShape(
     open="", begin=START + "{name}" + ARGS, close="", separator="", finish="", trigger=START
 )

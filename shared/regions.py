@@ -1,8 +1,9 @@
 """Where a sequence is in its output: plain text, a think block, a code fence, a tool call.
 
 The worker tracks it to sample adaptively by region, the gateway to split reasoning from
-content. Both find the same markers in the model's tokenizer and chat template (or in the
-model-profile setting `region_markers`):
+content. Both take the same markers from the model's output formats (its reasoning and
+tool-call formats, named or found in its tokenizer and chat template: output_formats.py),
+or from the model-profile setting `region_markers`:
 
     plain --think_start------> think     --think_end------> plain
     plain --code_fence-------> code      --code_fence-----> plain
@@ -10,8 +11,11 @@ model-profile setting `region_markers`):
 
 Inside a region only its own end marker counts (a fence inside a think block or a tool
 call's JSON is text). A marker that is one token of the vocabulary is matched by its id; one
-that is not (the code fence, which hides inside tokens like "```\\n", or the fallback
-tool-call tag spelled in several tokens) by its text, across token boundaries.
+that is not (the code fence, which hides inside tokens like "```\\n", the fallback
+tool-call tag spelled in several tokens, Granite's "Here is my thought process:") by its
+text, across token boundaries; a marker may have other spellings (Granite's "Here's").
+A tool-call format whose calls run to the end of the output (Mistral's, Llama's) has no
+end marker: its region lasts to the end.
 """
 
 from __future__ import annotations

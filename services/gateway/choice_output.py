@@ -21,7 +21,7 @@ from spillway.services.gateway.tool_call_parser import ToolCall, ToolCallDelta, 
 from spillway.services.gateway.tool_formats import ToolFormat
 from spillway.services.gateway.validation import PreparedRequest
 from spillway.shared.protocol import ErrorInfo, RegionName, RequestDelta, SampledLogprobs
-from spillway.shared.regions import MARKER_NAMES, RegionMarkers
+from spillway.shared.regions import RegionMarkers
 
 # JSON has no -inf; OpenAI-compatible servers report a very unlikely token like this.
 MIN_LOGPROB = -9999.0
@@ -112,9 +112,8 @@ def _marker_texts(options: OutputOptions) -> set[str]:
     texts: set[str] = set()
     markers = options.reasoning
     if markers is not None:
-        for name in MARKER_NAMES:
-            marker = getattr(markers, name)
-            if marker is not None and name.startswith("think"):
+        for marker in (markers.think_start, markers.think_end):
+            if marker is not None:
                 texts.update(marker.texts)
     if options.tool_format is not None:
         texts.update(options.tool_format.words)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from spillway.services.gateway.tool_formats.base import PartialCall, Schemas, ToolFormat
 
@@ -66,6 +67,7 @@ class ToolCallParser:
         self._opener = ""  # what opened it (given back if it is not calls)
         self._space_before = ""  # dropped before it; given back likewise
         self._sent: list[_Sent] = []  # per call of the section
+        self._cache: dict[int, Any] = {}  # the section's JSON scans so far
         self._dead = False  # a broken section after a streamed call: the rest is dropped
         self._at_start = True  # nothing released yet (Llama's calls are the whole output)
         self._announced = 0  # calls whose header was streamed
@@ -128,7 +130,7 @@ class ToolCallParser:
         before = data[:at]
         self._space_before = before[len(before.rstrip()) :]
         self._opener = data[at : at + length]
-        self._section, self._sent = "", []
+        self._section, self._sent, self._cache = "", [], {}
         return data[at + length :]
 
     # --- inside a section ---------------------------------------------------------
@@ -139,7 +141,7 @@ class ToolCallParser:
         assert self._section is not None
         self._section += text
         section = self._section
-        scan = self.fmt.scan(section, final, self.schemas)
+        scan = self.fmt.scan(section, final, self.schemas, self._cache)
         streamed = any(s.id is not None for s in self._sent)
         if scan.bad and not streamed:
             # Not calls: the opener is content, and what follows is read again outside.

@@ -89,9 +89,11 @@ class ToolFormat(ABC):
         return False
 
     @abstractmethod
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: dict[int, Any] | None = None
+    ) -> SectionScan:
         """Reads the section's text (what follows its start marker); `final`: the output
-        ended here."""
+        ended here; `cache`: the JSON scans of this section's text so far (it only grew)."""
 
     def write(self, name: str, arguments: dict[str, Any]) -> str:
         """One call as the model writes it (and as the forcing grammar lets it)."""

@@ -21,7 +21,7 @@ from spillway.services.gateway.tool_formats.base import (
     SectionScan,
     ToolFormat,
 )
-from spillway.services.gateway.tool_formats.json_scan import skip_space, value_at
+from spillway.services.gateway.tool_formats.json_scan import Cache, skip_space, value_at
 from spillway.shared.output_formats import (
     DS_CALL_BEGIN,
     DS_CALL_END,
@@ -56,7 +56,9 @@ class DeepSeekV3(ToolFormat):
     def __init__(self, v31: bool = False) -> None:
         self.shape = V31_SHAPE if v31 else V3_SHAPE
 
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: Cache | None = None
+    ) -> SectionScan:
         out = SectionScan()
         at = 0
         while True:
@@ -74,7 +76,7 @@ class DeepSeekV3(ToolFormat):
                 out.bad = not out.calls
                 out.end = None if out.bad else at
                 return out
-            call, end = _call(section, at + len(DS_CALL_BEGIN), final)
+            call, end = _call(section, at + len(DS_CALL_BEGIN), final, cache)
             if call is None:
                 out.bad = not out.calls
                 out.end = None if out.bad else at
@@ -85,7 +87,9 @@ class DeepSeekV3(ToolFormat):
             at = end
 
 
-def _call(section: str, at: int, final: bool) -> tuple[PartialCall | None, int | None]:
+def _call(
+    section: str, at: int, final: bool, cache: Cache | None
+) -> tuple[PartialCall | None, int | None]:
     """One call from after its begin marker: (the call so far or None when it is not one,
     just past its end marker)."""
     call = PartialCall()
@@ -107,7 +111,7 @@ def _call(section: str, at: int, final: bool) -> tuple[PartialCall | None, int |
         tail = DS_CALL_END
     if at >= len(section):
         return (None, None) if final else (call, None)
-    value = value_at(section, at, final)
+    value = value_at(section, at, final, cache)
     if value.kind != "object":
         return None, None
     call.arguments = section[at : at + (value.end or value.scanned)]

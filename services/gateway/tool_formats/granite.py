@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from spillway.services.gateway.tool_formats.base import Schemas, SectionScan, ToolFormat, list_shape
-from spillway.services.gateway.tool_formats.json_scan import calls_in_list
+from spillway.services.gateway.tool_formats.json_scan import Cache, calls_in_list
 
 START = "<|tool_call|>"
 
@@ -16,5 +16,7 @@ class Granite(ToolFormat):
     starts = (START,)
     shape = list_shape(START)
 
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
-        return calls_in_list(section, 0, final)
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: Cache | None = None
+    ) -> SectionScan:
+        return calls_in_list(section, 0, final, cache)

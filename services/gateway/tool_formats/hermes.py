@@ -9,7 +9,7 @@ a JSON object in its own tags.
 from __future__ import annotations
 
 from spillway.services.gateway.tool_formats.base import CallShape, Schemas, SectionScan, ToolFormat
-from spillway.services.gateway.tool_formats.json_scan import scan_call_object, skip_space
+from spillway.services.gateway.tool_formats.json_scan import Cache, scan_call_object, skip_space
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -26,13 +26,15 @@ class Hermes(ToolFormat):
         trigger=START,
     )
 
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: Cache | None = None
+    ) -> SectionScan:
         at = skip_space(section, 0)
         if at >= len(section):
             return SectionScan(bad=final)
         if section[at] != "{":
             return SectionScan(bad=True)
-        call, end, bad = scan_call_object(section, at, final)
+        call, end, bad = scan_call_object(section, at, final, cache)
         if bad or end is None:
             return SectionScan([call], bad=bad)
         closing = section.find(END, end)

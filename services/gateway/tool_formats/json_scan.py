@@ -9,11 +9,20 @@ of it stays a prefix of what follows.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 
 from spillway.services.gateway.tool_formats.base import PartialCall, SectionScan
 
 _WHITESPACE = " \t\r\n"
+
+
+# Where a scan must look again: a string's quote or escape; a container's quotes and
+# brackets; the end of a number or literal. Runs between them are skipped at C speed, so
+# reading a long argument again on each new piece stays cheap.
+_IN_STRING = re.compile(r'["\\]')
+_IN_CONTAINER = re.compile(r'["{}\[\]]')
+_AFTER_LITERAL = re.compile(r"[,}\]\s]")
 
 
 @dataclass
@@ -26,50 +35,66 @@ class ValueScan:
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
-    _stack: list[str] = field(default_factory=list)
 
     def scan(self, text: str) -> ValueScan:
         while self.end is None and self.scanned < len(text):
-            ch = text[self.scanned]
-            self.scanned += 1
             if self.kind is None:
+                ch = text[self.scanned]
+                self.scanned += 1
                 self.kind = {"{": "object", "[": "array", '"': "string"}.get(ch, "other")
-                if self.kind == "string":
-                    self._in_string = True
-                elif self.kind in ("object", "array"):
-                    self._depth = 1
+                self._in_string = self.kind == "string"
+                self._depth = 1 if self.kind in ("object", "array") else 0
                 continue
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-                    if self.kind == "string":
-                        self.end = self.scanned
+            if self._escaped:
+                self._escaped = False
+                self.scanned += 1
                 continue
-            if self.kind == "other":
-                if ch in ",}]" + _WHITESPACE:
-                    self.end = self.scanned - 1
-                continue
-            if ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self.end = self.scanned
+            pattern = (
+                _IN_STRING
+                if self._in_string
+                else _AFTER_LITERAL
+                if self.kind == "other"
+                else _IN_CONTAINER
+            )
+            found = pattern.search(text, self.scanned)
+            if found is None:
+                self.scanned = len(text)
+                return self
+            self.scanned = found.end()
+            self._step(found.group(), found.start())
         return self
 
+    def _step(self, ch: str, at: int) -> None:
+        if self.kind == "other" and not self._in_string:
+            self.end = at
+        elif self._in_string:
+            if ch == "\\":
+                self._escaped = True
+            else:
+                self._in_string = False
+                if self.kind == "string":
+                    self.end = self.scanned
+        elif ch == '"':
+            self._in_string = True
+        elif ch in "{[":
+            self._depth += 1
+        else:
+            self._depth -= 1
+            if self._depth == 0:
+                self.end = self.scanned
 
-def value_at(text: str, start: int, final: bool) -> ValueScan:
+
+Cache = dict[int, ValueScan]  # value start -> its scan so far, for text that only grows
+
+
+def value_at(text: str, start: int, final: bool, cache: Cache | None = None) -> ValueScan:
     """The scan of the value starting at `start`; at the end of the output (`final`) a
-    number or literal ends with the text."""
-    scan = ValueScan().scan(text[start:])
+    number or literal ends with the text. With a `cache` (the text only grew since the
+    last call), the scan goes on from where it stopped."""
+    scan = cache.setdefault(start, ValueScan()) if cache is not None else ValueScan()
+    scan.scan(text[start:])
     if scan.end is None and final and scan.kind == "other":
-        scan.end = scan.scanned
+        return ValueScan(scan.kind, scan.scanned, scan.scanned)
     return scan
 
 
@@ -88,7 +113,9 @@ class ObjectScan:
     bad: bool = False  # not a JSON object (whatever follows)
 
 
-def scan_object(text: str, start: int, final: bool = False) -> ObjectScan:
+def scan_object(
+    text: str, start: int, final: bool = False, cache: Cache | None = None
+) -> ObjectScan:
     """Walks the object whose `{` is at `start`."""
     out = ObjectScan({})
     at = start + 1
@@ -123,7 +150,7 @@ def scan_object(text: str, start: int, final: bool = False) -> ObjectScan:
         at = skip_space(text, at + 1)
         if at >= len(text):
             return out
-        value = value_at(text, at, final)
+        value = value_at(text, at, final, cache)
         out.fields[name] = (at, value)
         if value.end is None:
             return out
@@ -131,12 +158,16 @@ def scan_object(text: str, start: int, final: bool = False) -> ObjectScan:
 
 
 def scan_call_object(
-    text: str, start: int, final: bool, args_keys: tuple[str, ...] = ("arguments", "parameters")
+    text: str,
+    start: int,
+    final: bool,
+    cache: Cache | None = None,
+    args_keys: tuple[str, ...] = ("arguments", "parameters"),
 ) -> tuple[PartialCall, int | None, bool]:
     """The call written as a JSON object at `start`: (the call so far, where the object
     ends, whether it is not a call). Arguments are the model's own text of the value (a
     JSON string value is decoded, some models encode them); none given is `{}`."""
-    obj = scan_object(text, start, final)
+    obj = scan_object(text, start, final, cache)
     call = PartialCall()
     name_field = obj.fields.get("name")
     if name_field is not None:
@@ -173,7 +204,7 @@ def scan_call_object(
 
 
 def scan_call_array(
-    text: str, start: int, final: bool
+    text: str, start: int, final: bool, cache: Cache | None = None
 ) -> tuple[list[PartialCall], int | None, bool]:
     """A JSON list of call objects whose `[` is at `start` (Mistral, Granite): (the calls
     so far, where the list ends, whether it is not a list of calls)."""
@@ -191,7 +222,7 @@ def scan_call_array(
             continue
         if ch != "{":
             return calls, None, True
-        call, end, bad = scan_call_object(text, at, final)
+        call, end, bad = scan_call_object(text, at, final, cache)
         if bad:
             return calls, None, True
         calls.append(call)
@@ -200,15 +231,15 @@ def scan_call_array(
         at = end
 
 
-def calls_in_list(section: str, start: int, final: bool) -> SectionScan:
+def calls_in_list(section: str, start: int, final: bool, cache: Cache | None = None) -> SectionScan:
     """A list of call objects from `start` on (a lone object counts as a list of one)."""
     at = skip_space(section, start)
     if at >= len(section):
         return SectionScan(bad=final)
     if section[at] == "{":
-        call, end, bad = scan_call_object(section, at, final)
+        call, end, bad = scan_call_object(section, at, final, cache)
         return SectionScan([call], end=end, bad=bad)
     if section[at] != "[":
         return SectionScan(bad=True)
-    calls, end, bad = scan_call_array(section, at, final)
+    calls, end, bad = scan_call_array(section, at, final, cache)
     return SectionScan(calls, end=end, bad=bad)

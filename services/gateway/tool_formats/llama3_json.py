@@ -7,7 +7,7 @@ JSON object (or `<|python_tag|>`) is calls, `; ` between them.
 from __future__ import annotations
 
 from spillway.services.gateway.tool_formats.base import CallShape, Schemas, SectionScan, ToolFormat
-from spillway.services.gateway.tool_formats.json_scan import scan_call_object, skip_space
+from spillway.services.gateway.tool_formats.json_scan import Cache, scan_call_object, skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -34,7 +34,9 @@ class Llama3Json(ToolFormat):
             return at, len(PYTHON_TAG)
         return None if PYTHON_TAG.startswith(text[at:]) else False
 
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: Cache | None = None
+    ) -> SectionScan:
         out = SectionScan()
         at = skip_space(section, 0)
         while True:
@@ -45,7 +47,7 @@ class Llama3Json(ToolFormat):
             if section[at] != "{":
                 out.bad, out.end = not out.calls, at
                 return out
-            call, end, bad = scan_call_object(section, at, final)
+            call, end, bad = scan_call_object(section, at, final, cache)
             if bad:
                 out.bad, out.end = not out.calls, at
                 return out

@@ -23,7 +23,12 @@ from spillway.services.gateway.tool_formats.base import (
     ToolFormat,
     list_shape,
 )
-from spillway.services.gateway.tool_formats.json_scan import calls_in_list, skip_space, value_at
+from spillway.services.gateway.tool_formats.json_scan import (
+    Cache,
+    calls_in_list,
+    skip_space,
+    value_at,
+)
 
 START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -46,14 +51,16 @@ class Mistral(ToolFormat):
     def new_id(self) -> str:
         return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: Cache | None = None
+    ) -> SectionScan:
         at = skip_space(section, 0)
         if at < len(section) and section[at] in "[{":
-            return calls_in_list(section, at, final)
-        return _named_call(section, at, final)
+            return calls_in_list(section, at, final, cache)
+        return _named_call(section, at, final, cache)
 
 
-def _named_call(section: str, at: int, final: bool) -> SectionScan:
+def _named_call(section: str, at: int, final: bool, cache: Cache | None) -> SectionScan:
     """`name[CALL_ID]id[ARGS]{...}`, the id and the [ARGS] marker optional."""
     name = _NAME.match(section, at)
     if name is None:
@@ -74,7 +81,7 @@ def _named_call(section: str, at: int, final: bool) -> SectionScan:
     if section[at] != "{":
         return SectionScan(bad=True)
     call.name = name.group()  # named once its arguments begin: a call for sure
-    value = value_at(section, at, final)
+    value = value_at(section, at, final, cache)
     call.arguments = section[at : at + (value.end or value.scanned)]
     if value.end is None:
         return SectionScan([call])

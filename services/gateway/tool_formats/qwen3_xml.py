@@ -31,7 +31,7 @@ from spillway.services.gateway.tool_formats.base import (
     ToolFormat,
     dumps,
 )
-from spillway.services.gateway.tool_formats.json_scan import skip_space
+from spillway.services.gateway.tool_formats.json_scan import Cache, skip_space
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -57,7 +57,9 @@ class Qwen3Xml(ToolFormat):
             for k, v in arguments.items()
         )
 
-    def scan(self, section: str, final: bool, schemas: Schemas) -> SectionScan:
+    def scan(
+        self, section: str, final: bool, schemas: Schemas, cache: Cache | None = None
+    ) -> SectionScan:
         at = skip_space(section, 0)
         opened = _expect(section, at, FUNCTION, final)
         if opened is not True:

@@ -13,7 +13,7 @@ state), 16 rows and more run on the tile unit (`native/matmul_q8_amx.h`): the pa
 is AMX's B tile as it is, the int32 block sums are the same integers and the float steps
 the same, so the outputs are the VNNI path's to the bit.
 
-Measured figures are in `bench.cpu_kernels` (`--rows`) and the README.
+Measured by `bench.cpu_kernels` (`--rows`); figures in docs/measurements/.
 """
 
 from __future__ import annotations

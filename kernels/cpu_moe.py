@@ -15,7 +15,7 @@ overhead matters here, since a 64-expert layer runs up to 128 small products a s
 With 16 or more active experts, one of them with more rows than the native kernels take,
 each projection is one `grouped_mm` instead (a loop in C++ over the same per-expert
 products). Timed against the reference and transformers' experts by
-`python -m bench.moe_experts` (figures in README).
+`python -m bench.moe_experts` (figures in docs/measurements/).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from spillway.shared.output_formats import ReasoningParserName, ToolCallParserName
 from spillway.shared.protocol import RegionName, RegionSampling
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -191,6 +192,10 @@ class Settings(BaseSettings):
     # "```", "tool_call_start": "<tool_call>", "tool_call_end": "</tool_call>"}; an empty
     # string turns a marker off.
     region_markers: dict[MarkerName, str] = Field(default_factory=dict)
+    # How the model writes tool calls and marks its reasoning (vLLM's parser names);
+    # unset: chosen from the chat template and vocabulary (shared/output_formats.py).
+    tool_call_parser: ToolCallParserName | None = None
+    reasoning_parser: ReasoningParserName | None = None
     log_level: str = "INFO"
     # text: one readable line per record; json: one JSON object per line, with the
     # current span's trace_id and span_id (shared/json_logs.py).

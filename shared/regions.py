@@ -1,8 +1,9 @@
 """Where a sequence is in its output: plain text, a think block, a code fence, a tool call.
 
 The worker tracks it to sample adaptively by region, the gateway to split reasoning from
-content. Both find the same markers in the model's tokenizer and chat template (or in the
-model-profile setting `region_markers`):
+content. Both take the same markers from the model's output formats (its reasoning and
+tool-call formats, named or found in its tokenizer and chat template: output_formats.py),
+or from the model-profile setting `region_markers`:
 
     plain --think_start------> think     --think_end------> plain
     plain --code_fence-------> code      --code_fence-----> plain
@@ -10,8 +11,11 @@ model-profile setting `region_markers`):
 
 Inside a region only its own end marker counts (a fence inside a think block or a tool
 call's JSON is text). A marker that is one token of the vocabulary is matched by its id; one
-that is not (the code fence, which hides inside tokens like "```\\n", or the fallback
-tool-call tag spelled in several tokens) by its text, across token boundaries.
+that is not (the code fence, which hides inside tokens like "```\\n", the fallback
+tool-call tag spelled in several tokens, Granite's "Here is my thought process:") by its
+text, across token boundaries; a marker may have other spellings (Granite's "Here's").
+A tool-call format whose calls run to the end of the output (Mistral's, Llama's) has no
+end marker: its region lasts to the end.
 """
 
 from __future__ import annotations
@@ -20,13 +24,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spillway.shared.output_formats import (
+    TOOL_CALL_SYNTAX,
+    ReasoningParserName,
+    ToolCallParserName,
+    detect_reasoning,
+    detect_tool_call_parser,
+)
 from spillway.shared.protocol import RegionName
 
 MARKER_NAMES = ("think_start", "think_end", "code_fence", "tool_call_start", "tool_call_end")
 CODE_FENCE = "```"
-# Pairs models use, best first. The tool-call pair is also the fallback prompt's format
-# (Hermes), so it is always tracked, as text when the vocabulary lacks it.
-THINK_PAIRS = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
+# The Hermes pair: the fallback prompt's format, tracked unless another format is chosen.
 TOOL_CALL_PAIRS = (("<tool_call>", "</tool_call>"),)
 
 TokenBytes = Callable[[int], bytes]
@@ -37,6 +46,11 @@ TokenId = Callable[[str], "int | None"]
 class Marker:
     text: str
     token_id: int | None = None  # set when the text is exactly one token
+    also: tuple[str, ...] = ()  # other spellings that count as this marker (by text)
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return (self.text, *self.also)
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,9 @@ class RegionMarkers:
     code_fence: Marker | None = Marker(CODE_FENCE)
     tool_call_start: Marker | None = Marker(TOOL_CALL_PAIRS[0][0])
     tool_call_end: Marker | None = Marker(TOOL_CALL_PAIRS[0][1])
+    # Other single-token markers the output formats write ([ARGS], <｜tool▁sep｜>, ...): no
+    # region of their own, but kept wherever the region markers are (grammars, text).
+    words: tuple[Marker, ...] = ()
     _exits: dict[RegionName, tuple[tuple[Marker, RegionName], ...]] = field(
         init=False, repr=False, compare=False
     )
@@ -80,36 +97,36 @@ class RegionMarkers:
         return self._exits[region]
 
     def longest_text(self) -> int:
-        markers = (getattr(self, name) for name in MARKER_NAMES)
-        return max((len(m.text.encode()) for m in markers if m is not None), default=0)
+        markers = [getattr(self, name) for name in MARKER_NAMES]
+        texts = [t for m in markers if m is not None for t in m.texts]
+        return max((len(t.encode()) for t in texts), default=0)
 
 
 def marker_ids(markers: RegionMarkers) -> list[int]:
-    """The token ids of the markers that are single tokens."""
-    found = (getattr(markers, name) for name in MARKER_NAMES)
-    return [m.token_id for m in found if m is not None and m.token_id is not None]
+    """The token ids of the markers (and format words) that are single tokens."""
+    found = [*(getattr(markers, name) for name in MARKER_NAMES), *markers.words]
+    return sorted({m.token_id for m in found if m is not None and m.token_id is not None})
 
 
 def detect_markers(
-    token_id: TokenId, chat_template: str | None, overrides: Mapping[Any, str] | None = None
+    token_id: TokenId,
+    chat_template: str | None,
+    overrides: Mapping[Any, str] | None = None,
+    tool_call_parser: ToolCallParserName | None = None,
+    reasoning_parser: ReasoningParserName | None = None,
 ) -> RegionMarkers:
-    """The markers of a model: think and tool-call pairs that are single tokens of its
-    vocabulary or appear in its chat template; `overrides` (name -> text, "" = off) win."""
-    template = chat_template or ""
-
-    def pair(candidates: tuple[tuple[str, str], ...]) -> tuple[str, str] | None:
-        for start, end in candidates:
-            single = token_id(start) is not None and token_id(end) is not None
-            if single or (start in template and end in template):
-                return start, end
-        return None
-
-    texts: dict[str, str] = {"code_fence": CODE_FENCE}
-    think = pair(THINK_PAIRS)
-    if think is not None:
-        texts["think_start"], texts["think_end"] = think
-    tool = pair(TOOL_CALL_PAIRS) or TOOL_CALL_PAIRS[0]
-    texts["tool_call_start"], texts["tool_call_end"] = tool
+    """The markers of a model: those of its reasoning and tool-call formats (named, or
+    found from its vocabulary and chat template: shared.output_formats); `overrides`
+    (name -> text, "" = off) win."""
+    reasoning = detect_reasoning(token_id, chat_template, reasoning_parser)
+    syntax = TOOL_CALL_SYNTAX[tool_call_parser or detect_tool_call_parser(chat_template)]
+    texts: dict[str, str] = {"code_fence": CODE_FENCE, "tool_call_start": syntax.start}
+    if syntax.end is not None:
+        texts["tool_call_end"] = syntax.end
+    also: dict[str, tuple[str, ...]] = {}
+    if reasoning is not None:
+        texts["think_start"], texts["think_end"] = reasoning.starts[0], reasoning.ends[0]
+        also = {"think_start": reasoning.starts[1:], "think_end": reasoning.ends[1:]}
     texts.update(overrides or {})
 
     def marker(name: str) -> Marker | None:
@@ -117,9 +134,14 @@ def detect_markers(
         if not text:
             return None
         # A fence is matched as text whatever the vocabulary: it hides inside other tokens.
-        return Marker(text, None if name == "code_fence" else token_id(text))
+        return Marker(text, None if name == "code_fence" else token_id(text), also.get(name, ()))
 
-    return RegionMarkers(**{name: marker(name) for name in MARKER_NAMES})
+    named = {name: marker(name) for name in MARKER_NAMES}
+    taken = {m.text for m in named.values() if m is not None}
+    words = tuple(
+        Marker(w, token_id(w)) for w in syntax.words if w not in taken and token_id(w) is not None
+    )
+    return RegionMarkers(**named, words=words)
 
 
 class RegionTracker:
@@ -162,12 +184,13 @@ def _scan(
     while True:
         best: tuple[int, int, RegionName] | None = None
         for marker, to in markers.exits(region):
-            if by_text_only and marker.token_id is not None:
-                continue
-            encoded = marker.text.encode()
-            at = data.find(encoded)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, at + len(encoded), to)
+            for text in marker.texts:
+                if by_text_only and marker.token_id is not None and text == marker.text:
+                    continue
+                encoded = text.encode()
+                at = data.find(encoded)
+                if at >= 0 and (best is None or at < best[0]):
+                    best = (at, at + len(encoded), to)
         if best is None:
             return region, data
         region, data = best[2], data[best[1] :]

@@ -1,5 +1,5 @@
 """The tree stays ruff-clean, the typed parts (shared/, the scheduler core) mypy-clean, and
-the import boundaries of DESIGN.md hold (`lint-imports`, contracts in pyproject.toml).
+the import boundaries of docs/architecture.md hold (`lint-imports`, contracts in pyproject.toml).
 
 mypy and the import graph read the package as `pip install .` lays it out (the `installed`
 fixture): in the checkout, `spillway.*` exists only through package-dir's mapping, which

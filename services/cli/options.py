@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from spillway.shared.config import Settings
+from spillway.shared.output_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 # (flag, settings field, kwargs) in the order of the contract.
 OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
@@ -44,6 +45,12 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
                                       "tokenizer)"}),
     ("--ngram-max", "ngram_max", {"type": int, "help": "--speculative ngram: longest n-gram "
                                   "looked up in the sequence so far"}),
+    ("--tool-call-parser", "tool_call_parser", {"choices": list(TOOL_CALL_PARSERS),
+                                                "help": "how the model writes tool calls "
+                                                "(vLLM's names)"}),
+    ("--reasoning-parser", "reasoning_parser", {"choices": list(REASONING_PARSERS),
+                                                "help": "how the model marks its reasoning "
+                                                "(vLLM's names)"}),
     ("--attention-backend", "attention_backend", {"choices": ["auto", "torch", "triton"],
                                                   "help": "worker kernels: auto = Triton on "
                                                   "CUDA, torch elsewhere"}),
@@ -87,6 +94,8 @@ SHOWN_WHEN_UNSET = {
     "threads": "every core available",
     "state_slots": "max-batch",
     "state_snapshots": "state-slots",
+    "tool_call_parser": "from the chat template",
+    "reasoning_parser": "from the chat template",
 }
 # Switches that are on unless their --no-... flag is given.
 OFF_SWITCHES = {"prefix_cache", "cuda_graphs", "run_ahead"}

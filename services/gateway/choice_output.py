@@ -9,14 +9,16 @@ sequence).
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from spillway.services.gateway.detokenizer import DecodeFn, IncrementalDetokenizer
-from spillway.services.gateway.reasoning import ReasoningSplit
+from spillway.services.gateway.reasoning import ReasoningText, ReasoningTokens
 from spillway.services.gateway.stop_strings import StopCheck, StopStringMatcher
 from spillway.services.gateway.tokenizer import ModelTokenizer
 from spillway.services.gateway.tool_call_parser import ToolCall, ToolCallDelta, ToolCallParser
+from spillway.services.gateway.tool_formats import ToolFormat
 from spillway.services.gateway.validation import PreparedRequest
 from spillway.shared.protocol import ErrorInfo, RegionName, RequestDelta, SampledLogprobs
 from spillway.shared.regions import RegionMarkers
@@ -75,11 +77,14 @@ class OutputOptions:
     # Never more tokens than this, whatever the scheduler sends (None: no cap).
     max_tokens: int | None = None
     min_tokens: int = 0  # stop strings apply once this many tokens are out
-    # Reasoning split: the model's markers and the region the output starts in.
+    # Reasoning split: the model's markers, the region the output starts in, and whether
+    # a block may open anywhere (else only before any content: Granite).
     reasoning: RegionMarkers | None = None
     initial_region: RegionName = "plain"
-    # Tool calls parsed out of the content: the (start, end) tags.
-    tool_tags: tuple[str, str] | None = None
+    reasoning_anywhere: bool = True
+    # Tool calls parsed out of the content: their format and the functions' schemas.
+    tool_format: ToolFormat | None = None
+    tool_schemas: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     parallel_tool_calls: bool = True
 
 
@@ -95,58 +100,73 @@ def output_options(prepared: PreparedRequest, markers: RegionMarkers) -> OutputO
         min_tokens=prepared.min_tokens,
         reasoning=markers if prepared.split_reasoning else None,
         initial_region=prepared.sampling.initial_region,
-        tool_tags=tools.tags if tools is not None else None,
+        reasoning_anywhere=prepared.reasoning_anywhere,
+        tool_format=tools.format if tools is not None else None,
+        tool_schemas=tools.schemas if tools is not None else {},
         parallel_tool_calls=tools.parallel if tools is not None else True,
     )
 
 
-def _content_decoder(tokenizer: ModelTokenizer, options: OutputOptions) -> DecodeFn:
-    """Decodes content; tool-call tags stay in it for the parser even when they are special
-    tokens that skip_special_tokens would drop."""
+def _marker_texts(options: OutputOptions) -> set[str]:
+    """The texts the parsers read: think markers, and the tool-call format's markers."""
+    texts: set[str] = set()
+    markers = options.reasoning
+    if markers is not None:
+        for marker in (markers.think_start, markers.think_end):
+            if marker is not None:
+                texts.update(marker.texts)
+    if options.tool_format is not None:
+        texts.update(options.tool_format.words)
+    return texts
+
+
+def _text_decoder(tokenizer: ModelTokenizer, options: OutputOptions) -> DecodeFn:
+    """Decodes the output; the markers the parsers read stay in it even when they are
+    special tokens that skip_special_tokens would drop."""
     skip = options.skip_special_tokens
-    tags = options.tool_tags
-    kept = {tokenizer.tokenizer.token_to_id(tag) for tag in tags} if tags and skip else set()
-    dropped = tokenizer.special_ids - kept
-    if not kept & tokenizer.special_ids:
+    ids = (tokenizer.tokenizer.token_to_id(t) for t in _marker_texts(options)) if skip else ()
+    kept = {i for i in ids if i is not None} & tokenizer.special_ids
+    if not kept:
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
+    dropped = tokenizer.special_ids - kept
     return lambda ids: tokenizer.decode([i for i in ids if i not in dropped], False)
-
-
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChoiceOutput:
     def __init__(self, index: int, tokenizer: ModelTokenizer, options: OutputOptions) -> None:
         self.index = index
         self._tokenizer = tokenizer
-        skip = options.skip_special_tokens
-        self._detokenizer = IncrementalDetokenizer(_content_decoder(tokenizer, options))
+        self._detokenizer = IncrementalDetokenizer(_text_decoder(tokenizer, options))
         self._stop = StopStringMatcher(options.stop)
         self._min_tokens = options.min_tokens
         self._want_logprobs = options.logprobs is not None
         self._tokens_as_ids = options.tokens_as_ids
         self._max_tokens = options.max_tokens
-        self._split: ReasoningSplit | None = None
-        self._reasoning_text: IncrementalDetokenizer | None = None
-        if options.reasoning is not None:
-            self._split = ReasoningSplit(
-                options.reasoning, tokenizer.token_bytes, options.initial_region
+        self._think: ReasoningText | None = None
+        self._think_tokens: ReasoningTokens | None = None
+        markers = options.reasoning
+        if markers is not None and markers.think_start and markers.think_end:
+            self._think = ReasoningText(
+                markers.think_start.texts,
+                markers.think_end.texts,
+                inside=options.initial_region == "think",
+                anywhere=options.reasoning_anywhere,
             )
-            self._reasoning_text = IncrementalDetokenizer(
-                lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
+            self._think_tokens = ReasoningTokens(
+                markers, tokenizer.token_bytes, options.initial_region
             )
         self._tools: ToolCallParser | None = None
-        if options.tool_tags is not None:
-            start, end = options.tool_tags
+        if options.tool_format is not None:
             self._tools = ToolCallParser(
-                start, end, new_tool_call_id, parallel=options.parallel_tool_calls
+                options.tool_format,
+                options.tool_schemas,
+                parallel=options.parallel_tool_calls,
             )
         self.num_tokens = 0
         self.token_ids: list[int] = []  # what the client has: a resume continues after them
         self.num_cached_tokens = 0
         self.text = ""
-        self.reasoning: str | None = "" if options.reasoning is not None else None
+        self.reasoning: str | None = "" if self._think is not None else None
         self.logprobs: list[TokenLogprobInfo] = []
         self.finish_reason: str | None = None
         self.error: ErrorInfo | None = None
@@ -157,7 +177,7 @@ class ChoiceOutput:
 
     @property
     def num_reasoning_tokens(self) -> int | None:
-        return self._split.num_reasoning_tokens if self._split is not None else None
+        return self._think_tokens.count if self._think_tokens is not None else None
 
     @property
     def finished(self) -> bool:
@@ -175,7 +195,7 @@ class ChoiceOutput:
         for i, token_id in enumerate(delta.token_ids):
             if self._max_tokens is not None and self.num_tokens >= self._max_tokens:
                 # More than asked for (a scheduler that ran it twice): keep what was asked.
-                step.text += self._release_held_text()
+                step.text += self._release_held_text(step)
                 step.finish_reason = "length"
                 step.stop_matched = True
                 return self._record(step)
@@ -183,11 +203,12 @@ class ChoiceOutput:
             self.token_ids.append(token_id)
             if self._want_logprobs and i < len(sampled):
                 step.logprobs.append(self._logprob_info(token_id, sampled[i]))
-            channel = self._split.route(token_id) if self._split is not None else "content"
-            if channel != "content":
-                step.reasoning += self._reasoning_piece(token_id, channel)
-                continue
+            if self._think_tokens is not None:
+                self._think_tokens.advance(token_id)
             piece = self._detokenizer.push(token_id)
+            if self._think is not None:
+                reasoning, piece = self._think.feed(piece)
+                step.reasoning += reasoning
             # Stop strings count only once min_tokens are out (as vLLM does).
             check = (
                 self._stop.feed(piece) if self.num_tokens > self._min_tokens else StopCheck(piece)
@@ -200,7 +221,7 @@ class ChoiceOutput:
         if delta.finish_reason == "error":
             step.error = delta.error or ErrorInfo(message="the request failed in the engine")
         elif delta.finish_reason is not None:
-            step.text += self._release_held_text()
+            step.text += self._release_held_text(step)
             step.finish_reason = "stop" if self._stop.matched else delta.finish_reason
         return self._record(step)
 
@@ -209,7 +230,7 @@ class ChoiceOutput:
         step = ChoiceStep(self.index)
         if self.finished:
             return step
-        step.text = self._release_held_text()
+        step.text = self._release_held_text(step)
         step.finish_reason = finish_reason
         return self._record(step)
 
@@ -222,21 +243,19 @@ class ChoiceOutput:
         step.error = error
         return self._record(step)
 
-    def _reasoning_piece(self, token_id: int, channel: str) -> str:
-        """Reasoning text for a think-block token; a marker releases what was held back
-        (the block ended, or a new one starts)."""
-        assert self._reasoning_text is not None
-        if channel == "reasoning":
-            return self._reasoning_text.push(token_id)
-        return self._reasoning_text.finish()
-
-    def _release_held_text(self) -> str:
-        check = self._stop.feed(self._detokenizer.finish())
+    def _release_held_text(self, step: ChoiceStep) -> str:
+        """The output ended: the text held back (incomplete characters, a possible
+        marker or stop string) is released; reasoning goes to the step."""
+        text = self._detokenizer.finish()
+        if self._think is not None:
+            reasoning, text = self._think.feed(text)
+            more, rest = self._think.finish()
+            step.reasoning += reasoning + more
+            text += rest
+        check = self._stop.feed(text)
         return check.text + self._stop.flush()
 
     def _record(self, step: ChoiceStep) -> ChoiceStep:
-        if step.finished and self._reasoning_text is not None:
-            step.reasoning += self._reasoning_text.finish()
         if self._tools is not None:
             step.text, step.tool_calls = self._tools.feed(step.text)
             if step.finished:

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the gateway honours, as strict pydantic models.
 
 Strict: a string where a number belongs, a number where a boolean belongs, is a 400 and
-not silently coerced. A field the server does not honour is a 400 that names it (README
+not silently coerced. A field the server does not honour is a 400 that names it (docs/api.md
 lists the accepted ones): nothing is silently ignored. Every optional field accepts
 `null`, which some clients send for "not given"; defaults are applied in validation.
 """

@@ -35,11 +35,13 @@ from spillway.services.gateway.nats_api import NatsApi
 from spillway.services.gateway.sampling_fields import SamplingDefaults
 from spillway.services.gateway.structured_output import GrammarBuilder
 from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer
+from spillway.services.gateway.tool_formats import tool_format
 from spillway.services.gateway.validation import ModelInfo, RequestPreparer
 from spillway.shared.bus import Bus
 from spillway.shared.config import Settings
 from spillway.shared.lifecycle import announce_ready
 from spillway.shared.model_files import resolve_model
+from spillway.shared.output_formats import detect_reasoning
 from spillway.shared.regions import detect_markers
 from spillway.shared.telemetry import Telemetry
 
@@ -101,12 +103,21 @@ def model_info(settings: Settings) -> tuple[ModelTokenizer, ModelInfo]:
     tokenizer = load_tokenizer(source, settings.cache_dir)
     facts = load_model_facts(source, settings.cache_dir)
     template = tokenizer.chat_template.source if tokenizer.chat_template else None
+    token_id = tokenizer.tokenizer.token_to_id
+    tools, reasoning = settings.tool_call_parser, settings.reasoning_parser
     info = ModelInfo(
         model_id=source.model_id,
         context_length=facts.context_length,
         vocab_size=facts.vocab_size,
         aliases=frozenset({settings.model, str(source.path)}),
-        markers=detect_markers(tokenizer.tokenizer.token_to_id, template, settings.region_markers),
+        markers=detect_markers(token_id, template, settings.region_markers, tools, reasoning),
+        tool_format=tool_format(tools, template),
+        reasoning=detect_reasoning(token_id, template, reasoning),
+    )
+    log.info(
+        "output formats: tool calls %s, reasoning %s",
+        info.tool_format.name,
+        info.reasoning.name if info.reasoning else "none",
     )
     return tokenizer, info
 

@@ -119,7 +119,7 @@ def check_schema(schema: Any, param: str) -> None:
         if problem is not None:
             raise invalid(
                 f"{param}: {problem} at {path} cannot be enforced; supported keywords are "
-                "listed in the README (Structured output)",
+                "listed in docs/api.md (Structured output)",
                 param,
                 "unsupported_schema",
             )
@@ -199,11 +199,25 @@ class GrammarBuilder:
         except Exception as e:  # xgrammar's own refusal: bad $ref, bad pattern, ...
             raise invalid(f"{param}: the schema cannot be compiled: {_last_line(e)}", param) from e
 
+    def xml_arguments(self, schema: Any, param: str) -> Any:
+        """Arguments valid under `schema` as Qwen3-Coder's `<parameter=...>` blocks."""
+        check_schema(schema, param)
+        st = self.xgr.structural_tag
+        form = st.JSONSchemaFormat(json_schema=schema, style="qwen_xml", max_whitespace_cnt=1)
+        try:
+            return self.xgr.Grammar.from_structural_tag(st.StructuralTag(format=form))
+        except Exception as e:
+            raise invalid(f"{param}: the schema cannot be compiled: {_last_line(e)}", param) from e
+
     def literal(self, text: str) -> Any:
         return self.xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
 
+    def literals(self, text: str) -> list[Any]:
+        """The literal as a list of parts to concatenate: none for the empty text."""
+        return [self.literal(text)] if text else []
+
     def concat(self, *parts: Any) -> Any:
-        return self.xgr.Grammar.concat(*parts)
+        return parts[0] if len(parts) == 1 else self.xgr.Grammar.concat(*parts)
 
     def union(self, *parts: Any) -> Any:
         return parts[0] if len(parts) == 1 else self.xgr.Grammar.union(*parts)
@@ -212,19 +226,39 @@ class GrammarBuilder:
         """`grammar` once, then up to `most - 1` more times, each after `separator`."""
         if most == 1:
             return grammar
-        rule = f"root ({json.dumps(separator)} root){{0, {most - 1}}}"
+        between = f"{json.dumps(separator, ensure_ascii=False)} " if separator else ""
+        rule = f"root ({between}root){{0, {most - 1}}}"
         text = f"{grammar}\nspillway_repeat ::= {rule}\n"
         return self.xgr.Grammar.from_ebnf(text, root_rule_name="spillway_repeat")
 
-    def triggered(self, items: list[tuple[str, Any, str]], trigger: str, param: str) -> Any:
-        """Free text in which every `trigger` starts one of the items: its begin text, JSON
-        valid under its schema (checked first), its end text."""
-        tags = []
-        for begin, schema, end in items:
+    def triggered(
+        self, items: list[tuple[str, Any, str]], trigger: str, param: str, xml: bool = False
+    ) -> Any:
+        """Free text in which every `trigger` starts one of the items: its begin text,
+        arguments valid under its schema (checked first; JSON, or with `xml` Qwen3-Coder's
+        parameter blocks), its end text."""
+        for _, schema, _ in items:
             check_schema(schema, param)
-            tags.append(self.xgr.StructuralTagItem(begin=begin, schema=json.dumps(schema), end=end))
         try:
-            return self.xgr.Grammar.from_structural_tag(tags, [trigger])
+            if xml:
+                st = self.xgr.structural_tag
+                tags = [
+                    st.TagFormat(
+                        begin=begin,
+                        content=st.JSONSchemaFormat(
+                            json_schema=schema, style="qwen_xml", max_whitespace_cnt=1
+                        ),
+                        end=end,
+                    )
+                    for begin, schema, end in items
+                ]
+                form = st.TriggeredTagsFormat(triggers=[trigger], tags=tags)
+                return self.xgr.Grammar.from_structural_tag(st.StructuralTag(format=form))
+            legacy = [
+                self.xgr.StructuralTagItem(begin=begin, schema=json.dumps(schema), end=end)
+                for begin, schema, end in items
+            ]
+            return self.xgr.Grammar.from_structural_tag(legacy, [trigger])
         except Exception as e:
             raise invalid(f"{param}: the schema cannot be compiled: {_last_line(e)}", param) from e
 

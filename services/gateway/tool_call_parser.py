@@ -1,29 +1,24 @@
-"""Tool calls in generated text, Hermes style, parsed as the text streams:
+"""Tool calls read out of generated text as it streams, in any format (tool_formats/).
 
-    Let me check.<tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-Text outside the tags is content; each tagged JSON object becomes an OpenAI tool call. As
-vLLM and SGLang stream them, a call's first delta carries its index, id and name, and later
-ones carry fragments of its arguments, which join to exactly the arguments' JSON text as
-the model wrote it (the non-streamed response holds the same text). Arguments given as a
-JSON string (some models encode them) are sent decoded, whole.
+Text outside call sections is content; each call becomes an OpenAI tool call. As vLLM
+and SGLang stream them, a call's first delta carries its index, id and name, and later
+ones carry fragments of its arguments, which join to exactly the arguments of the whole
+call (the non-streamed response holds the same text). The format reads a section again
+from its start on each new piece, so the outcome does not depend on how the text was cut.
 
 Whitespace right before a call or after the last one is dropped, so that a response made
-only of calls has no content. A tagged body that is not a call (bad JSON, no name) stays
-content, unless its name was already streamed.
+only of calls has no content. A section that is not calls (bad JSON, no name) is
+content, unless a call's name was already streamed: then that call stands with what was
+streamed of it, and the rest of the section is dropped.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+from spillway.services.gateway.tool_formats.base import PartialCall, Schemas, ToolFormat
 
 
 @dataclass
@@ -44,226 +39,160 @@ class ToolCall:
 
 
 @dataclass
-class _Call:
-    """The call being generated: its body so far and what was streamed of it."""
+class _Sent:
+    """What was streamed of one call."""
 
-    index: int
-    id: str
-    body: str = ""
+    id: str | None = None
     name: str | None = None
-    args_start: int | None = None  # where the arguments' value starts in body
-    args_sent: int = 0  # characters of the value streamed
-    args: _ValueScan | None = None
-    space_before: str = ""  # dropped before the tag; given back if this is not a call
+    arguments: str = ""
+    index: int = -1
+    skipped: bool = False  # a call beyond the first when parallel calls are off
 
 
 class ToolCallParser:
     def __init__(
-        self, start: str, end: str, new_id: Callable[[], str], parallel: bool = True
+        self,
+        fmt: ToolFormat,
+        schemas: Schemas | None = None,
+        new_id: Callable[[], str] | None = None,
+        parallel: bool = True,
     ) -> None:
-        self.start = start
-        self.end = end
-        self.new_id = new_id
+        self.fmt = fmt
+        self.schemas = schemas or {}
+        self.new_id = new_id or fmt.new_id
         self.parallel = parallel
         self.calls: list[ToolCall] = []
-        self._pending = ""  # outside a call: text not released yet
-        self._call: _Call | None = None
+        self._pending = ""  # outside a section: text not released yet
+        self._section: str | None = None  # inside one: its text so far
+        self._opener = ""  # what opened it (given back if it is not calls)
+        self._space_before = ""  # dropped before it; given back likewise
+        self._sent: list[_Sent] = []  # per call of the section
+        self._cache: dict[int, Any] = {}  # the section's JSON scans so far
+        self._dead = False  # a broken section after a streamed call: the rest is dropped
+        self._at_start = True  # nothing released yet (Llama's calls are the whole output)
+        self._announced = 0  # calls whose header was streamed
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Content released by this text, and the call deltas it completes."""
-        content, deltas = "", list[ToolCallDelta]()
-        while text:
-            if self._call is None:
-                text, released = self._outside(text)
-                content += released
-            else:
-                text, released = self._inside(text, deltas)
-                content += released
-        return content, deltas
+        return self._run(text, final=False)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The output ended: a call without its end tag still counts when its JSON is whole."""
-        deltas: list[ToolCallDelta] = []
-        content = ""
-        if self._call is not None:
-            content = self._close(self._call, deltas)
-            self._call = None
+        """The output ended: a call cut off keeps what was streamed of it."""
+        content, deltas = self._run("", final=True)
         pending, self._pending = self._pending, ""
         if not (self.calls and not pending.strip()):
             content += pending
         return content, deltas
 
-    # --- outside a call ------------------------------------------------------------
+    def _run(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", list[ToolCallDelta]()
+        if self._dead:
+            return "", deltas
+        while True:
+            if self._section is None:
+                rest, released = self._outside(text, final)
+            else:
+                rest, released = self._inside(text, final, deltas)
+            content += released
+            if rest is None or self._dead:
+                return content, deltas
+            text = rest
 
-    def _outside(self, text: str) -> tuple[str, str]:
-        """Returns (text left for a call, content released)."""
+    # --- outside a section --------------------------------------------------------
+
+    def _outside(self, text: str, final: bool) -> tuple[str | None, str]:
+        """Returns (text left for a section just opened, or None; content released)."""
         data = self._pending + text
-        at = data.find(self.start)
-        if at >= 0:
-            before, self._pending = data[:at], ""
-            released = before.rstrip()  # whitespace right before a call is dropped
-            self._open(before[len(released) :])
-            return data[at + len(self.start) :], released
-        keep = _partial_tail(data, self.start)
-        cut = len(data) - keep
+        self._pending = ""
+        if self._at_start:
+            opening = self.fmt.opening(data)
+            if opening is None and not final:
+                self._pending = data
+                return None, ""
+            if isinstance(opening, tuple):
+                at, length = opening
+                return self._open(data, at, length), ""
+        found = [(data.find(s), s) for s in self.fmt.starts if s in data]
+        if found:
+            at, start = min(found)
+            released = data[:at].rstrip()
+            self._at_start = self._at_start and not released
+            return self._open(data, at, len(start)), released
+        keep = max((_partial_tail(data, s) for s in self.fmt.starts), default=0)
         # Whitespace waits: it is dropped if a call follows or the calls were the end.
-        stripped = data[:cut].rstrip()
-        if not stripped:
-            self._pending = data
-            return "", ""
+        stripped = data[: len(data) - keep].rstrip()
         self._pending = data[len(stripped) :]
-        return "", stripped
+        if stripped:
+            self._at_start = False
+        return None, stripped
 
-    def _open(self, space_before: str) -> None:
-        self._call = _Call(index=len(self.calls), id=self.new_id(), space_before=space_before)
+    def _open(self, data: str, at: int, length: int) -> str:
+        before = data[:at]
+        self._space_before = before[len(before.rstrip()) :]
+        self._opener = data[at : at + length]
+        self._section, self._sent, self._cache = "", [], {}
+        return data[at + length :]
 
-    # --- inside a call --------------------------------------------------------------
+    # --- inside a section ---------------------------------------------------------
 
-    def _inside(self, text: str, deltas: list[ToolCallDelta]) -> tuple[str, str]:
-        """Consumes text of the current call; returns what follows its end tag and the
-        content to release (the tagged text, when it was not a call)."""
-        call = self._call
-        assert call is not None
-        call.body += text
-        at = call.body.find(self.end)
-        rest = ""
-        if at >= 0:
-            rest = call.body[at + len(self.end) :]
-            call.body = call.body[:at]
-        self._stream(call, deltas)
-        if at < 0:
-            return "", ""
-        self._call = None
-        return rest, self._close(call, deltas)
+    def _inside(
+        self, text: str, final: bool, deltas: list[ToolCallDelta]
+    ) -> tuple[str | None, str]:
+        assert self._section is not None
+        self._section += text
+        section = self._section
+        scan = self.fmt.scan(section, final, self.schemas, self._cache)
+        streamed = any(s.id is not None for s in self._sent)
+        if scan.bad and not streamed:
+            # Not calls: the opener is content, and what follows is read again outside.
+            self._section = None
+            self._at_start = False
+            return section, self._space_before + self._opener
+        self._stream(scan.calls, deltas)
+        if scan.bad:
+            self._close(scan.calls)
+            self._dead = True
+            return None, ""
+        if scan.end is not None:
+            self._close(scan.calls)
+            self._at_start = False
+            return section[scan.end :], ""
+        if final:
+            if not streamed and not any(c.name for c in scan.calls):
+                self._section = None
+                return section, self._space_before + self._opener
+            self._close(scan.calls)
+        return None, ""
 
-    def _wanted(self, call: _Call) -> bool:
-        return self.parallel or call.index == 0
-
-    def _stream(self, call: _Call, deltas: list[ToolCallDelta]) -> None:
-        if not self._wanted(call):
-            return
-        if call.name is None:
-            match = _NAME.search(call.body)
-            if match is None:
-                return
-            try:
-                call.name = json.loads(f'"{match.group(1)}"')
-            except json.JSONDecodeError:
-                return
-            deltas.append(ToolCallDelta(call.index, id=call.id, name=call.name))
-        if call.args_start is None:
-            match = _ARGUMENTS.search(call.body)
-            if match is None:
-                return
-            call.args_start = match.end()
-            call.args = _ValueScan()
-        assert call.args is not None
-        value = call.body[call.args_start :]
-        call.args.scan(value)
-        if call.args.kind in ("object", "array"):
-            upto = call.args.end if call.args.end is not None else call.args.scanned
-            if upto > call.args_sent:
-                deltas.append(ToolCallDelta(call.index, arguments=value[call.args_sent : upto]))
-                call.args_sent = upto
-
-    def _close(self, call: _Call, deltas: list[ToolCallDelta]) -> str:
-        """Ends the call; returns content to release (a body that was not a call)."""
-        parsed = _parse_call(call.body)
-        if not self._wanted(call):
-            return ""
-        if parsed is None:
-            if call.name is not None:  # already streamed: it stays a (broken) call
-                self.calls.append(ToolCall(call.id, call.name, _streamed_args(call)))
-                return ""
-            return call.space_before + self.start + call.body + self.end
-        name, arguments = parsed
-        if call.name is None:
-            call.name = name
-            deltas.append(ToolCallDelta(call.index, id=call.id, name=name))
-        streamed = _streamed_args(call)
-        if arguments.startswith(streamed) and len(arguments) > len(streamed):
-            deltas.append(ToolCallDelta(call.index, arguments=arguments[len(streamed) :]))
-        elif not arguments.startswith(streamed):  # cannot happen with a clean scan
-            arguments = streamed
-        self.calls.append(ToolCall(call.id, name, arguments))
-        return ""
-
-
-def _streamed_args(call: _Call) -> str:
-    if call.args_start is None:
-        return ""
-    return call.body[call.args_start : call.args_start + call.args_sent]
-
-
-def _parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of a whole call body, or None when it is not one. The
-    arguments are the model's own text of the value (a JSON string value is decoded)."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
-    if key is None:
-        return obj["name"], "{}"
-    value = obj[key]
-    if isinstance(value, str):
-        return obj["name"], value
-    match = _ARGUMENTS.search(body)
-    if match is not None:
-        scan = _ValueScan()
-        scan.scan(body[match.end() :])
-        if scan.end is not None and scan.kind in ("object", "array"):
-            return obj["name"], body[match.end() : match.end() + scan.end]
-    return obj["name"], json.dumps(value, ensure_ascii=False)
-
-
-@dataclass
-class _ValueScan:
-    """Scans a JSON value's text incrementally: its kind, and where it ends once known."""
-
-    kind: str | None = None  # object, array, string, other
-    scanned: int = 0
-    end: int | None = None
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
-    _stack: list[str] = field(default_factory=list)
-
-    def scan(self, text: str) -> None:
-        while self.end is None and self.scanned < len(text):
-            ch = text[self.scanned]
-            self.scanned += 1
-            if self.kind is None:
-                self.kind = {"{": "object", "[": "array", '"': "string"}.get(ch, "other")
-                if self.kind == "string":
-                    self._in_string = True
-                elif self.kind in ("object", "array"):
-                    self._depth = 1
+    def _stream(self, calls: list[PartialCall], deltas: list[ToolCallDelta]) -> None:
+        while len(self._sent) < len(calls):
+            self._sent.append(_Sent())
+        for call, sent in zip(calls, self._sent, strict=False):
+            if call.name is None or sent.skipped:
                 continue
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-                    if self.kind == "string":
-                        self.end = self.scanned
+            if sent.id is None:
+                if not self.parallel and self._announced:
+                    sent.skipped = True
+                    continue
+                sent.id, sent.name, sent.index = self.new_id(), call.name, self._announced
+                self._announced += 1
+                deltas.append(ToolCallDelta(sent.index, id=sent.id, name=call.name))
+            args = call.arguments
+            if len(args) > len(sent.arguments) and args.startswith(sent.arguments):
+                deltas.append(ToolCallDelta(sent.index, arguments=args[len(sent.arguments) :]))
+                sent.arguments = args
+
+    def _close(self, calls: list[PartialCall]) -> None:
+        """Ends the section: its announced calls stand, with all their arguments when
+        whole, else with what was streamed of them."""
+        for call, sent in zip(calls, self._sent, strict=False):
+            if sent.id is None or sent.name is None:
                 continue
-            if self.kind == "other":
-                if ch in ",}] \n\r\t":
-                    self.end = self.scanned - 1
-                continue
-            if ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self.end = self.scanned
+            whole = call.done and call.arguments.startswith(sent.arguments)
+            arguments = call.arguments if whole else sent.arguments
+            self.calls.append(ToolCall(sent.id, sent.name, arguments))
+        self._section = None
+        self._sent = []
 
 
 def _partial_tail(text: str, marker: str) -> int:

@@ -1,18 +1,19 @@
 """Tools in a chat request: what the chat template sees, what the output must follow, and
-how the output is read back (`tool_call_parser`).
+how the output is read back (tool_call_parser.py, in the model's format: tool_formats/).
 
 - The template gets `tools` (OpenAI's shape, as transformers passes them) and the
-  conversation with earlier calls' arguments as objects, as templates expect them.
-- A template that does not know tools gets the fallback, Hermes style: the tool list and
-  the `<tool_call>` format in the system message, earlier calls written out in the
+  conversation with earlier calls' arguments as objects that also read as their JSON
+  text (templates differ in which they expect: `tojson` on one, `+` on the other).
+- A template that does not know tools gets the fallback: the tool list and the format's
+  way of writing a call in the system message, earlier calls written out in the
   assistant's text, and tool results as user turns in `<tool_response>` tags.
 - `tool_choice`: "auto" lets the model choose (calls are parsed from its text); "none"
   shows the tools but parses nothing; "required" and a named function are enforced by a
-  grammar: the output is one call (up to MAX_FORCED_CALLS with `parallel_tool_calls: true`
-  given explicitly: a small model asked for "one or more" tends to repeat itself until its
-  token budget runs out) and nothing else, its arguments valid under the function's
-  schema. With "auto" and a function marked `strict`, every call the model opens is
-  enforced (all calls open with the same tag).
+  grammar in the model's format: the output is one call (up to MAX_FORCED_CALLS with
+  `parallel_tool_calls: true` given explicitly: a small model asked for "one or more"
+  tends to repeat itself until its token budget runs out) and nothing else, its
+  arguments valid under the function's schema. With "auto" and a function marked
+  `strict`, every call the model opens is enforced (all calls open with the same text).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from spillway.services.gateway.errors import invalid
 from spillway.services.gateway.schemas import ChatCompletionRequest, Tool
 from spillway.services.gateway.structured_output import GrammarBuilder, check_schema
+from spillway.services.gateway.tool_formats import ToolFormat
 
 # Calls one forced response may hold when parallel calls are allowed.
 MAX_FORCED_CALLS = 4
@@ -38,11 +40,13 @@ You are provided with function signatures within <tools></tools> XML tags:
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within \
-{start}{end} XML tags:
-{start}
-{{"name": <function-name>, "arguments": <args-json-object>}}
-{end}"""
+{how}"""
+HERMES_HOW = """For each function call, return a json object with function name and arguments \
+within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>"""
+OTHER_HOW = "For each function call, write it exactly in this form:\n"
 
 
 @dataclass(frozen=True)
@@ -50,14 +54,15 @@ class ToolSetup:
     """What a request's tools change: the template's inputs, the grammar, the parsing."""
 
     tools: list[dict[str, Any]]  # OpenAI's shape
-    tags: tuple[str, str]  # what opens and closes a call in the output
+    format: ToolFormat  # how calls are written in the output
+    schemas: dict[str, dict[str, Any]]  # function name -> its parameters' schema
     grammar: str | None  # EBNF the output must follow
     parse: bool  # read tool calls out of the output
     parallel: bool
 
 
 def tool_setup(
-    req: ChatCompletionRequest, builder: GrammarBuilder, markers: tuple[str, str] | None
+    req: ChatCompletionRequest, builder: GrammarBuilder, fmt: ToolFormat
 ) -> ToolSetup | None:
     """None when the request has no tools (its tool_choice must then allow that)."""
     choice = req.tool_choice
@@ -65,8 +70,6 @@ def tool_setup(
         if choice not in (None, "none", "auto"):
             raise invalid("tool_choice needs `tools`", "tool_choice")
         return None
-    if markers is None:
-        raise invalid("this model profile has no tool-call markers: tools cannot be used", "tools")
     tools = req.tools
     names = [t.function.name for t in tools]
     duplicate = next((n for n in names if names.count(n) > 1), None)
@@ -84,12 +87,13 @@ def tool_setup(
                     "tool_choice",
                 )
         several = req.parallel_tool_calls is True
-        grammar = str(_forced_calls(builder, forced, markers, several))
+        grammar = str(forced_calls(builder, fmt, forced, several))
     elif choice in (None, "auto") and any(t.function.strict for t in tools):
-        grammar = str(_strict_calls(builder, tools, markers))
+        grammar = str(strict_calls(builder, fmt, tools))
     return ToolSetup(
         tools=[t.model_dump(exclude_none=True) for t in tools],
-        tags=markers,
+        format=fmt,
+        schemas={t.function.name: _parameters(t) for t in tools},
         grammar=grammar,
         parse=choice != "none",
         parallel=parallel,
@@ -100,48 +104,37 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def _forced_calls(
-    builder: GrammarBuilder,
-    tools: list[tuple[int, Tool]],
-    markers: tuple[str, str],
-    parallel: bool,
+def forced_calls(
+    builder: GrammarBuilder, fmt: ToolFormat, tools: list[tuple[int, Tool]], parallel: bool
 ) -> Any:
-    """`start` + one call object + `end`, repeated up to MAX_FORCED_CALLS times (once
-    without parallel calls), and nothing else. tools: (index in the request, tool)."""
-    start, end = markers
+    """One call (up to MAX_FORCED_CALLS with parallel calls) to one of `tools`, written
+    in the format, and nothing else. tools: (index in the request, tool)."""
+    shape = fmt.shape
     calls = []
     for i, tool in tools:
         param = f"tools[{i}].function.parameters"
         check_schema(_parameters(tool), param)  # reported relative to the parameters
-        schema = {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.function.name},
-                "arguments": _parameters(tool),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        calls.append(builder.json_schema(schema, bool(tool.function.strict), param))
-    one = builder.concat(
-        builder.literal(start + "\n"), builder.union(*calls), builder.literal("\n" + end)
+        if shape.xml:
+            arguments = builder.xml_arguments(_parameters(tool), param)
+        else:
+            arguments = builder.json_schema(_parameters(tool), bool(tool.function.strict), param)
+        begin = builder.literal(shape.begin_for(tool.function.name))
+        calls.append(builder.concat(begin, arguments, *builder.literals(shape.close)))
+    many = builder.repeat(
+        builder.union(*calls), shape.separator, MAX_FORCED_CALLS if parallel else 1
     )
-    return builder.repeat(one, "\n", MAX_FORCED_CALLS if parallel else 1)
+    return builder.concat(*builder.literals(shape.open), many, *builder.literals(shape.finish))
 
 
-def _strict_calls(builder: GrammarBuilder, tools: list[Tool], markers: tuple[str, str]) -> Any:
+def strict_calls(builder: GrammarBuilder, fmt: ToolFormat, tools: list[Tool]) -> Any:
     """Free text; a call, once opened, names one of the functions and follows its schema
-    (every function's: a call to any of them opens with the same tag)."""
-    start, end = markers
+    (every function's: a call to any of them opens with the same text)."""
+    shape = fmt.shape
     items = [
-        (
-            f'{start}\n{{"name": {json.dumps(t.function.name)}, "arguments": ',
-            _parameters(t),
-            f"}}\n{end}",
-        )
+        (shape.open + shape.begin_for(t.function.name), _parameters(t), shape.close + shape.finish)
         for t in tools
     ]
-    return builder.triggered(items, start, "tools")
+    return builder.triggered(items, shape.trigger, "tools", xml=shape.xml)
 
 
 # --- the conversation for the template ---------------------------------------------------
@@ -151,15 +144,34 @@ def template_messages(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     native: bool,
-    markers: tuple[str, str] | None,
+    fmt: ToolFormat,
 ) -> list[dict[str, Any]]:
     """The messages as the template must see them: `native` (the template knows tools)
     gets earlier calls' arguments as objects; any other gets the fallback (the tool list in
     the system message when there are tools, calls and results written out as text)."""
     messages = [_with_object_arguments(i, m) for i, m in enumerate(messages)]
-    if native or markers is None:
+    if native:
         return messages
-    return _fallback_messages(messages, tools, markers)
+    return _fallback_messages(messages, tools, fmt)
+
+
+class TemplateArguments(dict[str, Any]):
+    """A call's arguments for a template: a mapping (`tojson`, `items`), that is also its
+    JSON text where a template joins it to a string (DeepSeek's, Qwen's `is string`
+    aside) or prints it."""
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: Any) -> Any:
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        return other + self.text if isinstance(other, str) else NotImplemented
 
 
 def _with_object_arguments(index: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -169,23 +181,27 @@ def _with_object_arguments(index: int, message: dict[str, Any]) -> dict[str, Any
     converted = []
     for j, call in enumerate(calls):
         function = dict(call["function"])
+        param = f"messages[{index}].tool_calls[{j}].function.arguments"
         try:
-            function["arguments"] = json.loads(function["arguments"])
+            value = json.loads(function["arguments"])
         except json.JSONDecodeError as e:
-            param = f"messages[{index}].tool_calls[{j}].function.arguments"
             raise invalid(f"{param} is not valid JSON: {e}", param) from e
+        text = function["arguments"]
+        function["arguments"] = TemplateArguments(value, text) if isinstance(value, dict) else value
         converted.append({**call, "function": function})
     return {**message, "tool_calls": converted}
 
 
 def _fallback_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, markers: tuple[str, str]
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat
 ) -> list[dict[str, Any]]:
-    start, end = markers
     out: list[dict[str, Any]] = []
     if tools:
         listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        prompt = FALLBACK_PROMPT.format(tools=listed, start=start, end=end)
+        how = HERMES_HOW
+        if fmt.name != "hermes":
+            how = OTHER_HOW + fmt.write("function_name", {"argument": "value"})
+        prompt = FALLBACK_PROMPT.format(tools=listed, how=how)
         if messages and messages[0]["role"] in ("system", "developer"):
             first = messages[0]
             out.append({**first, "content": f"{first['content']}\n\n{prompt}"})
@@ -202,7 +218,7 @@ def _fallback_messages(
             continue
         if message.get("tool_calls"):
             written = [
-                f"{start}\n{json.dumps(_call_object(c), ensure_ascii=False)}\n{end}"
+                fmt.write(c["function"]["name"], dict(c["function"]["arguments"]))
                 for c in message["tool_calls"]
             ]
             text = "\n".join(filter(None, [message.get("content") or "", *written]))
@@ -210,10 +226,6 @@ def _fallback_messages(
             message["content"] = text
         out.append(message)
     return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
-
-
-def _call_object(call: dict[str, Any]) -> dict[str, Any]:
-    return {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
 def template_knows_tools(source: str | None) -> bool:

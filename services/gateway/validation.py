@@ -31,6 +31,8 @@ from spillway.services.gateway.tool_calls import (
     template_messages,
     tool_setup,
 )
+from spillway.services.gateway.tool_formats import ToolFormat, tool_format
+from spillway.shared.output_formats import ReasoningSyntax
 from spillway.shared.protocol import RegionName, SamplingParams
 from spillway.shared.regions import RegionMarkers, region_after_text
 
@@ -50,6 +52,9 @@ class ModelInfo:
     aliases: frozenset[str] = frozenset()
     # Think / code / tool-call markers of the model (shared.regions).
     markers: RegionMarkers = field(default_factory=RegionMarkers)
+    # How it writes tool calls and marks its reasoning (shared.output_formats).
+    tool_format: ToolFormat = field(default_factory=lambda: tool_format("hermes", None))
+    reasoning: ReasoningSyntax | None = None
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases
@@ -80,8 +85,10 @@ class PreparedRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0  # stop strings apply from this many tokens on
     tools: ToolSetup | None = None  # tool calls are parsed out of the output when set
-    # Reasoning is split from content (chat, a model with think markers).
+    # Reasoning is split from content (chat, a model with think markers); a block may
+    # open anywhere in the output (else only before any content).
     split_reasoning: bool = False
+    reasoning_anywhere: bool = True
 
     @property
     def num_choices(self) -> int:
@@ -118,12 +125,6 @@ class RequestPreparer:
         self.random_seed = random_seed
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self._grammars = grammars
-        markers = model.markers
-        self.tool_markers = (
-            (markers.tool_call_start.text, markers.tool_call_end.text)
-            if markers.tool_call_start and markers.tool_call_end
-            else None
-        )
         template = tokenizer.chat_template.source if tokenizer.chat_template else None
         self.native_tools = template_knows_tools(template)
 
@@ -142,12 +143,12 @@ class RequestPreparer:
         self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-        tools = tool_setup(req, self.grammars, self.tool_markers)
+        tools = tool_setup(req, self.grammars, self.model.tool_format)
         messages = template_messages(
             [_template_message(i, m) for i, m in enumerate(req.messages)],
             tools.tools if tools else None,
             self.native_tools,
-            self.tool_markers,
+            self.model.tool_format,
         )
         template_tools = tools.tools if tools and self.native_tools else None
         extra = _template_kwargs(req.chat_template_kwargs)
@@ -162,8 +163,20 @@ class RequestPreparer:
         except ChatTemplateError as e:
             raise invalid(str(e), "messages") from e
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        region = region_after_text(markers, opening)
+        region = self._output_region(opening)
         return self._prepared("chat", req, [prompt], logprobs, region, tools)
+
+    def _output_region(self, opening: str) -> RegionName:
+        """The region the generation prompt leaves the output in; a model whose reasoning
+        opens without a marker (DeepSeek-R1) starts in it unless the prompt closed it."""
+        markers, reasoning = self.model.markers, self.model.reasoning
+        region = region_after_text(markers, opening)
+        closed = markers.think_end is not None and any(
+            t in opening for t in markers.think_end.texts
+        )
+        if region == "plain" and reasoning is not None and reasoning.opened and not closed:
+            return "think" if markers.thinks else region
+        return region
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
@@ -267,6 +280,7 @@ class RequestPreparer:
             min_tokens=sampling.min_tokens,
             tools=tools if tools is not None and tools.parse else None,
             split_reasoning=kind == "chat" and splits_reasoning(self.model.markers),
+            reasoning_anywhere=self.model.reasoning is None or self.model.reasoning.anywhere,
         )
 
     def _check_context(self, prompt: list[int], max_tokens: int | None, param: str) -> None:
@@ -290,7 +304,7 @@ def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
         param = _param_of(first["loc"])
         if first["type"] == "extra_forbidden":
             raise invalid(
-                f"{param}: this field is not supported by this server (README lists the"
+                f"{param}: this field is not supported by this server (docs/api.md lists the"
                 " accepted ones)",
                 param,
                 "unsupported_field",

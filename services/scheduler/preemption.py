@@ -7,7 +7,7 @@
     auto       spill when the store is healthy, has room, and reading the sequence back
                is expected to beat recomputing it; recompute otherwise
 
-The auto rule compares two estimates (DESIGN.md section 3 has the measured figures):
+The auto rule compares two estimates (docs/architecture.md, the scheduler tick):
 
     spill cost     = 2 * bytes / kv_bandwidth + 2 * kv_latency   (write now, read later)
     recompute cost = computed_tokens / prefill_rate
@@ -28,7 +28,7 @@ from spillway.shared.protocol import SpillStats
 Mode = Literal["spill", "recompute"]
 ConfiguredMode = Literal["auto", "spill", "recompute"]
 
-# Measured on the 2-core development machine (bench/spill.py, DESIGN.md section 7): a
+# Measured on a 2-core AMD EPYC by bench/spill.py (docs/measurements/, 2026-12-01): a
 # localhost Redis moved ~0.3 GB/s of KV (written and read back) with ~1 ms per pipelined
 # round trip; a float32 SmolLM2-135M prefills ~870 tokens/s. The EWMAs below replace
 # them as soon as the system observes its own figures.

@@ -379,7 +379,13 @@ def load_sampling_states(
         return SamplingStates(config.eos_token_ids)
     tokenizer = load_tokenizer(source, settings.cache_dir)
     template = tokenizer.chat_template_source
-    markers = detect_markers(tokenizer.tokenizer.token_to_id, template, settings.region_markers)
+    markers = detect_markers(
+        tokenizer.tokenizer.token_to_id,
+        template,
+        settings.region_markers,
+        settings.tool_call_parser,
+        settings.reasoning_parser,
+    )
     engine = GrammarEngine(
         tokenizer.token_bytes,
         config.vocab_size,

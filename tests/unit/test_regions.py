@@ -115,3 +115,26 @@ def test_text_markers_match_however_the_text_is_split(split):
         if not seen or seen[-1] != region:
             seen.append(region)
     assert seen == ["plain", "code", "plain", "tool_call", "plain"]
+
+
+def test_the_output_formats_choose_the_markers():
+    ids = {"[TOOL_CALLS]": 50, "[ARGS]": 51, "<think>": 1, "</think>": 2}
+    mistral = detect_markers(ids.get, "... [TOOL_CALLS] ...")
+    assert mistral.tool_call_start == Marker("[TOOL_CALLS]", 50)
+    assert mistral.tool_call_end is None  # Mistral's calls run to the end of the output
+    assert [w.text for w in mistral.words] == ["[ARGS]"]  # [CALL_ID] is not one token here
+    assert marker_ids(mistral) == [1, 2, 50, 51]
+    named = detect_markers(ids.get, None, tool_call_parser="deepseek_v3")
+    assert named.tool_call_start is not None and "tool▁calls▁begin" in named.tool_call_start.text
+    assert detect_markers(ids.get, None).tool_call_start == Marker("<tool_call>")  # Hermes
+    assert not detect_markers(lambda t: None, None).thinks
+
+
+def test_granites_reasoning_markers_are_text_with_two_spellings():
+    markers = detect_markers(lambda t: None, None, reasoning_parser="granite")
+    pieces = [b"Here", b"'s my", b" thought process:", b" hm", b" Here is my", b" response:"]
+    vocab = dict(enumerate(pieces))
+    tracker = RegionTracker(markers, vocab.__getitem__)
+    assert [tracker.advance(i) for i in range(len(pieces))] == [
+        "plain", "plain", "think", "think", "think", "plain"
+    ]  # fmt: skip

@@ -197,7 +197,7 @@ def test_tools_without_template_support_use_the_fallback_prompt(preparer, tokeni
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     )
     assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response>" in text
-    assert p.tools is not None and p.tools.tags == ("<tool_call>", "</tool_call>")
+    assert p.tools is not None and p.tools.format.name == "hermes"
     assert p.sampling.grammar is None  # auto: the model chooses
 
 

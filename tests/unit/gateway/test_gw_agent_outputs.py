@@ -14,6 +14,7 @@ from spillway.services.gateway.responses import (
     usage_of,
 )
 from spillway.services.gateway.tokenizer import ModelTokenizer, load_tokenizer_folder
+from spillway.services.gateway.tool_formats import tool_format
 from spillway.shared.protocol import RequestDelta
 from spillway.shared.regions import detect_markers
 from tests.unit.worker.think_llama import save_think_llama
@@ -121,7 +122,7 @@ def test_tool_calls_in_the_body_and_in_the_stream(think_tokenizer, markers, per_
         2,
     ]
     options = OutputOptions(
-        reasoning=markers, initial_region="think", tool_tags=("<tool_call>", "</tool_call>")
+        reasoning=markers, initial_region="think", tool_format=tool_format("hermes", None)
     )
     output, steps = run(tok, ids, options, per_delta)
     assert output.finish_reason == "tool_calls"
@@ -144,7 +145,7 @@ def test_tool_calls_in_the_body_and_in_the_stream(think_tokenizer, markers, per_
 def test_a_cut_off_call_keeps_finish_reason_length(think_tokenizer):
     tok = think_tokenizer
     ids = ids_of(tok, "<tool_call>", '\n{"name": "f", "arguments": {"a": 1')
-    options = OutputOptions(tool_tags=("<tool_call>", "</tool_call>"))
+    options = OutputOptions(tool_format=tool_format("hermes", None))
     output, _ = run(tok, ids, options, 2, finish="length")
     assert output.finish_reason == "length"
     assert output.tool_calls[0].arguments == '{"a": 1'
@@ -159,15 +160,17 @@ def test_stop_strings_wait_for_min_tokens(think_tokenizer):
     assert late.text == "a stop b" and late.finish_reason == "stop"
 
 
-def test_tool_tags_that_are_special_tokens_stay_visible_to_the_parser(think_tokenizer):
+def test_format_markers_that_are_special_tokens_stay_visible_to_the_parser(think_tokenizer):
     tok = think_tokenizer
     tokenizer = Tokenizer.from_str(tok.tokenizer.to_str())
-    tokenizer.add_special_tokens(["<tc>", "</tc>"])
+    tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
     special = ModelTokenizer(tokenizer, tok.special_tokens, tok.chat_template.source)
-    assert {tokenizer.token_to_id("<tc>"), tokenizer.token_to_id("</tc>")} <= special.special_ids
-    ids = ids_of(special, "Sure.", "<tc>", '{"name": "f", "arguments": {}}', "</tc>")
-    output, _ = run(special, ids, OutputOptions(tool_tags=("<tc>", "</tc>")), 2)
+    marks = {tokenizer.token_to_id("[TOOL_CALLS]"), tokenizer.token_to_id("[ARGS]")}
+    assert marks <= special.special_ids
+    ids = ids_of(special, "Sure.", "[TOOL_CALLS]", "f", "[ARGS]", '{"a": 1}')
+    output, _ = run(special, ids, OutputOptions(tool_format=tool_format("mistral", None)), 2)
     assert output.text == "Sure." and output.tool_calls[0].name == "f"
+    assert output.tool_calls[0].arguments == '{"a": 1}'
     # Without tools, special tokens stay hidden as asked.
     plain, _ = run(special, ids, OutputOptions(), 2)
-    assert plain.text == 'Sure.{"name": "f", "arguments": {}}'
+    assert plain.text == 'Sure.f{"a": 1}'

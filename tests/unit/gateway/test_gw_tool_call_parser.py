@@ -10,13 +10,12 @@ import json
 import pytest
 
 from spillway.services.gateway.tool_call_parser import ToolCallDelta, ToolCallParser
-
-START, END = "<tool_call>", "</tool_call>"
+from spillway.services.gateway.tool_formats.hermes import Hermes
 
 
 def parse(text: str, piece: int, parallel: bool = True):
     ids = (f"call_{i}" for i in itertools.count())
-    parser = ToolCallParser(START, END, lambda: next(ids), parallel=parallel)
+    parser = ToolCallParser(Hermes(), new_id=lambda: next(ids), parallel=parallel)
     content, deltas = "", []
     for i in range(0, len(text), piece):
         c, d = parser.feed(text[i : i + piece])
@@ -63,7 +62,7 @@ def test_calls_and_content_whatever_the_pieces(piece):
 
 def test_arguments_stream_in_fragments_before_the_call_ends():
     ids = iter(["call_a"])
-    parser = ToolCallParser(START, END, lambda: next(ids))
+    parser = ToolCallParser(Hermes(), new_id=lambda: next(ids))
     _, first = parser.feed('<tool_call>{"name": "f", "arguments": {"a": ')
     header = ToolCallDelta(0, id="call_a", name="f")
     assert first == [header, ToolCallDelta(0, arguments='{"a": ')]

@@ -73,10 +73,10 @@ def _result(plan: StepPlan) -> StepResult:
 
 def _core(seqs: int, log_on: bool) -> SchedulerCore:
     core = SchedulerCore(
-        MonotonicClock(), SchedulerConfig(max_batch=seqs, max_num_batched_tokens=4096)
+        MonotonicClock(),
+        SchedulerConfig(max_batch=seqs, max_num_batched_tokens=4096),
+        ticks=None if log_on else _Off(),
     )
-    if not log_on:
-        core.ticks = _Off()
     # Room for about 3/4 of the sequences at full length: preemptions happen.
     info = WorkerInfo(
         worker_id="w1", model_id="bench", num_kv_blocks=seqs * 12, block_size=16,
@@ -145,7 +145,7 @@ async def main_async(seqs: int, ticks: int) -> None:
     core_off = 1e6 * statistics.median(off.tick_s)
     report = 1e6 * statistics.median(report_s)
     record = core_on - core_off
-    preemptions = sum(on.core.preemptions.values())
+    preemptions = sum(on.core.stats.preemptions.values())
     print(f"{seqs} sequences, {ticks} ticks, {preemptions} preemptions (medians per tick)")
     print(f"core tick, tick log off        {core_off:9.1f} us")
     print(f"core tick, tick log on         {core_on:9.1f} us  ({record:+.1f} us recording)")

@@ -1,10 +1,40 @@
-"""Deltas of one tick, merged so each request appears once in what a gateway receives."""
+"""Deltas of one tick: made one per request as the core's phases go (`News`), merged so
+each request appears once in what a gateway receives (`merge_deltas`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from spillway.services.scheduler.sequence import Sequence
 from spillway.shared.protocol import RequestDelta
+
+
+class News:
+    """The news of the phases since it was last taken: one delta per request."""
+
+    def __init__(self) -> None:
+        self._deltas: dict[str, RequestDelta] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._deltas
+
+    def of(self, seq: Sequence) -> RequestDelta:
+        """The sequence's delta, made on its first news (counting the tokens before it);
+        its first delta ever also tells its prompt's and cached tokens."""
+        delta = self._deltas.get(seq.request_id)
+        if delta is None:
+            delta = RequestDelta(request_id=seq.request_id, first_token=seq.num_output_tokens)
+            if not seq.sent_first_delta:
+                seq.sent_first_delta = True
+                delta.num_prompt_tokens = seq.num_prompt_tokens
+                delta.num_cached_tokens = seq.num_cached_tokens
+            self._deltas[seq.request_id] = delta
+        return delta
+
+    def take(self) -> list[RequestDelta]:
+        news = list(self._deltas.values())
+        self._deltas.clear()
+        return news
 
 
 def merge_deltas(deltas: Iterable[RequestDelta]) -> list[RequestDelta]:

@@ -3,19 +3,23 @@
 
     handle(event) -> [effect]      fleet_events.py in, fleet_effects.py out
 
-It owns the registry of workers and one pipeline per registered worker (pipeline.py:
-its core and its steps in flight), and decides everything that concerns several of them:
+It owns the registry of workers and one lane per registered worker (lane.py: its core
+and its steps in flight), moves each lane on as replies and timers come and carries out
+what it returns (steps to send, each tick's news and report), and decides everything
+that concerns several of them:
 
-- placement: a submit goes to one accepting worker (placement.py: the longest
-  prefix-cache hit where there is room, then the most free blocks); `tier_query` says
-  on whose behalf the service asks the shared prefix tier first;
-- rebalancing: requests waiting behind a full batch (never admitted, so holding no KV)
-  move, in queue order, to a worker with room in its batch (one that joined, or whose
-  batch thinned out), rather than wait for a running stream to end;
-- membership: a registration starts a pipeline; a worker that stops (its heartbeats
-  lapse, it drained to the end, it hung) has its requests moved to the others (swapped
-  ones swap in from their spills, the others are recomputed from their prompt and the
-  tokens they have); with no other worker they end with an error;
+- placement: a submit goes to one accepting worker (migration.choose, placement.py:
+  the longest prefix-cache hit where there is room, then the most free blocks);
+  `tier_query` says on whose behalf the service asks the shared prefix tier first;
+- rebalancing (migration.rebalance): requests waiting behind a full batch (never
+  admitted, so holding no KV) move, in queue order, to a worker with room in its batch
+  (one that joined, or whose batch thinned out), rather than wait for a running stream
+  to end;
+- membership: a registration starts a lane; a worker that stops (its heartbeats
+  lapse, it drained to the end, it hung) has its requests moved to the others
+  (migration.move_lost: swapped ones swap in from their spills, the others are
+  recomputed from their prompt and the tokens they have); with no other worker they
+  end with an error;
 - hang detection: a step slower than its hang limit while our connection held gives the
   worker up until it registers anew or its heartbeats count steps again;
 - drains: a worker's (its heartbeat says so: no new requests, then its requests move on
@@ -69,21 +73,17 @@ from spillway.services.scheduler.fleet_events import (
     Woken,
     WorkerRegistered,
 )
-from spillway.services.scheduler.fleet_stats import EndedLanes, load_of, pooled_kv
+from spillway.services.scheduler.fleet_stats import FleetStats
 from spillway.services.scheduler.gateway_watch import GatewayWatch
+from spillway.services.scheduler.lane import Advanced, Lane, LaneSettings
+from spillway.services.scheduler.migration import choose, move_lost, rebalance
 from spillway.services.scheduler.observer import NullObserver, SchedulerObserver
-from spillway.services.scheduler.phase_stats import PhaseStats
-from spillway.services.scheduler.pipeline import Pipeline, PipelineSettings
-from spillway.services.scheduler.placement import Candidate, place
-from spillway.services.scheduler.preemption import RecentSpillFailures, spill_reason, spill_status
 from spillway.services.scheduler.registry import (
     RegisteredWorker,
     WorkerRegistry,
     registration_error,
 )
 from spillway.services.scheduler.sequence import Sequence
-from spillway.services.scheduler.speculation import merged as merged_speculation
-from spillway.services.scheduler.step_timing import StepTimings
 from spillway.shared.clock import Clock
 from spillway.shared.config import Settings
 from spillway.shared.leases import LeaseBook, StallGuard
@@ -95,10 +95,8 @@ from spillway.shared.protocol import (
     SchedulerLease,
     SchedulerStats,
     SpillRef,
-    SpillStats,
     StepPlan,
     SubmitRequest,
-    TickReport,
 )
 
 log = logging.getLogger(__name__)
@@ -143,7 +141,7 @@ class FleetSettings:
 
 
 class FleetObserver(SchedulerObserver, Protocol):
-    """What the fleet and its pipelines report besides the cores' calls
+    """What the fleet and its lanes report besides the cores' calls
     (tracing.SpanObserver)."""
 
     def enter_lane(self, worker_id: str) -> None: ...
@@ -222,9 +220,8 @@ class Fleet:
         self.registry = WorkerRegistry(clock, settings.worker_timeout_s, scheduler_id)
         self.replicas = LeaseBook(clock, settings.scheduler_timeout_s)  # the others' leases
         self.gateways = GatewayWatch(clock, settings.gateway_timeout_s)
-        self.timings = StepTimings()
-        self.phases = PhaseStats()
-        self.lanes: dict[str, Pipeline] = {}  # worker id -> its pipeline, registration order
+        self.figures = FleetStats(clock, config, scheduler_id, boot_id, settings.lease_interval_s)
+        self.lanes: dict[str, Lane] = {}  # worker id -> its lane, registration order
         self.stopping = False
         self.draining = False
         # Workers that drained to the end, or hung: no lane again until they register
@@ -239,9 +236,6 @@ class Fleet:
         self._ticket_lane: dict[int, str] = {}  # steps in flight: ticket -> worker id
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id, until its finish
         self._pending: list[RequestDelta] = []  # news made outside every lane
-        self._spill_stats: SpillStats | None = None
-        self._ended = EndedLanes()
-        self._recent_spill_failures = RecentSpillFailures()
         self._guard = StallGuard(clock, settings.tick_interval_s)
         self._out: list[Effect] = []
         self._woken: dict[str, None] = {}  # lanes to advance before the effects go out
@@ -270,9 +264,9 @@ class Fleet:
             case Ticked():
                 self._timers(event.connected)
             case StoreStatsHeard():
-                self._spill_stats = event.stats
+                self.figures.spill_store = event.stats
                 for lane in self.lanes.values():
-                    lane.core.spill_store_reported(*self._spill_room())
+                    lane.spill_store_reported(*self.figures.spill_room())
             case GatewayBeatHeard():
                 self.gateways.heard(event.gateway_id)
             case LeaseHeard():
@@ -317,10 +311,11 @@ class Fleet:
         shared prefix tier about on that worker's behalf (None: nothing to ask)."""
         if self._refusal() is not None or self._holder(req.request_id) is not None:
             return None
-        if not self.config.prefix_tier or not (self._spill_stats and self._spill_stats.redis_ok):
+        store = self.figures.spill_store
+        if not self.config.prefix_tier or not (store and store.redis_ok):
             return None
         lane = self._place(req.prompt_token_ids)
-        hashes = lane.core.prefix_lookup_hashes(req.prompt_token_ids)
+        hashes = lane.prefix_lookup_hashes(req.prompt_token_ids)
         return (lane.worker_id, hashes) if hashes else None
 
     def next_wakeup(self) -> float | None:
@@ -333,7 +328,7 @@ class Fleet:
                 if hang is not None:
                     times.append(hang)
             else:
-                deadline = lane.core.next_deadline()
+                deadline = lane.next_deadline()
                 if deadline is not None:
                     times.append(deadline)
         return min(times, default=None)
@@ -344,84 +339,15 @@ class Fleet:
         return None if worker is None or worker.key in self._retired else worker
 
     def model_id(self) -> str:
-        worker = next((lane.core.worker for lane in self.lanes.values()), None)
+        worker = next((lane.worker for lane in self.lanes.values()), None)
         return worker.model_id if worker is not None else ""
 
     def lease(self) -> SchedulerLease:
-        cores = [lane.core for lane in self.lanes.values()]
-        _, kv_usage = pooled_kv(cores)
-        workers_draining = bool(self.lanes) and not any(
-            lane.accepting for lane in self.lanes.values()
-        )
-        now = self.clock.now()
-        self._recent_spill_failures.observe(
-            self._ended.spill_failures + sum(c.spill_failures for c in cores),
-            next((c.last_spill_error for c in cores if c.last_spill_error), ""),
-            now,
-        )
-        failing = self._recent_spill_failures.failing(now)
-        mode = self.config.preemption_mode
-        return SchedulerLease(
-            scheduler_id=self.scheduler_id,
-            interval_s=self.settings.lease_interval_s,
-            boot_id=self.boot_id,
-            worker_id=next(iter(self.lanes), None),
-            worker_ids=self.registry.worker_ids(),
-            num_running=sum(c.num_running for c in cores),
-            num_waiting=sum(c.num_waiting for c in cores),
-            kv_usage=kv_usage,
-            draining=self.draining or workers_draining,
-            spill_status=spill_status(mode, self._spill_stats, failing),
-            spill_reason=spill_reason(mode, self._spill_stats, failing),
-            preemption_mode=mode,
-        )
+        lanes = list(self.lanes.values())
+        return self.figures.lease(lanes, self.registry.worker_ids(), self.draining)
 
     def stats(self) -> SchedulerStats:
-        cores = [lane.core for lane in self.lanes.values()]
-        ended = self._ended
-        preemptions = dict(ended.preemptions)
-        for core in cores:
-            for mode, n in core.preemptions.items():
-                preemptions[mode] = preemptions.get(mode, 0) + n
-        num_blocks, kv_usage = pooled_kv(cores)
-        spec, spec_phases = merged_speculation([c.spec for c in cores if c.spec is not None])
-        return SchedulerStats(
-            num_workers=len(self.registry),
-            num_running=sum(c.num_running for c in cores),
-            num_waiting=sum(c.num_waiting for c in cores),
-            num_swapped=sum(c.num_swapped for c in cores),
-            num_preempted=sum(c.num_preempted for c in cores),
-            kv_usage=kv_usage,
-            num_kv_blocks=num_blocks,
-            num_cached_blocks=sum(c.blocks.num_cached_blocks for c in cores if c.blocks),
-            max_model_len=max((c.worker.max_model_len for c in cores if c.worker), default=0),
-            preemptions=preemptions,
-            spill_failures=ended.spill_failures + sum(c.spill_failures for c in cores),
-            swap_ins=ended.swap_ins + sum(c.swap_ins for c in cores),
-            migrations=ended.migrations + sum(c.migrations for c in cores),
-            prefix_cache_hit_tokens=ended.hit_tokens + sum(c.prefix_hit_tokens for c in cores),
-            prefix_cache_query_tokens=ended.query_tokens
-            + sum(c.prefix_query_tokens for c in cores),
-            num_steps=ended.steps + sum(c.num_steps for c in cores),
-            step_bookkeeping_s=self.timings.bookkeeping_s.median(),
-            step_bus_s=self.timings.bus_s.median(),
-            step_forward_s=self.timings.forward_s.median(),
-            step_overhead_s=self.timings.overhead_s.median(),
-            step_prepare_s=self.timings.prepare_s.median(),
-            step_sample_s=self.timings.sample_s.median(),
-            step_kv_io_share=self.timings.kv_io_share,
-            preemption_mode=self.config.preemption_mode,
-            run_ahead=self.config.run_ahead,
-            phases=self.phases.snapshot(),
-            spill_store=self._spill_stats,
-            scheduler_id=self.scheduler_id,
-            worker_id=next(iter(self.lanes), None),
-            workers=[load_of(lane) for lane in self.lanes.values()],
-            spec_draft_tokens=spec.draft_tokens,
-            spec_accepted_tokens=spec.accepted_tokens,
-            spec_accepted_per_position=spec.accepted_per_position,
-            spec_phases=spec_phases,
-        )
+        return self.figures.stats(list(self.lanes.values()), len(self.registry))
 
     # --- requests -----------------------------------------------------------------------
 
@@ -440,17 +366,17 @@ class Fleet:
         """Places the request on a worker and queues it there, or says why not."""
         holder = self._holder(req.request_id)
         if holder is not None:
-            return holder.core.add_request(req)  # its core names the duplicate
+            return holder.add_request(req)  # its core names the duplicate
         lane = self.lanes.get(worker_id or "")
         if lane is None or not lane.accepting:
             lane, tier = self._place(req.prompt_token_ids), None  # it left meanwhile
-        error = lane.core.add_request(req, tier)
+        error = lane.add_request(req, tier)
         if error is None:
             self._wake(lane)
         return error
 
-    def _holder(self, request_id: str) -> Pipeline | None:
-        return next((la for la in self.lanes.values() if la.core.sequence(request_id)), None)
+    def _holder(self, request_id: str) -> Lane | None:
+        return next((la for la in self.lanes.values() if la.sequence(request_id)), None)
 
     def _refusal(self) -> ErrorInfo | None:
         if self.draining or self.stopping:
@@ -459,20 +385,13 @@ class Fleet:
             return None
         return WORKER_STOPPING if self.lanes else NO_WORKER
 
-    def _place(self, token_ids: list[int]) -> Pipeline:
+    def _place(self, token_ids: list[int]) -> Lane:
         """The accepting lane a sequence of these tokens goes to (placement.py)."""
-        lanes = [lane for lane in self.lanes.values() if lane.accepting]
-        candidates = [
-            Candidate(lane.worker_id, *lane.core.placement(token_ids), lane.core.num_live,
-                      lane.core.max_batch)
-            for lane in lanes
-        ]  # fmt: skip
-        chosen = place(candidates)
-        return next(lane for lane in lanes if lane.worker_id == chosen)
+        return choose(self.lanes.values(), token_ids)
 
     def _abort(self, request_ids: list[str]) -> None:
         for lane in self.lanes.values():
-            lane.core.abort(request_ids)
+            lane.abort(request_ids)
             self._wake(lane)
 
     def _drain(self) -> None:
@@ -483,7 +402,7 @@ class Fleet:
         self._out.append(PublishLease())  # gateways stop routing to us now
         if self._replica_can_serve():
             for lane in self.lanes.values():
-                lane.pending += lane.core.hand_back(HANDED_BACK)
+                lane.hand_back(HANDED_BACK)
                 self._wake(lane)
 
     def _replica_can_serve(self) -> bool:
@@ -497,11 +416,10 @@ class Fleet:
         """Every request still here gets its end, so that no gateway waits for it."""
         self.stopping = True
         for lane in list(self.lanes.values()):
-            lane.recover()
+            lane.recover()  # (nothing to carry out: no advance is under way)
             self._ticket_lane = {t: w for t, w in self._ticket_lane.items() if w != lane.worker_id}
-            news = lane.take_pending() + lane.core.detach_worker(STOPPING)
-            self.publish(news, lane.core)
-        self.publish([], None)
+            self._publish(lane.detach(STOPPING), lane.take_spill_drops())
+        self._publish([], [])
 
     # --- workers ------------------------------------------------------------------------
 
@@ -551,14 +469,15 @@ class Fleet:
             if worker_id in self.lanes or worker.key in self._retired:
                 continue
             core = SchedulerCore(self.clock, self.config, self.observer, self._arrivals)
-            core.spill_store_reported(*self._spill_room())
-            lane = Pipeline(
-                self,
+            core.spill_store_reported(*self.figures.spill_room())
+            lane = Lane(
                 worker,
                 core,
+                self.clock,
+                self._tickets,
                 self.observer,
-                self.timings,
-                PipelineSettings(
+                self.figures.timings,
+                LaneSettings(
                     self.settings.step_hang_s,
                     self.settings.worker_timeout_s,
                     self.settings.debug_invariants,
@@ -574,14 +493,14 @@ class Fleet:
                 lane.drop()
             self._wake(lane)
 
-    def _worker_drains(self, lane: Pipeline) -> None:
+    def _worker_drains(self, lane: Lane) -> None:
         if lane.drain_deadline is not None:
             return
         lane.drain_deadline = self.clock.now() + self.settings.drain_timeout_s
         log.info(
             "worker %s drains: no new requests; %d there may finish for %gs",
             lane.worker_id,
-            lane.core.num_live,
+            lane.num_live,
             self.settings.drain_timeout_s,
         )
         self._out.append(PublishLease())  # gateways stop routing to us now if it was the last
@@ -598,13 +517,13 @@ class Fleet:
                 log.warning("worker %s drained: its requests move on", lane.worker_id)
                 self._retired.add(lane.key)
                 lane.leaving = True
-            elif lane.core.num_live:
-                log.warning("worker drains: aborting %d requests still running", lane.core.num_live)
-                lane.core.abort([r for r in self._gateway_of if lane.core.sequence(r)])
+            elif lane.num_live:
+                log.warning("worker drains: aborting %d requests still running", lane.num_live)
+                lane.abort([r for r in self._gateway_of if lane.sequence(r)])
                 lane.drain_deadline = float("inf")
             self._wake(lane)
 
-    def _give_up(self, lane: Pipeline, connected: bool) -> None:
+    def _give_up(self, lane: Lane, connected: bool) -> None:
         """The lane's worker looks hung (a step never came back): its requests move, and
         it gets no lane again until it registers anew (a restart) or its heartbeats show
         it stepping again. Nothing is done when our own connection was down since the
@@ -633,7 +552,7 @@ class Fleet:
                 lane.resync = True
         self._out.append(PublishLease())
 
-    def _resync_after_outage(self, lane: Pipeline) -> None:
+    def _resync_after_outage(self, lane: Lane) -> None:
         """The worker is back: re-attach it (its sequences are recomputed, their tokens
         kept) and stop waiting for the steps that got lost."""
         lane.resync = False
@@ -649,7 +568,7 @@ class Fleet:
             hang = lane.hang_deadline()
             if hang is not None and now >= hang:
                 self._give_up(lane, connected)
-            deadline = None if lane.busy else lane.core.next_deadline()
+            deadline = None if lane.busy else lane.next_deadline()
             if deadline is not None and deadline <= now:
                 self._wake(lane)  # an idle lane's waiting request is past its deadline
         if self._guard.stalled():
@@ -671,18 +590,12 @@ class Fleet:
         if dropped:
             self._workers_changed()
 
-    def _spill_room(self) -> tuple[bool, int]:
-        stats = self._spill_stats
-        if stats is None:
-            return False, 0
-        return stats.redis_ok, max(0, stats.capacity_bytes - stats.used_bytes)
-
     # --- the lanes ----------------------------------------------------------------------
 
-    def _wake(self, lane: Pipeline) -> None:
+    def _wake(self, lane: Lane) -> None:
         self._woken[lane.worker_id] = None
 
-    def _lane_of(self, ticket: int) -> Pipeline | None:
+    def _lane_of(self, ticket: int) -> Lane | None:
         worker_id = self._ticket_lane.get(ticket)
         return self.lanes.get(worker_id) if worker_id is not None else None
 
@@ -696,143 +609,79 @@ class Fleet:
             if lane is None:
                 continue
             self.observer.enter_lane(worker_id)
-            try:
-                ended = lane.advance()
-            except Exception:  # a bug in one tick must not stop the worker's lane
-                log.exception("scheduler tick failed (worker %s)", worker_id)
-                lane.recover()
-                ended = False
-            finally:
-                self._forget_tickets(lane)
+            ended = self._advance(lane)
             if ended:
                 self.observer.end_lane()
                 self._evacuate(lane)
             self.observer.leave_lane()
         self._woken.clear()
 
-    def _forget_tickets(self, lane: Pipeline) -> None:
+    def _advance(self, lane: Lane) -> bool:
+        """Moves the lane on, tick by tick, as far as its replies allow, carrying out what
+        each tick made as it ends. True: the lane ended (its worker left)."""
+        while True:
+            try:
+                advanced = lane.advance(self.current(lane.worker_id), self.stopping)
+            except Exception:  # a bug in one tick must not stop the worker's lane
+                log.exception("scheduler tick failed (worker %s)", lane.worker_id)
+                advanced = lane.recover()
+            self._carry_out(lane, advanced)
+            if advanced.ended or not advanced.more:
+                break
+        self._forget_tickets(lane)
+        return advanced.ended
+
+    def _carry_out(self, lane: Lane, advanced: Advanced) -> None:
+        """The lane's steps go to its worker; its tick's news to the gateways."""
+        for step in advanced.steps:
+            self._ticket_lane[step.ticket] = lane.worker_id
+            self._out.append(SendStep(lane.worker_id, step.ticket, step.plan, step.context))
+        tick = advanced.tick
+        if tick is not None:
+            self._publish(tick.deltas, tick.drops)
+            self._out.append(PublishTick(tick.report))
+
+    def _forget_tickets(self, lane: Lane) -> None:
         live = {step.ticket for step in lane.inflight}
         self._ticket_lane = {
             t: w for t, w in self._ticket_lane.items() if w != lane.worker_id or t in live
         }
 
-    def _evacuate(self, lane: Pipeline) -> None:
+    def _evacuate(self, lane: Lane) -> None:
         """The lane's worker is gone (or drained): its requests move to the other
         workers, or end with an error when there is none. The lane ends."""
         if self.lanes.get(lane.worker_id) is lane:
             del self.lanes[lane.worker_id]
-        self._ended.add(lane.core)
-        core = lane.core
+        self.figures.ended.add(lane.stats)
         others = [o for o in self.lanes.values() if o.accepting]
         if not others:
             log.warning("worker %s lost and no other: ending its requests", lane.worker_id)
-            self._pending += lane.take_pending() + core.detach_worker()
+            self._pending += lane.detach()
         else:
-            layout = core.worker.kv_layout if core.worker is not None else ""
+            layout = lane.kv_layout
             self._pending += lane.take_pending()
-            self._migrate(core.evacuate(), layout, lane.worker_id)
+            lanes = list(self.lanes.values())
+            for target in move_lost(lane.evacuate(), layout, lane.worker_id, lanes, self.observer):
+                self._wake(target)
         self._out.append(PublishLease())
         # A new registration of the same worker gets a lane of its own.
         self._workers_changed()
-        self.publish([], core)
-
-    def _migrate(self, seqs: list[Sequence], layout: str, from_worker: str) -> None:
-        moved: dict[str, int] = {}
-        swapped = 0
-        for seq in seqs:
-            target = self._place(seq.token_ids)
-            swapped += seq.spilled is not None
-            target.pending += target.core.adopt([seq], layout)
-            self.observer.request_migrated(seq, from_worker, target.worker_id)
-            self._wake(target)
-            moved[target.worker_id] = moved.get(target.worker_id, 0) + 1
-        if seqs:
-            log.warning(
-                "worker %s lost: %d request(s) moved (%s), %d to swap in from their spills, "
-                "the rest recomputed",
-                from_worker,
-                len(seqs),
-                ", ".join(f"{n} to {w}" for w, n in moved.items()),
-                swapped,
-            )
+        self._publish([], lane.take_spill_drops())
 
     def _rebalance(self) -> None:
-        """Requests that wait behind a full batch move to a worker with room now (one
-        that just joined, or whose batch thinned out), instead of waiting for a running
-        stream there to end. Only those never admitted move (they hold no KV anywhere),
-        first in queue order, keeping their rank; only what exceeds the holder's batch
-        moves, and only to a batch that it does not fill past its size, so nothing moves
-        back and forth. Cheap when nothing waits: a look at each lane's counts."""
+        """Requests waiting behind a full batch move to a worker with room now
+        (migration.rebalance)."""
         if self.stopping or self.draining or len(self.lanes) < 2:
             return
-        for source in list(self.lanes.values()):
-            core = source.core
-            excess = min(core.num_waiting, core.num_live - core.max_batch)
-            if excess <= 0 or core.worker is None or source.resync:
-                continue
-            targets = [lane for lane in self.lanes.values() if self._has_room(lane, source)]
-            if not targets:
-                continue
-            layout = core.worker.kv_layout
-            moved: dict[str, int] = {}
-            for seq in core.movable_waiting(excess):
-                target = self._room_for(seq.token_ids, targets)
-                if target is None:
-                    break  # the next in line waits here too: order is kept
-                core.give_up_waiting(seq)
-                target.pending += target.core.adopt([seq], layout)
-                self.observer.request_migrated(seq, source.worker_id, target.worker_id)
-                self._wake(target)
-                moved[target.worker_id] = moved.get(target.worker_id, 0) + 1
-                targets = [t for t in targets if self._has_room(t, source)]
-            if moved:
-                log.info(
-                    "worker %s: %d waiting request(s) moved to workers with room (%s)",
-                    source.worker_id,
-                    sum(moved.values()),
-                    ", ".join(f"{n} to {w}" for w, n in moved.items()),
-                )
-                self._wake(source)
+        for lane in rebalance(list(self.lanes.values()), self.observer):
+            self._wake(lane)
 
-    @staticmethod
-    def _has_room(lane: Pipeline, source: Pipeline) -> bool:
-        """The lane may take a waiting request of `source` now (a free place in its
-        batch)."""
-        core = lane.core
-        return (
-            lane is not source
-            and lane.accepting
-            and not lane.resync
-            and core.worker is not None
-            and core.num_live < core.max_batch
-        )
+    # --- what goes out -----------------------------------------------------------------
 
-    @staticmethod
-    def _room_for(token_ids: list[int], targets: list[Pipeline]) -> Pipeline | None:
-        """The target whose blocks (after its own queue) hold the sequence now, the
-        prefix-cache hit first, as placement prefers (None: none)."""
-        best: tuple[tuple[int, int, int], Pipeline] | None = None
-        for lane in targets:
-            needed, hits, headroom = lane.core.placement(token_ids)
-            if headroom < needed - hits:
-                continue
-            key = (hits, headroom, -lane.core.num_live)
-            if best is None or key > best[0]:
-                best = (key, lane)
-        return best[1] if best is not None else None
-
-    # --- PipelineHost -------------------------------------------------------------------
-
-    def send_step(self, worker_id: str, plan: StepPlan, context: object | None) -> int:
-        ticket = next(self._tickets)
-        self._ticket_lane[ticket] = worker_id
-        self._out.append(SendStep(worker_id, ticket, plan, context))
-        return ticket
-
-    def publish(self, deltas: list[RequestDelta], core: SchedulerCore | None) -> None:
+    def _publish(self, deltas: list[RequestDelta], drops: list[SpillRef]) -> None:
         """News (with whatever waited outside every lane), one batch per gateway holding
-        every request of that gateway with news; then the spills the core no longer
-        needs, one message per request (drops are rare: one per spill)."""
+        every request of that gateway with news; then the spills no longer needed, one
+        message per request (drops are rare: one per spill)."""
         pending, self._pending = self._pending, []
         by_gateway: dict[str, list[RequestDelta]] = {}
         for delta in merge_deltas(pending + deltas):
@@ -848,10 +697,7 @@ class Fleet:
             context = self.observer.context_of(batch[0].request_id) if len(batch) == 1 else None
             self._out.append(SendDeltas(gateway_id, batch, context))
         by_request: dict[str, list[SpillRef]] = {}
-        for ref in core.take_spill_drops() if core is not None else []:
+        for ref in drops:
             by_request.setdefault(ref.seq_id, []).append(ref)
         for request_id, refs in by_request.items():
             self._out.append(DropSpills(request_id, refs, self.observer.context_of(request_id)))
-
-    def publish_tick(self, report: TickReport) -> None:
-        self._out.append(PublishTick(report))

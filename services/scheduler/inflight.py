@@ -19,6 +19,17 @@ class PlannedRow:
     sample: bool
     drafts: list[int] = field(default_factory=list)  # speculative, after its last token
 
+    def settle(self) -> bool:
+        """Takes the row out of its sequence's in-flight counts; False when it was void."""
+        seq = self.seq
+        if seq.epoch != self.epoch:
+            return False
+        seq.num_inflight_tokens -= self.num_tokens
+        seq.num_inflight_samples -= int(self.sample)
+        seq.num_inflight_rows -= 1
+        seq.num_inflight_drafts -= len(self.drafts)
+        return True
+
 
 @dataclass
 class PlannedSpill:

@@ -1,14 +1,18 @@
 """The KV orders a core gives its worker besides rows, as one object (pure).
 
-    forget(seq_id)             the worker drops what it holds of a sequence
+    forget(seq_id)             the worker drops what it holds of a sequence (forget_sequence:
+                               and the sequence holds nothing of the worker's; resync: the
+                               worker takes it afresh)
     spill(seq, KVSpill)        a victim's blocks go to the spill store
     store_prefix(PrefixBlock)  a finished sequence's full block goes to the shared tier
     load(seq, order, tokens)   KV comes back: a swap-in's restore, a shared-tier prefix load
+    copy_state(seq, copy)      a hybrid sequence's state starts from a snapshot (prefix hit)
     drop(seq_id, spill_id)     the store may delete that spill (drop_spill: and the
                                sequence forgets it)
 
-The next plan takes them (`into_plan`; the loads after the rows, `take_loads`, since a
-sequence without a row still needs the worker to know it); what the worker did with them
+The next plan takes them (`into_plan`; the loads and state copies after the rows,
+`take_loads` and `take_state_copies`, since a sequence without a row still needs the
+worker to know it); what the worker did with them
 comes back in one place, `outcomes(step, result)`: which spills were written, which loads
 were lost (a void step wrote and read nothing), for the core to apply. Orders never sent
 (their worker went away) are handed back by `discard` for the core to undo. Drops leave
@@ -27,11 +31,13 @@ from spillway.shared.protocol import (
     PrefixBlock,
     PrefixLoad,
     SpillRef,
+    StateCopy,
     StepPlan,
     StepResult,
 )
 
 Load = tuple[Sequence, KVRestore | PrefixLoad, int]  # the sequence, the order, tier tokens
+Copy = tuple[Sequence, int, StateCopy]  # the sequence, its epoch when ordered, the order
 SPILL_LOST = "the step carrying the spill was lost"
 
 
@@ -50,6 +56,7 @@ class KVOrders:
         self._spills: list[tuple[Sequence, KVSpill]] = []
         self._prefix_stores: list[PrefixBlock] = []
         self._loads: list[Load] = []
+        self._state_copies: list[Copy] = []
         self._drops: list[SpillRef] = []
 
     # --- orders ---------------------------------------------------------------------
@@ -59,6 +66,26 @@ class KVOrders:
 
     def forget_all(self, seq_ids: list[str]) -> None:
         self._forgets.extend(seq_ids)
+
+    def forget_sequence(self, seq: Sequence) -> None:
+        """The sequence's KV is gone (or moved): the worker drops what it holds of it, and
+        the sequence holds none of its blocks any more."""
+        self._unknown(seq)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    def resync(self, seq: Sequence) -> None:
+        """The worker's view of a running sequence is unknown (a step failed or was
+        voided): it forgets it and takes it afresh; its computed KV stays valid."""
+        seq.bump_epoch()
+        self._unknown(seq)
+
+    def _unknown(self, seq: Sequence) -> None:
+        if seq.known_to_worker:
+            self.forget(seq.request_id)
+        seq.known_to_worker = False
+        seq.num_blocks_sent = 0
 
     def clear_forgets(self) -> None:
         """Nothing is left to tell the worker (it went away)."""
@@ -72,6 +99,9 @@ class KVOrders:
 
     def load(self, seq: Sequence, order: KVRestore | PrefixLoad, tier_tokens: int) -> None:
         self._loads.append((seq, order, tier_tokens))
+
+    def copy_state(self, seq: Sequence, copy: StateCopy) -> None:
+        self._state_copies.append((seq, seq.epoch, copy))
 
     def cancel_load(self, seq: Sequence) -> None:
         """The sequence's load is not sent after all (it was preempted first)."""
@@ -91,7 +121,13 @@ class KVOrders:
     @property
     def pending(self) -> bool:
         """Something waits for the next plan even without rows."""
-        return bool(self._spills or self._prefix_stores or self._loads or self._forgets)
+        return bool(
+            self._spills
+            or self._prefix_stores
+            or self._loads
+            or self._forgets
+            or self._state_copies
+        )
 
     def into_plan(self, plan: StepPlan, step: InflightStep) -> None:
         """The plan takes the forgets, spills and prefix stores (StepPlan's field order:
@@ -108,11 +144,15 @@ class KVOrders:
         loads, self._loads = self._loads, []
         return loads
 
+    def take_state_copies(self) -> list[Copy]:
+        copies, self._state_copies = self._state_copies, []
+        return copies
+
     def discard(self) -> tuple[list[tuple[Sequence, KVSpill]], list[Load]]:
         """Orders for a worker that is gone: the spills never made and loads never done
-        (for the core to undo); prefix stores just go."""
+        (for the core to undo); prefix stores and state copies just go."""
         spills, loads = self._spills, self._loads
-        self._spills, self._prefix_stores, self._loads = [], [], []
+        self._spills, self._prefix_stores, self._loads, self._state_copies = [], [], [], []
         return spills, loads
 
     # --- outcomes -------------------------------------------------------------------

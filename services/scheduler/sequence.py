@@ -170,6 +170,14 @@ class Sequence:
         together."""
         return self.state_slot if self.state_slot is not None else -1
 
+    def bump_epoch(self) -> None:
+        """Rows already sent stop counting: none of them is in flight for it any more."""
+        self.epoch += 1
+        self.num_inflight_tokens = 0
+        self.num_inflight_samples = 0
+        self.num_inflight_rows = 0
+        self.num_inflight_drafts = 0
+
     def count_preemption(self, mode: str) -> None:
         self.num_preemptions += 1
         self.preemptions_by_mode[mode] = self.preemptions_by_mode.get(mode, 0) + 1

@@ -1,5 +1,5 @@
-"""The scheduler service: the NATS shell around the fleet core (fleet.py), and with the
-step carrier (lane.py) the only code on the bus.
+"""The scheduler service: the NATS shell around the fleet core (fleet.py), and the only
+code of the scheduler on the bus.
 
 It turns every message, step reply and timer into a fleet event and carries out the
 effects the fleet returns, in order (one effect list at a time, so that a request's news
@@ -7,7 +7,11 @@ leaves in the order it was made): steps sent, news published to each gateway, sp
 dropped, tick reports, the lease kicked. Everything the scheduler decides lives in the
 fleet: placement, the workers and their lanes, migration, drains, hangs, outages.
 
-What stays here is what needs the bus or a wait: a registration is validated and its
+What stays here is what needs the bus or a wait: each step is carried to its worker as
+a task of its own (steps of several workers, and two of one with run-ahead, are in flight
+at once) and its outcome handed back to the fleet: the worker's result, or why none came
+(503: nobody answers on the subject, 504: no answer within step_timeout_s); a
+registration is validated and its
 worker probed before the fleet sees it; a submit's shared-tier lookup is asked of the
 spill store (on the behalf of the worker the fleet names) before the submit goes in; a
 side task asks the spill store for its health every half second; a timer task ticks the
@@ -31,7 +35,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -57,6 +61,8 @@ from spillway.services.scheduler.fleet_events import (
     GatewayBeatHeard,
     HeartbeatHeard,
     LeaseHeard,
+    StepLost,
+    StepReturned,
     Stopped,
     Stopping,
     StoreStatsHeard,
@@ -65,7 +71,6 @@ from spillway.services.scheduler.fleet_events import (
     Woken,
     WorkerRegistered,
 )
-from spillway.services.scheduler.lane import carry
 from spillway.services.scheduler.prefix_hash import hash_hex
 from spillway.services.scheduler.registry import registration_error
 from spillway.services.scheduler.tracing import SpanObserver
@@ -161,7 +166,7 @@ class SchedulerService:
         self._woken = False  # a Woken event is on its way
 
     def _phase_timed(self, phase: str, seconds: float) -> None:
-        self.fleet.phases.observe(phase, seconds)
+        self.fleet.figures.phases.observe(phase, seconds)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.bus.events.reconnected.append(self._on_reconnected)
@@ -289,7 +294,21 @@ class SchedulerService:
                     self._timer_wake.set()  # its deadline may come before the next tick
 
     async def _step(self, step: SendStep) -> None:
-        await self._feed(await carry(self.bus, step, self.settings.step_timeout_s))
+        """Sends the plan to its worker and feeds the fleet its reply (or why none came)."""
+        subject = subjects.worker_step(step.worker_id)
+        outcome: StepReturned | StepLost
+        try:
+            result = await self.bus.request(
+                subject,
+                step.plan,
+                StepResult,
+                timeout=self.settings.step_timeout_s,
+                context=cast(Any, step.context),
+            )
+            outcome = StepReturned(step.ticket, result)
+        except BusError as e:
+            outcome = StepLost(step.ticket, e.info)
+        await self._feed(outcome)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)

@@ -42,10 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.scheduler.kv_pool import KVPool
 from spillway.services.scheduler.phase_stats import PhaseStats
 from spillway.services.scheduler.sequence import Sequence
 from spillway.shared.clock import Clock
-from spillway.shared.protocol import PhaseHistogram, StepResult
+from spillway.shared.protocol import PhaseHistogram, RowResult, SampledLogprobs, StepResult
 
 # A draft token's cost relative to a plain decode row's, in a step's time, until measured:
 # small while a step is bound by reading the weights (a small batch on a GPU), close to 1
@@ -297,6 +298,34 @@ class Speculation:
             state.acceptance, self.num_tokens, costs.draft_cost, costs.verify_cost
         )
 
+    def plan_drafts(self, seq: Sequence, budget: int, num_running: int, pool: KVPool) -> list[int]:
+        """Drafts after a decoding sequence's row, when it speculates: no more than the
+        step's token budget, max_tokens and the context leave, and no more than the
+        blocks it holds or can get without preempting anyone (drafts never cost a
+        sequence its place): the blocks it gets for them are added to its table."""
+        info, blocks = pool.attached()
+        if seq.num_inflight_samples or not seq.is_decoding:
+            return []
+        if not self.wants(seq, num_running):
+            return []
+        room = min(budget, info.max_model_len - seq.num_tokens - 1)
+        if info.max_verify_tokens:  # more would not verify at one row's rounding
+            room = min(room, info.max_verify_tokens - 1)
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
+        drafts = self.propose(seq, room)
+        if not drafts:
+            return []
+        end = seq.num_scheduled_tokens + 1  # the row's last token, drafts after it
+        held = len(seq.block_ids) * blocks.block_size
+        if end + len(drafts) > held:
+            more = blocks.append_slots(seq.block_ids, end + len(drafts))
+            if more is None:
+                drafts = drafts[: held - end]
+            else:
+                seq.block_ids.extend(more)
+        return drafts
+
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence whose last token is known: at most `room` (what
         max_tokens, the context and the step's budget leave). A lookup that finds nothing
@@ -349,6 +378,23 @@ class Speculation:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+
+
+def verified_tokens(out: RowResult, drafts: list[int]) -> list[RowResult] | None:
+    """The tokens a verifying row emits, one result each, in order: the drafts it
+    accepted, then the token sampled after the last of them; None when it accepted
+    drafts it was not given."""
+    emitted = [out.token_id, *out.extra_token_ids]
+    extra: list[SampledLogprobs | None] = [None] * len(out.extra_token_ids)
+    if out.extra_logprobs is not None:
+        extra = list(out.extra_logprobs)
+    num_accepted = len(emitted) - 1
+    if emitted[:num_accepted] != drafts[:num_accepted] or num_accepted > len(drafts):
+        return None
+    return [
+        RowResult(seq_id=out.seq_id, token_id=token_id, logprobs=logprobs)
+        for token_id, logprobs in zip(emitted, [out.logprobs, *extra], strict=True)
+    ]
 
 
 def merged(specs: list[Speculation]) -> tuple[SpecTotals, dict[str, PhaseHistogram]]:

@@ -130,7 +130,7 @@ def test_concurrent_chunked_requests_equal_transformers(family_dir, want):
     ssm_reference.PATHS.clear()
     got, core, _ = _serve_all(family_dir, kv_blocks=64, state_slots=8)
     assert got == want
-    assert sum(core.preemptions.values()) == 0
+    assert sum(core.stats.preemptions.values()) == 0
     # Decode steps of slots 0..R-1 take the batched path over the pool's rows.
     assert ssm_reference.PATHS["view"] > 0
 
@@ -147,7 +147,7 @@ def test_few_slots_queue_requests_and_recompute_under_block_pressure(family_dir,
     ssm_reference.PATHS.clear()
     got, core, _ = _serve_all(family_dir, kv_blocks=10, state_slots=3)
     assert got == want
-    assert core.preemptions["recompute"] > 0
+    assert core.stats.preemptions["recompute"] > 0
     # Rows stay sorted by slot through preemptions and resumes: steps whose slots are
     # one run take the batched path, the others (a gap left by a victim) the fallback.
     assert ssm_reference.PATHS["view"] > 0
@@ -158,10 +158,13 @@ def test_spilled_states_come_back_with_their_blocks(family_dir, want, redis_url,
     got, core, _ = _serve_all(family_dir, kv_blocks=10, state_slots=3, mode=mode,
                                    redis=redis_url)  # fmt: skip
     assert got == want
-    assert core.spill_failures == 0
+    assert core.stats.spill_failures == 0
     if mode == "spill":
-        assert core.preemptions["spill"] > 0 and core.swap_ins == core.preemptions["spill"]
-    assert sum(core.preemptions.values()) > 0
+        assert (
+            core.stats.preemptions["spill"] > 0
+            and core.stats.swap_ins == core.stats.preemptions["spill"]
+        )
+    assert sum(core.stats.preemptions.values()) > 0
 
 
 def test_a_prefix_hit_resumes_from_a_state_snapshot(family_dir, want):
@@ -222,6 +225,6 @@ def test_the_redis_tier_serves_a_snapshot_to_a_fresh_worker(family_dir, want, re
     held = _tier_lookup(redis_url, namespace, hashes)
     assert held == 3
     tokens, cached = _serve(fresh_core, fresh, [prompt], tag="t", tier=[hashes[:held]])
-    assert cached == [12] and fresh_core.prefix_hit_tokens == 12
+    assert cached == [12] and fresh_core.stats.prefix_hit_tokens == 12
     expected, gap = reference_greedy(load_reference(family_dir), prompt, NEW_TOKENS)
     assert gap > 1e-3 and tokens == [expected]

@@ -42,10 +42,10 @@ def test_a_sequence_preempted_inside_a_think_block_continues_in_it(
     want, roomy_core = roomy(THINKING)
     spill_to = redis_url if mode == "spill" else None
     tight, tight_core = _serve_all(think_dir, kv_blocks=10, sampling=THINKING, spill_to=spill_to)
-    assert roomy_core.preemptions["recompute"] == 0
-    assert tight_core.preemptions[mode] > 0
+    assert roomy_core.stats.preemptions["recompute"] == 0
+    assert tight_core.stats.preemptions[mode] > 0
     if mode == "spill":
-        assert tight_core.swap_ins == tight_core.preemptions["spill"]
+        assert tight_core.stats.swap_ins == tight_core.stats.preemptions["spill"]
     # </think> never came, so every victim was inside its block.
     assert all(THINK_END_ID not in tokens for tokens in want.values())
     assert all(len(tokens) == NEW_TOKENS for tokens in want.values())

@@ -108,8 +108,8 @@ def test_preempted_sequences_resume_with_the_same_tokens(model_dir, roomy, sampl
     # 10 blocks of 16 tokens cannot hold six growing sequences: some are preempted and
     # recomputed, possibly more than once.
     tight, tight_core = _serve_all(model_dir, kv_blocks=10, sampling=sampling)
-    assert roomy_core.preemptions["recompute"] == 0
-    assert tight_core.preemptions["recompute"] > 0
+    assert roomy_core.stats.preemptions["recompute"] == 0
+    assert tight_core.stats.preemptions["recompute"] > 0
     assert all(len(tokens) == NEW_TOKENS for tokens in want.values())
     assert tight == want
 
@@ -120,6 +120,6 @@ def test_spilled_sequences_swap_in_with_the_same_tokens(model_dir, roomy, redis_
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
     want, _ = roomy(sampling)
     tight, core = _serve_all(model_dir, kv_blocks=10, sampling=sampling, spill_to=redis_url)
-    assert core.preemptions["spill"] > 0 and core.preemptions["recompute"] == 0
-    assert core.swap_ins == core.preemptions["spill"] and core.spill_failures == 0
+    assert core.stats.preemptions["spill"] > 0 and core.stats.preemptions["recompute"] == 0
+    assert core.stats.swap_ins == core.stats.preemptions["spill"] and core.stats.spill_failures == 0
     assert tight == want

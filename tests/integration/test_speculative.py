@@ -130,7 +130,7 @@ def test_stops_and_lengths_inside_drafts_logprobs_and_penalties(model_dir):
 def test_under_kv_pressure_recomputed(model_dir):
     roomy = _plain(model_dir, SEEDED)
     tight, _, _, core = _serve(model_dir, "ngram", SEEDED, kv_blocks=12)
-    assert core.preemptions["recompute"] > 0
+    assert core.stats.preemptions["recompute"] > 0
     assert tight == roomy
 
 
@@ -139,7 +139,7 @@ def test_under_kv_pressure_spilled(model_dir, redis_url):
     plain decoding would."""
     roomy = _plain(model_dir, GREEDY)
     tight, _, _, core = _serve(model_dir, "ngram", GREEDY, kv_blocks=12, spill_to=redis_url)
-    assert core.preemptions["spill"] > 0 and core.swap_ins > 0
+    assert core.stats.preemptions["spill"] > 0 and core.stats.swap_ins > 0
     assert tight == roomy
 
 

@@ -88,5 +88,5 @@ def test_an_unrelated_draft_gets_almost_none_accepted_and_changes_no_token(model
 def test_the_draft_under_kv_pressure_recomputed(model_dir):
     roomy, _ = _serve(model_dir, "draft", draft_model=model_dir)
     tight, core = _serve(model_dir, "draft", draft_model=model_dir, kv_blocks=14)
-    assert core.preemptions["recompute"] > 0
+    assert core.stats.preemptions["recompute"] > 0
     assert tight == roomy

@@ -129,7 +129,7 @@ def test_under_kv_pressure_spilled(models, method, redis_url):
     still gets every draft accepted after a swap-in, as without pressure."""
     roomy, _, _, roomy_core = _serve(models[method], method, GREEDY)
     tight, _, _, core = _serve(models[method], method, GREEDY, kv_blocks=14, spill_to=redis_url)
-    assert core.preemptions["spill"] > 0 and core.swap_ins > 0
+    assert core.stats.preemptions["spill"] > 0 and core.stats.swap_ins > 0
     assert tight == roomy
     totals, roomy_totals = _totals(core), _totals(roomy_core)
     assert totals.draft_tokens > 0

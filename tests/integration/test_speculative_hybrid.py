@@ -100,5 +100,5 @@ def test_ngram_drafts_on_a_hybrid_model_under_kv_pressure(family_dir, want, redi
     """A spill carries the state as it stands after the accepted drafts (a recompute
     starts from zero: nothing of the drafts to get wrong)."""
     spilled, core = _serve(family_dir, "ngram", kv_blocks=18, spill_to=redis_url)
-    assert core.preemptions["spill"] > 0 and core.swap_ins > 0
+    assert core.stats.preemptions["spill"] > 0 and core.stats.swap_ins > 0
     assert spilled == want

@@ -109,5 +109,5 @@ def test_mtp_under_kv_pressure_recomputed(predictive_dir):
     """Preempted sequences recompute their target and MTP entries alike; outputs hold."""
     roomy, _, _ = _serve(predictive_dir, "mtp")
     tight, core, _ = _serve(predictive_dir, "mtp", kv_blocks=14)
-    assert core.preemptions["recompute"] > 0
+    assert core.stats.preemptions["recompute"] > 0
     assert tight == roomy

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import SchedulerCore
 from spillway.services.scheduler.deltas import merge_deltas
+from spillway.services.scheduler.lane import Lane, LaneSettings, Step
 from spillway.services.scheduler.observer import NullObserver
-from spillway.services.scheduler.pipeline import Pipeline as LanePipeline
-from spillway.services.scheduler.pipeline import PipelineSettings
 from spillway.services.scheduler.registry import RegisteredWorker
 from spillway.services.scheduler.sequence import Sequence
 from spillway.services.scheduler.step_timing import StepTimings
@@ -29,6 +28,7 @@ from spillway.shared.protocol import (
     RowResult,
     SamplingParams,
     SpillOutcome,
+    SpillRef,
     StepPlan,
     StepResult,
     SubmitRequest,
@@ -316,34 +316,33 @@ def run_to_completion(
     return outcomes
 
 
-class Pipeline:
-    """Drives the scheduler's own pipeline (services/scheduler/pipeline.py: the lane's
-    ticks with run-ahead, drains, failed steps voiding those after them) one tick per
-    `tick()`: the fake worker runs each step when it is sent, in order, as the real one
-    does, and its result is handed back when the tick needs it."""
+class LaneDriver:
+    """Drives the scheduler's own lane (services/scheduler/lane.py: its ticks with
+    run-ahead, drains, failed steps voiding those after them) one tick per `tick()`: the
+    fake worker runs each step the lane returns, in order, as the real one does, and its
+    result is handed back when the tick needs it."""
 
     def __init__(self, core: SchedulerCore, worker: FakeWorker, depth: int = 2) -> None:
         assert (depth > 1) == core.config.run_ahead, "the depth follows config.run_ahead"
         assert core.worker is not None
         self.core = core
         self.worker = worker
-        self.clock = core.clock
-        self.stopping = False
         self.registered = RegisteredWorker(core.worker, 1, 0.0)
-        self.lane = LanePipeline(
-            self,
+        self.lane = Lane(
             self.registered,
             core,
+            core.clock,
+            itertools.count(1),
             _FleetlessObserver(core.observer),
             StepTimings(),
-            PipelineSettings(debug_invariants=True),
+            LaneSettings(debug_invariants=True),
             attach=False,
         )
         self.results: dict[int, StepResult] = {}
-        self.tickets = itertools.count(1)
         self.ticks = 0
         self.max_inflight = 0
         self._deltas: list[RequestDelta] = []
+        self._drops: list[SpillRef] = []
 
     @property
     def inflight(self):
@@ -353,29 +352,20 @@ class Pipeline:
     def drains(self) -> int:
         return self.lane.drains
 
-    # PipelineHost
-    def current(self, worker_id: str) -> RegisteredWorker | None:
-        return self.registered
-
-    def send_step(self, worker_id: str, plan: StepPlan, context: object | None) -> int:
-        ticket = next(self.tickets)
-        # A step in flight that failed voids this one when its result is applied.
-        self.worker.behind_failure = any(self._failed(step) for step in self.lane.inflight)
+    def _send(self, step: Step) -> None:
+        # A step in flight before it that failed voids this one when its result is
+        # applied. (No step is applied after a later one is planned in the same advance,
+        # so the steps in flight before it are those ahead of it now.)
+        ahead = list(itertools.takewhile(lambda s: s is not step, self.lane.inflight))
+        self.worker.behind_failure = any(self._failed(s) for s in ahead)
         try:
-            self.results[ticket] = self.worker.step(plan)
+            self.results[step.ticket] = self.worker.step(step.plan)
         finally:
             self.worker.behind_failure = False
-        return ticket
 
-    def _failed(self, step) -> bool:
+    def _failed(self, step: Step) -> bool:
         result = step.result if step.ready else self.results.get(step.ticket)
         return result is not None and result.error is not None
-
-    def publish(self, deltas: list[RequestDelta], core: SchedulerCore | None) -> None:
-        self._deltas += deltas
-
-    def publish_tick(self, report) -> None:
-        self.ticks += 1
 
     def tick(self) -> list[RequestDelta]:
         """One tick of the lane: the oldest step's result (every one in flight when the
@@ -391,8 +381,23 @@ class Pipeline:
         return merge_deltas(deltas)
 
     def _advance(self) -> None:
-        assert not self.lane.advance(), "the lane ended"
-        self.max_inflight = max(self.max_inflight, len(self.lane.inflight))
+        while True:
+            advanced = self.lane.advance(self.registered, stopping=False)
+            assert not advanced.ended, "the lane ended"
+            for step in advanced.steps:
+                self._send(step)
+            if advanced.tick is not None:
+                self._deltas += advanced.tick.deltas
+                self._drops += advanced.tick.drops
+                self.ticks += 1
+            self.max_inflight = max(self.max_inflight, len(self.lane.inflight))
+            if not advanced.more:
+                return
+
+    def take_spill_drops(self) -> list[SpillRef]:
+        """The spills the store may delete, as the lane's ticks and its core say."""
+        drops, self._drops = self._drops, []
+        return drops + self.core.take_spill_drops()
 
     def run(self, outcomes: dict[str, Outcome] | None = None, max_ticks: int = 5000):
         outcomes = {} if outcomes is None else outcomes

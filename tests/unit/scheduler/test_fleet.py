@@ -15,7 +15,7 @@ from spillway.services.scheduler.fleet_events import (
     LeaseHeard,
     Stopped,
 )
-from spillway.services.scheduler.pipeline import MAX_LOST_STEPS
+from spillway.services.scheduler.lane import MAX_LOST_STEPS
 from spillway.shared.protocol import GATEWAY_TIMEOUT_S, SchedulerLease
 from tests.unit.scheduler.fleet_rig import FleetRig
 from tests.unit.scheduler.harness import expected_tokens
@@ -307,7 +307,7 @@ def test_an_idle_fleet_sends_nothing_on_its_timers():
 
 
 def _waiting_on(rig: FleetRig, worker_id: str) -> int:
-    return rig.fleet.lanes[worker_id].core.num_waiting
+    return rig.fleet.lanes[worker_id].num_waiting
 
 
 def test_a_joining_worker_takes_the_requests_waiting_behind_a_full_batch_in_order():
@@ -352,13 +352,13 @@ def test_nothing_waiting_moves_while_no_other_batch_has_room():
     rig.submit("late1", max_tokens=4)
     rig.submit("late2", max_tokens=4)
     rig.wake()
-    held = {w: [r for r in ("late1", "late2") if rig.fleet.lanes[w].core.sequence(r)]
+    held = {w: [r for r in ("late1", "late2") if rig.fleet.lanes[w].sequence(r)]
             for w in ("w1", "w2")}  # fmt: skip
     rig.tick(0.5)
     assert sum(map(len, held.values())) == 2
     for worker_id, rids in held.items():
         for rid in rids:
-            assert rig.fleet.lanes[worker_id].core.sequence(rid) is not None
+            assert rig.fleet.lanes[worker_id].sequence(rid) is not None
             assert not rig.rows_on("w1", rid) and not rig.rows_on("w2", rid)
     rig.run()  # (once a batch thins out, what waits on the other may move there)
     for rid in ("late1", "late2"):
@@ -374,6 +374,6 @@ def test_a_waiting_request_moves_only_to_a_worker_whose_blocks_hold_it():
     rig.register("w2", num_kv_blocks=4)  # room in its batch, not in its blocks (16 tokens)
     assert _waiting_on(rig, "w1") == 1
     rig.register("w3")
-    assert _waiting_on(rig, "w1") == 0 and rig.fleet.lanes["w3"].core.sequence("b")
+    assert _waiting_on(rig, "w1") == 0 and rig.fleet.lanes["w3"].sequence("b")
     rig.run()
     assert rig.outcomes["b"].token_ids == expected_tokens("b", 6)

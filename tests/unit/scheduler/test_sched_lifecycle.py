@@ -159,9 +159,9 @@ def test_new_worker_recomputes_every_sequence_of_the_old_one():
     outcomes: dict[str, Outcome] = {}
     for _ in range(3):
         collect(outcomes, tick(core, old)[1])
-    assert core.migrations == 0
+    assert core.stats.migrations == 0
     assert core.attach_worker(worker_info(num_kv_blocks=32, block_size=8, worker_id="w2")) == []
-    assert core.migrations == 2  # both requests carried over to the new worker
+    assert core.stats.migrations == 2  # both requests carried over to the new worker
     core.check_integrity()
     new = FakeWorker(block_size=8)
     plan, deltas = tick(core, new)
@@ -208,4 +208,4 @@ def test_the_same_worker_taken_afresh_is_no_migration():
     submit(core, "a", max_tokens=8)
     tick(core, FakeWorker(block_size=4))
     core.attach_worker(worker_info())  # w1 again, after a resync: recomputed, not moved
-    assert core.migrations == 0 and core.has_work()
+    assert core.stats.migrations == 0 and core.has_work()

@@ -69,7 +69,7 @@ def test_a_lost_workers_sequences_finish_on_another_with_undisturbed_tokens():
     started = sum(1 for s in moved if s.status is not SequenceStatus.WAITING)
     assert b.adopt(moved, kv_layout="") == []
     b.check_integrity()
-    assert b.migrations == started and b.num_swapped == len(swapped)
+    assert b.stats.migrations == started and b.num_swapped == len(swapped)
     run_to_completion(b, worker_b, outcomes)
     for rid in (f"r{i}" for i in range(6)):
         assert outcomes[rid].finish_reason == "length"

@@ -31,8 +31,8 @@ def test_preempted_sequence_resumes_with_the_same_tokens_as_without_pressure():
 
     roomy_core, _, _, roomy = run(num_kv_blocks=64)
     tight_core, worker, observer, tight = run(num_kv_blocks=7)
-    assert roomy_core.preemptions["recompute"] == 0
-    assert tight_core.preemptions["recompute"] == 1
+    assert roomy_core.stats.preemptions["recompute"] == 0
+    assert tight_core.stats.preemptions["recompute"] == 1
     # Same priority: the later arrival is the victim; the earlier one never is.
     assert observer.of("late") == [
         "queued",

@@ -121,7 +121,7 @@ def test_requests_sharing_a_prefix_skip_its_prefill_and_report_cached_tokens():
     assert outcomes["second"].deltas[0].num_cached_tokens == 20
     assert outcomes["first"].deltas[0].num_cached_tokens == 0
     assert outcomes["second"].token_ids == expected_tokens("second", 4)
-    assert core.prefix_query_tokens == 46 and core.prefix_hit_tokens == 20
+    assert core.stats.prefix_query_tokens == 46 and core.stats.prefix_hit_tokens == 20
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
@@ -146,7 +146,7 @@ def test_prefix_cache_off_gives_the_same_tokens_and_no_hits():
             submit(core, f"r{i}", prompt=_shared_prompt(13, i), max_tokens=6)
             run_to_completion(core, worker, outcomes)
         assert core.blocks is not None
-        return outcomes, core.prefix_hit_tokens, core.blocks.num_cached_blocks
+        return outcomes, core.stats.prefix_hit_tokens, core.blocks.num_cached_blocks
 
     cached, hits, kept = run(True)
     uncached, no_hits, none_kept = run(False)

@@ -1,7 +1,7 @@
 """A property test of the pure scheduler core: random arrivals, prompt lengths, shared
 prefixes, priorities, aborts, deadlines, cache sizes, preemption modes, run-ahead, store
 outages, lost spills and out-of-memory steps. After every tick the core's invariants hold
-(`check_integrity` runs inside the pipeline), every request ends exactly once, every token
+(`check_integrity` runs inside the lane), every request ends exactly once, every token
 a request got is the one an undisturbed run gives, no block leaks, and every spill the
 worker wrote is dropped from the store by the end."""
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from spillway.services.scheduler.prefix_hash import hash_hex
 from tests.unit.scheduler.harness import (
     FakeWorker,
+    LaneDriver,
     Outcome,
-    Pipeline,
     collect,
     make_core,
     model_token,
@@ -109,7 +109,7 @@ def test_invariants_hold_and_every_request_ends_exactly_once(sc):
     )
     core.policy.prefill_tokens_per_s = 50.0  # let auto spill now and then
     worker = FakeWorker(sc["block_size"])
-    pipe = Pipeline(core, worker, sc["depth"])
+    pipe = LaneDriver(core, worker, sc["depth"])
     outcomes: dict[str, Outcome] = {}
     accepted: list[str] = []
     drops: set[tuple[str, int]] = set()
@@ -141,7 +141,7 @@ def test_invariants_hold_and_every_request_ends_exactly_once(sc):
             worker.spilled.clear()
         worker.oom_rows_above = 1 if t == sc["oom_at"] else None
         collect(outcomes, pipe.tick())
-        drops |= {(d.seq_id, d.spill_id) for d in core.take_spill_drops()}
+        drops |= {(d.seq_id, d.spill_id) for d in pipe.take_spill_drops()}
         clock.advance(0.01)
         if not pending and not core.has_work() and not pipe.inflight:
             break

@@ -8,7 +8,7 @@ import pytest
 from tests.unit.scheduler.harness import (
     EOS,
     FakeWorker,
-    Pipeline,
+    LaneDriver,
     expected_tokens,
     make_core,
     submit,
@@ -29,7 +29,7 @@ def _run(depth: int, **core_kwargs):
     worker = FakeWorker(BS, token_fn=token_fn)
     for i in range(6):
         submit(core, f"r{i}", prompt=[200 + 17 * i + j for j in range(5 + i)], max_tokens=18)
-    pipe = Pipeline(core, worker, depth)
+    pipe = LaneDriver(core, worker, depth)
     return core, worker, pipe, pipe.run()
 
 
@@ -69,7 +69,7 @@ def test_a_sequence_ending_by_length_gets_no_over_run_row():
     core, _ = make_core(block_size=BS, run_ahead=True)
     worker = FakeWorker(BS)
     submit(core, "short", max_tokens=3)
-    pipe = Pipeline(core, worker, 2)
+    pipe = LaneDriver(core, worker, 2)
     outcome = pipe.run()["short"]
     assert outcome.token_ids == expected_tokens("short", 3)
     sampled = [r.output_index for p in worker.plans for r in p.rows if r.sample]

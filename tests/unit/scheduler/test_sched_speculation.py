@@ -277,7 +277,7 @@ def test_drafts_shrink_to_the_blocks_that_can_be_had():
     assert plan is not None
     # 11 tokens in 3 blocks, the row's token at position 10: room for one draft only.
     assert plan.rows[0].num_draft_tokens == 1
-    assert sum(core.preemptions.values()) == 0
+    assert sum(core.stats.preemptions.values()) == 0
     core.check_integrity()
 
 

@@ -54,11 +54,11 @@ def test_every_mode_completes_with_the_tokens_of_an_unpressured_run(mode):
         assert outcomes[rid].token_ids == outcome.token_ids == expected_tokens(rid, 20)
     forced = "recompute" if mode == "recompute" else "spill"
     other = "spill" if forced == "recompute" else "recompute"
-    assert core.preemptions[forced] > 0 and core.preemptions[other] == 0
+    assert core.stats.preemptions[forced] > 0 and core.stats.preemptions[other] == 0
     assert core.blocks is not None and core.blocks.num_available_blocks == 14
     # Every spill was read back by a swap-in and then dropped from the store.
     spilled = _spilled_ids(worker)
-    assert len(spilled) == core.preemptions["spill"]
+    assert len(spilled) == core.stats.preemptions["spill"]
     restored = {(r.seq_id, r.spill_id) for p in worker.plans for r in p.restores}
     assert restored <= spilled  # a swap-in that found every block cached reads nothing
     assert {(d.seq_id, d.spill_id) for d in core.take_spill_drops()} == spilled
@@ -98,14 +98,14 @@ def test_a_swap_in_reads_back_only_what_the_prefix_cache_lost(prefix_cache):
     outcomes = _pressure(core, worker)
     for rid in roomy:
         assert outcomes[rid].token_ids == roomy[rid].token_ids
-    assert core.swap_ins == core.preemptions["spill"] > 0
+    assert core.stats.swap_ins == core.stats.preemptions["spill"] > 0
     restores = [r for p in worker.plans for r in p.restores]
     if prefix_cache:
-        assert core.swap_in_cached_blocks > 0
-        assert len(restores) < core.swap_ins or any(r.first_block > 0 for r in restores)
+        assert core.stats.swap_in_cached_blocks > 0
+        assert len(restores) < core.stats.swap_ins or any(r.first_block > 0 for r in restores)
     else:
-        assert core.swap_in_cached_blocks == 0
-        assert len(restores) == core.swap_ins and all(r.first_block == 0 for r in restores)
+        assert core.stats.swap_in_cached_blocks == 0
+        assert len(restores) == core.stats.swap_ins and all(r.first_block == 0 for r in restores)
     assert {(d.seq_id, d.spill_id) for d in core.take_spill_drops()} == _spilled_ids(worker)
 
 
@@ -119,11 +119,11 @@ def test_a_failed_spill_falls_back_to_recompute_and_new_victims_are_recomputed()
     outcomes = _pressure(core, worker)
     for rid in roomy:
         assert outcomes[rid].token_ids == roomy[rid].token_ids
-    assert core.spill_failures >= 1
+    assert core.stats.spill_failures >= 1
     # A failed spill counts as what was done (a recompute); after the first failure the
     # policy stops spilling: the rest are recomputed too.
-    assert core.preemptions["spill"] == 0
-    assert core.preemptions["recompute"] > core.spill_failures
+    assert core.stats.preemptions["spill"] == 0
+    assert core.stats.preemptions["recompute"] > core.stats.spill_failures
     assert core.num_swapped == 0 and not any(p.restores for p in worker.plans)
 
 
@@ -187,7 +187,7 @@ def test_out_of_memory_sheds_one_victim_per_retry_and_the_rest_go_on():
     outcomes = _pressure(core, worker)
     for rid in roomy:
         assert outcomes[rid].token_ids == roomy[rid].token_ids
-    assert core.preemptions["recompute"] >= 3
+    assert core.stats.preemptions["recompute"] >= 3
     # Victims went one at a time, latest arrival first.
     order = [rid for event, rid in observer.events if event.startswith("preempted")]
     assert order[:3] == ["r5", "r4", "r3"]
@@ -212,7 +212,7 @@ def test_swap_in_reclaims_cached_prefix_blocks_when_nothing_else_fits(caplog):
     caplog.set_level("INFO")
     outcomes = _pressure(core, worker, n=4, prompt_len=9, max_tokens=14)
     assert all(o.finish_reason == "length" for o in outcomes.values())
-    assert core.preemptions["spill"] > 0
+    assert core.stats.preemptions["spill"] > 0
     assert any("reclaimed" in r.message for r in caplog.records)
 
 
@@ -239,7 +239,7 @@ def test_finished_blocks_go_to_the_shared_tier_and_a_fresh_worker_loads_them():
     assert first_row.start_pos == 16
     assert outcome.deltas[0].num_cached_tokens == 16
     assert outcome.token_ids == expected_tokens("b", 3)
-    assert fresh_core.prefix_hit_tokens == 16
+    assert fresh_core.stats.prefix_hit_tokens == 16
 
 
 def test_a_tier_load_that_fails_recomputes_the_prompt():
@@ -251,7 +251,7 @@ def test_a_tier_load_that_fails_recomputes_the_prompt():
     outcome = run_to_completion(core, worker)["b"]  # the tier is empty: the load is lost
     assert outcome.token_ids == expected_tokens("b", 3)
     assert outcome.deltas[0].num_cached_tokens == 0
-    assert core.prefix_hit_tokens == 0
+    assert core.stats.prefix_hit_tokens == 0
 
 
 def test_eos_mid_run_still_ends_every_request_once():

@@ -12,7 +12,7 @@ from spillway.services.scheduler.state_slots import StateSlots
 from spillway.shared.protocol import SpillOutcome, StepPlan, StepResult
 from tests.unit.scheduler.harness import (
     FakeWorker,
-    Pipeline,
+    LaneDriver,
     collect,
     expected_tokens,
     make_core,
@@ -148,8 +148,8 @@ def test_the_core_never_runs_more_sequences_than_the_worker_has_slots():
     outcomes = run_to_completion(core, worker)
     _check(outcomes)
     assert max(len(p.rows) for p in worker.plans) == 2
-    assert core.preemptions == {"recompute": 0, "spill": 0}
-    assert not core._slots.in_use  # every slot back
+    assert core.stats.preemptions == {"recompute": 0, "spill": 0}
+    assert not core.pool.slots.in_use  # every slot back
 
 
 @pytest.mark.parametrize("mode", ["spill", "recompute", "auto"])
@@ -162,17 +162,20 @@ def test_pressure_on_blocks_and_slots_gives_every_request_its_tokens(mode):
     _submit_all(core)
     outcomes = run_to_completion(core, worker)
     _check(outcomes)
-    assert sum(core.preemptions.values()) > 0 and worker.lost_states == 0
+    assert sum(core.stats.preemptions.values()) > 0 and worker.lost_states == 0
     if mode == "spill":
-        assert core.preemptions["spill"] > 0 and worker.state_spills == core.preemptions["spill"]
+        assert (
+            core.stats.preemptions["spill"] > 0
+            and worker.state_spills == core.stats.preemptions["spill"]
+        )
         assert all(r.state_slot is not None for p in worker.plans for r in p.restores)
-        assert core.swap_ins > 0
+        assert core.stats.swap_ins > 0
     if mode == "recompute":
         assert not any(p.spills for p in worker.plans)
     # No prefix hit ever skipped a state: every recompute started at position 0.
     assert all(n.seq_id for p in worker.plans for n in p.new_seqs)
     assert all(d.num_cached_tokens in (None, 0) for o in outcomes.values() for d in o.deltas)
-    assert not core._slots.in_use
+    assert not core.pool.slots.in_use
 
 
 def test_auto_counts_the_state_bytes_in_a_spill():
@@ -195,11 +198,11 @@ def test_with_steps_run_ahead_a_victim_in_flight_is_recomputed_not_spilled_ahead
     )  # fmt: skip
     worker = HybridWorker(BS, num_slots=3)
     _submit_all(core)
-    outcomes = Pipeline(core, worker).run()
+    outcomes = LaneDriver(core, worker).run()
     _check(outcomes)
     # Every spill that went out held a state at its confirmed tokens (the fake checks it).
     assert worker.state_spills == sum(len(p.spills) for p in worker.plans)
-    assert core.preemptions["recompute"] > 0
+    assert core.stats.preemptions["recompute"] > 0
 
 
 def test_a_hybrid_worker_gets_no_prefix_hits():
@@ -228,7 +231,7 @@ def test_a_state_the_worker_lost_is_recomputed():
     run_to_completion(core, worker, outcomes)
     assert worker.lost_states == 1
     _check(outcomes, n=3, max_tokens=8)
-    assert core.sequence("r1") is None and not core._slots.in_use
+    assert core.sequence("r1") is None and not core.pool.slots.in_use
 
 
 def test_slots_are_the_smallest_free_and_a_full_batch_is_one_run():
@@ -268,7 +271,7 @@ def test_a_hit_past_the_last_snapshot_is_cut_back_to_it():
     outcome = run_to_completion(core, worker)["b"]
     assert outcome.token_ids == expected_tokens("b", 2)
     assert outcome.deltas[0].num_cached_tokens == 4 and worker.copies == 1
-    assert core.prefix_hit_tokens == 4
+    assert core.stats.prefix_hit_tokens == 4
 
 
 @pytest.mark.parametrize("mode", ["spill", "recompute", "auto"])
@@ -285,7 +288,7 @@ def test_snapshots_under_pressure_keep_every_output(mode):
     for i in range(6):
         assert outcomes[f"r{i}"].token_ids == expected_tokens(f"r{i}", 12)
     assert worker.lost_states == 0 and worker.copies > 0
-    assert sum(core.preemptions.values()) > 0
+    assert sum(core.stats.preemptions.values()) > 0
 
 
 def test_the_shared_tier_serves_a_state_to_a_fresh_worker():
@@ -308,7 +311,7 @@ def test_the_shared_tier_serves_a_state_to_a_fresh_worker():
     outcome = run_to_completion(fresh_core, fresh)["b"]
     assert outcome.token_ids == expected_tokens("b", 3)
     assert outcome.deltas[0].num_cached_tokens == 12
-    assert fresh.lost_states == 0 and fresh_core.prefix_hit_tokens == 12
+    assert fresh.lost_states == 0 and fresh_core.stats.prefix_hit_tokens == 12
 
 
 def test_a_swapped_sequence_takes_its_state_to_another_worker():
@@ -320,7 +323,7 @@ def test_a_swapped_sequence_takes_its_state_to_another_worker():
     worker_b.spilled, worker_b.spilled_state = worker_a.spilled, worker_a.spilled_state
     _submit_all(core=a)
     outcomes: dict = {}
-    while not any(s.spilled is not None and s.spilled.confirmed for s in a._swapped):
+    while not any(s.spilled is not None and s.spilled.confirmed for s in a.places.swapped):
         collect(outcomes, tick(a, worker_a)[1])
     moved = a.evacuate()
     swapped = {s.request_id for s in moved if s.spilled is not None}

@@ -65,14 +65,14 @@ def test_each_report_lists_every_phase_in_the_seeds_order_and_counts_the_tick():
 def test_spills_and_swap_ins_are_reported_with_their_bytes_and_match_the_core():
     core, reports, _ = _pressure("spill")
     preempted = [p for r in reports for ph in r.phases for p in ph.preempted]
-    assert core.preemptions["spill"] > 0
-    assert len(preempted) == core.preemptions["spill"]
+    assert core.stats.preemptions["spill"] > 0
+    assert len(preempted) == core.stats.preemptions["spill"]
     assert {p.mode for p in preempted} == {"spill"}
     assert all(p.bytes > 0 and p.bytes % BLOCK_BYTES == 0 for p in preempted)
     # Preemptions make room for a step's rows: they belong to admission.
     assert all(ph.name == "admit" for r in reports for ph in r.phases if ph.preempted)
     swapped_in = [s for r in reports for s in _phase(r, "swap_in").swapped_in]
-    assert len(swapped_in) == core.swap_ins > 0
+    assert len(swapped_in) == core.stats.swap_ins > 0
     assert {s.request_id for s in swapped_in} <= {p.request_id for p in preempted}
     assert all(s.bytes % BLOCK_BYTES == 0 for s in swapped_in)
     assert sum(s.bytes for s in swapped_in) > 0
@@ -85,7 +85,7 @@ def test_admissions_retirements_and_tokens_add_up_to_the_run():
     retired = {x.request_id: x.finish_reason for r in reports for x in _phase(r, "retire").retired}
     assert retired == {rid: "length" for rid in outcomes}
     resumed = [rid for r in reports for rid in _phase(r, "resume").resumed]
-    assert core.preemptions["recompute"] > 0 and resumed
+    assert core.stats.preemptions["recompute"] > 0 and resumed
     sampled = sum(_phase(r, "step").sampled for r in reports)
     assert sampled == sum(len(o.token_ids) for o in outcomes.values()) == N * MAX_TOKENS
     assert sum(_phase(r, "step").rows for r in reports) >= sampled

@@ -11,7 +11,7 @@ from spillway.services.scheduler.phase_stats import PhaseStats
 from spillway.services.scheduler.tracing import SEED_PHASES, SpanObserver
 from spillway.shared.clock import FakeClock
 from spillway.shared.telemetry import Telemetry
-from tests.unit.scheduler.harness import FakeWorker, Pipeline, make_core, submit_request, tick
+from tests.unit.scheduler.harness import FakeWorker, LaneDriver, make_core, submit_request, tick
 
 
 def _traced_run(exporting: bool):
@@ -111,7 +111,7 @@ def test_with_steps_running_ahead_every_row_span_ends_and_is_the_workers_parent(
     worker = FakeWorker(block_size=4)
     for rid in ("a", "b"):
         assert core.add_request(submit_request(rid, prompt_len=6, max_tokens=5)) is None
-    pipe = Pipeline(core, worker, depth=2)
+    pipe = LaneDriver(core, worker, depth=2)
     pipe.run()
     assert pipe.max_inflight == 2
     ended = {format(s.context.span_id, "016x") for s in exporter.get_finished_spans()}

@@ -1,0 +1,69 @@
+"""RSS after a GGUF model's load over the file's size, with the file's bytes per tensor type.
+
+    python -m bench.gguf_memory [FILE.gguf ...]   (default: the default model's file)
+
+Each file loads in a fresh child process (`loader.load_model`, CPU, float32: the exact
+mode) so one load's memory does not count in the next; RSS is read from /proc after the
+load, before any KV cache is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+_CHILD = """
+import gc, json, sys, torch
+from spillway.services.worker.loader import load_model
+from spillway.shared.model_files import resolve_model
+def rss():
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmRSS"))
+before = rss()
+weights = load_model(resolve_model(sys.argv[1]), torch.device("cpu"), torch.float32)
+gc.collect()
+print(json.dumps({"rss": rss(), "before": before}))
+"""
+
+
+def bytes_per_type(path: Path) -> Counter[str]:
+    from spillway.shared.gguf_file import parse_gguf
+
+    sizes: Counter[str] = Counter()
+    for tensor in parse_gguf(path).tensors:
+        sizes[tensor.tensor_type.name] += tensor.data.nbytes
+    return sizes
+
+
+def rss_after_load(path: Path) -> tuple[int, int]:
+    """RSS after the load, and before it (the interpreter with torch and spillway imported)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return found["rss"], found["before"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=Path)
+    args = parser.parse_args()
+    if not args.files:
+        from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
+
+        args.files = [resolve_model(DEFAULT_MODEL).path]
+    for path in args.files:
+        size = path.stat().st_size
+        rss, before = rss_after_load(path)
+        grown = rss - before
+        types = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in bytes_per_type(path).most_common())
+        print(f"{path.name}: file {size / 2**20:.1f} MiB, RSS after load {rss / 2**20:.1f} MiB,"
+              f" RSS / file {rss / size:.2f}; grown by the load {grown / 2**20:.1f} MiB,"
+              f" grown / file {grown / size:.2f}  ({types})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,8 @@ import gc, json, sys, torch
 from spillway.services.worker.loader import load_model
 from spillway.shared.model_files import resolve_model
 def rss():
-    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmRSS"))
+    status = open("/proc/self/status").read().split("VmRSS:")[1]
+    return int(status.split()[0]) * 1024
 before = rss()
 weights = load_model(resolve_model(sys.argv[1]), torch.device("cpu"), torch.float32)
 gc.collect()

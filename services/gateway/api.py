@@ -86,7 +86,9 @@ class GatewayApi:
         self.created = int(time.time())
 
     def models(self) -> dict[str, Any]:
-        return models_body(self.model.model_id, self.created)
+        return models_body(
+            self.model.listed or (self.model.model_id,), self.created, self.model.context_length
+        )
 
     async def open(
         self,

@@ -171,10 +171,20 @@ def completion_body(
     }
 
 
-def models_body(model_id: str, created: int) -> dict[str, Any]:
+def models_body(names: Sequence[str], created: int, max_model_len: int) -> dict[str, Any]:
+    """One entry per served name, with vLLM's `max_model_len` beside OpenAI's fields."""
     return {
         "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "spillway"}],
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "spillway",
+                "max_model_len": max_model_len,
+            }
+            for name in names
+        ],
     }
 
 

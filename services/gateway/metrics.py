@@ -363,6 +363,8 @@ class VllmAliases(Collector):
                     continue
                 copy = Metric(alias, metric.documentation, metric.type, metric.unit)
                 for sample in metric.samples:
+                    if sample.name.endswith("_created"):
+                        continue  # the client library's own; vLLM has none
                     copy.add_sample(
                         alias + sample.name.removeprefix(metric.name),
                         {**sample.labels, "model_name": self.model_name},

@@ -66,7 +66,7 @@ class ModelInfo:
     reasoning: ReasoningSyntax | None = None
 
     def serves(self, name: str) -> bool:
-        return name == self.model_id or name in self.aliases
+        return name == self.model_id or name in self.aliases or name in self.listed
 
 
 @dataclass(frozen=True)
@@ -276,8 +276,8 @@ class RequestPreparer:
         )
         return PreparedRequest(
             kind=kind,
-            # The name the client asked for, when it is one of ours (as vLLM answers).
-            model=req.model or self.model.model_id,
+            # The served name the client asked for (as vLLM answers), else the first.
+            model=req.model if req.model in self.model.listed else self.model.model_id,
             prompts=prompts,
             n=req.n or 1,
             sampling=sampling,

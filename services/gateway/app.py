@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -37,7 +39,8 @@ from spillway.services.gateway.errors import ApiError
 from spillway.services.gateway.json_body import parse_json_body
 from spillway.services.gateway.metrics import GatewayMetrics, spill_health
 from spillway.services.gateway.openapi import openapi_document
-from spillway.services.gateway.validation import Kind
+from spillway.services.gateway.tokenize_api import detokenize, tokenize
+from spillway.services.gateway.validation import Kind, RequestPreparer
 from spillway.shared.clock import Clock, MonotonicClock
 from spillway.shared.protocol import SchedulerLease
 from spillway.shared.telemetry import extract, inject
@@ -65,8 +68,11 @@ def create_app(
     api_key: str | None = None,
     clock: Clock | None = None,
     limits: HttpLimits | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> ASGIApp:
-    """The gateway's ASGI app; `uvicorn` serves it (service.py)."""
+    """The gateway's ASGI app; `uvicorn` serves it (service.py). With `allowed_origins`
+    (`--allowed-origins`), browsers on those origins may call it: CORS preflights are
+    answered, outside the API key check, as a browser sends them without credentials."""
     clock = clock or MonotonicClock()
     limits = limits or HttpLimits()
 
@@ -75,6 +81,12 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         return await _generate(api, clock, limits, request, "completion")
+
+    async def tokenize_route(request: Request) -> Response:
+        return await _tokenizer_call(api, limits, request, tokenize)
+
+    async def detokenize_route(request: Request) -> Response:
+        return await _tokenizer_call(api, limits, request, detokenize)
 
     async def openapi(request: Request) -> Response:
         info = api.model
@@ -114,6 +126,8 @@ def create_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/tokenize", tokenize_route, methods=["POST"]),
+            Route("/detokenize", detokenize_route, methods=["POST"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
@@ -121,7 +135,30 @@ def create_app(
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
-    return TracingMiddleware(ApiKeyMiddleware(app, api_key), tracer)
+    guarded: ASGIApp = ApiKeyMiddleware(app, api_key)
+    if allowed_origins:
+        guarded = CORSMiddleware(
+            guarded, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    return TracingMiddleware(guarded, tracer)
+
+
+async def _tokenizer_call(
+    api: GatewayApi,
+    limits: HttpLimits,
+    request: Request,
+    call: Callable[[RequestPreparer, dict[str, Any]], dict[str, Any]],
+) -> Response:
+    """/tokenize and /detokenize: a body in, an answer or an OpenAI error out; the
+    tokenizer runs on a worker thread, so a big body never stalls the loop."""
+    try:
+        raw = await read_body(request, limits)
+        body = await asyncio.to_thread(parse_json_body, raw)
+        return JSONResponse(await asyncio.to_thread(call, api.preparer, body))
+    except ApiError as e:
+        return error_response(e)
+    except ClientDisconnect:
+        return Response(status_code=499)
 
 
 def _driven(lease: SchedulerLease) -> list[str]:

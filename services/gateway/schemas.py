@@ -31,6 +31,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+RequestBody = _Body  # the strict base, for bodies of other endpoints
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = None
     # OpenAI pads streamed chunks against side channels; nothing to pad here.

@@ -101,7 +101,9 @@ class Gateway:
 
 def model_info(settings: Settings) -> tuple[ModelTokenizer, ModelInfo]:
     source = resolve_model(settings.model)
-    tokenizer = load_tokenizer(source, settings.cache_dir, chat_template_text(settings.chat_template))
+    tokenizer = load_tokenizer(
+        source, settings.cache_dir, chat_template_text(settings.chat_template)
+    )
     facts = load_model_facts(source, settings.cache_dir)
     template = tokenizer.chat_template.source if tokenizer.chat_template else None
     token_id = tokenizer.tokenizer.token_to_id
@@ -156,7 +158,14 @@ async def start_gateway(settings: Settings) -> Gateway:
     )
     api = GatewayApi(engine, preparer, info)
     limits = HttpLimits(settings.max_request_bytes, settings.http_client_timeout_s)
-    app = create_app(api, metrics, telemetry.tracer, api_key=settings.api_key, limits=limits)
+    app = create_app(
+        api,
+        metrics,
+        telemetry.tracer,
+        api_key=settings.api_key,
+        limits=limits,
+        allowed_origins=settings.allowed_origins,
+    )
     server = _Server(
         uvicorn.Config(
             app,

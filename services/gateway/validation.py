@@ -182,6 +182,29 @@ class RequestPreparer:
         region = self._output_region(opening)
         return self._prepared("chat", req, [prompt], logprobs, region, tools)
 
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt ids of a conversation without tools (what /tokenize counts)."""
+        shown = template_messages(
+            [_template_message(i, m) for i, m in enumerate(messages)],
+            None,
+            self.native_tools,
+            self.model.tool_format,
+        )
+        extra = _template_kwargs(template_kwargs)
+        try:
+            text = self.tokenizer.render_chat(shown, None, extra, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise invalid(str(e), "messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_model(self, name: str | None) -> None:
+        self._check_model(name)
+
     def _output_region(self, opening: str) -> RegionName:
         """The region the generation prompt leaves the output in; a model whose reasoning
         opens without a marker (DeepSeek-R1) starts in it unless the prompt closed it."""
@@ -343,6 +366,11 @@ def _legacy_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
         choice = NamedToolChoice(type="function", function=choice)
     tools = [Tool(type="function", function=f) for f in req.functions or []]
     return req.model_copy(update={"tools": tools or None, "tool_choice": choice})
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """`body` as `model`, or a 400 naming the first field at fault."""
+    return _validate(model, body)
 
 
 def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spillway.services.gateway.errors import ApiError, invalid
+from spillway.services.gateway.request_fields import warn_unknown
 
 IGNORED = {
     "store", "metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -52,6 +53,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat-completions body that runs this Responses request; a 400 naming the
     field for anything it cannot express."""
     chat: dict[str, Any] = {"n": 1}
+    unknown = []
     for name, value in body.items():
         if name in IGNORED:
             continue
@@ -83,7 +85,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
             if form is not None:
                 chat["response_format"] = _response_format(form)
         else:
-            raise invalid(f"{name}: not a field of the Responses API", name, "unsupported_field")
+            unknown.append(name)
+    if unknown:
+        warn_unknown(unknown)
     if "messages" not in chat:
         raise invalid("input is required", "input")
     if body.get("instructions"):

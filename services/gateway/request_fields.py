@@ -19,11 +19,14 @@ installed `openai` SDK's request types and holds every field to this table.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from spillway.services.gateway.errors import invalid
+
+log = logging.getLogger(__name__)
 
 Kind = str  # "chat" | "completion" (validation.Kind; kept loose to avoid an import cycle)
 
@@ -173,3 +176,16 @@ def known_fields(kind: Kind) -> frozenset[str]:
     if kind == "chat":
         return frozenset({*IGNORED_CHAT, *NEUTRAL_CHAT, *CHAT_ONLY})
     return frozenset({*IGNORED_COMPLETION, *NEUTRAL_COMPLETION, *COMPLETION_ONLY})
+
+
+MAX_NAMES_LOGGED = 8
+
+
+def warn_unknown(names: list[str]) -> None:
+    """One WARNING per request naming the fields dropped (vLLM's behaviour); names are
+    the client's text, so they are cut short and escaped, and only a few are listed."""
+    shown = [repr(name[:64]) for name in names[:MAX_NAMES_LOGGED]]
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    log.warning(
+        "ignored request fields that no OpenAI or vLLM API defines: %s%s", ", ".join(shown), more
+    )

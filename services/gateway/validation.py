@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from spillway.services.gateway.chat_template import ChatTemplateError
 from spillway.services.gateway.errors import ApiError, invalid
 from spillway.services.gateway.reasoning import splits_reasoning
-from spillway.services.gateway.request_fields import screen
+from spillway.services.gateway.request_fields import screen, warn_unknown
 from spillway.services.gateway.sampling_fields import SamplingDefaults, sampling_fields
 from spillway.services.gateway.schemas import (
     MAX_STOP_STRINGS,
@@ -147,7 +147,7 @@ class RequestPreparer:
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         screened = screen(kind, body, _HONOURED[kind])
         if screened.unknown:
-            _warn_unknown(screened.unknown)
+            warn_unknown(screened.unknown)
         if kind == "chat":
             return self.prepare_chat(_validate(schema, screened.body))
         return self.prepare_completion(_validate(schema, screened.body))
@@ -340,17 +340,6 @@ _HONOURED: dict[Kind, frozenset[str]] = {
     "chat": frozenset(ChatCompletionRequest.model_fields),
     "completion": frozenset(CompletionRequest.model_fields),
 }
-MAX_NAMES_LOGGED = 8
-
-
-def _warn_unknown(names: list[str]) -> None:
-    """One WARNING per request naming the fields dropped (vLLM's behaviour); names are
-    the client's text, so they are cut short and escaped, and only a few are listed."""
-    shown = [repr(name[:64]) for name in names[:MAX_NAMES_LOGGED]]
-    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
-    log.warning(
-        "ignored request fields that no OpenAI or vLLM API defines: %s%s", ", ".join(shown), more
-    )
 
 
 def _legacy_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:

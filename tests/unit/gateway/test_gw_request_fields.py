@@ -112,7 +112,7 @@ def test_what_cannot_be_done_is_a_400_naming_the_field(preparer, kind, fields, p
 
 
 def test_an_unknown_field_is_dropped_with_one_warning_naming_it(preparer, caplog):
-    with caplog.at_level(logging.WARNING, "spillway.services.gateway.validation"):
+    with caplog.at_level(logging.WARNING, "spillway.services.gateway.request_fields"):
         p = preparer.prepare("chat", {"messages": MSG, "frobnicate": 3, "max_tokens": 2})
     assert p.max_tokens == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -121,7 +121,7 @@ def test_an_unknown_field_is_dropped_with_one_warning_naming_it(preparer, caplog
 
 def test_many_unknown_fields_make_one_short_line(preparer, caplog):
     body = {"messages": MSG, **{f"x{i}" * 50: i for i in range(500)}}
-    with caplog.at_level(logging.WARNING, "spillway.services.gateway.validation"):
+    with caplog.at_level(logging.WARNING, "spillway.services.gateway.request_fields"):
         preparer.prepare("chat", body)
     (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(record.getMessage()) < 1200 and "492 more" in record.getMessage()

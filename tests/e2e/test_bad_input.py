@@ -43,6 +43,19 @@ CASES = [
     ("prompt + max_tokens over the context", COMP, {"prompt": [42] * 8000, "max_tokens": 500},
      400),
     ("logprobs above 5 on completions", COMP, {"prompt": "x", "logprobs": 6}, 400),
+    ("audio output", CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, 400),
+    ("n above the cap", CHAT, {"messages": MSG, "n": 17}, 400),
+    ("echo on completions", COMP, {"prompt": "x", "echo": True}, 400),
+    ("tools on completions", COMP, {"prompt": "x", "tools": []}, 400),
+    ("responses: a stored response", "/v1/responses",
+     {"input": "x", "previous_response_id": "resp_1"}, 400),
+    ("responses: input missing", "/v1/responses", {"instructions": "x"}, 400),
+    ("responses: a web search tool", "/v1/responses",
+     {"input": "x", "tools": [{"type": "web_search"}]}, 400),
+    ("responses: input a number", "/v1/responses", {"input": 5}, 400),
+    ("tokenize: prompt a number", "/tokenize", {"prompt": 5}, 400),
+    ("tokenize: body a list", "/tokenize", b"[1]", 400),
+    ("detokenize: id out of vocab", "/detokenize", {"tokens": [10**9]}, 400),
 ]  # fmt: skip
 
 

@@ -84,13 +84,35 @@ def test_streamed_function_call_events_join_to_the_call(sdk):
     assert final.output[0].arguments == deltas
 
 
-def test_stream_helper_gives_the_final_text(sdk):
+def test_stream_helper_gives_the_final_call(sdk):
+    # A forced call ends by its grammar: the response completes (a budget that runs out
+    # ends it with response.incomplete, as OpenAI's does, which the helper does not return).
     with sdk.responses.stream(
-        model=MODEL, input="Count to three.", temperature=0, max_output_tokens=10
+        model=MODEL,
+        input="Weather in Rome?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=40,
     ) as stream:
-        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        deltas = "".join(
+            e.delta for e in stream if e.type == "response.function_call_arguments.delta"
+        )
         final = stream.get_final_response()
-    assert text and text == final.output_text
+    assert final.status == "completed"
+    (call,) = final.output
+    assert call.type == "function_call" and call.arguments == deltas
+
+
+def test_a_streamed_text_cut_by_the_budget_ends_incomplete(sdk):
+    with sdk.responses.stream(
+        model=MODEL, input="Count to ten.", temperature=0, max_output_tokens=5
+    ) as stream:
+        events = list(stream)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1]
+    assert last.type == "response.incomplete" and text
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output[0].content[0].text == text
 
 
 def test_tokenize_counts_what_the_chat_request_runs(client):

@@ -219,8 +219,10 @@ def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     details = chat_usage.get("completion_tokens_details") or {}
     return {
         "input_tokens": chat_usage["prompt_tokens"],
+        # cache_write_tokens: what a paid prompt cache billed for writing; none here.
         "input_tokens_details": {
-            "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]
+            "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
         },
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens") or 0},

@@ -122,3 +122,16 @@ def test_tokenize_counts_what_the_chat_request_runs(client):
     assert tokens["count"] == chat["usage"]["prompt_tokens"] == len(tokens["tokens"])
     text = client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert "Hello there" in text
+
+
+def test_todays_sdk_fields_are_accepted_and_change_nothing(sdk):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    plain = sdk.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6)
+    busy = sdk.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=6,
+        store=True, metadata={"team": "a"}, service_tier="auto", user="u-1",
+        safety_identifier="s-1", prompt_cache_key="k", reasoning_effort="low",
+        prediction={"type": "content", "content": "Blue"}, parallel_tool_calls=True,
+        modalities=["text"], extra_body={"not_in_any_api": 1},
+    )  # fmt: skip
+    assert busy.choices[0].message.content == plain.choices[0].message.content

@@ -396,7 +396,9 @@ class EventStreamResponse:
                 await body(_named_event(chunk) if named else sse_event(chunk))
         except ApiError as e:
             _record_error(self.generation.span, e)
-            error = {"type": "error", **e.body()} if named else e.body()
+            # The Responses API's error event carries OpenAI's fields flat and nested.
+            flat = {"code": e.code, "message": e.message, "param": e.param}
+            error = {"type": "error", **flat, **e.body()} if named else e.body()
             await body(_named_event(error) if named else sse_event(error))
         except OSError:  # the client went away while we wrote
             return

@@ -109,6 +109,7 @@ class GatewayApi:
             model=prepared.model,
             kind=kind,
             want_logprobs=prepared.sampling.logprobs is not None,
+            legacy_functions=prepared.legacy_functions,
         )
         _annotate_request(span, prepared, meta)
         run = await self.engine.submit(

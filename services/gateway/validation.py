@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -98,6 +98,8 @@ class PreparedRequest:
     # open anywhere in the output (else only before any content).
     split_reasoning: bool = False
     reasoning_anywhere: bool = True
+    # Asked with the legacy `functions`: the answer also carries `function_call`.
+    legacy_functions: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -154,6 +156,7 @@ class RequestPreparer:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
+        legacy = req.functions is not None
         req = _legacy_functions(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -180,7 +183,8 @@ class RequestPreparer:
             raise invalid(str(e), "messages") from e
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         region = self._output_region(opening)
-        return self._prepared("chat", req, [prompt], logprobs, region, tools)
+        prepared = self._prepared("chat", req, [prompt], logprobs, region, tools)
+        return replace(prepared, legacy_functions=True) if legacy else prepared
 
     def chat_prompt(
         self,

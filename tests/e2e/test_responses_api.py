@@ -50,7 +50,8 @@ def test_greedy_text_equals_the_chat_completion(sdk):
 def test_forced_function_call_and_its_output_sent_back(sdk):
     r = sdk.responses.create(
         model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=80, temperature=0,
     )  # fmt: skip
     (call,) = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
@@ -71,7 +72,7 @@ def test_forced_function_call_and_its_output_sent_back(sdk):
 def test_streamed_function_call_events_join_to_the_call(sdk):
     stream = sdk.responses.create(
         model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
-        max_output_tokens=40, stream=True,
+        max_output_tokens=80, temperature=0, stream=True,
     )  # fmt: skip
     events = list(stream)
     kinds = [e.type for e in events]
@@ -92,7 +93,8 @@ def test_stream_helper_gives_the_final_call(sdk):
         input="Weather in Rome?",
         tools=[WEATHER],
         tool_choice="required",
-        max_output_tokens=40,
+        max_output_tokens=80,
+        temperature=0,
     ) as stream:
         deltas = "".join(
             e.delta for e in stream if e.type == "response.function_call_arguments.delta"
@@ -135,3 +137,23 @@ def test_todays_sdk_fields_are_accepted_and_change_nothing(sdk):
         modalities=["text"], extra_body={"not_in_any_api": 1},
     )  # fmt: skip
     assert busy.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_legacy_functions_are_answered_as_function_call_too(sdk):
+    fn = {k: v for k, v in WEATHER.items() if k != "type"}
+    r = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Lima?"}],
+        functions=[fn], function_call={"name": "get_weather"}, max_tokens=80, temperature=0,
+    )  # fmt: skip
+    message = r.choices[0].message
+    assert message.function_call.name == "get_weather"
+    assert message.function_call.arguments == message.tool_calls[0].function.arguments
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Lima?"}],
+        functions=[fn], function_call={"name": "get_weather"}, max_tokens=80, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    pieces = [c.choices[0].delta.function_call for c in stream if c.choices]
+    pieces = [p for p in pieces if p is not None]
+    assert pieces[0].name == "get_weather"
+    assert "".join(p.arguments or "" for p in pieces) == message.function_call.arguments

@@ -66,6 +66,15 @@ class Settings(BaseSettings):
     # A draft's cost relative to a decode row's, for how many drafts pay; unset: measured
     # from the steps (SPILLWAY_SPEC_DRAFT_COST pins it, e.g. for tests on a busy machine).
     spec_draft_cost: float | None = Field(default=None, ge=0)
+    # Serving options with vLLM's names (CONTRACT section 8): the names the API answers
+    # to (the first is the one it reports; unset: the model's), a chat template replacing
+    # the model's (a file, or the template itself), the longest context a request may
+    # fill (unset: the model's), and the origins browsers may call the API from (CORS;
+    # unset: no CORS headers). As environment variables, lists are JSON.
+    served_model_name: list[str] | None = None
+    chat_template: str | None = None
+    max_model_len: int | None = Field(default=None, ge=2)
+    allowed_origins: list[str] | None = None
 
     # --- the project's own knobs ---
     attention_backend: AttentionBackend = "auto"
@@ -208,7 +217,13 @@ class Settings(BaseSettings):
     cache_dir: str = "~/.cache/spillway"
 
     @field_validator(
-        "api_key", "otlp_endpoint", "nats_user", "nats_password", "trace_file", mode="before"
+        "api_key",
+        "otlp_endpoint",
+        "nats_user",
+        "nats_password",
+        "trace_file",
+        "chat_template",
+        mode="before",
     )
     @classmethod
     def _empty_is_unset(cls, v: object) -> object:

@@ -7,6 +7,7 @@ out keeps the Settings value.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from spillway.shared.config import Settings
@@ -45,6 +46,16 @@ OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
                                       "tokenizer)"}),
     ("--ngram-max", "ngram_max", {"type": int, "help": "--speculative ngram: longest n-gram "
                                   "looked up in the sequence so far"}),
+    ("--served-model-name", "served_model_name", {"nargs": "+", "metavar": "NAME",
+                                                  "help": "the names the API answers to; the "
+                                                  "first is reported"}),
+    ("--chat-template", "chat_template", {"help": "a chat template replacing the model's: a "
+                                          "file, or the template itself"}),
+    ("--max-model-len", "max_model_len", {"type": int, "help": "the longest prompt + "
+                                          "max_tokens a request may ask for"}),
+    ("--allowed-origins", "allowed_origins", {"nargs": "+", "metavar": "ORIGIN",
+                                              "type": str, "help": "origins allowed to call "
+                                              "the API from a browser (CORS; `*`: any)"}),
     ("--tool-call-parser", "tool_call_parser", {"choices": list(TOOL_CALL_PARSERS),
                                                 "help": "how the model writes tool calls "
                                                 "(vLLM's names)"}),
@@ -94,6 +105,10 @@ SHOWN_WHEN_UNSET = {
     "threads": "every core available",
     "state_slots": "max-batch",
     "state_snapshots": "state-slots",
+    "served_model_name": "the model's name",
+    "chat_template": "the model's",
+    "max_model_len": "the model's context",
+    "allowed_origins": "none",
     "tool_call_parser": "from the chat template",
     "reasoning_parser": "from the chat template",
 }
@@ -116,8 +131,25 @@ def add_options(parser: argparse.ArgumentParser, defaults: Settings) -> None:
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
-    return {field: getattr(args, field) for _, field, _ in OPTIONS if getattr(args, field, None)
-            is not None}  # fmt: skip
+    out = {field: getattr(args, field) for _, field, _ in OPTIONS if getattr(args, field, None)
+           is not None}  # fmt: skip
+    if "allowed_origins" in out:
+        out["allowed_origins"] = _origins(out["allowed_origins"])
+    return out
+
+
+def _origins(given: list[str]) -> list[str]:
+    """vLLM takes the origins as one JSON list (`'["https://a.example"]'`); a plain list
+    of words works too."""
+    if len(given) == 1 and given[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(given[0])
+        except ValueError as e:
+            raise SystemExit(f"--allowed-origins: {given[0]!r} is not a JSON list") from e
+        if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+            raise SystemExit(f"--allowed-origins: {given[0]!r} is not a list of strings")
+        return parsed
+    return list(given)
 
 
 def as_arguments(settings: Settings) -> list[str]:
@@ -130,6 +162,9 @@ def as_arguments(settings: Settings) -> list[str]:
         if field in OFF_SWITCHES:
             if not value:
                 out.append(flag)
+            continue
+        if isinstance(value, list):
+            out += [flag, *map(str, value)]
             continue
         out += [flag, str(value)]
     return out

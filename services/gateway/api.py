@@ -86,7 +86,9 @@ class GatewayApi:
         self.created = int(time.time())
 
     def models(self) -> dict[str, Any]:
-        return models_body(self.model.model_id, self.created)
+        return models_body(
+            self.model.listed or (self.model.model_id,), self.created, self.model.context_length
+        )
 
     async def open(
         self,
@@ -107,6 +109,7 @@ class GatewayApi:
             model=prepared.model,
             kind=kind,
             want_logprobs=prepared.sampling.logprobs is not None,
+            legacy_functions=prepared.legacy_functions,
         )
         _annotate_request(span, prepared, meta)
         run = await self.engine.submit(

@@ -19,7 +19,9 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from opentelemetry import trace
@@ -27,6 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,8 +39,16 @@ from spillway.services.gateway.api import GatewayApi, Generation
 from spillway.services.gateway.errors import ApiError
 from spillway.services.gateway.json_body import parse_json_body
 from spillway.services.gateway.metrics import GatewayMetrics, spill_health
+from spillway.services.gateway.openai_responses import (
+    ResponseShell,
+    chat_body,
+    renamed,
+    response_body,
+    response_events,
+)
 from spillway.services.gateway.openapi import openapi_document
-from spillway.services.gateway.validation import Kind
+from spillway.services.gateway.tokenize_api import detokenize, tokenize
+from spillway.services.gateway.validation import Kind, RequestPreparer
 from spillway.shared.clock import Clock, MonotonicClock
 from spillway.shared.protocol import SchedulerLease
 from spillway.shared.telemetry import extract, inject
@@ -65,8 +76,11 @@ def create_app(
     api_key: str | None = None,
     clock: Clock | None = None,
     limits: HttpLimits | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> ASGIApp:
-    """The gateway's ASGI app; `uvicorn` serves it (service.py)."""
+    """The gateway's ASGI app; `uvicorn` serves it (service.py). With `allowed_origins`
+    (`--allowed-origins`), browsers on those origins may call it: CORS preflights are
+    answered, outside the API key check, as a browser sends them without credentials."""
     clock = clock or MonotonicClock()
     limits = limits or HttpLimits()
 
@@ -75,6 +89,15 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         return await _generate(api, clock, limits, request, "completion")
+
+    async def responses(request: Request) -> Response:
+        return await _respond(api, clock, limits, request)
+
+    async def tokenize_route(request: Request) -> Response:
+        return await _tokenizer_call(api, limits, request, tokenize)
+
+    async def detokenize_route(request: Request) -> Response:
+        return await _tokenizer_call(api, limits, request, detokenize)
 
     async def openapi(request: Request) -> Response:
         info = api.model
@@ -113,7 +136,10 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/tokenize", tokenize_route, methods=["POST"]),
+            Route("/detokenize", detokenize_route, methods=["POST"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
@@ -121,7 +147,30 @@ def create_app(
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
-    return TracingMiddleware(ApiKeyMiddleware(app, api_key), tracer)
+    guarded: ASGIApp = ApiKeyMiddleware(app, api_key)
+    if allowed_origins:
+        guarded = CORSMiddleware(
+            guarded, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    return TracingMiddleware(guarded, tracer)
+
+
+async def _tokenizer_call(
+    api: GatewayApi,
+    limits: HttpLimits,
+    request: Request,
+    call: Callable[[RequestPreparer, dict[str, Any]], dict[str, Any]],
+) -> Response:
+    """/tokenize and /detokenize: a body in, an answer or an OpenAI error out; the
+    tokenizer runs on a worker thread, so a big body never stalls the loop."""
+    try:
+        raw = await read_body(request, limits)
+        body = await asyncio.to_thread(parse_json_body, raw)
+        return JSONResponse(await asyncio.to_thread(call, api.preparer, body))
+    except ApiError as e:
+        return error_response(e)
+    except ClientDisconnect:
+        return Response(status_code=499)
 
 
 def _driven(lease: SchedulerLease) -> list[str]:
@@ -187,6 +236,27 @@ async def _generate(
     return await _reply_when_done(generation, request.receive)
 
 
+async def _respond(api: GatewayApi, clock: Clock, limits: HttpLimits, request: Request) -> Response:
+    """/v1/responses: the request runs as a chat completion (openai_responses.py)."""
+    arrival = clock.now()
+    span: trace.Span = request.scope.get(SPAN_KEY) or trace.INVALID_SPAN
+    try:
+        raw = await read_body(request, limits)
+        body = await asyncio.to_thread(parse_json_body, raw)
+        generation = await api.open("chat", chat_body(body), span, arrival)
+    except ApiError as e:
+        error = renamed(e)
+        _record_error(span, error)
+        return error_response(error)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    shell = ResponseShell(body, generation.prepared.model)
+    if generation.prepared.stream:
+        events = response_events(shell, generation.chunks())
+        return EventStreamResponse(generation, limits.client_timeout_s, events)
+    return await _reply_when_done(generation, request.receive, partial(response_body, shell))
+
+
 async def read_body(request: Request, limits: HttpLimits) -> bytes:
     """The body, refused with 413 past max_request_bytes (unread when its declared length
     says so) and with 408 when it takes longer than the client timeout to arrive."""
@@ -222,7 +292,11 @@ def _too_large(size: int, limit: int) -> ApiError:
     )
 
 
-async def _reply_when_done(generation: Generation, receive: Receive) -> Response:
+async def _reply_when_done(
+    generation: Generation,
+    receive: Receive,
+    shape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> Response:
     collect = asyncio.ensure_future(generation.collect())
     gone = asyncio.ensure_future(_client_gone(receive))
     try:
@@ -231,7 +305,8 @@ async def _reply_when_done(generation: Generation, receive: Receive) -> Response
             # Nobody will read the answer; close() below aborts the sequences now.
             return Response(status_code=499)
         try:
-            return JSONResponse(collect.result())
+            body = collect.result()
+            return JSONResponse(shape(body) if shape else body)
         except ApiError as e:
             _record_error(generation.span, e)
             return error_response(e)
@@ -262,11 +337,20 @@ def sse_event(data: dict[str, Any] | str) -> bytes:
 class EventStreamResponse:
     """Server-Sent Events for one generation: a `data:` line per chunk, an error event if
     it fails midway, then `data: [DONE]`. Watches for the client leaving the whole time;
-    a client that stops reading for `write_timeout_s` counts as gone."""
+    a client that stops reading for `write_timeout_s` counts as gone.
 
-    def __init__(self, generation: Generation, write_timeout_s: float = 30.0) -> None:
+    With `events` (the Responses API), each event is sent as `event: <type>` plus its
+    `data:`, a failure as an `error` event, and no `[DONE]` follows (OpenAI's form)."""
+
+    def __init__(
+        self,
+        generation: Generation,
+        write_timeout_s: float = 30.0,
+        events: AsyncIterator[dict[str, Any]] | None = None,
+    ) -> None:
         self.generation = generation
         self.write_timeout_s = write_timeout_s
+        self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
@@ -306,19 +390,28 @@ class EventStreamResponse:
         async def body(data: bytes, more: bool = True) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": more})
 
+        named = self.events is not None
         try:
-            async for chunk in self.generation.chunks():
-                await body(sse_event(chunk))
+            async for chunk in self.events or self.generation.chunks():
+                await body(_named_event(chunk) if named else sse_event(chunk))
         except ApiError as e:
             _record_error(self.generation.span, e)
-            await body(sse_event(e.body()))
+            # The Responses API's error event carries OpenAI's fields flat and nested.
+            flat = {"code": e.code, "message": e.message, "param": e.param}
+            error = {"type": "error", **flat, **e.body()} if named else e.body()
+            await body(_named_event(error) if named else sse_event(error))
         except OSError:  # the client went away while we wrote
             return
         try:
-            await body(sse_event("[DONE]"))
+            if not named:
+                await body(sse_event("[DONE]"))
             await body(b"", more=False)
         except OSError:
             return
+
+
+def _named_event(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\n".encode() + sse_event(event)
 
 
 class ApiKeyMiddleware:

@@ -334,10 +334,51 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+# Our series that dashboards and autoscalers written for vLLM read under vLLM's names.
+VLLM_ALIASES = {
+    "spillway_requests_running": "vllm:num_requests_running",
+    "spillway_requests_waiting": "vllm:num_requests_waiting",
+    "spillway_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "spillway_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "spillway_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "spillway_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "spillway_prompt_tokens": "vllm:prompt_tokens",
+    "spillway_generation_tokens": "vllm:generation_tokens",
+}
+
+
+class VllmAliases(Collector):
+    """Each aliased series again under vLLM's name, with the same samples plus vLLM's
+    `model_name` label: copied at scrape time, so the two never disagree."""
+
+    def __init__(self, sources: Sequence[Collector], model_name: str) -> None:
+        self.sources = sources
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for metric in source.collect():
+                alias = VLLM_ALIASES.get(metric.name)
+                if alias is None:
+                    continue
+                copy = Metric(alias, metric.documentation, metric.type, metric.unit)
+                for sample in metric.samples:
+                    if sample.name.endswith("_created"):
+                        continue  # the client library's own; vLLM has none
+                    copy.add_sample(
+                        alias + sample.name.removeprefix(metric.name),
+                        {**sample.labels, "model_name": self.model_name},
+                        sample.value,
+                        sample.timestamp,
+                        sample.exemplar,
+                    )
+                yield copy
+
+
 class GatewayMetrics:
     """A registry of its own per gateway (several may live in one test process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerStatsCollector()
         self.registry.register(self.scheduler)
@@ -370,6 +411,10 @@ class GatewayMetrics:
             "Sequences finished, by reason",
             ["finish_reason"],
             registry=self.registry,
+        )
+        aliased = [self.scheduler, self.ttft, self.itl, self.e2e]
+        self.registry.register(
+            VllmAliases([*aliased, self.prompt_tokens, self.generation_tokens], model_name)
         )
 
     def on_tokens(self, timer: TokenTimer, count: int, now: float) -> None:

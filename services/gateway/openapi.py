@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from spillway.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from spillway.services.gateway.tokenize_api import Detokenize, TokenizeCompletion
 
 REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {
@@ -34,8 +35,9 @@ def openapi_document(model_id: str, context_length: int, vocab_size: int) -> dic
 @cache
 def _document(context_length: int, vocab_size: int) -> dict[str, Any]:
     schemas: dict[str, Any] = {"ErrorBody": _ERROR_BODY, "Object": {"type": "object"}}
-    for model in (ChatCompletionRequest, CompletionRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, TokenizeCompletion, Detokenize):
         schemas.update(_component(model, schemas))
+    schemas["ResponsesRequest"] = _RESPONSES_REQUEST
     _served_limits(schemas, context_length, vocab_size)
     return {
         "openapi": "3.1.0",
@@ -43,6 +45,9 @@ def _document(context_length: int, vocab_size: int) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": {"post": _generation("ChatCompletionRequest", "chat")},
             "/v1/completions": {"post": _generation("CompletionRequest", "completions")},
+            "/v1/responses": {"post": _generation("ResponsesRequest", "responses")},
+            "/tokenize": {"post": _generation("TokenizeCompletion", "tokenize")},
+            "/detokenize": {"post": _generation("Detokenize", "detokenize")},
             "/v1/models": {"get": _get("the served model", "models")},
             "/v1/models/{model}": {
                 "get": {
@@ -152,6 +157,33 @@ def _errors() -> dict[str, Any]:
         for status, description in ERROR_STATUSES.items()
     }
 
+
+# The Responses API's request as served (openai_responses.py turns it into a chat body).
+_RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "object"}},
+            ]
+        },
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "stream": {"type": ["boolean", "null"]},
+        "tools": {"type": ["array", "null"], "items": {"type": "object"}},
+        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "null"}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "reasoning": {"type": ["object", "null"]},
+        "text": {"type": ["object", "null"]},
+        "metadata": {"type": ["object", "null"]},
+        "store": {"type": ["boolean", "null"]},
+    },
+}
 
 _ERROR_BODY = {
     "type": "object",

@@ -76,7 +76,7 @@ def tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_message(output: ChoiceOutput) -> dict[str, Any]:
+def chat_message(output: ChoiceOutput, legacy_functions: bool = False) -> dict[str, Any]:
     calls = output.tool_calls
     content: str | None = output.text
     if calls and not output.text.strip():
@@ -86,6 +86,8 @@ def chat_message(output: ChoiceOutput) -> dict[str, Any]:
         message["reasoning_content"] = output.reasoning or None
     if calls:
         message["tool_calls"] = tool_calls_body(calls)
+        if legacy_functions:  # OpenAI's legacy answer: the first call, without an id
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
     return message
 
 
@@ -134,6 +136,7 @@ class ResponseMeta:
     model: str
     kind: Kind
     want_logprobs: bool
+    legacy_functions: bool = False  # the request gave `functions` (see chat_message)
 
 
 def completion_body(
@@ -143,7 +146,7 @@ def completion_body(
         choices = [
             {
                 "index": o.index,
-                "message": chat_message(o),
+                "message": chat_message(o, meta.legacy_functions),
                 "logprobs": chat_logprobs(o.logprobs) if meta.want_logprobs else None,
                 "finish_reason": o.finish_reason,
             }
@@ -171,10 +174,20 @@ def completion_body(
     }
 
 
-def models_body(model_id: str, created: int) -> dict[str, Any]:
+def models_body(names: Sequence[str], created: int, max_model_len: int) -> dict[str, Any]:
+    """One entry per served name, with vLLM's `max_model_len` beside OpenAI's fields."""
     return {
         "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "spillway"}],
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "spillway",
+                "max_model_len": max_model_len,
+            }
+            for name in names
+        ],
     }
 
 
@@ -228,6 +241,15 @@ class ChunkBuilder:
             delta["content"] = step.text
         if step.tool_calls:
             delta["tool_calls"] = tool_call_deltas(step.tool_calls)
+            first = [d for d in step.tool_calls if d.index == 0]
+            if self.meta.legacy_functions and first:
+                # The legacy delta: the first call's name once, then its argument pieces.
+                names = [d.name for d in first if d.id is not None]
+                legacy = {"name": names[0]} if names else {}
+                delta["function_call"] = {
+                    **legacy,
+                    "arguments": "".join(d.arguments for d in first),
+                }
         return delta
 
     def _chunk(

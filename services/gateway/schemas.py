@@ -1,9 +1,11 @@
 """The OpenAI request bodies the gateway honours, as strict pydantic models.
 
 Strict: a string where a number belongs, a number where a boolean belongs, is a 400 and
-not silently coerced. A field the server does not honour is a 400 that names it (docs/api.md
-lists the accepted ones): nothing is silently ignored. Every optional field accepts
-`null`, which some clients send for "not given"; defaults are applied in validation.
+not silently coerced. Top-level fields that are not honoured are sorted out before these
+models see a body (request_fields.py: ignored, neutral only, or unknown); a field left
+over here, or a nested one the server does not know, is a 400 that names it. Every
+optional field accepts `null`, which some clients send for "not given"; defaults are
+applied in validation.
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+RequestBody = _Body  # the strict base, for bodies of other endpoints
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    # OpenAI pads streamed chunks against side channels; nothing to pad here.
+    include_obfuscation: bool | None = None
 
 
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's earlier refusal part
 
 
 class FunctionCall(_Body):
@@ -58,6 +66,8 @@ class ChatMessage(_Body):
     # An earlier answer's reasoning, as this server returned it; templates that show past
     # reasoning (or drop it) see it.
     reasoning_content: str | None = None
+    # An earlier answer's refusal (OpenAI's field); the template sees its content only.
+    refusal: str | None = None
 
 
 class FunctionDefinition(_Body):
@@ -136,6 +146,7 @@ class _GenerationFields(_Body):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -147,6 +158,11 @@ class ChatCompletionRequest(_GenerationFields):
     parallel_tool_calls: bool | None = None
     # Extra variables for the chat template (vLLM's extension), e.g. enable_thinking.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Reaches the chat template as the variable `reasoning_effort`, as vLLM passes it.
+    reasoning_effort: ReasoningEffort | None = None
+    # The legacy form of tools and tool_choice (validation turns them into those).
+    functions: list[FunctionDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None
 
 
 # A prompt: text, token ids, or a batch of either.

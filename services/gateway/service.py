@@ -43,6 +43,7 @@ from spillway.shared.lifecycle import announce_ready
 from spillway.shared.model_files import resolve_model
 from spillway.shared.output_formats import detect_reasoning
 from spillway.shared.regions import detect_markers
+from spillway.shared.serving import chat_template_text, served_context_length, served_names
 from spillway.shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -100,16 +101,22 @@ class Gateway:
 
 def model_info(settings: Settings) -> tuple[ModelTokenizer, ModelInfo]:
     source = resolve_model(settings.model)
-    tokenizer = load_tokenizer(source, settings.cache_dir)
+    tokenizer = load_tokenizer(
+        source, settings.cache_dir, chat_template_text(settings.chat_template)
+    )
     facts = load_model_facts(source, settings.cache_dir)
     template = tokenizer.chat_template.source if tokenizer.chat_template else None
     token_id = tokenizer.tokenizer.token_to_id
     tools, reasoning = settings.tool_call_parser, settings.reasoning_parser
+    names = served_names(settings.served_model_name, source.model_id)
+    # Without --served-model-name the model also answers to how it was given (a path).
+    aliases = names[1:] if settings.served_model_name else [settings.model, str(source.path)]
     info = ModelInfo(
-        model_id=source.model_id,
-        context_length=facts.context_length,
+        model_id=names[0],
+        context_length=served_context_length(facts.context_length, settings.max_model_len),
         vocab_size=facts.vocab_size,
-        aliases=frozenset({settings.model, str(source.path)}),
+        aliases=frozenset(aliases),
+        listed=tuple(names),
         markers=detect_markers(token_id, template, settings.region_markers, tools, reasoning),
         tool_format=tool_format(tools, template),
         reasoning=detect_reasoning(token_id, template, reasoning),
@@ -130,7 +137,7 @@ async def start_gateway(settings: Settings) -> Gateway:
     bus = await Bus.for_service(
         settings, "gateway", f"spillway-gateway-{gateway_id}", sender=gateway_id
     )
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(info.model_id)
     engine = GatewayEngine(
         bus,
         gateway_id,
@@ -151,7 +158,14 @@ async def start_gateway(settings: Settings) -> Gateway:
     )
     api = GatewayApi(engine, preparer, info)
     limits = HttpLimits(settings.max_request_bytes, settings.http_client_timeout_s)
-    app = create_app(api, metrics, telemetry.tracer, api_key=settings.api_key, limits=limits)
+    app = create_app(
+        api,
+        metrics,
+        telemetry.tracer,
+        api_key=settings.api_key,
+        limits=limits,
+        allowed_origins=settings.allowed_origins,
+    )
     server = _Server(
         uvicorn.Config(
             app,

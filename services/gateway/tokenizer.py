@@ -60,9 +60,14 @@ class ModelTokenizer(LoadedTokenizer):
         return full[len(bare) :] if full.startswith(bare) else full
 
 
-def load_tokenizer(source: ModelSource, cache_dir: str | Path) -> ModelTokenizer:
-    """The tokenizer of `source` (converted once into `cache_dir`, see tokenizer_files)."""
-    return _with_chat(tokenizer_files.load_tokenizer(source, cache_dir))
+def load_tokenizer(
+    source: ModelSource, cache_dir: str | Path, chat_template: str | None = None
+) -> ModelTokenizer:
+    """The tokenizer of `source` (converted once into `cache_dir`, see tokenizer_files);
+    `chat_template` replaces the model's own (`--chat-template`)."""
+    loaded = tokenizer_files.load_tokenizer(source, cache_dir)
+    template = chat_template or loaded.chat_template_source
+    return ModelTokenizer(loaded.tokenizer, loaded.special_tokens, template)
 
 
 def load_tokenizer_folder(folder: Path) -> ModelTokenizer:

@@ -7,8 +7,9 @@ for bad input, 404 `model_not_found`, 400 `context_length_exceeded`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -16,12 +17,16 @@ from pydantic import BaseModel, ValidationError
 from spillway.services.gateway.chat_template import ChatTemplateError
 from spillway.services.gateway.errors import ApiError, invalid
 from spillway.services.gateway.reasoning import splits_reasoning
+from spillway.services.gateway.request_fields import screen, warn_unknown
 from spillway.services.gateway.sampling_fields import SamplingDefaults, sampling_fields
 from spillway.services.gateway.schemas import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
+    Tool,
+    ToolChoiceFunction,
 )
 from spillway.services.gateway.structured_output import GrammarBuilder, response_format_grammar
 from spillway.services.gateway.tokenizer import ModelTokenizer
@@ -35,6 +40,8 @@ from spillway.services.gateway.tool_formats import ToolFormat, tool_format
 from spillway.shared.output_formats import ReasoningSyntax
 from spillway.shared.protocol import RegionName, SamplingParams
 from spillway.shared.regions import RegionMarkers, region_after_text
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
 MAX_PROMPTS = 16  # prompts in one batched completions request
@@ -50,6 +57,8 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     aliases: frozenset[str] = frozenset()
+    # What /v1/models lists (--served-model-name's names; empty: model_id alone).
+    listed: tuple[str, ...] = ()
     # Think / code / tool-call markers of the model (shared.regions).
     markers: RegionMarkers = field(default_factory=RegionMarkers)
     # How it writes tool calls and marks its reasoning (shared.output_formats).
@@ -57,7 +66,7 @@ class ModelInfo:
     reasoning: ReasoningSyntax | None = None
 
     def serves(self, name: str) -> bool:
-        return name == self.model_id or name in self.aliases
+        return name == self.model_id or name in self.aliases or name in self.listed
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,8 @@ class PreparedRequest:
     # open anywhere in the output (else only before any content).
     split_reasoning: bool = False
     reasoning_anywhere: bool = True
+    # Asked with the legacy `functions`: the answer also carries `function_call`.
+    legacy_functions: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -135,12 +146,18 @@ class RequestPreparer:
         return self._grammars
 
     def prepare(self, kind: Kind, body: dict[str, Any]) -> PreparedRequest:
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        screened = screen(kind, body, _HONOURED[kind])
+        if screened.unknown:
+            warn_unknown(screened.unknown)
         if kind == "chat":
-            return self.prepare_chat(_validate(ChatCompletionRequest, body))
-        return self.prepare_completion(_validate(CompletionRequest, body))
+            return self.prepare_chat(_validate(schema, screened.body))
+        return self.prepare_completion(_validate(schema, screened.body))
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
+        legacy = req.functions is not None
+        req = _legacy_functions(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
         tools = tool_setup(req, self.grammars, self.model.tool_format)
@@ -152,6 +169,8 @@ class RequestPreparer:
         )
         template_tools = tools.tools if tools and self.native_tools else None
         extra = _template_kwargs(req.chat_template_kwargs)
+        if req.reasoning_effort is not None:
+            extra = {"reasoning_effort": req.reasoning_effort, **(extra or {})}
         markers = self.model.markers
         try:
             prompt = self.tokenizer.encode_chat(messages, template_tools, extra)
@@ -164,7 +183,31 @@ class RequestPreparer:
             raise invalid(str(e), "messages") from e
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         region = self._output_region(opening)
-        return self._prepared("chat", req, [prompt], logprobs, region, tools)
+        prepared = self._prepared("chat", req, [prompt], logprobs, region, tools)
+        return replace(prepared, legacy_functions=True) if legacy else prepared
+
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt ids of a conversation without tools (what /tokenize counts)."""
+        shown = template_messages(
+            [_template_message(i, m) for i, m in enumerate(messages)],
+            None,
+            self.native_tools,
+            self.model.tool_format,
+        )
+        extra = _template_kwargs(template_kwargs)
+        try:
+            text = self.tokenizer.render_chat(shown, None, extra, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise invalid(str(e), "messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_model(self, name: str | None) -> None:
+        self._check_model(name)
 
     def _output_region(self, opening: str) -> RegionName:
         """The region the generation prompt leaves the output in; a model whose reasoning
@@ -260,7 +303,8 @@ class RequestPreparer:
         )
         return PreparedRequest(
             kind=kind,
-            model=self.model.model_id,
+            # The served name the client asked for (as vLLM answers), else the first.
+            model=req.model if req.model in self.model.listed else self.model.model_id,
             prompts=prompts,
             n=req.n or 1,
             sampling=sampling,
@@ -294,6 +338,32 @@ class RequestPreparer:
                 param if max_tokens is None else "max_tokens",
                 "context_length_exceeded",
             )
+
+
+_HONOURED: dict[Kind, frozenset[str]] = {
+    "chat": frozenset(ChatCompletionRequest.model_fields),
+    "completion": frozenset(CompletionRequest.model_fields),
+}
+
+
+def _legacy_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """OpenAI's deprecated `functions` / `function_call` as the `tools` / `tool_choice`
+    they became."""
+    if req.functions is None and req.function_call is None:
+        return req
+    if req.tools is not None or req.tool_choice is not None:
+        param = "functions" if req.functions is not None else "function_call"
+        raise invalid(f"{param}: give either tools or the legacy functions, not both", param)
+    choice = req.function_call
+    if isinstance(choice, ToolChoiceFunction):
+        choice = NamedToolChoice(type="function", function=choice)
+    tools = [Tool(type="function", function=f) for f in req.functions or []]
+    return req.model_copy(update={"tools": tools or None, "tool_choice": choice})
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """`body` as `model`, or a 400 naming the first field at fault."""
+    return _validate(model, body)
 
 
 def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -86,6 +86,7 @@ from spillway.shared.protocol import (
     StepResult,
     StepRow,
 )
+from spillway.shared.serving import served_context_length
 from spillway.shared.speculative import speculation_refusal
 from spillway.shared.spill_keys import SpillKeys
 
@@ -182,6 +183,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # see capture_decode_graphs
         self._decode_kept: _KeptDecodeBatch | None = None  # see _decode_batch
         self.num_steps = 0
+        # --max-model-len: the longest sequence served (None: the model's positions).
+        self.max_model_len_cap: int | None = None
         # Wall-clock (start, end) ns of the last forward, for the service's trace spans.
         self.last_forward_ns: tuple[int, int] = (0, 0)
         # The last step's spills and restores, one by one, for the same spans.
@@ -197,7 +200,8 @@ class ModelRunner:
 
     @property
     def max_model_len(self) -> int:
-        return min(self.model.max_positions, self.kv_cache.num_slots)
+        cap = self.max_model_len_cap or self.model.max_positions
+        return min(self.model.max_positions, self.kv_cache.num_slots, cap)
 
     @property
     def max_verify_tokens(self) -> int:
@@ -847,6 +851,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
     )
     model_config = load_model_config(source)
+    served_context_length(model_config.context_length, settings.max_model_len)  # before loading
     refusal = speculation_refusal(settings, model_config)
     if refusal is not None:
         raise ValueError(refusal)
@@ -894,6 +899,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         sampling=load_sampling_states(settings, source, config),
     )
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
+    runner.max_model_len_cap = served_context_length(config.context_length, settings.max_model_len)
     if weights.mtp is not None:
         cache = MtpCache(kv_cache)
         runner.mtp = MtpDrafter(model, weights.mtp, cache, settings.num_speculative_tokens)
@@ -989,6 +995,7 @@ def load_hybrid_runner(
     if num_scratch:
         runner.draft_states = DraftStates(base=num_snapshots, k_max=k_max)
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
+    runner.max_model_len_cap = served_context_length(config.context_length, settings.max_model_len)
     return runner, source.model_id
 
 

@@ -48,6 +48,7 @@ from spillway.shared.protocol import (
     StepPlan,
 )
 from spillway.shared.regions import RegionMarkers, RegionTracker, detect_markers, marker_ids
+from spillway.shared.serving import chat_template_text
 from spillway.shared.tokenizer_files import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -378,7 +379,7 @@ def load_sampling_states(
         log.info("%s has no tokenizer: no regions or grammars", source.model_id)
         return SamplingStates(config.eos_token_ids)
     tokenizer = load_tokenizer(source, settings.cache_dir)
-    template = tokenizer.chat_template_source
+    template = chat_template_text(settings.chat_template) or tokenizer.chat_template_source
     markers = detect_markers(
         tokenizer.tokenizer.token_to_id,
         template,

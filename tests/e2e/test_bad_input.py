@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -43,11 +45,32 @@ CASES = [
     ("prompt + max_tokens over the context", COMP, {"prompt": [42] * 8000, "max_tokens": 500},
      400),
     ("logprobs above 5 on completions", COMP, {"prompt": "x", "logprobs": 6}, 400),
+    ("audio output", CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, 400),
+    ("n above the cap", CHAT, {"messages": MSG, "n": 17}, 400),
+    ("echo on completions", COMP, {"prompt": "x", "echo": True}, 400),
+    ("tools on completions", COMP, {"prompt": "x", "tools": []}, 400),
+    ("responses: a stored response", "/v1/responses",
+     {"input": "x", "previous_response_id": "resp_1"}, 400),
+    ("responses: input missing", "/v1/responses", {"instructions": "x"}, 400),
+    ("responses: a web search tool", "/v1/responses",
+     {"input": "x", "tools": [{"type": "web_search"}]}, 400),
+    ("responses: input a number", "/v1/responses", {"input": 5}, 400),
+    ("tokenize: prompt a number", "/tokenize", {"prompt": 5}, 400),
+    ("tokenize: body a list", "/tokenize", b"[1]", 400),
+    ("detokenize: id out of vocab", "/detokenize", {"tokens": [10**9]}, 400),
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def log_start(system) -> int:
+    """Where the system's log stood before this module's bad input."""
+    return Path(system.log.name).stat().st_size
+
+
 @pytest.mark.parametrize(("name", "path", "body", "status"), CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gets_error_body_then_good_request_succeeds(client, name, path, body, status):
+def test_bad_input_gets_error_body_then_good_request_succeeds(
+    client, log_start, name, path, body, status
+):
     if isinstance(body, bytes):
         r = client.post(path, content=body, headers={"content-type": "application/json"})
     else:
@@ -74,3 +97,11 @@ def test_models_lists_the_served_model(client):
     r = client.get("/v1/models")
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == ["SmolLM2-135M-Instruct"]
+
+
+def test_no_bad_input_made_a_scheduler_or_worker_log_an_error(system, log_start):
+    with open(system.log.name, errors="replace") as log:
+        log.seek(log_start)
+        lines = log.read().splitlines()
+    errors = [line for line in lines if " ERROR " in line]
+    assert not errors, errors[:5]

@@ -67,8 +67,10 @@ SCHEMA_FORMAT = {
 }
 BAD = [
     # (name, body, param)
-    ("unknown field", {"echo": True}, "echo"),
-    ("functions (legacy) not honoured", {"functions": []}, "functions"),
+    ("echo asked for", {"echo": True}, "echo"),
+    ("audio output asked for", {"modalities": ["text", "audio"]}, "modalities"),
+    ("functions beside tools", {"functions": [WEATHER["function"]], "tools": [WEATHER]},
+     "functions"),
     ("unknown stream option", {"stream": True, "stream_options": {"continuous": True}},
      "stream_options.continuous"),
     ("frequency_penalty above 2", {"frequency_penalty": 2.5}, "frequency_penalty"),
@@ -134,7 +136,7 @@ def test_a_bad_value_is_a_400_naming_its_field(preparer, name, fields, param):
 
 
 def test_completions_reject_chat_only_fields(preparer):
-    for field in ("tools", "tool_choice", "chat_template_kwargs", "suffix", "best_of"):
+    for field in ("tools", "tool_choice", "chat_template_kwargs", "best_of"):
         with pytest.raises(ApiError) as caught:
             preparer.prepare("completion", {"prompt": "x", field: None or []})
         assert caught.value.param == field

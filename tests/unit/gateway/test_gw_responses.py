@@ -257,7 +257,13 @@ def test_final_chunk_can_carry_usage():
 
 
 def test_models_body():
-    body = models_body("SmolLM2-135M-Instruct", 5)
+    body = models_body(["SmolLM2-135M-Instruct"], 5, 8192)
     assert body["object"] == "list"
     assert body["data"][0]["id"] == "SmolLM2-135M-Instruct"
     assert body["data"][0]["object"] == "model"
+    assert body["data"][0]["max_model_len"] == 8192
+
+
+def test_models_body_lists_every_served_name():
+    body = models_body(["a", "b"], 5, 100)
+    assert [m["id"] for m in body["data"]] == ["a", "b"]

@@ -125,6 +125,7 @@ def _gguf_tensors(
 
     out: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockWeight] = {}
+    check_tensor_types(reader)
     for tensor in reader.tensors:
         # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
         data = dequantize(tensor.data, tensor.tensor_type)
@@ -140,6 +141,23 @@ def _gguf_tensors(
             rows = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file is mapped
             blocks[tensor.name] = BlockWeight(rows, kind, data.shape[1])
     return out, blocks
+
+
+# The tensor types llama.cpp users download that we read exactly (gguf-py dequantizes
+# them to the numbers transformers loads); a file holding any other is refused at start-up.
+GGUF_TENSOR_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+)
+
+
+def check_tensor_types(reader: GGUFFile) -> None:
+    """Raises ValueError naming the first tensor whose type is not in GGUF_TENSOR_TYPES."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in GGUF_TENSOR_TYPES:
+            raise ValueError(
+                f"{reader.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name},"
+                f" which spillway does not load (supported: {', '.join(sorted(GGUF_TENSOR_TYPES))})"
+            )
 
 
 def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -129,7 +129,7 @@ async def bus_pieces(plan: StepPlan, result: StepResult, reps: int) -> dict[str,
     from spillway.services.cli.servers import start_nats
     from spillway.shared.bus import Bus
 
-    server = start_nats(jetstream=False)
+    server = start_nats()
     try:
         a = await Bus.connect(server.url, "bench", "bench-a", sender="s")
         b = await Bus.connect(server.url, "bench", "bench-b", sender="w")

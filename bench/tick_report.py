@@ -124,7 +124,7 @@ async def main_async(seqs: int, ticks: int) -> None:
     # Two cores tick by tick in turn, one recording and one not, so that whatever else
     # the machine does weighs on both alike; the recording one's reports are built,
     # encoded and published (timed on their own).
-    server = start_nats(jetstream=False)
+    server = start_nats()
     try:
         bus = await Bus.connect(server.url, "bench", "bench-tick")
         on, off = _Driver(seqs, True), _Driver(seqs, False)

@@ -181,7 +181,6 @@ def server_config(
     port: int,
     passwords: dict[str, str],
     namespace: str,
-    store_dir: str,
     monitor_port: int | None = None,
 ) -> str:
     """A whole nats-server config for a private server on 127.0.0.1."""
@@ -190,7 +189,6 @@ def server_config(
         "host: 127.0.0.1",
         f"port: {port}",
         "max_payload: 8MB",
-        f"jetstream {{ store_dir: {json.dumps(store_dir)} }}",
     ]
     if monitor_port is not None:
         lines.append(f"http: {json.dumps(f'127.0.0.1:{monitor_port}')}")

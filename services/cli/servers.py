@@ -76,9 +76,7 @@ def _wait_for_port(proc: subprocess.Popen, name: str, port: int, timeout: float)
     raise RuntimeError(f"{name} did not open port {port} within {timeout}s")
 
 
-def start_nats(
-    jetstream: bool = True, timeout: float = 10.0, users_namespace: str | None = None
-) -> ServerProcess:
+def start_nats(timeout: float = 10.0, users_namespace: str | None = None) -> ServerProcess:
     """A private nats-server. With `users_namespace` (a namespace, "" for the default) it
     runs with one user per service and the `client` user for everyone else, its
     permissions scoped to that namespace's subjects (nats_auth.py)."""
@@ -89,8 +87,6 @@ def start_nats(
     monitor_url = None
     if users_namespace is None:
         args = [binary, "-a", "127.0.0.1", "-p", str(port)]
-        if jetstream:
-            args += ["-js", "-sd", workdir.name]
     else:
         from spillway.services.cli.nats_auth import new_passwords, server_config
 
@@ -98,8 +94,7 @@ def start_nats(
         monitor_port = free_port()
         monitor_url = f"http://127.0.0.1:{monitor_port}"
         config = Path(workdir.name, "nats.conf")
-        store = str(Path(workdir.name, "jetstream"))
-        config.write_text(server_config(port, passwords, users_namespace, store, monitor_port))
+        config.write_text(server_config(port, passwords, users_namespace, monitor_port))
         config.chmod(0o600)
         args = [binary, "-c", str(config)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

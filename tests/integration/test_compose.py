@@ -179,6 +179,16 @@ def test_nats_is_probed_on_the_monitoring_port_its_config_opens():
     assert nats["image"].endswith("-alpine")
 
 
+def test_nats_runs_core_nats_without_a_store():
+    # spillway speaks core NATS only (request/reply, publish/subscribe): no JetStream to
+    # enable, no volume to keep for it.
+    conf = (ROOT / "infra" / "nats.conf").read_text()
+    assert not re.search(r"^\s*jetstream\s*\{", conf, re.MULTILINE)
+    nats = services(BASE)["nats"]
+    assert all(not str(v).endswith(":/data") for v in nats.get("volumes", []))
+    assert "-js" not in nats["command"]
+
+
 def has_docker_compose() -> bool:
     if shutil.which("docker") is None:
         return False

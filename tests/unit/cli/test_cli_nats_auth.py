@@ -102,7 +102,7 @@ def test_clients_may_read_tick_reports_and_nothing_else_of_the_schedulers():
 
 def test_the_written_config_is_one_nats_server_accepts(tmp_path):
     conf = tmp_path / "nats.conf"
-    conf.write_text(server_config(4999, new_passwords(), "ns", str(tmp_path / "js"), 8999))
+    conf.write_text(server_config(4999, new_passwords(), "ns", 8999))
     check = subprocess.run(
         [find_binary("nats-server"), "-c", str(conf), "-t"], capture_output=True, text=True
     )

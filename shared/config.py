@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     # A worker silent this long is dropped (health turns 503 within 5 s of its death).
     worker_timeout_s: float = Field(default=2.0, gt=0)
     step_timeout_s: float = Field(default=120.0, gt=0)
+    # A gateway silent past GATEWAY_TIMEOUT_S is suspected (its loop may only be stalled)
+    # and its requests keep running; silent this long, it is dead and they are aborted.
+    gateway_grace_s: float = Field(default=5.0, gt=0)
     # A worker whose step has not come back within max(this, 20x the time its tokens
     # should take at the observed prefill rate) is hung, heartbeats or not: its scheduler
     # gives it up and moves its requests to its other workers.

@@ -352,8 +352,9 @@ class TickReport(Message):
 
 class GatewayBeat(Message):
     """gateway.heartbeat, every GATEWAY_BEAT_INTERVAL_S: a gateway is alive. A scheduler
-    aborts the requests of a gateway it has heard and then not for GATEWAY_TIMEOUT_S (its
-    process died: nobody is left to read their output)."""
+    suspects a gateway it has heard and then not for GATEWAY_TIMEOUT_S, and aborts its
+    requests once it stays silent past the grace (SPILLWAY_GATEWAY_GRACE_S: its process
+    died, nobody is left to read their output)."""
 
     gateway_id: str
     interval_s: float

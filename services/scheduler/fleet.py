@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -122,6 +123,7 @@ class FleetSettings:
     lease_interval_s: float = 1.0
     debug_invariants: bool = False
     gateway_timeout_s: float = GATEWAY_TIMEOUT_S
+    gateway_grace_s: float = 5.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FleetSettings:
@@ -132,6 +134,7 @@ class FleetSettings:
             scheduler_timeout_s=settings.scheduler_timeout_s,
             lease_interval_s=settings.scheduler_lease_interval_s,
             debug_invariants=settings.debug_invariants,
+            gateway_grace_s=settings.gateway_grace_s,
         )
 
     @property
@@ -219,7 +222,7 @@ class Fleet:
         self.wall = wall
         self.registry = WorkerRegistry(clock, settings.worker_timeout_s, scheduler_id)
         self.replicas = LeaseBook(clock, settings.scheduler_timeout_s)  # the others' leases
-        self.gateways = GatewayWatch(clock, settings.gateway_timeout_s)
+        self.gateways = GatewayWatch(clock, settings.gateway_timeout_s, settings.gateway_grace_s)
         self.figures = FleetStats(clock, config, scheduler_id, boot_id, settings.lease_interval_s)
         self.lanes: dict[str, Lane] = {}  # worker id -> its lane, registration order
         self.stopping = False
@@ -358,6 +361,8 @@ class Fleet:
             error = self._add(req, event.worker_id, event.tier_hashes)
         if error is None:
             self._gateway_of[req.request_id] = req.gateway_id
+            if req.gateway_id:
+                self.gateways.heard(req.gateway_id)  # a submit is a sign of life too
         self._out.append(Answered(req.request_id, error))
 
     def _add(
@@ -577,18 +582,35 @@ class Fleet:
             return
         if not connected:
             return  # nobody can reach us: silence is no sign of death
-        for gateway_id in self.gateways.dead(set(self._gateway_of.values())):
-            request_ids = [r for r, g in self._gateway_of.items() if g == gateway_id]
-            log.warning(
-                "gateway %s stopped beating: aborting its %d requests", gateway_id, len(request_ids)
-            )
-            self._abort(request_ids)
+        self._watch_gateways()
         self._end_worker_drains()
         dropped = self.registry.expire()
         for info in dropped:
             log.warning("worker %s missed its heartbeats: dropped", info.worker_id)
         if dropped:
             self._workers_changed()
+
+    def _watch_gateways(self) -> None:
+        news = self.gateways.check(self._gateway_of.values())
+        held = Counter(self._gateway_of.values())
+        for gateway_id in news.suspected:
+            log.warning(
+                "gateway %s stopped beating: suspected; its %d requests keep running for up "
+                "to %.1f s",
+                gateway_id,
+                held[gateway_id],
+                self.settings.gateway_grace_s,
+            )
+        for gateway_id in news.recovered:
+            log.info("gateway %s beats again: its requests go on", gateway_id)
+        for gateway_id in news.dead:
+            request_ids = [r for r, g in self._gateway_of.items() if g == gateway_id]
+            log.warning(
+                "gateway %s silent past its grace: aborting its %d requests",
+                gateway_id,
+                len(request_ids),
+            )
+            self._abort(request_ids)
 
     # --- the lanes ----------------------------------------------------------------------
 

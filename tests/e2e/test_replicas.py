@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from spillway.services.cli.launcher import ServiceGroup, wait_until
+from spillway.shared.config import Settings
 from tests.clients import sse_events, stream_error, stream_finish, stream_text, until
 
 pytestmark = pytest.mark.slow
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.slow
 COMP = "/v1/completions"
 NEW_TOKENS = 1500  # nothing finishes while the streams are being started
 RECOVERY_S = 180.0
+GATEWAY_GRACE_S = Settings().gateway_grace_s
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +188,45 @@ async def test_a_replica_scaled_up_takes_load_and_scaled_down_loses_nothing(repl
             await client.aclose()
 
 
+STALLED_STREAMS = 8
+STALL_S = 3.0
+STALL_TOKENS = 400
+
+
+async def test_a_gateway_stalled_for_seconds_loses_none_of_its_streams(replicas):
+    """gateway-b's process is stopped for 3 s (a long pause of its event loop) with 8
+    live streams: the schedulers only suspect it (its beats stop past their 1 s timeout,
+    within the grace), keep its requests running, and every stream ends whole, each
+    text the one the same request gets through the other gateway."""
+    urls = [_url(replicas, "gateway"), _url(replicas, "gateway-b")]
+    body = {"max_tokens": STALL_TOKENS, "ignore_eos": True, "temperature": 0}
+    prompts = [f"Stalled {i}:" for i in range(STALLED_STREAMS)]
+    pid = replicas.children["gateway-b"].proc.pid
+    async with httpx.AsyncClient(base_url=urls[1], timeout=RECOVERY_S) as client:
+        first = [asyncio.Event() for _ in prompts]
+        streams = [
+            asyncio.ensure_future(sse_events(client, COMP, {**body, "prompt": p}, first=f))
+            for p, f in zip(prompts, first, strict=True)
+        ]
+        await asyncio.wait_for(first[0].wait(), 60)  # output is flowing
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(STALL_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        results = await asyncio.wait_for(asyncio.gather(*streams), RECOVERY_S)
+    async with httpx.AsyncClient(base_url=urls[0], timeout=RECOVERY_S) as client:
+        for prompt, events in zip(prompts, results, strict=True):
+            assert stream_error(events) is None, events[-3:]
+            assert stream_finish(events) == "length", events[-3:]
+            reference = (await client.post(COMP, json={**body, "prompt": prompt})).json()
+            assert reference["usage"]["completion_tokens"] == STALL_TOKENS
+            assert stream_text(events) == reference["choices"][0]["text"], prompt
+    log = replicas.tail(200_000)
+    assert "stopped beating: suspected" in log, "the stall was too short to be seen"
+    assert "silent past its grace" not in log
+
+
 async def test_a_killed_gateways_requests_are_aborted_and_their_kv_freed(replicas):
     """Streams through gateway-b, which is SIGKILLed: nobody is left to read them, and the
     schedulers hear its beat stop and abort them, long before they could have finished
@@ -205,6 +246,7 @@ async def test_a_killed_gateways_requests_are_aborted_and_their_kv_freed(replica
         await until(lambda: load() == 4, 30)
         os.kill(replicas.children["gateway-b"].proc.pid, signal.SIGKILL)
         await asyncio.wait(streams, timeout=10)  # they end with the connection
-    # The schedulers hold nothing any more (a loose bound: far less than the streams).
-    assert await until(lambda: load() == 0, 20), _health(replicas)
-    assert "stopped beating: aborting" in replicas.tail(50_000)
+    # Freed within 2 s of the grace (plus a lease interval for the health view to catch
+    # up), far less than the streams would take.
+    assert await until(lambda: load() == 0, GATEWAY_GRACE_S + 2 + 1), _health(replicas)
+    assert "silent past its grace: aborting" in replicas.tail(50_000)

@@ -86,6 +86,9 @@ class FleetRig:
         self.reports = 0
         self.connected = True
 
+    def gateways_suspected(self) -> set[str]:
+        return set(self.fleet.gateways.suspected)
+
     # --- events -----------------------------------------------------------------------
 
     def feed(self, event: Event) -> list[Effect]:

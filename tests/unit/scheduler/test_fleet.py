@@ -242,21 +242,36 @@ def test_steps_lost_again_and_again_end_their_requests_with_the_bus_error():
     assert error is not None and error.status == 503
 
 
-def test_the_requests_of_a_gateway_that_stops_beating_are_aborted():
+def test_a_silent_gateway_is_suspected_first_and_aborted_past_its_grace():
     rig = FleetRig()
+    grace = rig.fleet.settings.gateway_grace_s
     rig.register("w1")
-    rig.feed(GatewayBeatHeard("g1"))
-    rig.submit("dead", gateway_id="g1", max_tokens=100)
-    rig.submit("quiet", gateway_id="g2", max_tokens=100)  # a gateway never heard
+    rig.submit("dead", gateway_id="g1", max_tokens=5000)  # the submit is its first sign of life
+    rig.submit("quiet", gateway_id="g2", max_tokens=5000)
+    rig.submit("stalled", gateway_id="g3", max_tokens=5000)
     rig.wake()
     _run_until_tokens(rig, "dead", 2)
     rig.tick(GATEWAY_TIMEOUT_S + 0.1)
+    rig.deliver()
+    rig.feed(GatewayBeatHeard("g2"))  # g2 beats on; g1 and g3 are only suspected
+    assert rig.gateways_suspected() == {"g1", "g3"}
+    assert all(rig.finish(r) is None for r in ("dead", "quiet", "stalled"))
+    before = len(rig.outcomes["stalled"].token_ids)
+    rig.tick(grace - GATEWAY_TIMEOUT_S - 0.5)
+    rig.deliver()
+    rig.feed(GatewayBeatHeard("g2"))
+    rig.feed(GatewayBeatHeard("g3"))  # its loop runs again: nothing was lost
+    assert len(rig.outcomes["stalled"].token_ids) > before  # generation never paused
+    rig.tick(0.6)  # g1 now silent past the grace
     rig.deliver()  # the step under way ends its tick with the news
     assert rig.finish("dead") == "abort"
-    assert rig.finish("quiet") is None and len(rig.outcomes["quiet"].token_ids) > 5
+    assert rig.finish("stalled") is None and rig.gateways_suspected() == set()
+    assert rig.finish("quiet") != "abort"  # its gateway beat on throughout
+    rig.feed(Aborted(["stalled"]))
+    rig.run()
+    assert rig.finish("stalled") == "abort"
     rig.feed(Aborted(["quiet"]))
     rig.run()
-    assert rig.finish("quiet") == "abort"
     assert rig.fleet.stats().kv_usage == 0.0
 
 

@@ -45,6 +45,15 @@ class HybridLayer:
     delta: GatedDeltaWeights | None = None  # a gated DeltaNet layer (Qwen3-Next)
 
 
+def dense_ffn(gate_up: torch.Tensor, down: torch.Tensor) -> MoEWeights:
+    """A layer's plain MLP in the MoE slot: no router, no experts, the MLP as the shared
+    one (the feed-forward runs it alone)."""
+    empty = torch.empty(0)
+    return MoEWeights(
+        router=empty, w_gate_up=empty, w_down=empty, shared_gate_up=gate_up, shared_down=down
+    )
+
+
 def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
     """Per layer, the state pool's shapes (None for attention)."""
     c = config.hybrid
@@ -86,17 +95,17 @@ def load_granite_layers(
     for i, kind in enumerate(c.layer_kinds):
         p = f"model.layers.{i}"
         b = f"{p}.block_sparse_moe"
+        shared = (
+            take(f"{p}.shared_mlp.input_linear.weight"),
+            take(f"{p}.shared_mlp.output_linear.weight"),
+        )
         ffn = MoEWeights(
             router=take(first(f"{b}.router.layer.weight", f"{b}.router.weight")).float(),
             w_gate_up=take(first(f"{b}.input_linear.weight", f"{b}.experts.gate_up_proj")),
             w_down=take(first(f"{b}.output_linear.weight", f"{b}.experts.down_proj")),
-            shared_gate_up=take(f"{p}.shared_mlp.input_linear.weight"),
-            shared_down=take(f"{p}.shared_mlp.output_linear.weight"),
-        ) if moe.num_experts > 0 else MoEWeights(
-            router=torch.empty(0), w_gate_up=torch.empty(0), w_down=torch.empty(0),
-            shared_gate_up=take(f"{p}.shared_mlp.input_linear.weight"),
-            shared_down=take(f"{p}.shared_mlp.output_linear.weight"),
-        )  # fmt: skip
+            shared_gate_up=shared[0],
+            shared_down=shared[1],
+        ) if moe.num_experts > 0 else dense_ffn(*shared)  # fmt: skip
         layer = HybridLayer(
             attn_norm=take(f"{p}.input_layernorm.weight"),
             ffn_norm=take(f"{p}.post_attention_layernorm.weight"),
@@ -147,18 +156,19 @@ def load_qwen3_next_layers(
     def one_plus(name: str) -> torch.Tensor:
         return (1.0 + tensors.pop(name).float()).to(dtype)
 
+    def mlp(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = [take(f"{prefix}.gate_proj.weight"), take(f"{prefix}.up_proj.weight")]
+        return torch.cat(gate_up).contiguous(), take(f"{prefix}.down_proj.weight")
+
     layers = []
     for i, kind in enumerate(c.layer_kinds):
         p = f"model.layers.{i}"
-        if not config.moe.sparse_layers[i]:
-            raise ValueError(f"qwen3_next: dense layer {i} (mlp_only_layers) is not run yet")
-        ffn = _moe_weights(tensors, config, i, lambda n, alone=True: take(n))
-        s = f"{p}.mlp.shared_expert"
-        ffn.shared_gate_up = torch.cat(
-            [take(f"{s}.gate_proj.weight"), take(f"{s}.up_proj.weight")]
-        ).contiguous()
-        ffn.shared_down = take(f"{s}.down_proj.weight")
-        ffn.shared_gate = take(f"{p}.mlp.shared_expert_gate.weight")
+        if config.moe.sparse_layers[i]:
+            ffn = _moe_weights(tensors, config, i, lambda n, alone=True: take(n))
+            ffn.shared_gate_up, ffn.shared_down = mlp(f"{p}.mlp.shared_expert")
+            ffn.shared_gate = take(f"{p}.mlp.shared_expert_gate.weight")
+        else:  # a dense layer (mlp_only_layers, decoder_sparse_step): its MLP alone
+            ffn = dense_ffn(*mlp(f"{p}.mlp"))
         layer = HybridLayer(
             attn_norm=one_plus(f"{p}.input_layernorm.weight"),
             ffn_norm=one_plus(f"{p}.post_attention_layernorm.weight"),
@@ -347,7 +357,7 @@ class HybridModel:
     def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         moe = self.config.moe
         assert moe is not None
-        if moe.num_experts > 0:
+        if w.router.numel() > 0:
             return moe_forward(self.ops, moe, h, w)
         assert w.shared_gate_up is not None and w.shared_down is not None
         return self.ops.linear(

@@ -27,10 +27,19 @@ PROMPTS = ([5, 17, 99, 3, 42, 8, 77, 120, 9], [33, 6, 200, 14], [61, 2, 250, 7, 
 NEW_TOKENS = 4
 
 
-@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
+# Qwen3-Next with a dense layer among the MoE ones (`mlp_only_layers`): its plain MLP.
+WITH_DENSE = {"mlp_only_layers": [1], "intermediate_size": 40}
+CASES = {"granitemoehybrid": {}, "qwen3_next": {}, "qwen3_next_dense": WITH_DENSE}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def hybrid(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    folder = save_tiny_family(tmp_path_factory.mktemp("hm") / request.param, request.param)
+    family = request.param.removesuffix("_dense")
+    folder = tmp_path_factory.mktemp("hm") / request.param
+    save_tiny_family(folder, family, **CASES[request.param])
     config = load_model_config(resolve_model(str(folder)))
+    assert config.moe is not None
+    assert all(config.moe.sparse_layers) == (request.param != "qwen3_next_dense")
     model = load_hybrid_model(folder, config, TorchOps(native=None))
     return model, load_reference(folder)
 

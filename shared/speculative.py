@@ -18,12 +18,12 @@ def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
         )
     if method == "draft" and not settings.draft_model:
         return "--speculative draft needs --draft-model"
-    if config.hybrid is not None and method != "ngram":
-        # N-gram drafts keep the recurrent state at each draft position until the samples
-        # say which stand; no drafter (a draft model, an MTP layer) runs beside one yet.
+    if config.hybrid is not None and method == "mtp":
+        # Drafts (n-gram or a draft model's) keep the recurrent state at each draft
+        # position until the samples say which stand; no MTP layer runs beside one yet.
         return (
-            f"--speculative {method}: model_type {config.architecture!r} keeps recurrent "
-            "state (hybrid models speculate with --speculative ngram)"
+            f"--speculative mtp: model_type {config.architecture!r} keeps recurrent "
+            "state (hybrid models speculate with --speculative ngram or draft)"
         )
     if settings.expert_parallel > 1:
         # The ranks run each row alike: cutting a row's drafts on rank 0 alone would not.

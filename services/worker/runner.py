@@ -41,7 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from spillway.kernels.ops import select_ops
+from spillway.kernels.ops import KernelOps, select_ops
 from spillway.services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
 from spillway.services.worker.draft_model import DraftModelDrafter
 from spillway.services.worker.draft_states import DraftStates
@@ -873,11 +873,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         settings.cpu_kv_cache_bytes,
         settings.gpu_memory_utilization,
     )
-    if draft is not None and not settings.kv_blocks:  # the draft's cache takes its share
-        own = block_bytes(config, settings.block_size, kv_dtype)
-        other = block_bytes(draft[0], settings.block_size, kv_dtype)
-        num_blocks = max(1, num_blocks * own // (own + other))
-    num_blocks = agree_num_blocks(num_blocks)
+    num_blocks = agree_num_blocks(draft_share(settings, config, draft, num_blocks, kv_dtype))
     kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
     model = LlamaModel(config, weights, ops)
     if config.moe is not None:  # counts tokens per expert even without a group
@@ -904,9 +900,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         cache = MtpCache(kv_cache)
         runner.mtp = MtpDrafter(model, weights.mtp, cache, settings.num_speculative_tokens)
     if draft is not None:
-        draft_model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
-        draft_cache = KVCache(draft[0], num_blocks, settings.block_size, kv_dtype, device)
-        runner.draft = DraftModelDrafter(draft_model, draft_cache, settings.num_speculative_tokens)
+        runner.draft = draft_drafter(settings, draft, ops, runner, kv_dtype)
     if runner.mtp is not None:
         log.info("decode CUDA graphs off: the MTP drafter reads each step's hidden states")
     elif graphs_wanted(settings, device, ops.name) and not model.capturable:
@@ -942,6 +936,36 @@ def load_draft_model(
     return config, weights
 
 
+def draft_share(
+    settings: Settings,
+    config: ModelConfig,
+    draft: tuple[ModelConfig, ModelWeights] | None,
+    num_blocks: int,
+    kv_dtype: torch.dtype,
+) -> int:
+    """The target's blocks once a draft model's cache takes its share of the memory."""
+    if draft is None or settings.kv_blocks:
+        return num_blocks
+    own = block_bytes(config, settings.block_size, kv_dtype)
+    other = block_bytes(draft[0], settings.block_size, kv_dtype)
+    return max(1, num_blocks * own // (own + other))
+
+
+def draft_drafter(
+    settings: Settings,
+    draft: tuple[ModelConfig, ModelWeights],
+    ops: KernelOps,
+    runner: ModelRunner,
+    kv_dtype: torch.dtype,
+) -> DraftModelDrafter:
+    """The draft model over a cache of its own under the target's block ids."""
+    cache = runner.kv_cache
+    model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
+    device = cache.k[0].device
+    own = KVCache(draft[0], cache.num_blocks, settings.block_size, kv_dtype, device)
+    return DraftModelDrafter(model, own, settings.num_speculative_tokens)
+
+
 def load_hybrid_runner(
     settings: Settings,
     source: ModelSource,
@@ -958,6 +982,7 @@ def load_hybrid_runner(
         raise ValueError(f"{source.model_id}: expert parallelism is not run for hybrid models")
     config = load_model_config(source)
     model = load_hybrid_model(source.path, config, ops, dtype, device)
+    draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
     num_slots = settings.state_slots or settings.max_batch
     pool = model.new_state_pool(num_slots)
     num_snapshots = num_slots if settings.state_snapshots is None else settings.state_snapshots
@@ -975,6 +1000,7 @@ def load_hybrid_runner(
         settings.cpu_kv_cache_bytes - pool_bytes,  # on CUDA, the pool is gone from free memory
         settings.gpu_memory_utilization,
     )
+    num_blocks = draft_share(settings, config, draft, num_blocks, kv_dtype)
     kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
     model.warm_up()
     log.info(
@@ -996,6 +1022,8 @@ def load_hybrid_runner(
         runner.draft_states = DraftStates(base=num_snapshots, k_max=k_max)
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
     runner.max_model_len_cap = served_context_length(config.context_length, settings.max_model_len)
+    if draft is not None:
+        runner.draft = draft_drafter(settings, draft, ops, runner, kv_dtype)
     return runner, source.model_id
 
 

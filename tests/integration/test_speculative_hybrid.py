@@ -102,3 +102,43 @@ def test_ngram_drafts_on_a_hybrid_model_under_kv_pressure(family_dir, want, redi
     spilled, core = _serve(family_dir, "ngram", kv_blocks=18, spill_to=redis_url)
     assert core.stats.preemptions["spill"] > 0 and core.stats.swap_ins > 0
     assert spilled == want
+
+
+def save_repetitive_draft(folder: Path) -> Path:
+    """A tiny Llama with the hybrids' vocabulary whose output layer picks among the same
+    dozen tokens: an unrelated drafter whose drafts sometimes stand and mostly fall."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_family(folder, "qwen3", seed=7)
+    (path,) = folder.glob("model*.safetensors")
+    weights = load_file(str(path))
+    head = weights["lm_head.weight"]
+    keep = head[KEEP].clone() * 3.0
+    head.mul_(0.01)
+    head[KEEP] = keep
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_draft_model_beside_a_hybrid_model_equals_transformers(
+    family_dir, want, tmp_path_factory
+):
+    """The draft model's cache sits under the hybrid target's block ids; the target's
+    state stands after the accepted drafts, as with n-gram drafts."""
+    draft = save_repetitive_draft(tmp_path_factory.mktemp("draft"))
+    settings = load_settings(
+        model=str(family_dir), kv_blocks=64, block_size=4, state_slots=4, device="cpu",
+        dtype="float32", speculative="draft", draft_model=str(draft),
+        num_speculative_tokens=K,
+    )  # fmt: skip
+    runner, _ = load_runner(settings)
+    assert runner.draft is not None and runner.draft_states is not None
+    config = SchedulerConfig(
+        max_batch=4, max_num_batched_tokens=24, speculative="draft",
+        num_speculative_tokens=K, spec_draft_cost=0.1,
+    )  # fmt: skip
+    served, core = serve(runner, config, PROMPTS, SamplingParams(temperature=0.0), NEW_TOKENS)
+    assert served.outputs == want
+    assert core.spec is not None
+    totals = core.spec.totals
+    assert 0 < totals.accepted_tokens < totals.draft_tokens

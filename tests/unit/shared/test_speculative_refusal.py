@@ -22,11 +22,13 @@ def test_ngram_is_served_and_the_other_methods_only_with_what_they_need():
 
 
 def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
-    # A hybrid model keeps its state at each draft position for n-gram drafts; no
-    # drafter model runs beside it.
+    # A hybrid model keeps its state at each draft position, for n-gram drafts and a
+    # draft model's; no MTP layer runs beside it.
     assert speculation_refusal(Settings(speculative="ngram"), HYBRID) is None  # type: ignore[arg-type]
     settings = Settings(speculative="draft", draft_model="some/model")
-    reason = speculation_refusal(settings, HYBRID)  # type: ignore[arg-type]
+    assert speculation_refusal(settings, HYBRID) is None  # type: ignore[arg-type]
+    hybrid_mtp = SimpleNamespace(architecture="qwen3_next", hybrid=object(), num_mtp_layers=1)
+    reason = speculation_refusal(Settings(speculative="mtp"), hybrid_mtp)  # type: ignore[arg-type]
     assert reason is not None and "qwen3_next" in reason
     settings = Settings(speculative="ngram", expert_parallel=2)
     reason = speculation_refusal(settings, DENSE)  # type: ignore[arg-type]

@@ -530,8 +530,8 @@ class ModelRunner:
 
     def _run(self, rows: Sequence[StepRow]) -> tuple[list[RowResult], StepPhases]:
         prepare_start = self.timer()
-        if not self.follower:
-            rows = [self._usable(row) if row.num_draft_tokens else row for row in rows]
+        if any(row.num_draft_tokens for row in rows):
+            rows = self._usable_rows(rows)
         batch = self.host_batch(rows)
         sampled_rows = [row for row in rows if row.sample]
         group = self.model.experts
@@ -622,6 +622,19 @@ class ModelRunner:
     def _held_positions(self, seq_id: str) -> int:
         """Positions the sequence's blocks hold (within the model's length)."""
         return min(len(self.sequences[seq_id].block_ids) * self.block_size, self.max_model_len)
+
+    def _usable_rows(self, rows: Sequence[StepRow]) -> list[StepRow]:
+        """The rows with only the drafts their grammars allow, as rank 0 cut them: every
+        rank of an expert-parallel group must run the same rows (collectives match by
+        order and size), and only rank 0 holds the grammars."""
+        group = self.model.experts
+        if self.follower:
+            assert group is not None
+            return group.share(None)
+        usable = [self._usable(row) if row.num_draft_tokens else row for row in rows]
+        if group is not None:
+            group.share(usable)
+        return usable
 
     def _usable(self, row: StepRow) -> StepRow:
         """The row with only the drafts its grammar allows (fewer tokens to compute)."""

@@ -7,8 +7,6 @@ also under KV pressure (spilled with the recurrent state)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from spillway.services.scheduler.config import SchedulerConfig
@@ -16,7 +14,11 @@ from spillway.services.worker.runner import load_runner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import SamplingParams
 from tests.integration.in_process import serve
-from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
+from tests.unit.worker.tiny_families import (
+    load_reference,
+    reference_greedy,
+    save_repetitive_family,
+)
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 12] * 3,
@@ -28,35 +30,9 @@ NEW_TOKENS = 32
 K = 3
 
 
-KEEP = slice(5, 17)  # the only tokens the model ever picks
-QUIET = 0.04  # how much of their output the layers add to the residual stream
-
-
-def save_repetitive_hybrid(folder: Path, family: str) -> Path:
-    """The tiny random model of the family, made to repeat itself: its output layer picks
-    among a dozen tokens only (the other rows scaled down), and its layers' output
-    projections are scaled down so that the last token weighs most. Its outputs fall into
-    loops that lookups find, while the recurrent states still steer them: a row that went
-    on from the state after a rejected draft would come out different."""
-    from safetensors.torch import load_file, save_file
-
-    save_tiny_family(folder, family)
-    (path,) = folder.glob("model*.safetensors")
-    weights = load_file(str(path))
-    head = weights["lm_head.weight"]
-    keep = head[KEEP].clone() * 3.0
-    head.mul_(0.01)
-    head[KEEP] = keep
-    for name, t in weights.items():
-        if any(s in name for s in ("out_proj", "o_proj", "down_proj", "output_linear")):
-            t.mul_(QUIET)
-    save_file(weights, str(path), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
 def family_dir(request, tmp_path_factory):
-    return save_repetitive_hybrid(tmp_path_factory.mktemp(request.param), request.param)
+    return save_repetitive_family(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -104,28 +80,15 @@ def test_ngram_drafts_on_a_hybrid_model_under_kv_pressure(family_dir, want, redi
     assert spilled == want
 
 
-def save_repetitive_draft(folder: Path) -> Path:
-    """A tiny Llama with the hybrids' vocabulary whose output layer picks among the same
-    dozen tokens: an unrelated drafter whose drafts sometimes stand and mostly fall."""
-    from safetensors.torch import load_file, save_file
-
-    save_tiny_family(folder, "qwen3", seed=7)
-    (path,) = folder.glob("model*.safetensors")
-    weights = load_file(str(path))
-    head = weights["lm_head.weight"]
-    keep = head[KEEP].clone() * 3.0
-    head.mul_(0.01)
-    head[KEEP] = keep
-    save_file(weights, str(path), metadata={"format": "pt"})
-    return folder
-
-
 def test_a_draft_model_beside_a_hybrid_model_equals_transformers(
     family_dir, want, tmp_path_factory
 ):
     """The draft model's cache sits under the hybrid target's block ids; the target's
     state stands after the accepted drafts, as with n-gram drafts."""
-    draft = save_repetitive_draft(tmp_path_factory.mktemp("draft"))
+    # An unrelated Llama-style drafter picking among the same dozen tokens (its layers
+    # at full strength): some drafts stand, most fall.
+    folder = tmp_path_factory.mktemp("draft")
+    draft = save_repetitive_family(folder, "qwen3", seed=7, quiet=1.0)
     settings = load_settings(
         model=str(family_dir), kv_blocks=64, block_size=4, state_slots=4, device="cpu",
         dtype="float32", speculative="draft", draft_model=str(draft),

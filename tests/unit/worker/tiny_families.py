@@ -173,3 +173,30 @@ def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
     )
     with torch.inference_mode():
         return runner.model.forward(batch, runner.kv_cache)
+
+
+KEEP = slice(5, 17)  # the only tokens the model ever picks
+QUIET = 0.04  # how much of their output the layers add to the residual stream
+
+
+def save_repetitive_family(folder: Path, family: str, seed: int = 0, quiet: float = QUIET) -> Path:
+    """The tiny random model of the family, made to repeat itself: its output layer picks
+    among a dozen tokens only (the other rows scaled down), and its layers' output
+    projections are scaled down so that the last token weighs most. Its outputs fall into
+    loops that lookups find (drafts stand), while the layers still steer them (drafts
+    fall; for a hybrid, a row that went on from the state after a rejected draft would
+    come out different)."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_family(folder, family, seed=seed)
+    (path,) = folder.glob("model*.safetensors")
+    weights = load_file(str(path))
+    head = weights["lm_head.weight"]
+    keep = head[KEEP].clone() * 3.0
+    head.mul_(0.01)
+    head[KEEP] = keep
+    for name, t in weights.items():
+        if any(s in name for s in ("out_proj", "o_proj", "down_proj", "output_linear")):
+            t.mul_(quiet)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return folder

@@ -1,0 +1,69 @@
+"""One rank of a two-rank expert-parallel worker serving with speculative decoding, as
+its own process, for the tests:
+
+    python -m tests.integration.ep_spec_ranks RANK SIZE DIST_URL OUT_JSON MODEL METHOD [DRAFT]
+
+Rank 0 serves the prompts greedily through a real scheduler core (which drafts, or whose
+worker's draft model does) while the other ranks follow its plans; rank 0 writes the
+outputs and the speculation totals to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from spillway.services.scheduler.config import SchedulerConfig
+from spillway.services.worker.ep_group import follow, leave
+from spillway.services.worker.runner import load_runner
+from spillway.shared.config import load_settings
+from spillway.shared.protocol import SamplingParams
+from tests.integration.in_process import serve
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12] * 3,
+    [(7 * j) % 200 + 3 for j in range(13)],
+    [40, 41, 42, 40, 41, 43, 40, 41, 42, 40, 41],
+]
+NEW_TOKENS = 40
+K = 3
+
+
+def scheduler_config(method: str) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_batch=4, max_num_batched_tokens=24, speculative=method,  # type: ignore[arg-type]
+        num_speculative_tokens=K, spec_draft_cost=0.1,
+    )  # fmt: skip
+
+
+def main(rank: int, size: int, url: str, out: Path, model: str, method: str, draft: str) -> None:
+    torch.set_num_threads(1)
+    settings = load_settings(
+        model=model, kv_blocks=64, block_size=4, device="cpu", dtype="float32",
+        expert_parallel=size, rank=rank, dist_url=url, speculative=method,
+        num_speculative_tokens=K, draft_model=draft or None,
+    )  # fmt: skip
+    runner, _ = load_runner(settings)
+    group = runner.experts
+    assert group is not None and group.size == size
+    if rank != 0:
+        follow(runner, group)
+        return
+    greedy = SamplingParams(temperature=0.0)
+    served, core = serve(runner, scheduler_config(method), PROMPTS, greedy, NEW_TOKENS)
+    leave(group)
+    totals = core.spec.totals if core.spec is not None else None
+    report = {
+        "outputs": served.outputs,
+        "draft_tokens": totals.draft_tokens if totals else 0,
+        "accepted_tokens": totals.accepted_tokens if totals else 0,
+    }
+    out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(int(args[0]), int(args[1]), args[2], Path(args[3]), args[4], args[5], *args[6:7] or [""])

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.moe import MoEWeights, route
+from spillway.services.worker.moe import MoEWeights, route, shared_experts
 from spillway.shared.expert_parallel import expert_range
 from spillway.shared.model_config import MoEConfig
 
@@ -114,7 +114,7 @@ class ExpertGroup:
         """Keeps only this rank's experts of every MoE layer (`layer.moe`)."""
         for layer in layers:
             moe: MoEWeights | None = getattr(layer, "moe", None)
-            if moe is None:
+            if moe is None or moe.w_gate_up.numel() == 0:  # dense (a hybrid's MLP alone)
                 continue
             lo, hi = expert_range(moe.w_gate_up.shape[0], self.rank, self.size)
             moe.w_gate_up = moe.w_gate_up[lo:hi].clone()
@@ -141,9 +141,8 @@ class ExpertGroup:
         else:
             out = self._all_to_all(ops, h, w, topk_ids, topk_weights, num_experts)
         out = out.to(h.dtype)
-        if w.shared_gate_up is not None and w.shared_down is not None:
-            out = out + ops.linear(ops.silu_mul(ops.linear(h, w.shared_gate_up)), w.shared_down)
-        return out
+        shared = shared_experts(ops, h, w)
+        return out if shared is None else out + shared
 
     def _all_reduce(self, ops, h, w, topk_ids, topk_weights, num_experts) -> torch.Tensor:
         t, k = topk_ids.shape

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
+from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.gated_delta import (
     GatedDeltaWeights,
     gated_delta_dims,
@@ -231,10 +232,11 @@ class HybridModel:
             )  # fmt: skip
         else:
             self.cos, self.sin = self.attn.cos, self.attn.sin
+        # The routed experts through an expert-parallel group (which also counts each
+        # expert's tokens), else in this process.
+        self.experts: ExpertGroup | None = None
 
-    # Serving: no expert-parallel group, and no decode CUDA graphs (the recurrent layers'
-    # prefill loop reads lengths on the host).
-    experts = None
+    # No decode CUDA graphs: the recurrent layers' prefill loop reads lengths on the host.
     capturable = False
 
     @property
@@ -357,6 +359,8 @@ class HybridModel:
     def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         moe = self.config.moe
         assert moe is not None
+        if w.router.numel() > 0 and self.experts is not None:
+            return self.experts.forward(self.ops, moe, h, w)
         if w.router.numel() > 0:
             return moe_forward(self.ops, moe, h, w)
         assert w.shared_gate_up is not None and w.shared_down is not None

@@ -46,9 +46,16 @@ def moe_forward(ops: KernelOps, config: MoEConfig, h: torch.Tensor, w: MoEWeight
     logits = F.linear(h.float(), w.router)  # [T, E]
     topk_ids, topk_weights = route(config, logits, w.correction_bias)
     out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
-    if w.shared_gate_up is not None and w.shared_down is not None:
-        shared = ops.linear(ops.silu_mul(ops.linear(h, w.shared_gate_up)), w.shared_down)
-        if w.shared_gate is not None:
-            shared = shared * torch.sigmoid(ops.linear(h, w.shared_gate))
-        out = out + shared
-    return out
+    shared = shared_experts(ops, h, w)
+    return out if shared is None else out + shared
+
+
+def shared_experts(ops: KernelOps, h: torch.Tensor, w: MoEWeights) -> torch.Tensor | None:
+    """The always-on shared experts' output [T, H] (gated where the family gates it), or
+    None for a layer without them."""
+    if w.shared_gate_up is None or w.shared_down is None:
+        return None
+    shared = ops.linear(ops.silu_mul(ops.linear(h, w.shared_gate_up)), w.shared_down)
+    if w.shared_gate is not None:
+        shared = shared * torch.sigmoid(ops.linear(h, w.shared_gate))
+    return shared

@@ -538,7 +538,7 @@ class ModelRunner:
         if group is not None:
             group.start_step(self.model.config.moe.num_experts if self.model.config.moe else 0)
         if self.follower:
-            return self._run_follower(batch, sampled_rows)
+            return self._run_follower(rows, batch, sampled_rows)
         # Grammar masks start filling here, on a helper thread, while the forward runs.
         prepared = self.sampling.prepare(
             [
@@ -647,16 +647,19 @@ class ModelRunner:
         return row.model_copy(update={"token_ids": row.token_ids[:cut], "num_draft_tokens": n})
 
     def _run_follower(
-        self, batch: ForwardBatch, sampled_rows: list[StepRow]
+        self, rows: Sequence[StepRow], batch: ForwardBatch, sampled_rows: list[StepRow]
     ) -> tuple[list[RowResult], StepPhases]:
         """A follower's forward (its share of the experts' exchange, its copy of the KV
-        written) and rank 0's sampled tokens."""
+        and of the recurrent states written) and rank 0's sampled tokens, after which its
+        states stand where rank 0's do."""
         group = self.model.experts
         assert group is not None
         start = self.timer()
         with torch.inference_mode():
             self.logits(batch)
         emitted = group.share(None)
+        if self.draft_states is not None and any(row.num_draft_tokens for row in rows):
+            self._settle_states(rows, [len(tokens) - 1 for tokens in emitted])
         phases = StepPhases(prepare_s=0.0, forward_s=self.timer() - start, sample_s=0.0)
         results = [
             RowResult(seq_id=row.seq_id, token_id=tokens[0], extra_token_ids=tokens[1:])
@@ -991,10 +994,14 @@ def load_hybrid_runner(
     that may run at once: --state-slots, else --max-batch) and its snapshots (prefix
     caching: --state-snapshots, else as many as slots) are allocated first and taken out
     of the KV cache's memory budget."""
-    if settings.expert_parallel > 1:
-        raise ValueError(f"{source.model_id}: expert parallelism is not run for hybrid models")
     config = load_model_config(source)
+    check_expert_parallel(settings, config, source.model_id)
     model = load_hybrid_model(source.path, config, ops, dtype, device)
+    group = join_group(settings, device) if settings.expert_parallel > 1 else None
+    if group is not None:
+        group.shard(model.layers)
+    if config.moe is not None and config.moe.num_experts > 0:
+        model.experts = group or ExpertGroup(0, 1)
     draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
     num_slots = settings.state_slots or settings.max_batch
     pool = model.new_state_pool(num_slots)
@@ -1013,7 +1020,7 @@ def load_hybrid_runner(
         settings.cpu_kv_cache_bytes - pool_bytes,  # on CUDA, the pool is gone from free memory
         settings.gpu_memory_utilization,
     )
-    num_blocks = draft_share(settings, config, draft, num_blocks, kv_dtype)
+    num_blocks = agree_num_blocks(draft_share(settings, config, draft, num_blocks, kv_dtype))
     kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
     model.warm_up()
     log.info(

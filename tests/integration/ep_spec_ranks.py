@@ -20,7 +20,7 @@ from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.worker.ep_group import follow, leave
 from spillway.services.worker.runner import load_runner
 from spillway.shared.config import load_settings
-from spillway.shared.protocol import SamplingParams
+from spillway.shared.protocol import SampledLogprobs, SamplingParams
 from tests.integration.in_process import serve
 
 PROMPTS = [
@@ -30,6 +30,15 @@ PROMPTS = [
 ]
 NEW_TOKENS = 40
 K = 3
+
+
+# Greedy, with each sampled token's logprob: a rank whose layers went wrong shows there
+# even where the tokens happen to agree.
+GREEDY = SamplingParams(temperature=0.0, logprobs=0)
+
+
+def logprobs(served: dict[str, list[SampledLogprobs]]) -> dict[str, list[float]]:
+    return {r: [x.logprob for x in lps] for r, lps in served.items()}
 
 
 def scheduler_config(method: str) -> SchedulerConfig:
@@ -52,12 +61,12 @@ def main(rank: int, size: int, url: str, out: Path, model: str, method: str, dra
     if rank != 0:
         follow(runner, group)
         return
-    greedy = SamplingParams(temperature=0.0)
-    served, core = serve(runner, scheduler_config(method), PROMPTS, greedy, NEW_TOKENS)
+    served, core = serve(runner, scheduler_config(method), PROMPTS, GREEDY, NEW_TOKENS)
     leave(group)
     totals = core.spec.totals if core.spec is not None else None
     report = {
         "outputs": served.outputs,
+        "logprobs": logprobs(served.logprobs),
         "draft_tokens": totals.draft_tokens if totals else 0,
         "accepted_tokens": totals.accepted_tokens if totals else 0,
     }

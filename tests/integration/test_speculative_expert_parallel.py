@@ -13,9 +13,9 @@ import pytest
 
 from spillway.services.worker.runner import load_runner
 from spillway.shared.config import load_settings
-from spillway.shared.protocol import SamplingParams
 from tests.integration import ep_spec_ranks
-from tests.integration.in_process import serve
+from tests.integration.ep_spec_ranks import GREEDY
+from tests.integration.in_process import Served, serve
 from tests.unit.worker.test_expert_parallel import free_port
 from tests.unit.worker.tiny_families import save_repetitive_family
 
@@ -28,16 +28,14 @@ def moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain(moe_dir) -> dict[str, list[int]]:
+def plain(moe_dir) -> Served:
     """One process, no speculation: the outputs to equal."""
     settings = load_settings(
         model=str(moe_dir), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
     )
     runner, _ = load_runner(settings)
-    greedy = SamplingParams(temperature=0.0)
     config = ep_spec_ranks.scheduler_config("none")
-    served, _ = serve(runner, config, ep_spec_ranks.PROMPTS, greedy, ep_spec_ranks.NEW_TOKENS)
-    return served.outputs
+    return serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)[0]
 
 
 def two_ranks(tmp_path: Path, model: Path, method: str, draft: Path | None = None) -> dict:
@@ -60,9 +58,19 @@ def two_ranks(tmp_path: Path, model: Path, method: str, draft: Path | None = Non
     return json.loads(out.read_text())
 
 
+def assert_same(report: dict, one: Served) -> None:
+    """Two ranks' tokens equal one process's, and each token's logprob within 1e-4
+    (only the experts' sums are added in another order)."""
+    assert report["outputs"] == one.outputs
+    want = ep_spec_ranks.logprobs(one.logprobs)
+    for r, got in report["logprobs"].items():
+        assert len(got) == len(want[r])
+        assert max(abs(a - b) for a, b in zip(got, want[r], strict=True)) < 1e-4, r
+
+
 def test_ngram_drafts_over_two_ranks_equal_plain_decoding(moe_dir, plain, tmp_path):
     report = two_ranks(tmp_path, moe_dir, "ngram")
-    assert report["outputs"] == plain
+    assert_same(report, plain)
     assert 0 < report["accepted_tokens"] < report["draft_tokens"]  # stood and fell
 
 
@@ -70,5 +78,26 @@ def test_the_model_as_its_own_draft_over_two_ranks_gets_every_draft_accepted(
     moe_dir, plain, tmp_path
 ):
     report = two_ranks(tmp_path, moe_dir, "draft", draft=moe_dir)
-    assert report["outputs"] == plain
+    assert_same(report, plain)
     assert 0 < report["accepted_tokens"] == report["draft_tokens"]
+
+
+@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
+def hybrid_dir(request, tmp_path_factory) -> Path:
+    return save_repetitive_family(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_a_hybrid_model_over_two_ranks_equals_one_process(hybrid_dir, tmp_path):
+    """Each rank holds half the routed experts and its own copy of the recurrent states;
+    with n-gram drafts the followers' states stand after the drafts rank 0 accepted."""
+    settings = load_settings(
+        model=str(hybrid_dir), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
+    )
+    runner, _ = load_runner(settings)
+    config = ep_spec_ranks.scheduler_config("none")
+    served, _ = serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)
+    report = two_ranks(tmp_path, hybrid_dir, "ngram")
+    assert_same(report, served)
+    # Drafts stood and fell: a follower whose state went on from the wrong place would
+    # feed its experts other hidden states, and rank 0's outputs would differ.
+    assert 0 < report["accepted_tokens"] < report["draft_tokens"]

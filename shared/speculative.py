@@ -25,8 +25,4 @@ def speculation_refusal(settings: Settings, config: ModelConfig) -> str | None:
             f"--speculative mtp: model_type {config.architecture!r} keeps recurrent "
             "state (hybrid models speculate with --speculative ngram or draft)"
         )
-    if method == "mtp" and settings.expert_parallel > 1:
-        # The MTP layer runs on rank 0 alone after the step: a MoE one would need every
-        # rank's experts.
-        return f"--speculative mtp with --expert-parallel {settings.expert_parallel}"
     return None

@@ -547,14 +547,8 @@ class ModelRunner:
             ]
         )
         start_ns, start = self.wall_clock_ns(), self.timer()
-        hidden = None
         with torch.inference_mode():
-            if self.mtp is not None:  # the drafter reads every token's hidden state
-                logits, hidden = self.model.forward_with_hidden(
-                    batch.to(self.model.device), self.kv_cache
-                )
-            else:
-                logits = self.logits(batch)  # [P, V]: a position per sampled token or draft
+            logits, hidden = self._forward(batch)  # [P, V]: a position per sample or draft
             sample_start = self.timer()
             token_ids, logprobs = (
                 self.sampling.sample(logits, prepared) if sampled_rows else ([], [])
@@ -568,15 +562,7 @@ class ModelRunner:
             group.share([tokens for tokens, _ in emitted])
         drafts: list[list[int]] = [[] for _ in sampled_rows]
         if self.mtp is not None and hidden is not None:
-            with torch.inference_mode():
-                drafts = self.mtp.propose(
-                    rows,
-                    [[self.last_token[r.seq_id]] if r.feed_last else r.token_ids for r in rows],
-                    hidden,
-                    [tokens for tokens, _ in emitted],
-                    self._packed_batch,
-                    self._held_positions,
-                )
+            drafts = self._mtp_drafts(rows, hidden, [tokens for tokens, _ in emitted])
         if self.draft is not None:
             with torch.inference_mode():
                 drafts = self.draft.propose(
@@ -656,16 +642,40 @@ class ModelRunner:
         assert group is not None
         start = self.timer()
         with torch.inference_mode():
-            self.logits(batch)
+            _logits, hidden = self._forward(batch)
         emitted = group.share(None)
         if self.draft_states is not None and any(row.num_draft_tokens for row in rows):
             self._settle_states(rows, [len(tokens) - 1 for tokens in emitted])
+        if self.mtp is not None and hidden is not None:  # its MoE layer's exchange, as rank 0's
+            self._mtp_drafts(rows, hidden, emitted)
         phases = StepPhases(prepare_s=0.0, forward_s=self.timer() - start, sample_s=0.0)
         results = [
             RowResult(seq_id=row.seq_id, token_id=tokens[0], extra_token_ids=tokens[1:])
             for row, tokens in zip(sampled_rows, emitted, strict=True)
         ]
         return results, phases
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits, and with an MTP drafter every token's hidden state too."""
+        if self.mtp is None:
+            return self.logits(batch), None
+        return self.model.forward_with_hidden(batch.to(self.model.device), self.kv_cache)
+
+    def _mtp_drafts(
+        self, rows: Sequence[StepRow], hidden: torch.Tensor, emitted: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """The MTP layer's drafts after each sampling row (every rank of an expert-parallel
+        group runs it alike: a MoE MTP layer exchanges with the others)."""
+        assert self.mtp is not None
+        with torch.inference_mode():
+            return self.mtp.propose(
+                rows,
+                [[self.last_token[r.seq_id]] if r.feed_last else r.token_ids for r in rows],
+                hidden,
+                emitted,
+                self._packed_batch,
+                self._held_positions,
+            )
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,
@@ -878,7 +888,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     check_expert_parallel(settings, config, source.model_id)
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
     if group is not None:
-        group.shard(weights.layers)
+        group.shard(weights.layers if weights.mtp is None else [*weights.layers, weights.mtp.layer])
     draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         # The MTP layer's cache plane shares the target's blocks: one more layer a block.

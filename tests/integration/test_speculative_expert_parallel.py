@@ -18,6 +18,7 @@ from tests.integration.ep_spec_ranks import GREEDY
 from tests.integration.in_process import Served, serve
 from tests.unit.worker.test_expert_parallel import free_port
 from tests.unit.worker.tiny_families import save_repetitive_family
+from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 
 RANK_TIMEOUT_S = 300
 
@@ -101,3 +102,18 @@ def test_a_hybrid_model_over_two_ranks_equals_one_process(hybrid_dir, tmp_path):
     # Drafts stood and fell: a follower whose state went on from the wrong place would
     # feed its experts other hidden states, and rank 0's outputs would differ.
     assert 0 < report["accepted_tokens"] < report["draft_tokens"]
+
+
+def test_a_moe_mtp_layer_over_two_ranks_equals_plain_decoding(tmp_path_factory, tmp_path):
+    """DeepSeek-V3's MTP layer is a MoE layer: every rank runs it after the step, its
+    experts exchanged as the model's are."""
+    folder = save_tiny_deepseek_mtp(tmp_path_factory.mktemp("mtp"), predictive=True)
+    settings = load_settings(
+        model=str(folder), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
+    )
+    runner, _ = load_runner(settings)
+    config = ep_spec_ranks.scheduler_config("none")
+    served, _ = serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)
+    report = two_ranks(tmp_path, folder, "mtp")
+    assert_same(report, served)
+    assert 0 < report["accepted_tokens"] <= report["draft_tokens"]

@@ -7,11 +7,12 @@ space update (state [H, P, N] per sequence), whose output is normed with the gat
 
 Rows of one token (decode) go through the decode-step kernels
 (`KernelOps.causal_conv1d_update`, `selective_state_update`), all rows in one call. A row
-of several tokens (a prefill chunk) runs at once in torch (`_scan_row`): the causal conv
-over its window and the state space dual form, [L, L] decay-weighted products per head,
-from its slot's states to the states after its last token, which it leaves in the pool,
-so the state carries from chunk to chunk. `chunked=False` runs every token through the
-step kernels instead (L steps, the others passing slot -1, padding), as a check.
+of several tokens (a prefill chunk) runs in torch with every other such row of the step
+(`_scan_rows`, `ssd_scan.py`): the causal conv over each row's window and the chunked
+state space dual form, from the slots' states to the states after each row's last
+token, which it leaves in the pool, so the state carries from chunk to chunk.
+`chunked=False` runs every token through the step kernels instead (L steps, the others
+passing slot -1, padding), as a check.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
+from spillway.services.worker.ssd_scan import (
+    CHUNK,
+    ChunkLayout,
+    conv_windows,
+    end_states,
+    ssd_scan,
+    window_state,
+)
 from spillway.services.worker.state_pool import take_step_snapshots
 from spillway.shared.model_config import HybridConfig
 
@@ -115,69 +124,81 @@ def mamba2_mixer(
             assert idx is not None and has is not None
             y[idx[has]] = out[has].to(y.dtype)
         take_step_snapshots(takes, j, scan, slots, snapshots, conv_state, ssm_state)
-    for row in scan.nonzero().flatten().tolist():
-        lo, hi, slot = int(starts[row]), int(starts[row] + lens[row]), int(slots[row])
-        row_takes = [(at, snapshot) for r, at, snapshot in takes if r == row]
-        y[lo:hi] = _scan_row(
-            c, w, xbc[lo:hi], dt[lo:hi], conv_state[slot], ssm_state[slot], row_takes, snapshots
-        ).to(y.dtype)
+    scanned = scan.nonzero().flatten().tolist()
+    if scanned:
+        rows = ScanRows(scanned, starts, lens, slots, takes)
+        _scan_rows(c, w, xbc, dt, conv_state, ssm_state, rows, snapshots, y)
     return ops.linear(
         _gated_norm(y.reshape(-1, inner), z, w.norm, g, eps), w.out_proj, w.out_proj_bias
     )
 
 
-def _scan_row(
+@dataclass(frozen=True)
+class ScanRows:
+    """The rows of a step that take the chunked scan, and the snapshots asked of them."""
+
+    rows: list[int]
+    starts_t: torch.Tensor
+    lens_t: torch.Tensor
+    slots_t: torch.Tensor
+    takes: Sequence[tuple[int, int, int]]
+
+    @property
+    def starts(self) -> list[int]:
+        return [int(self.starts_t[r]) for r in self.rows]
+
+    @property
+    def lens(self) -> list[int]:
+        return [int(self.lens_t[r]) for r in self.rows]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.slots_t[self.rows]
+
+    def own_takes(self) -> list[tuple[int, int, int]]:
+        """(scan row index, token, snapshot) of the takes that fall on these rows."""
+        where = {row: i for i, row in enumerate(self.rows)}
+        return [(where[r], at, snap) for r, at, snap in self.takes if r in where]
+
+
+def _scan_rows(
     c: HybridConfig,
     w: Mamba2Weights,
-    xbc: torch.Tensor,  # [L, C]: one row's convolution inputs
-    dt: torch.Tensor,  # [L, H]: its raw time steps
-    conv: torch.Tensor,  # [C, K - 1] float32, its slot's conv state (updated in place)
-    h0: torch.Tensor,  # [H, P, N] float32, its slot's SSM state (updated in place)
-    takes: list[tuple[int, int]],
+    xbc: torch.Tensor,  # [T, C]: every token's convolution inputs
+    dt: torch.Tensor,  # [T, H]: raw time steps
+    conv_state: torch.Tensor,  # [S, C, K - 1] float32 (the rows' slots updated in place)
+    ssm_state: torch.Tensor,  # [S, H, P, N] float32 (likewise)
+    rows: ScanRows,
     snapshots: tuple[torch.Tensor, torch.Tensor] | None,
-) -> torch.Tensor:
-    """The L tokens of one row at once (the state space dual form): the causal conv over
-    the state's K - 1 inputs and the row's, then, with cum_t the running sum of dt_s A,
-
-        h_t = exp(cum_t) h0 + sum_{s <= t} exp(cum_t - cum_s) dt_s x_s B_s^T
-        y_t = C_t h_t + D x_t
-
-    as [L, L] decay-weighted products per head. Returns y [L, H, P] float32; the slot's
-    states end at the row's last token, and each take (j, snapshot) gets them at token j."""
+    y: torch.Tensor,  # [T, H, P]: the rows' outputs written here
+) -> None:
+    """Every scanning row at once (`ssd_scan`): the causal conv over each slot's K - 1
+    inputs and the row's, then the chunked state space dual form, from the slots' states
+    to the states after each row's last token, which go back to the slots; each take
+    (row, j, snapshot) gets its row's states once token j ran."""
     f32 = torch.float32
     inner, _ = mamba2_dims(c)
     heads, p, g, n = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state
-    length, width = xbc.shape[0], w.conv_weight.shape[1]
-    window = torch.cat([conv, xbc.to(f32).T], dim=1)  # [C, K - 1 + L]
-    conv_out = (window.unfold(1, width, 1) * w.conv_weight.to(f32)[:, None, :]).sum(-1)
-    if w.conv_bias is not None:
-        conv_out = conv_out + w.conv_bias.to(f32)[:, None]
-    x, b, cm = F.silu(conv_out).T.split([inner, g * n, g * n], dim=-1)  # [L, ...]
-    x = x.reshape(length, heads, p)
-    b = b.reshape(length, g, n).repeat_interleave(heads // g, dim=1)  # [L, H, N]
-    cm = cm.reshape(length, g, n).repeat_interleave(heads // g, dim=1)
-    dtf = F.softplus(dt.to(f32) + w.dt_bias.to(f32))  # [L, H]
-    cum = (dtf * w.A).cumsum(0)  # [L, H], non-increasing
-    u = dtf[:, :, None] * x  # [L, H, P]
-    causal = torch.ones(length, length, dtype=torch.bool, device=xbc.device).tril()
-    seg = (cum[:, None, :] - cum[None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
-    mix = seg.exp() * torch.einsum("thn,shn->tsh", cm, b)  # [t, s, H]
-    y = torch.einsum("tsh,shp->thp", mix, u)
-    y = y + cum.exp()[:, :, None] * torch.einsum("thn,hpn->thp", cm, h0)
-    y = y + x * w.D.to(f32)[None, :, None]
-
-    def state_at(t: int) -> torch.Tensor:  # [H, P, N] after token t
-        weights = (cum[t][None, :] - cum[: t + 1]).exp()  # [s, H]
-        added = torch.einsum("sh,shp,shn->hpn", weights, u[: t + 1], b[: t + 1])
-        return cum[t].exp()[:, None, None] * h0 + added
-
-    for at, snapshot in takes:
+    width = w.conv_weight.shape[1]
+    slots = rows.slots
+    layout = ChunkLayout.build(rows.starts, rows.lens, xbc.shape[0], xbc.device, CHUNK)
+    conv_out, windows = conv_windows(layout, xbc, conv_state[slots], w.conv_weight, w.conv_bias)
+    x, b, cm = conv_out.split([inner, g * n, g * n], dim=-1)  # [R, K, Q, ...]
+    # Padding keeps dt = 0: it neither decays nor adds to the state.
+    dtf = layout.gather(F.softplus(dt.to(f32) + w.dt_bias.to(f32)))  # [R, K, Q, H]
+    dtf = dtf * layout.valid.view(dtf.shape[:3])[..., None]
+    chunked = (*x.shape[:3],)
+    scan = ssd_scan(
+        layout.chunk, x.reshape(*chunked, heads, p), dtf, w.A,
+        b.reshape(*chunked, g, n), cm.reshape(*chunked, g, n), w.D, ssm_state[slots],
+    )  # fmt: skip
+    layout.scatter(scan.y, y)
+    for i, at, snapshot in rows.own_takes():
         assert snapshots is not None
-        snapshots[0][snapshot].copy_(window[:, at + 1 : at + width])
-        snapshots[1][snapshot].copy_(state_at(at))
-    h0.copy_(state_at(length - 1))
-    conv.copy_(window[:, window.shape[1] - (width - 1) :])
-    return y
+        snapshots[0][snapshot].copy_(window_state(windows, i, at, width))
+        snapshots[1][snapshot].copy_(scan.state_at(i, at, layout.chunk))
+    ssm_state[slots] = scan.h_end
+    conv_state[slots] = end_states(windows, rows.lens, width)
 
 
 def _gated_norm(

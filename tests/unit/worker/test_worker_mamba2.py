@@ -8,6 +8,7 @@ import torch
 
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
+from spillway.services.worker import mamba2
 from spillway.services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.shared.model_config import HybridConfig, load_model_config
@@ -139,10 +140,15 @@ def test_a_reused_slot_starts_from_zero(granite) -> None:
         torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)
 
 
-def test_the_chunked_scan_equals_the_step_kernels_and_snapshots_the_same_states(granite):
+@pytest.mark.parametrize("chunk", [64, 4, 2])
+def test_the_chunked_scan_equals_the_step_kernels_and_snapshots_the_same_states(
+    granite, chunk, monkeypatch
+):
     """One step of mixed rows (a decode row, prompt chunks of several tokens) from
     non-zero states, with snapshots inside and at the end of rows: the scan (rows of
-    several tokens) and the per-token steps give the same outputs, pools and snapshots."""
+    several tokens) and the per-token steps give the same outputs, pools and snapshots,
+    whether a row fits one chunk of the scan or spans several (the state passed on)."""
+    monkeypatch.setattr(mamba2, "CHUNK", chunk)
     config, layer = granite
     c = config.hybrid
     w = _weights(layer)

@@ -275,7 +275,8 @@ async def read_body(request: Request, limits: HttpLimits) -> bytes:
         return b"".join(chunks)
 
     try:
-        return await asyncio.wait_for(read(), limits.client_timeout_s)
+        async with asyncio.timeout(limits.client_timeout_s):  # wait_for may lose a cancel
+            return await read()
     except TimeoutError as e:
         raise ApiError(
             408,
@@ -354,8 +355,12 @@ class EventStreamResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
+            # Not asyncio.wait_for: in Python 3.11 it returns normally when the write ends
+            # at the moment the pump is cancelled (the client left), and the pump then
+            # streams on, unheard, to the generation's end before anything is aborted.
             try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
             except TimeoutError as e:
                 raise OSError("the client stopped reading the stream") from e
 

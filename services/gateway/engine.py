@@ -65,6 +65,7 @@ from spillway.shared.subjects import (
     sched_stats,
     sched_submit,
 )
+from spillway.shared.waiting import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +268,11 @@ class RequestRun:
         if self.deadline_at is None:
             return await self.queue.get()
         left = self.deadline_at + self._engine.deadline_grace_s - self._engine.clock.now()
+        # Not asyncio.wait_for: in Python 3.11 it swallows a cancellation that comes as
+        # a delta arrives, and the consumer (a stream whose client left) would run on.
         try:
-            return await asyncio.wait_for(self.queue.get(), max(left, 0.0))
+            async with asyncio.timeout(max(left, 0.0)):
+                return await self.queue.get()
         except TimeoutError:
             return None
 
@@ -521,11 +525,7 @@ class GatewayEngine:
             run.cancel("abort")
 
     async def wait_idle(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._idle, timeout)
 
     async def abort(self, request_ids: list[str], context: Context | None = None) -> None:
         """Tells the schedulers to drop these requests (in their request's trace)."""

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import NO_WORKER, SchedulerCore
 from spillway.services.scheduler.deltas import merge_deltas
+from spillway.services.scheduler.early_aborts import EarlyAborts
 from spillway.services.scheduler.fleet_effects import (
     Answered,
     DropSpills,
@@ -111,6 +112,10 @@ HANDED_BACK = ErrorInfo(
 )
 WORKER_STOPPING = ErrorInfo(
     status=503, message="the scheduler's workers are stopping", code="shutting_down"
+)
+# Its gateway gave up on it and said so before the submit got here (early_aborts.py).
+ABORTED_EARLY = ErrorInfo(
+    status=499, message="the request was aborted before the scheduler took it", code="aborted"
 )
 
 
@@ -238,6 +243,7 @@ class Fleet:
         self._tickets = itertools.count(1)
         self._ticket_lane: dict[int, str] = {}  # steps in flight: ticket -> worker id
         self._gateway_of: dict[str, str] = {}  # request id -> gateway id, until its finish
+        self._early_aborts = EarlyAborts(clock)  # aborts that came before their submit
         self._pending: list[RequestDelta] = []  # news made outside every lane
         self._guard = StallGuard(clock, settings.tick_interval_s)
         self._out: list[Effect] = []
@@ -356,7 +362,7 @@ class Fleet:
 
     def _submit(self, event: Submitted) -> None:
         req = event.request
-        error = self._refusal()
+        error = ABORTED_EARLY if self._early_aborts.take(req.request_id) else self._refusal()
         if error is None:
             error = self._add(req, event.worker_id, event.tier_hashes)
         if error is None:
@@ -395,6 +401,8 @@ class Fleet:
         return choose(self.lanes.values(), token_ids)
 
     def _abort(self, request_ids: list[str]) -> None:
+        unknown = [r for r in request_ids if r not in self._gateway_of and not self._holder(r)]
+        self._early_aborts.remember(unknown)
         for lane in self.lanes.values():
             lane.abort(request_ids)
             self._wake(lane)

@@ -166,6 +166,19 @@ async def test_abort_ends_a_running_request_and_frees_its_blocks(system):
     assert stats.kv_usage == 0.0
 
 
+async def test_an_abort_that_comes_before_its_submit_is_not_lost(system):
+    """The gateway gave up on a submit (its reply was late) and aborted it; the submit
+    arrives after the abort: it is refused, not run with nobody listening."""
+    gateway = system.gateway
+    await gateway.bus.publish(subjects.SCHED_ABORT, AbortRequest(request_ids=["gave-up"]))
+    await gateway.bus.settle()
+    reply = await gateway.submit("gave-up")
+    assert not reply.ok and reply.error is not None and reply.error.code == "aborted"
+    stats = await _until_stats(gateway, lambda s: s.num_running == 0 and s.num_waiting == 0)
+    assert stats.kv_usage == 0.0
+    assert (await gateway.submit("served", max_tokens=1)).ok  # the next one runs as ever
+
+
 async def test_admission_errors_come_back_in_the_reply(system):
     gateway = system.gateway
     empty = await gateway.submit("empty", prompt_len=0)

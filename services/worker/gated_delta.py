@@ -8,10 +8,11 @@ silu(z), and projected out.
 
 Rows of one token (decode) go through the decode-step kernels
 (`KernelOps.causal_conv1d_update`, `gated_delta_rule_step`), all rows in one call. A row
-of several tokens (a prefill chunk) runs at once in torch (`_scan_row`): the causal conv
-over its window, then the delta rule's chunked form (the new values of its L tokens from
-one unit-triangular solve per head), from its slot's states to those after its last
-token, left in the pool, so the state carries from chunk to chunk. `chunked=False` runs
+of several tokens (a prefill chunk) runs in torch with every other such row of the step
+(`_scan_rows`): the causal conv over each row's window, then the delta rule's chunked WY
+form (rows packed in chunks of 64 tokens, one batched triangular solve for all chunks,
+then the states passed chunk to chunk), from the slots' states to those after each row's
+last token, left in the pool, so the state carries from chunk to chunk. `chunked=False` runs
 every token through the step kernels instead (L steps, the others passing slot -1).
 """
 
@@ -24,6 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
+from spillway.services.worker.mamba2 import ScanRows
+from spillway.services.worker.ssd_scan import (
+    CHUNK,
+    ChunkLayout,
+    conv_windows,
+    end_states,
+    window_state,
+)
 from spillway.services.worker.state_pool import take_step_snapshots
 from spillway.shared.model_config import HybridConfig
 
@@ -112,77 +121,95 @@ def gated_delta_mixer(
             assert idx is not None and has is not None
             out[idx[has]] = o[has].to(out.dtype)
         take_step_snapshots(takes, j, scan, slots, snapshots, conv_state, state)
-    for row in scan.nonzero().flatten().tolist():
-        lo, hi, slot = int(starts[row]), int(starts[row] + lens[row]), int(slots[row])
-        row_takes = sorted((at, snapshot) for r, at, snapshot in takes if r == row)
-        out[lo:hi] = _scan_row(
-            c, w, mixed[lo:hi], g[lo:hi], beta[lo:hi], conv_state[slot], state[slot],
-            row_takes, snapshots,
-        ).to(out.dtype)  # fmt: skip
+    scanned = scan.nonzero().flatten().tolist()
+    if scanned:
+        rows = ScanRows(scanned, starts, lens, slots, takes)
+        _scan_rows(c, w, mixed, g, beta, conv_state, state, rows, snapshots, out)
     normed = _norm_then_gate(out.reshape(-1, dv), z.reshape(-1, dv), w.norm, eps)
     return ops.linear(normed.view(t, hv * dv), w.out_proj)
 
 
-def _scan_row(
+def _scan_rows(
     c: HybridConfig,
     w: GatedDeltaWeights,
-    mixed: torch.Tensor,  # [L, C]: one row's q, k, v before the convolution
-    g: torch.Tensor,  # [L, Hv] float32: log decays
-    beta: torch.Tensor,  # [L, Hv]
-    conv: torch.Tensor,  # [C, K - 1] float32, its slot's conv state (updated in place)
-    s0: torch.Tensor,  # [Hv, Dk, Dv] float32, its slot's state (updated in place)
-    takes: list[tuple[int, int]],  # (token index, snapshot), in order
+    mixed: torch.Tensor,  # [T, C]: every token's q, k, v before the convolution
+    g: torch.Tensor,  # [T, Hv] float32: log decays
+    beta: torch.Tensor,  # [T, Hv]
+    conv_state: torch.Tensor,  # [S, C, K - 1] float32 (the rows' slots updated in place)
+    state: torch.Tensor,  # [S, Hv, Dk, Dv] float32 (likewise)
+    rows: ScanRows,
     snapshots: tuple[torch.Tensor, torch.Tensor] | None,
-) -> torch.Tensor:
-    """The L tokens of one row at once; [L, Hv, Dv] float32. The recurrence
+    out: torch.Tensor,  # [T, Hv, Dv]: the rows' outputs written here
+) -> None:
+    """Every scanning row at once, in chunks of Q tokens (`ssd_scan.ChunkLayout`; padding
+    has beta = 0 and g = 0, so it leaves the state as it is). The recurrence
 
         S_t = e^{g_t} S_{t-1} + k_t u_t^T,  u_t = beta_t (v_t - e^{g_t} S_{t-1}^T k_t),
         o_t = S_t^T q_t
 
-    unrolled from S0 over a segment, with G_t the running sum of g: the new values U solve
-    (I + A) U = beta (V - e^{G} K S0), A[t, s] = beta_t e^{G_t - G_s} k_t.k_s for s < t
-    (unit lower-triangular), then o_t = e^{G_t} S0^T q_t + sum_{s <= t} e^{G_t - G_s}
-    (q_t.k_s) u_s. The row is cut into segments at its takes, each snapshotted at its end."""
+    unrolled over a chunk from its entering state S, with G_t the running sum of g: the
+    new values solve (I + A) U = beta (V - e^{G} K S), A[t, s] = beta_t e^{G_t - G_s}
+    k_t.k_s for s < t (unit lower-triangular). (I + A)^-1 does not depend on S, so every
+    chunk's W1 = (I + A)^-1 beta V and W2 = (I + A)^-1 beta e^G K come from one batched
+    solve (the WY form); then, chunk after chunk for all rows together, U = W1 - W2 S,
+    o_t = e^{G_t} S^T q_t + sum_{s <= t} e^{G_t - G_s} (q_t.k_s) u_s and S moves on to
+    the chunk's end. Each take (row, j, snapshot) gets its row's states once token j ran."""
     f32 = torch.float32
     hk, hv, dk, dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     key_dim, _ = gated_delta_dims(c)
-    length, width = mixed.shape[0], w.conv_weight.shape[1]
-    window = torch.cat([conv, mixed.to(f32).T], dim=1)  # [C, K - 1 + L]
-    conv_out = (window.unfold(1, width, 1) * w.conv_weight.to(f32)[:, None, :]).sum(-1)
-    cq, ck, cv = F.silu(conv_out).T.split([key_dim, key_dim, hv * dv], dim=-1)  # [L, ...]
-    q = _l2(cq.reshape(length, hk, dk)).repeat_interleave(hv // hk, dim=1) * dk**-0.5
-    k = _l2(ck.reshape(length, hk, dk)).repeat_interleave(hv // hk, dim=1)
-    v = cv.reshape(length, hv, dv)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, L, D]
-    gt, bt = g.to(f32).T, beta.to(f32).T  # [Hv, L]
-    out = torch.empty(hv, length, dv, dtype=f32, device=mixed.device)
-    state = s0.clone()
-    ends = [at + 1 for at, _ in takes if at + 1 < length] + [length]
-    lo = 0
-    for hi in dict.fromkeys(ends):  # segments [lo, hi), in order, each once
-        qs, ks, vs, bs = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], bt[:, lo:hi]
-        cum = gt[:, lo:hi].cumsum(-1)  # [Hv, n]
-        n = hi - lo
-        causal = torch.ones(n, n, dtype=torch.bool, device=mixed.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
-        a = (bs[:, :, None] * decay * (ks @ ks.transpose(1, 2))).tril(-1)
-        rhs = bs[:, :, None] * (vs - cum.exp()[:, :, None] * (ks @ state))
-        eye = torch.eye(n, dtype=f32, device=mixed.device)
-        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
-        out[:, lo:hi] = (
-            cum.exp()[:, :, None] * (qs @ state) + (decay * (qs @ ks.transpose(1, 2))) @ u
+    width = w.conv_weight.shape[1]
+    slots = rows.slots
+    layout = ChunkLayout.build(rows.starts, rows.lens, mixed.shape[0], mixed.device, CHUNK)
+    conv_out, windows = conv_windows(layout, mixed, conv_state[slots], w.conv_weight, None)
+    cq, ck, cv = conv_out.split([key_dim, key_dim, hv * dv], dim=-1)  # [R, K, Q, ...]
+    r, nk, q_len = conv_out.shape[:3]
+
+    def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:  # -> [R, K, Hv, Q, D]
+        x = x.reshape(r, nk, q_len, n, d)
+        if n != hv:
+            x = x.repeat_interleave(hv // n, dim=3)
+        return x.permute(0, 1, 3, 2, 4)
+
+    q = heads(_l2(cq.reshape(r, nk, q_len, hk, dk)), hk, dk) * dk**-0.5
+    k = heads(_l2(ck.reshape(r, nk, q_len, hk, dk)), hk, dk)
+    v = heads(cv, hv, dv)
+    valid = layout.valid.view(r, nk, q_len)[..., None]
+    gc = (layout.gather(g.to(f32)) * valid).permute(0, 1, 3, 2)  # [R, K, Hv, Q]
+    bc = (layout.gather(beta.to(f32)) * valid).permute(0, 1, 3, 2)
+    cum = gc.cumsum(-1)  # [R, K, Hv, Q]
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=mixed.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    a = (bc[..., None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    eye = torch.eye(q_len, dtype=f32, device=mixed.device)
+    rhs = torch.cat([bc[..., None] * v, (bc * cum.exp())[..., None] * k], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    w1, w2 = solved.split([dv, dk], dim=-1)  # [R, K, Hv, Q, Dv], [.., Q, Dk]
+    attend = decay * (q @ k.transpose(-1, -2))  # [R, K, Hv, Q, Q]
+    tail = (cum[..., -1:] - cum).exp()  # decay from each token to its chunk's end
+    s = state[slots]  # [R, Hv, Dk, Dv]
+    entering, values, outs = [], [], []
+    for i in range(nk):
+        entering.append(s)
+        u = w1[:, i] - w2[:, i] @ s  # [R, Hv, Q, Dv]
+        values.append(u)
+        outs.append(cum[:, i].exp()[..., None] * (q[:, i] @ s) + attend[:, i] @ u)
+        s = (
+            cum[:, i, :, -1, None, None].exp() * s
+            + (k[:, i] * tail[:, i, ..., None]).transpose(-1, -2) @ u
         )
-        tail = (cum[:, -1:] - cum).exp()  # [Hv, n]: decay from each token to the end
-        state = cum[:, -1, None, None].exp() * state + (ks * tail[:, :, None]).transpose(1, 2) @ u
-        for at, snapshot in takes:
-            if at == hi - 1:
-                assert snapshots is not None
-                snapshots[0][snapshot].copy_(window[:, at + 1 : at + width])
-                snapshots[1][snapshot].copy_(state)
-        lo = hi
-    s0.copy_(state)
-    conv.copy_(window[:, window.shape[1] - (width - 1) :])
-    return out.transpose(0, 1)
+    o = torch.stack(outs, dim=1).permute(0, 1, 3, 2, 4)  # [R, K, Q, Hv, Dv]
+    layout.scatter(o, out)
+    for row, at, snapshot in rows.own_takes():
+        assert snapshots is not None
+        i, j = divmod(at, layout.chunk)
+        upto = (cum[row, i, :, j, None] - cum[row, i, :, : j + 1]).exp()  # [Hv, j + 1]
+        added = (k[row, i, :, : j + 1] * upto[..., None]).transpose(-1, -2) @ values[i][
+            row, :, : j + 1
+        ]
+        snapshots[0][snapshot].copy_(window_state(windows, row, at, width))
+        snapshots[1][snapshot].copy_(cum[row, i, :, j, None, None].exp() * entering[i][row] + added)
+    state[slots] = s
+    conv_state[slots] = end_states(windows, rows.lens, width)
 
 
 def _l2(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
+from spillway.services.worker import gated_delta
 from spillway.services.worker.gated_delta import (
     GatedDeltaWeights,
     gated_delta_dims,
@@ -130,10 +131,15 @@ def test_a_reused_slot_starts_from_zero(qwen3_next) -> None:
         torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)
 
 
-def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(qwen3_next):
+@pytest.mark.parametrize("chunk", [64, 4, 2])
+def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
+    qwen3_next, chunk, monkeypatch
+):
     """One step of mixed rows (a decode row, prompt chunks of several tokens) from
     non-zero states, with snapshots inside and at the end of rows: the chunked form (rows
-    of several tokens) and the per-token steps give the same outputs, pools, snapshots."""
+    of several tokens) and the per-token steps give the same outputs, pools, snapshots,
+    whether a row fits one chunk of the form or spans several (the state passed on)."""
+    monkeypatch.setattr(gated_delta, "CHUNK", chunk)
     config, layer = qwen3_next
     w = _weights(layer)
     ops = TorchOps(native=None)

@@ -2,10 +2,11 @@
 projection (`write_tiny_llama`), and tiny random transformers models of each architecture
 we load, written as llama.cpp's converter writes them (`write_tiny_gguf`).
 
-The llama files' projection weights are stored in `tensor_type`: through gguf-py's quantizers where it has
-one, else (the K-quants, which gguf-py only dequantizes) as random blocks whose f16
-scales are set to small finite values, so every block is one a file could hold and
-`gguf.quants.dequantize` gives its exact values. Norms stay F32 as llama.cpp keeps them.
+The llama files' projection weights are stored in `tensor_type`: through gguf-py's
+quantizers where it has one, else (the K-quants, which gguf-py only dequantizes) as random
+blocks whose f16 scales are set to small finite values, so every block is one a file
+could hold and `gguf.quants.dequantize` gives its exact values. Norms stay F32 as
+llama.cpp keeps them.
 """
 
 from __future__ import annotations
@@ -122,13 +123,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("llama", "mistral", {"sliding_window": 4}),
     "qwen2": ("qwen2", "qwen2", {}),
     "qwen3": ("qwen3", "qwen3", {"head_dim": 128, "tie_word_embeddings": True}),
-    "qwen3moe": (
-        "qwen3moe",
-        "qwen3_moe",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
-         "norm_topk_prob": True},
-    ),  # fmt: skip
-}
+    "qwen3moe": ("qwen3moe", "qwen3_moe", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    }),
+}  # fmt: skip
 
 
 def tiny_transformers_model(family: str, seed: int = 0) -> Any:
@@ -161,14 +160,12 @@ def tiny_transformers_model(family: str, seed: int = 0) -> Any:
 
 def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k permutation (HF rotate-half rows to interleaved pairs)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
 
 
-def write_tiny_gguf(
-    path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0
-) -> Path:
+def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0) -> Path:
     """`tiny_transformers_model(family, seed)` as a GGUF file: names, metadata and q/k rows
     as llama.cpp's converter writes them, every 2-D weight but the router in `kind`
     (quantized with gguf-py's quantizers), norms, biases and the router in F32."""

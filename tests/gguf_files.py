@@ -136,14 +136,12 @@ def tiny_transformers_model(family: str, seed: int = 0) -> Any:
     every tensor the file holds changes the output."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    t = TINY
     model_type, options = FAMILIES[family][1], FAMILIES[family][2]
     shapes = dict(
-        vocab_size=t["vocab"], hidden_size=t["hidden"], num_hidden_layers=t["layers"],
-        num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"],
-        intermediate_size=t["ffn"], max_position_embeddings=256, rms_norm_eps=1e-6,
-        rope_theta=10000.0, initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=t["vocab"] - 1,
+        vocab_size=TINY["vocab"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.2,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=TINY["vocab"] - 1,
     )  # fmt: skip
     config = AutoConfig.for_model(model_type, **{**shapes, **options})
     torch.manual_seed(seed)

@@ -83,7 +83,7 @@ def test_the_config_reads_each_architecture_s_own_keys(tmp_path):
     path = write_tiny_gguf(tmp_path / "moe.gguf", "qwen3moe", GGMLQuantizationType.F32)
     config = load_model_config(resolve_model(str(path)))
     assert config.architecture == "qwen3_moe" and config.qk_norm
-    assert (config.head_dim, config.num_heads, config.num_kv_heads) == (64, 4, 2)
+    assert (config.head_dim, config.num_heads, config.num_kv_heads) == (32, 4, 2)
     assert config.moe is not None and config.moe.norm_topk_prob
     assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 768)
     assert config.moe.sparse_layers == (True, True)

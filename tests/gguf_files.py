@@ -130,7 +130,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def tiny_transformers_model(family: str, seed: int = 0) -> Any:
+def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128) -> Any:
     """A 2-layer random transformers model of `family` (FAMILIES): weights drawn with
     initializer_range 0.2, norms around 1 and q/k/v biases (Qwen2) random too, so that
     every tensor the file holds changes the output."""
@@ -138,10 +138,11 @@ def tiny_transformers_model(family: str, seed: int = 0) -> Any:
 
     model_type, options = FAMILIES[family][1], FAMILIES[family][2]
     shapes = dict(
-        vocab_size=TINY["vocab"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256,
-        rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.2,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=TINY["vocab"] - 1,
+        vocab_size=TINY["vocab"], hidden_size=hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=TINY["vocab"] - 1,
     )  # fmt: skip
     config = AutoConfig.for_model(model_type, **{**shapes, **options})
     torch.manual_seed(seed)
@@ -165,12 +166,16 @@ def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0) -> Path:
     """`tiny_transformers_model(family, seed)` as a GGUF file: names, metadata and q/k rows
-    as llama.cpp's converter writes them, every 2-D weight but the router in `kind`
-    (quantized with gguf-py's quantizers), norms, biases and the router in F32."""
+    as llama.cpp's converter writes them, every 2-D weight (and the stacked experts) but
+    the router in `kind`, norms, biases and the router in F32. `kind` is quantized with
+    gguf-py's quantizers; a K-quant, which it has none for, is random blocks as
+    `random_blocks` draws them (the model 256 wide: a K-quant block spans 256 values)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = FAMILIES[family][0]
-    model = tiny_transformers_model(family, seed)
+    k_quant = kind in _K_SCALE_OFFSETS
+    model = tiny_transformers_model(family, seed, hidden=256 if k_quant else 128)
+    rng = np.random.default_rng(seed)
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = GGUFWriter(str(path), arch)
@@ -201,6 +206,10 @@ def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: i
             writer.add_tensor(name, data)
         elif stored == GGMLQuantizationType.F16:
             writer.add_tensor(name, data.astype(np.float16))
+        elif stored in _K_SCALE_OFFSETS:
+            rows = int(np.prod(data.shape[:-1]))
+            blocks = random_blocks(rng, rows, data.shape[-1], stored)
+            writer.add_tensor(name, blocks.reshape(*data.shape[:-1], -1), raw_dtype=stored)
         else:
             writer.add_tensor(name, quantize(data, stored), raw_dtype=stored)
 

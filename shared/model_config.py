@@ -136,26 +136,44 @@ def gguf_fields(path: Path) -> dict[str, Any]:
 
 
 def _from_gguf(path: Path) -> ModelConfig:
+    """The hyperparameters under the file's architecture prefix, read as transformers reads
+    them (shared/gguf_arch.py says what differs between architectures)."""
+    from spillway.shared.gguf_arch import (
+        EXPERT_COUNT,
+        EXPERT_USED_COUNT,
+        EXPERT_WIDTH,
+        gguf_architecture,
+    )
+
     f = gguf_fields(path)
-    arch = f["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+    arch = gguf_architecture(f)
 
     def a(name: str, default: Any = None) -> Any:
-        return f.get(f"{arch}.{name}", default)
+        return f.get(f"{arch.name}.{name}", default)
 
     hidden = int(a("embedding_length"))
     heads = int(a("attention.head_count"))
-    head_dim = int(a("rope.dimension_count", hidden // heads))
+    layers = int(a("block_count"))
+    head_dim = int(a(arch.head_dim_key, hidden // heads))
+    window = a(arch.sliding_window_key) if arch.sliding_window_key else None
+    moe = None
+    if arch.moe:
+        moe = MoEConfig(
+            num_experts=int(a(EXPERT_COUNT)),
+            top_k=int(a(EXPERT_USED_COUNT)),
+            intermediate_size=int(a(EXPERT_WIDTH)),
+            sparse_layers=(True,) * layers,
+            norm_topk_prob=arch.norm_topk_prob,
+        )
     eos = f.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=arch,
-        num_layers=int(a("block_count")),
+        architecture=arch.model_type,
+        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(a("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        intermediate_size=int(a("feed_forward_length")),
+        intermediate_size=int(a("feed_forward_length", 0)),
         vocab_size=int(a("vocab_size", 0)) or _gguf_vocab_size(path),
         context_length=int(a("context_length", 2048)),
         rope_theta=float(a("rope.freq_base", 10000.0)),
@@ -165,6 +183,9 @@ def _from_gguf(path: Path) -> ModelConfig:
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
         extra={"chat_template": f.get("tokenizer.chat_template")},
+        qk_norm=arch.qk_norm,
+        layer_windows=(int(window),) * layers if window else (),
+        moe=moe,
     )
 
 
@@ -216,9 +237,8 @@ def serving_refusal(config: ModelConfig) -> str | None:
 
 def check_servable(source: ModelSource) -> None:
     """Raises ValueError naming the family and the reason when `source` cannot be served
-    yet (`serving_refusal`); reads only its config (a GGUF file is always a Llama)."""
-    if source.kind == "gguf":
-        return
+    yet (`serving_refusal`); reads only its config (a GGUF file of an architecture we do not
+    load is refused by name as it is read)."""
     reason = serving_refusal(load_model_config(source))
     if reason is not None:
         raise ValueError(reason)

@@ -1,16 +1,21 @@
-"""Tiny random llama models written as GGUF files, one tensor type for every projection.
+"""Tiny GGUF files for tests: random llama models with one tensor type for every
+projection (`write_tiny_llama`), and tiny random transformers models of each architecture
+we load, written as llama.cpp's converter writes them (`write_tiny_gguf`).
 
-Projection weights are stored in `tensor_type`: through gguf-py's quantizers where it has
-one, else (the K-quants, which gguf-py only dequantizes) as random blocks whose f16
-scales are set to small finite values, so every block is one a file could hold and
-`gguf.quants.dequantize` gives its exact values. Norms stay F32 as llama.cpp keeps them.
+The llama files' projection weights are stored in `tensor_type`: through gguf-py's
+quantizers where it has one, else (the K-quants, which gguf-py only dequantizes) as random
+blocks whose f16 scales are set to small finite values, so every block is one a file
+could hold and `gguf.quants.dequantize` gives its exact values. Norms stay F32 as
+llama.cpp keeps them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
@@ -99,6 +104,147 @@ def write_tiny_llama(path: Path, kind: GGMLQuantizationType, seed: int = 0) -> P
         matrix(f"blk.{i}.ffn_down.weight", t["hidden"], t["ffn"])
     norm("output_norm.weight")
     matrix("output.weight", t["vocab"], t["hidden"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# --- tiny random transformers models, written as llama.cpp's converter writes them -------
+
+# Per test family: the GGUF architecture it is written as, its transformers model_type and
+# what its config sets beyond TINY's shapes. Mistral is written as `llama`, as llama.cpp
+# writes it (its sliding window dropped); Qwen3's head width is 128 and Qwen3-MoE's expert
+# width 768 because transformers' GGUF loader reads neither from the file (it takes its
+# config defaults, which the real checkpoints share).
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("llama", "llama", {}),
+    "mistral": ("llama", "mistral", {"sliding_window": 4}),
+    "qwen2": ("qwen2", "qwen2", {}),
+    "qwen3": ("qwen3", "qwen3", {"head_dim": 128, "tie_word_embeddings": True}),
+    "qwen3moe": ("qwen3moe", "qwen3_moe", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    }),
+}  # fmt: skip
+
+
+def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128) -> Any:
+    """A 2-layer random transformers model of `family` (FAMILIES): weights drawn with
+    initializer_range 0.2, norms around 1 and q/k/v biases (Qwen2) random too, so that
+    every tensor the file holds changes the output."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, options = FAMILIES[family][1], FAMILIES[family][2]
+    shapes = dict(
+        vocab_size=TINY["vocab"], hidden_size=hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=TINY["vocab"] - 1,
+    )  # fmt: skip
+    config = AutoConfig.for_model(model_type, **{**shapes, **options})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) * 0.4 + 0.8)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.eval()
+
+
+def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k permutation (HF rotate-half rows to interleaved pairs)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0) -> Path:
+    """`tiny_transformers_model(family, seed)` as a GGUF file: names, metadata and q/k rows
+    as llama.cpp's converter writes them, every 2-D weight (and the stacked experts) but
+    the router in `kind`, norms, biases and the router in F32. `kind` is quantized with
+    gguf-py's quantizers; a K-quant, which it has none for, is random blocks as
+    `random_blocks` draws them (the model 256 wide: a K-quant block spans 256 values)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = FAMILIES[family][0]
+    k_quant = kind in _K_SCALE_OFFSETS
+    model = tiny_transformers_model(family, seed, hidden=256 if k_quant else 128)
+    rng = np.random.default_rng(seed)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{family}")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    if arch == "qwen3moe":
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    _add_tokenizer(writer, c.vocab_size)
+    model_arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    names = get_tensor_name_map(model_arch, c.num_hidden_layers)
+
+    def add(name: str, data: np.ndarray, stored: GGMLQuantizationType) -> None:
+        if stored == GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        elif stored == GGMLQuantizationType.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        elif stored in _K_SCALE_OFFSETS:
+            rows = int(np.prod(data.shape[:-1]))
+            blocks = random_blocks(rng, rows, data.shape[-1], stored)
+            writer.add_tensor(name, blocks.reshape(*data.shape[:-1], -1), raw_dtype=stored)
+        else:
+            writer.add_tensor(name, quantize(data, stored), raw_dtype=stored)
+
+    for hf_name, tensor in model.state_dict().items():
+        data = tensor.numpy().astype(np.float32)
+        layer = hf_name.split(".")[2] if ".layers." in hf_name else ""
+        if hf_name.endswith("experts.gate_up_proj"):  # [E, 2 I, H]: gate rows, then up
+            gate, up = np.split(data, 2, axis=1)
+            add(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate), kind)
+            add(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up), kind)
+            continue
+        if hf_name.endswith("experts.down_proj"):
+            add(f"blk.{layer}.ffn_down_exps.weight", data, kind)
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        name = f"{names.get_name(base)}.{suffix}"
+        if arch == "llama" and ".attn_q." in name:
+            data = _permute_rope_rows(data, c.num_attention_heads)
+        if arch == "llama" and ".attn_k." in name:
+            data = _permute_rope_rows(data, c.num_key_value_heads)
+        quantized = data.ndim == 2 and "ffn_gate_inp" not in name
+        add(name, data, kind if quantized else GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_header_only(path: Path, arch: str, **keys: int) -> Path:
+    """A GGUF file of architecture `arch` holding only a few hyperparameters (`keys`, under
+    the architecture's prefix): enough to be refused as its metadata is read."""
+    writer = GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        writer.add_uint32(f"{arch}.{key}", value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -124,20 +124,30 @@ def worker_launches(
 
 
 def check_servable_model(settings: Settings) -> None:
-    """A model the system cannot serve yet (a hybrid family) is refused before anything
-    starts, with the reason. Only a local folder is read here: the default model (which
-    may need a download) and a missing one are the worker's to resolve and report."""
-    from spillway.shared.model_config import load_model_config, serving_refusal
+    """A model the system cannot serve yet (a hybrid family, a GGUF architecture we do not
+    load) is refused before anything starts, with the reason. Only a local file or folder
+    is read here: the default model (which may need a download) and a missing one are the
+    worker's to resolve and report."""
+    from spillway.shared.gguf_arch import gguf_architecture
+    from spillway.shared.model_config import gguf_fields, load_model_config, serving_refusal
     from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 
     if settings.model == DEFAULT_MODEL:
         return
     try:
         source = resolve_model(settings.model)
-        if source.kind == "gguf":
-            return
-        reason = serving_refusal(load_model_config(source))
+        fields = gguf_fields(source.path) if source.kind == "gguf" else None
     except Exception:  # an unreadable model: the worker reports it as before
+        return
+    if fields is not None:
+        try:
+            gguf_architecture(fields)
+        except ValueError as e:
+            raise StartupError(f"{source.path}: {e}") from e
+        return
+    try:
+        reason = serving_refusal(load_model_config(source))
+    except Exception:
         return
     if reason is not None:
         raise StartupError(reason)

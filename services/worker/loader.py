@@ -24,6 +24,7 @@ from spillway.kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
 from spillway.services.worker.mla import MLAWeights, q_width
 from spillway.services.worker.moe import MoEWeights
 from spillway.services.worker.weights import LayerWeights, ModelWeights, MtpWeights
+from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS, gguf_architecture
 from spillway.shared.gguf_file import GGUFFile, open_gguf
 from spillway.shared.model_config import ModelConfig, load_model_config
 from spillway.shared.model_files import ModelSource
@@ -120,20 +121,25 @@ def _gguf_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
     """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
     stored in a format the native few-row kernels read (`cpu_matvec.BLOCK_TYPES`), permuted
-    alike."""
+    alike. q/k rows are un-permuted where the architecture's converter permuted them; q/k/v
+    biases of an architecture without them are left out, as transformers leaves them."""
     from gguf.quants import dequantize
 
+    arch = gguf_architecture(reader.fields)
     out: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockWeight] = {}
     check_tensor_types(reader)
     for tensor in reader.tensors:
+        if not arch.qkv_bias and tensor.name.endswith(_QKV_BIASES):
+            log.warning("ignored %s: %s files have no q/k/v bias", tensor.name, arch.name)
+            continue
         # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
         data = dequantize(tensor.data, tensor.tensor_type)
         blocked = keep_blocks and tensor.data.ndim == 2  # [rows, row bytes] when blocked
         raw = tensor.data if blocked else None
         kind = tensor.tensor_type.name.lower()
         for part, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
-            if part in tensor.name:
+            if arch.permuted_qk and part in tensor.name:
                 data = _unpermute_rope_rows(data, heads)
                 raw = None if raw is None else _unpermute_rope_rows(raw, heads)
         out[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32))
@@ -141,6 +147,9 @@ def _gguf_tensors(
             rows = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file is mapped
             blocks[tensor.name] = BlockWeight(rows, kind, data.shape[1])
     return out, blocks
+
+
+_QKV_BIASES = (".attn_q.bias", ".attn_k.bias", ".attn_v.bias")
 
 
 # The tensor types llama.cpp users download that we read exactly (gguf-py dequantizes
@@ -230,6 +239,8 @@ _GGUF_ROLES = {
     "gate": "ffn_gate.weight",
     "up": "ffn_up.weight",
     "down": "ffn_down.weight",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
 }
 
 HF_NAMES = TensorNames(
@@ -301,7 +312,7 @@ def _assemble(
             down=None if sparse else take(n("down")),
             q_norm=take(n("q_norm")) if config.qk_norm else None,
             k_norm=take(n("k_norm")) if config.qk_norm else None,
-            moe=_moe_weights(tensors, config, i, take) if sparse else None,
+            moe=_moe_weights(tensors, config, i, take, names) if sparse else None,
             mla=mla[1] if mla else None,
         )
 
@@ -397,15 +408,24 @@ def _moe_weights(
     config: ModelConfig,
     layer: int,
     take: Callable[..., torch.Tensor],
+    names: TensorNames,
 ) -> MoEWeights:
     """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
     takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],
-    experts.down_proj [E, H, I]) that newer exports use."""
+    experts.down_proj [E, H, I]) that newer exports use, and GGUF's stacked experts
+    (gate and up apart, joined here as transformers joins them)."""
     moe = config.moe
     assert moe is not None
+    if names is GGUF_NAMES:
+        g = {role: f"blk.{layer}.{name}" for role, name in GGUF_EXPERT_TENSORS.items()}
+        router = take(g["router"]).float()  # routing runs in float32 (moe.py)
+        w_gate_up = torch.cat([take(g["gate"]), take(g["up"])], dim=1).contiguous()
+        w_down = take(g["down"])
+        weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+        return _checked_moe(weights, config, layer)
     block, (gate, up, down) = _MOE_LAYOUTS[config.architecture]
     prefix = f"model.layers.{layer}.{block}"
-    router = take(f"{prefix}.gate.weight").float()  # routing runs in float32 (moe.py)
+    router = take(f"{prefix}.gate.weight").float()
     if f"{prefix}.experts.gate_up_proj" in tensors:
         w_gate_up = take(f"{prefix}.experts.gate_up_proj")
         w_down = take(f"{prefix}.experts.down_proj")
@@ -419,15 +439,9 @@ def _moe_weights(
         w_down = torch.stack(
             [take(f"{prefix}.experts.{e}.{down}.weight") for e in range(moe.num_experts)]
         )
-    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
-    for name, got, want in (
-        ("router", router.shape, (e, h)),
-        ("experts gate_up", w_gate_up.shape, (e, 2 * i, h)),
-        ("experts down", w_down.shape, (e, h, i)),
-    ):
-        if tuple(got) != want:
-            raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
-    weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+    weights = _checked_moe(
+        MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down), config, layer
+    )
     if moe.has_correction_bias:  # chooses experts in float32, whatever the weights' dtype
         weights.correction_bias = take(f"{prefix}.gate.e_score_correction_bias").float()
     if moe.num_shared_experts:
@@ -436,6 +450,21 @@ def _moe_weights(
             [take(f"{shared}.gate_proj.weight"), take(f"{shared}.up_proj.weight")], dim=0
         ).contiguous()
         weights.shared_down = take(f"{shared}.down_proj.weight")
+    return weights
+
+
+def _checked_moe(weights: MoEWeights, config: ModelConfig, layer: int) -> MoEWeights:
+    moe = config.moe
+    assert moe is not None
+    router, w_gate_up, w_down = weights.router, weights.w_gate_up, weights.w_down
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    for name, got, want in (
+        ("router", router.shape, (e, h)),
+        ("experts gate_up", w_gate_up.shape, (e, 2 * i, h)),
+        ("experts down", w_down.shape, (e, h, i)),
+    ):
+        if tuple(got) != want:
+            raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
     return weights
 
 

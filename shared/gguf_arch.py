@@ -1,0 +1,85 @@
+"""What each GGUF architecture we load means: one row per `general.architecture`.
+
+A GGUF file names its architecture and keeps its hyperparameters under that name as a
+key prefix (`qwen3.block_count`, ...). Each row says which Hugging Face family the file
+runs as and how llama.cpp's converter wrote that family's tensors, as transformers
+(`integrations/ggml.py`, `modeling_gguf_pytorch_utils.py`) reads them back: the
+reference a GGUF file is served exactly against is transformers loading the same file
+with `gguf_file=`.
+
+Mistral and Llama files are both `llama` (llama.cpp's converter writes Mistral models as
+Llama and drops their sliding window, as transformers reads such a file back). Gemma 2 and
+3 are left out: spillway does not serve those families from safetensors either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    name: str  # `general.architecture`, also the prefix of the file's hyperparameter keys
+    model_type: str  # the Hugging Face family it runs as (ModelConfig.architecture)
+    # llama.cpp's converter permutes the q/k rows of Llama-style models into interleaved
+    # RoPE pairs (transformers' LlamaTensorProcessor undoes it); Qwen's rows are as HF's.
+    permuted_qk: bool
+    qk_norm: bool  # attn_q_norm / attn_k_norm: an RMSNorm over each head (Qwen3)
+    qkv_bias: bool  # attn_q/k/v.bias (Qwen2), found in the weights
+    moe: bool  # every layer's feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS)
+    head_dim_key: str  # the key holding the head width (default: hidden / heads)
+    # The router's top-k weights renormalised to sum to one. Qwen3-MoE's config leaves it
+    # False, but llama.cpp always renormalises and transformers' GGUF loader sets it True.
+    norm_topk_prob: bool = True
+    # The key of a sliding attention window transformers applies, None where it reads
+    # none (llama.cpp writes none for these families): full attention on every layer.
+    sliding_window_key: str | None = None
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    a.name: a
+    for a in (
+        GGUFArch("llama", "llama", permuted_qk=True, qk_norm=False, qkv_bias=False,
+                 moe=False, head_dim_key="rope.dimension_count"),
+        GGUFArch("qwen2", "qwen2", permuted_qk=False, qk_norm=False, qkv_bias=True,
+                 moe=False, head_dim_key="attention.key_length"),
+        GGUFArch("qwen3", "qwen3", permuted_qk=False, qk_norm=True, qkv_bias=False,
+                 moe=False, head_dim_key="attention.key_length"),
+        GGUFArch("qwen3moe", "qwen3_moe", permuted_qk=False, qk_norm=True, qkv_bias=False,
+                 moe=True, head_dim_key="attention.key_length"),
+    )
+}  # fmt: skip
+
+# The per-layer names (after `blk.{i}.`) of a MoE layer's router and stacked experts:
+# gate and up are [experts, expert width, hidden], down [experts, hidden, expert width].
+GGUF_EXPERT_TENSORS = {
+    "router": "ffn_gate_inp.weight",
+    "gate": "ffn_gate_exps.weight",
+    "up": "ffn_up_exps.weight",
+    "down": "ffn_down_exps.weight",
+}
+# The expert counts and width (each under the architecture's prefix).
+EXPERT_COUNT, EXPERT_USED_COUNT, EXPERT_WIDTH = (
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+)
+
+
+def gguf_architecture(fields: dict[str, Any]) -> GGUFArch:
+    """The row of the file's `general.architecture`; ValueError naming it and the
+    supported ones when there is none, or when a Llama file holds experts (Mixtral's
+    layout, which transformers does not load from GGUF)."""
+    name = fields.get("general.architecture")
+    arch = GGUF_ARCHITECTURES.get(str(name))
+    if arch is None:
+        raise ValueError(
+            f"unsupported GGUF architecture {name!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    if not arch.moe and int(fields.get(f"{arch.name}.{EXPERT_COUNT}") or 0) > 0:
+        raise ValueError(
+            f"unsupported GGUF architecture {name!r} with experts ({EXPERT_COUNT}"
+            f" {fields[f'{arch.name}.{EXPERT_COUNT}']}): only dense {name} files are loaded"
+        )
+    return arch

@@ -1,0 +1,115 @@
+"""GGUF files of every architecture we load, written from tiny random transformers models
+as llama.cpp's converter writes them: greedy outputs token by token against transformers
+loading the same file (`gguf_file=`), several prompts of different lengths in one batch;
+other architectures refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+
+from spillway.services.cli.up import StartupError, check_servable_model
+from spillway.services.worker.runner import load_runner
+from spillway.shared.config import Settings, load_settings
+from spillway.shared.gguf_arch import GGUF_ARCHITECTURES
+from spillway.shared.model_config import check_servable, load_model_config
+from spillway.shared.model_files import resolve_model
+from tests.gguf_files import FAMILIES, write_header_only, write_tiny_gguf
+from tests.unit.worker.plans import generate
+
+# Lengths 7, 2, 4 and 1, started at different steps and prefilled in chunks of 3: rows of
+# prefill and decode mixed in every step.
+PROMPTS = [[5, 17, 300, 42, 9, 77, 120], [1, 200], [7, 7, 100, 3], [250]]
+START_STEPS = [0, 1, 0, 2]
+NEW_TOKENS = 8
+# The smallest top-1 over top-2 logit gap of transformers' greedy steps we accept: below
+# it float32 rounding of a different summation order could pick another token.
+MIN_GAP = 1e-4
+# gguf-py quantizes the model's weights to Q8_0 and Q4_0; Q4_K (Q4_K_M files' main type)
+# is random blocks (tests/gguf_files.py).
+KINDS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K"]
+# Mistral's weights drawn apart from Llama's (the same draw would repeat its file).
+SEEDS = {"mistral": 1}
+
+
+def _transformers_greedy(path: Path) -> tuple[list[list[int]], float, str]:
+    """transformers' greedy tokens for each prompt alone (run to NEW_TOKENS: EOS ignored,
+    as our generation loop ignores it), the smallest logit gap of its steps, and the
+    model_type it read the file as."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None
+    outputs, gap = [], float("inf")
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+            )  # fmt: skip
+            outputs.append(out.sequences[0, len(prompt) :].tolist())
+            for scores in out.scores:
+                top = scores[0].topk(2).values
+                gap = min(gap, (top[0] - top[1]).item())
+    return outputs, gap, model.config.model_type
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_greedy_output_equals_transformers_on_the_same_gguf(tmp_path, family, kind):
+    path = write_tiny_gguf(
+        tmp_path / f"tiny-{family}-{kind}.gguf",
+        family,
+        GGMLQuantizationType[kind],
+        seed=SEEDS.get(family, 0),
+    )
+    expected, gap, model_type = _transformers_greedy(path)
+    assert gap > MIN_GAP, gap
+    assert all(len(e) == NEW_TOKENS for e in expected)
+    # transformers reads a Mistral written as llama.cpp writes it (`llama`) as a Llama.
+    assert model_type == {"mistral": "llama"}.get(family, FAMILIES[family][1])
+    settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
+    runner = load_runner(settings)[0]
+    got = generate(runner, PROMPTS, max_new_tokens=NEW_TOKENS, chunk=3, start_steps=START_STEPS)
+    assert got == expected
+
+
+def test_the_config_reads_each_architecture_s_own_keys(tmp_path):
+    """Qwen3-MoE's head width (attention.key_length), expert counts and width come from
+    its keys, its top-k weights renormalised as llama.cpp does; Qwen's q/k norms."""
+    path = write_tiny_gguf(tmp_path / "moe.gguf", "qwen3moe", GGMLQuantizationType.F32)
+    config = load_model_config(resolve_model(str(path)))
+    assert config.architecture == "qwen3_moe" and config.qk_norm
+    assert (config.head_dim, config.num_heads, config.num_kv_heads) == (32, 4, 2)
+    assert config.moe is not None and config.moe.norm_topk_prob
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 768)
+    assert config.moe.sparse_layers == (True, True)
+    assert config.layer_windows == ()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2", "gemma3", "mistral", "deepseek2"])
+def test_an_architecture_outside_the_table_is_refused_by_name_at_start_up(tmp_path, arch):
+    path = write_header_only(tmp_path / f"{arch}.gguf", arch, block_count=2)
+    supported = ", ".join(GGUF_ARCHITECTURES)
+    message = rf"unsupported GGUF architecture '{arch}' \(supported: {supported}\)"
+    with pytest.raises(ValueError, match=message):
+        check_servable(resolve_model(str(path)))
+    with pytest.raises(StartupError, match=message):
+        check_servable_model(Settings(model=str(path)))
+    settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=message):
+        load_runner(settings)
+
+
+def test_a_llama_file_with_experts_is_refused_by_name(tmp_path):
+    """Mixtral's llama.cpp layout: transformers loads no experts into a Llama."""
+    path = write_header_only(tmp_path / "mixtral.gguf", "llama", block_count=2, expert_count=8)
+    with pytest.raises(ValueError, match=r"'llama' with experts \(expert_count 8\)"):
+        check_servable(resolve_model(str(path)))
+    with pytest.raises(StartupError, match=r"'llama' with experts"):
+        check_servable_model(Settings(model=str(path)))

@@ -7,8 +7,10 @@ runs as and how llama.cpp's converter wrote that family's tensors, as transforme
 reference a GGUF file is served exactly against is transformers loading the same file
 with `gguf_file=`.
 
-Mistral and Llama files are both `llama` (llama.cpp's converter writes Mistral models as
-Llama and drops their sliding window, as transformers reads such a file back). Gemma 2 and
+llama.cpp's converter writes Mistral models as `llama` and drops their sliding window (as
+transformers reads such a file back). A file that names itself `mistral` is read as
+Llama's layout with `mistral.attention.sliding_window` honoured; transformers cannot load
+such a file, so it is held against transformers' Mistral on the same weights. Gemma 2 and
 3 are left out: spillway does not serve those families from safetensors either.
 """
 
@@ -42,6 +44,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     for a in (
         GGUFArch("llama", "llama", permuted_qk=True, qk_norm=False, qkv_bias=False,
                  moe=False, head_dim_key="rope.dimension_count"),
+        # A file that names itself Mistral keeps Llama's tensor layout and its window.
+        GGUFArch("mistral", "mistral", permuted_qk=True, qk_norm=False, qkv_bias=False,
+                 moe=False, head_dim_key="rope.dimension_count",
+                 sliding_window_key="attention.sliding_window"),
         GGUFArch("qwen2", "qwen2", permuted_qk=False, qk_norm=False, qkv_bias=True,
                  moe=False, head_dim_key="attention.key_length"),
         GGUFArch("qwen3", "qwen3", permuted_qk=False, qk_norm=True, qkv_bias=False,

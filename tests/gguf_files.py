@@ -164,7 +164,9 @@ def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0, arch: str | None = None
+) -> Path:
     """`tiny_transformers_model(family, seed)` as a GGUF file: names, metadata and q/k rows
     as llama.cpp's converter writes them, every 2-D weight (and the stacked experts) but
     the router in `kind`, norms, biases and the router in F32. `kind` is quantized with
@@ -172,7 +174,8 @@ def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: i
     `random_blocks` draws them (the model 256 wide: a K-quant block spans 256 values)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    arch = FAMILIES[family][0]
+    arch = arch or FAMILIES[family][0]
+    layout = "llama" if arch == "mistral" else arch  # a `mistral` file: Llama's tensors
     k_quant = kind in _K_SCALE_OFFSETS
     model = tiny_transformers_model(family, seed, hidden=256 if k_quant else 128)
     rng = np.random.default_rng(seed)
@@ -186,19 +189,21 @@ def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: i
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    if arch == "llama":
+    if layout == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(10000.0)
+    if arch == "mistral":
+        writer.add_sliding_window(c.sliding_window)
     if arch == "qwen3moe":
         writer.add_expert_count(c.num_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     _add_tokenizer(writer, c.vocab_size)
-    model_arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    model_arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == layout)
     names = get_tensor_name_map(model_arch, c.num_hidden_layers)
 
     def add(name: str, data: np.ndarray, stored: GGMLQuantizationType) -> None:
@@ -226,9 +231,9 @@ def write_tiny_gguf(path: Path, family: str, kind: GGMLQuantizationType, seed: i
             continue
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
-        if arch == "llama" and ".attn_q." in name:
+        if layout == "llama" and ".attn_q." in name:
             data = _permute_rope_rows(data, c.num_attention_heads)
-        if arch == "llama" and ".attn_k." in name:
+        if layout == "llama" and ".attn_k." in name:
             data = _permute_rope_rows(data, c.num_key_value_heads)
         quantized = data.ndim == 2 and "ffn_gate_inp" not in name
         add(name, data, kind if quantized else GGMLQuantizationType.F32)

@@ -92,7 +92,7 @@ def test_the_config_reads_each_architecture_s_own_keys(tmp_path):
     assert config.layer_windows == ()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gemma2", "gemma3", "mistral", "deepseek2"])
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2", "gemma3", "deepseek2"])
 def test_an_architecture_outside_the_table_is_refused_by_name_at_start_up(tmp_path, arch):
     path = write_header_only(tmp_path / f"{arch}.gguf", arch, block_count=2)
     supported = ", ".join(GGUF_ARCHITECTURES)
@@ -104,6 +104,37 @@ def test_an_architecture_outside_the_table_is_refused_by_name_at_start_up(tmp_pa
     settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match=message):
         load_runner(settings)
+
+
+def test_a_file_that_names_itself_mistral_honours_its_window(tmp_path):
+    """Llama's tensor layout under `mistral` keys, `mistral.attention.sliding_window` 4 and
+    prompts longer than it: transformers cannot load such a file, so the reference is
+    transformers' Mistral on the same (F32) weights, each token from a whole forward."""
+    from tests.gguf_files import tiny_transformers_model
+    from tests.unit.worker.tiny_families import reference_greedy
+
+    path = write_tiny_gguf(
+        tmp_path / "tiny-mistral.gguf", "mistral", GGMLQuantizationType.F32, seed=1,
+        arch="mistral",
+    )  # fmt: skip
+    config = load_model_config(resolve_model(str(path)))
+    assert config.architecture == "mistral" and config.layer_windows == (4, 4)
+    reference = tiny_transformers_model("mistral", seed=1).eval()
+    expected = []
+    for prompt in PROMPTS:
+        tokens, gap = reference_greedy(reference, prompt, NEW_TOKENS)
+        assert gap > MIN_GAP, gap
+        expected.append(tokens)
+    settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
+    runner = load_runner(settings)[0]
+    got = generate(runner, PROMPTS, max_new_tokens=NEW_TOKENS, chunk=3, start_steps=START_STEPS)
+    assert got == expected
+    # The window changes the outputs: the same weights without it (the `llama` file).
+    llama = write_tiny_gguf(tmp_path / "tiny-llama.gguf", "mistral", GGMLQuantizationType.F32, 1)
+    plain = load_runner(load_settings(model=str(llama), kv_blocks=16, device="cpu"))[0]
+    unwindowed = generate(plain, PROMPTS, max_new_tokens=NEW_TOKENS, chunk=3,
+                          start_steps=START_STEPS)  # fmt: skip
+    assert unwindowed != expected
 
 
 def test_a_llama_file_with_experts_is_refused_by_name(tmp_path):

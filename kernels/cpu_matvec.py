@@ -69,7 +69,9 @@ BLOCK_TYPES = {"q4_1": 0, "q8_0": 1}
 BLOCK_VALUES = 32
 # Every block format `dequantize_rows` and `linear_dequant_f32` read (DQ_* in matvec.c),
 # and each one's (values, bytes) per block: the GGUF types llama.cpp users download.
-BLOCK_CODES = {"q4_1": 0, "q8_0": 1, "q4_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
+BLOCK_CODES = {
+    "q4_1": 0, "q8_0": 1, "q4_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7,
+}  # fmt: skip
 BLOCK_SHAPES = {
     "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
     "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
@@ -270,9 +272,7 @@ class MatvecKernels:
             and weight.data.is_contiguous()
         )
 
-    def fits_dequant(
-        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
-    ) -> bool:
+    def fits_dequant(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
         """Whether `linear_dequant` takes x against this block weight: a few float32 rows
         (as `linear_f32` takes them), any block format."""
         return (

@@ -52,9 +52,9 @@ from spillway.kernels.decode_attention import (
 )
 from spillway.kernels.kv_store import store_kv_ref
 from spillway.kernels.linear import Int8Linear, PackedLinear, linear
-from spillway.kernels.quantized_weight import QuantizedWeight, Weight, embedding
 from spillway.kernels.moe import fused_experts_ref
 from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
+from spillway.kernels.quantized_weight import QuantizedWeight, Weight, embedding
 from spillway.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from spillway.kernels.rotary import heads_together, rotary_factors, rotary_ref
 

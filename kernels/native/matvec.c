@@ -853,6 +853,14 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 }
 
 static void dq_block_values(const uint8_t *blk, int type, float *out) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (type == DQ_Q4_1 || type == DQ_Q8_0) { /* the fused kernels' conversion: the same values */
+        __m256 w[4];
+        block_weights(blk, type, w);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 8 * i, w[i]);
+        return;
+    }
+#endif
     switch (type) {
     case DQ_Q4_0: {
         const float d = f16_bits(blk);
@@ -908,15 +916,21 @@ static void dq_block_values(const uint8_t *blk, int type, float *out) {
         break;
     }
     case DQ_Q6_K: { /* ql[128], qh[64], scales[16] int8, d */
-        const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t *scales = (const int8_t *)(blk + 192);
         const float d = f16_bits(blk + 208);
-        for (int e = 0; e < 256; e++) {
-            const int g = e / 128, r = e % 128;
-            const int lo = (ql[64 * g + r % 64] >> (4 * (r / 64))) & 0x0F;
-            const int hi = (qh[32 * g + r % 32] >> (2 * (r / 32))) & 0x03;
-            out[e] = (d * (float)scales[e / 16]) * (float)((lo | (hi << 4)) - 32);
-        }
+        /* Values 128 g + 32 s + l: low nibble of ql[64 g + 32 (s % 2) + l] shifted by
+         * 4 (s / 2), two high bits of qh[32 g + l] shifted by 2 s; scale of each 16. */
+        for (int g = 0; g < 2; g++)
+            for (int s = 0; s < 4; s++) {
+                const uint8_t *ql = blk + 64 * g + 32 * (s % 2), *qh = blk + 128 + 32 * g;
+                float *o = out + 128 * g + 32 * s;
+                const float d0 = d * (float)scales[8 * g + 2 * s];
+                const float d1 = d * (float)scales[8 * g + 2 * s + 1];
+                for (int l = 0; l < 32; l++) {
+                    const int lo = (ql[l] >> (4 * (s / 2))) & 0x0F, hi = (qh[l] >> (2 * s)) & 3;
+                    o[l] = (l < 16 ? d0 : d1) * (float)((lo | (hi << 4)) - 32);
+                }
+            }
         break;
     }
     }

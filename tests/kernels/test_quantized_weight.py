@@ -126,9 +126,7 @@ def test_cat_joins_neighbouring_segments_of_one_format():
 
 @pytest.mark.parametrize("rows", [1, 2, MAX_ROWS, 5, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_on_blocks_equals_torch_on_the_dequantized_weight(
-    matvec, rows, with_bias
-):
+def test_packed_linear_on_blocks_equals_torch_on_the_dequantized_weight(matvec, rows, with_bias):
     weight, dense = _mixed(np.random.default_rng(rows), 512)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 512, generator=g)
@@ -185,3 +183,28 @@ def test_segments_of_different_widths_or_unknown_formats_are_refused():
         QuantizedWeight((a, b))
     with pytest.raises(ValueError, match="unknown block format 'q2_k'"):
         QuantizedWeight((BlockWeight(torch.zeros(4, 84, dtype=torch.uint8), "q2_k", 256),))
+
+
+def test_a_build_without_vector_instructions_dequantizes_the_same(tmp_path):
+    """The plain C loops (Q4_1 and Q8_0 otherwise take the AVX2 conversion of the fused
+    kernels), built and run here: gguf-py's values to the bit for every format."""
+    from spillway.kernels import cpu_native
+
+    flags = [f for f in cpu_native.compile_flags() if not f.startswith("-m")]
+    library = cpu_native.build(cpu_matvec.SOURCE, flags, tmp_path)
+    if library is None:
+        pytest.skip("no C compiler here")
+    plain = cpu_matvec.MatvecKernels(library)
+    assert plain.features == cpu_matvec.HAS_DEQUANT  # nothing else without vector units
+    rng = np.random.default_rng(7)
+    for kind in KINDS:
+        data = random_blocks(rng, 70, 512, kind)
+        got = torch.empty(70, 512)
+        plain.dequantize(block_weight(data, kind, 512), 0, 70, got)
+        assert torch.equal(got.view(torch.int32), reference(data, kind).view(torch.int32)), kind
+        x = torch.randn(2, 512)
+        dense = reference(data, kind)
+        assert torch.equal(
+            plain.linear_dequant(x, block_weight(data, kind, 512), None),
+            plain.linear_f32(x, dense, None),
+        )

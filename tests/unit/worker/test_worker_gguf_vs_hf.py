@@ -126,5 +126,6 @@ def test_projections_and_embedding_are_kept_only_in_the_files_blocks(runner, hf_
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         assert torch.equal(dequantize(ours.qkv), qkv)
         assert torch.equal(dequantize(ours.o), attn.o_proj.weight)
-        assert torch.equal(dequantize(ours.gate_up), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        assert torch.equal(dequantize(ours.gate_up), gate_up)
         assert torch.equal(dequantize(ours.down), mlp.down_proj.weight)

@@ -40,6 +40,12 @@ block of 32 (llama.cpp's Q8_1), for `--quantize int8`: VNNI's dpbusd where the C
 Measured on a loaded 2-core EPYC with AVX-512 VNNI, all 121 projections at one row: 4.8 ms
 against 5.8 for `linear_blocks` and 7.3 for `linear_q8`.
 
+`linear_dequant` reads blocks of any GGUF type spillway loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K): each chunk of output rows is dequantized (`dequantize`, gguf-py's
+values to the bit) into a per-thread buffer and summed by `linear_f32`'s own loop, so
+its outputs are that kernel's on the float32 weight. `dequantize` also serves the
+many-row products of weights kept in blocks (`quantized_weight`).
+
 The library is built like `cpu_native`'s (cached per source and flags), with AVX-512 flags
 where this CPU has them and AVX2 + FMA otherwise; `features` says which kernels it holds,
 and callers keep oneDNN and fbgemm for anything else.

@@ -898,19 +898,33 @@ static void dq_block_values(const uint8_t *blk, int type, float *out) {
         break;
     }
     case DQ_Q4_K:
-    case DQ_Q5_K: {
-        const int five = type == DQ_Q5_K; /* d, dmin, scales[12], (qh[32],) qs[128] */
+    case DQ_Q5_K: { /* d, dmin, scales[12], (qh[32],) qs[128] */
+        const int five = type == DQ_Q5_K;
         const float d = f16_bits(blk), dmin = f16_bits(blk + 2);
         const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + 16 + 32 * five;
+        float ds[8], dm[8];
         for (int s = 0; s < 8; s++) {
             int sc, mn;
             k_scale_min(scales, s, &sc, &mn);
-            const float ds = d * (float)sc, dm = dmin * (float)mn;
-            const uint8_t *q = qs + 32 * (s / 2);
-            for (int l = 0; l < 32; l++) {
-                int v = (q[l] >> (4 * (s % 2))) & 0x0F;
-                if (five) v |= ((qh[l] >> s) & 1) << 4;
-                out[32 * s + l] = ds * (float)v - dm;
+            ds[s] = d * (float)sc;
+            dm[s] = dmin * (float)mn;
+        }
+        /* Sub-blocks 2 j and 2 j + 1 share 32 bytes of qs (low, high nibbles): constant
+         * shifts, so that the compiler vectorizes each loop. */
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *q = qs + 32 * j;
+            float *lo = out + 64 * j, *hi = lo + 32;
+            if (five) {
+                for (int l = 0; l < 32; l++) {
+                    const int h0 = (qh[l] >> (2 * j)) & 1, h1 = (qh[l] >> (2 * j + 1)) & 1;
+                    lo[l] = ds[2 * j] * (float)((q[l] & 0x0F) | (h0 << 4)) - dm[2 * j];
+                    hi[l] = ds[2 * j + 1] * (float)((q[l] >> 4) | (h1 << 4)) - dm[2 * j + 1];
+                }
+            } else {
+                for (int l = 0; l < 32; l++) {
+                    lo[l] = ds[2 * j] * (float)(q[l] & 0x0F) - dm[2 * j];
+                    hi[l] = ds[2 * j + 1] * (float)(q[l] >> 4) - dm[2 * j + 1];
+                }
             }
         }
         break;
@@ -918,19 +932,26 @@ static void dq_block_values(const uint8_t *blk, int type, float *out) {
     case DQ_Q6_K: { /* ql[128], qh[64], scales[16] int8, d */
         const int8_t *scales = (const int8_t *)(blk + 192);
         const float d = f16_bits(blk + 208);
+        float ds[16];
+        for (int i = 0; i < 16; i++) ds[i] = d * (float)scales[i];
         /* Values 128 g + 32 s + l: low nibble of ql[64 g + 32 (s % 2) + l] shifted by
-         * 4 (s / 2), two high bits of qh[32 g + l] shifted by 2 s; scale of each 16. */
-        for (int g = 0; g < 2; g++)
-            for (int s = 0; s < 4; s++) {
-                const uint8_t *ql = blk + 64 * g + 32 * (s % 2), *qh = blk + 128 + 32 * g;
-                float *o = out + 128 * g + 32 * s;
-                const float d0 = d * (float)scales[8 * g + 2 * s];
-                const float d1 = d * (float)scales[8 * g + 2 * s + 1];
-                for (int l = 0; l < 32; l++) {
-                    const int lo = (ql[l] >> (4 * (s / 2))) & 0x0F, hi = (qh[l] >> (2 * s)) & 3;
-                    o[l] = (l < 16 ? d0 : d1) * (float)((lo | (hi << 4)) - 32);
-                }
+         * 4 (s / 2), two high bits of qh[32 g + l] shifted by 2 s; a scale per 16 values. */
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *ql = blk + 64 * g, *qh = blk + 128 + 32 * g;
+            float *o = out + 128 * g;
+            const float *sc = ds + 8 * g;
+            for (int l = 0; l < 32; l++) {
+                const int half = l / 16;
+                const int q0 = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                const int q1 = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                const int q2 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                const int q3 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                o[l] = sc[half] * (float)(q0 - 32);
+                o[l + 32] = sc[2 + half] * (float)(q1 - 32);
+                o[l + 64] = sc[4 + half] * (float)(q2 - 32);
+                o[l + 96] = sc[6 + half] * (float)(q3 - 32);
             }
+        }
         break;
     }
     }

@@ -2,9 +2,13 @@
 
     python -m bench.gguf_memory [FILE.gguf ...]   (default: the default model's file)
     python -m bench.gguf_memory --requant Q8_0 --out DIR   (the default model requantized)
+    python -m bench.gguf_memory --k-quant-mix --out DIR   (a random Q4_K_M-typed llama)
 
 `--requant TYPE` first writes the default model's file with every 2-D tensor requantized to
 TYPE from its dequantized values by gguf-py's quantizer (norms stay F32), and measures it.
+`--k-quant-mix` writes a random llama of about 150M weights in Q4_K_M's types (Q4_K, with
+attn_v, ffn_down and output in Q6_K: `tests.gguf_files.Q4_K_M`; gguf-py has no K-quant
+quantizer, and the default model's width, 576, is no multiple of a K-quant block's 256).
 
 Each file loads in a fresh child process (`loader.load_model`, CPU, float32: the exact
 mode) so one load's memory does not count in the next; RSS is read from /proc after the
@@ -87,8 +91,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="*", type=Path)
     parser.add_argument("--requant", help="a gguf-py quantizer's type name, e.g. Q8_0")
+    parser.add_argument("--k-quant-mix", action="store_true", help="a random Q4_K_M llama")
     parser.add_argument("--out", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
+    if args.k_quant_mix:
+        from tests.gguf_files import Q4_K_M, write_tiny_llama
+
+        shape = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn": 2816,
+                 "vocab": 32000}  # fmt: skip
+        args.files = [write_tiny_llama(args.out / "random-llama.Q4_K_M.gguf", Q4_K_M, 0, shape)]
     if not args.files:
         from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 

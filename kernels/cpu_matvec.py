@@ -40,6 +40,12 @@ block of 32 (llama.cpp's Q8_1), for `--quantize int8`: VNNI's dpbusd where the C
 Measured on a loaded 2-core EPYC with AVX-512 VNNI, all 121 projections at one row: 4.8 ms
 against 5.8 for `linear_blocks` and 7.3 for `linear_q8`.
 
+`linear_dequant` reads blocks of any GGUF type spillway loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K): each chunk of output rows is dequantized (`dequantize`, gguf-py's
+values to the bit) into a per-thread buffer and summed by `linear_f32`'s own loop, so
+its outputs are that kernel's on the float32 weight. `dequantize` also serves the
+many-row products of weights kept in blocks (`quantized_weight`).
+
 The library is built like `cpu_native`'s (cached per source and flags), with AVX-512 flags
 where this CPU has them and AVX2 + FMA otherwise; `features` says which kernels it holds,
 and callers keep oneDNN and fbgemm for anything else.
@@ -61,12 +67,21 @@ from spillway.kernels.cpu_info import cpu_flags, cpu_model, int8_dot
 from spillway.kernels.cpu_native import address_of
 
 SOURCE = Path(__file__).with_name("native") / "matvec.c"
-HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8 = 1, 2, 4, 8
+HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT = 1, 2, 4, 8, 16
 # matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
 INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
 # The model file's block formats `linear_blocks` reads (BLOCK_* in matvec.c).
 BLOCK_TYPES = {"q4_1": 0, "q8_0": 1}
 BLOCK_VALUES = 32
+# Every block format `dequantize_rows` and `linear_dequant_f32` read (DQ_* in matvec.c),
+# and each one's (values, bytes) per block: the GGUF types llama.cpp users download.
+BLOCK_CODES = {
+    "q4_1": 0, "q8_0": 1, "q4_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7,
+}  # fmt: skip
+BLOCK_SHAPES = {
+    "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+}  # fmt: skip
 # Activations are quantized per block of this many values (QB in matvec.c).
 Q8_BLOCK = 64
 # Rows up to which the native kernels beat oneDNN / fbgemm (they reread the weights from
@@ -126,11 +141,11 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A weight as the model file stores it: rows of GGUF blocks of 32 values, whose
-    float32 values are exactly the loaded float32 weight's."""
+    """A weight as the model file stores it: rows of GGUF blocks (32 values, or 256 for
+    the K-quants), whose float32 values are exactly the float32 weight's."""
 
-    data: torch.Tensor  # [N, K / 32 * block bytes] uint8
-    kind: str  # a key of BLOCK_TYPES
+    data: torch.Tensor  # [N, K / block values * block bytes] uint8
+    kind: str  # a key of BLOCK_CODES (BLOCK_TYPES: the fused few-row kernel reads it)
     in_features: int
 
     @property
@@ -175,6 +190,13 @@ class MatvecKernels:
         blocks_q8.restype = ctypes.c_int
         blocks_q8.argtypes = blocks.argtypes
         self._f32, self._q8, self._blocks, self._blocks_q8 = f32, q8, blocks, blocks_q8
+        dequant = library.dequantize_rows
+        dequant.restype = ctypes.c_int
+        dequant.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64]
+        linear_dequant = library.linear_dequant_f32
+        linear_dequant.restype = ctypes.c_int
+        linear_dequant.argtypes = blocks.argtypes
+        self._dequant, self._linear_dequant = dequant, linear_dequant
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
 
     def tune(
@@ -256,6 +278,38 @@ class MatvecKernels:
             and weight.data.is_contiguous()
         )
 
+    def fits_dequant(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
+        """Whether `linear_dequant` takes x against this block weight: a few float32 rows
+        (as `linear_f32` takes them), any block format."""
+        return (
+            self._few_rows(HAS_F32, x, bias)
+            and self.features & HAS_DEQUANT != 0
+            and x.shape[1] == weight.in_features
+            and weight.kind in BLOCK_CODES
+            and weight.data.is_contiguous()
+        )
+
+    def linear_dequant(
+        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] against a weight in blocks of any format (+ b) -> [M, N] float32: each
+        chunk of rows dequantized, then `linear_f32`'s loop, so its result to the bit."""
+        return self._call_blocks(self._linear_dequant, x, weight, bias, BLOCK_CODES)
+
+    def dequantize(self, weight: BlockWeight, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows [start, stop) of a block weight into out ([stop - start, K] float32,
+        contiguous): gguf-py's `dequantize` of those rows, to the bit."""
+        rows, k = stop - start, weight.in_features
+        assert out.shape == (rows, k) and out.dtype == torch.float32 and out.is_contiguous()
+        data = weight.data[start:stop]
+        assert data.is_contiguous()
+        code = self._dequant(
+            data.data_ptr(), BLOCK_CODES[weight.kind], rows, k, out.data_ptr(),
+            self.parallel_min_bytes,
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"cannot dequantize {weight.kind} rows of width {k} ({code})")
+
     def linear_blocks(
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -276,12 +330,13 @@ class MatvecKernels:
         x: torch.Tensor,
         weight: BlockWeight,
         bias: torch.Tensor | None,
+        codes: dict[str, int] = BLOCK_TYPES,
     ) -> torch.Tensor:
         x = x.contiguous()
         (m, k), n = x.shape, weight.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
         code = fn(
-            x.data_ptr(), m, k, weight.data.data_ptr(), BLOCK_TYPES[weight.kind], n,
+            x.data_ptr(), m, k, weight.data.data_ptr(), codes[weight.kind], n,
             None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,
         )  # fmt: skip
         if code == -1:
@@ -341,4 +396,5 @@ def load(
     if library is None:
         return None
     kernels = MatvecKernels(library, cache_dir, cpu_native.build_key(SOURCE, flags))
-    return kernels if kernels.features else None
+    # The dequantizer is plain C, built anywhere: the fast paths decide.
+    return kernels if kernels.features & ~HAS_DEQUANT else None

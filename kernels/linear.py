@@ -59,6 +59,7 @@ from spillway.kernels.cpu_matvec import (
     Q8Weight,
     quantize_q8,
 )
+from spillway.kernels.quantized_weight import QuantizedWeight, TiledProduct, Weight
 
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
@@ -79,8 +80,10 @@ TUNE_WEIGHTS = 16
 TUNE_BUDGET_S = 2.0
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], weight: [N, K] -> [M, N] (contiguous)."""
+    if isinstance(weight, QuantizedWeight):  # no kernels at hand: its tiles, by gguf-py
+        return TiledProduct(None)(x.float(), weight, bias).to(x.dtype)
     if x.is_cuda or x.shape[0] >= CPU_TRANSPOSED_BELOW or x.dim() != 2:
         return F.linear(x, weight, bias)
     # For a few rows MKL computes W @ x^T about twice as fast as x @ W^T (the weight streams
@@ -149,6 +152,8 @@ class PackedLinear:
         self._forms: dict[tuple[int, ...], str] = {}
         # id(weight) -> (its weak reference, the model file's blocks of exactly its values)
         self._blocks: dict[int, tuple[weakref.ref[torch.Tensor], BlockWeight]] = {}
+        # Many-row products of weights kept only in blocks (`quantized_weight`).
+        self._tiled = TiledProduct(matvec)
 
     def use_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
         """Few-row products with these weights read their blocks instead (same results:
@@ -157,8 +162,10 @@ class PackedLinear:
             self._blocks[id(weight)] = (weakref.ref(weight), blocks)
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self._from_blocks(x, weight, bias)
         if not self._packable(x, weight, bias):
             return linear(x, weight, bias)
         if self.matvec is not None and self._few_rows(x, weight, bias):
@@ -168,13 +175,45 @@ class PackedLinear:
             return torch.mm(x, t) if bias is None else torch.addmm(bias, x, t)
         return self._apply(x, self._packed.get(weight), bias)  # [M, N]
 
+    def _from_blocks(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A weight kept only in the file's blocks: a few rows through the native kernels
+        (the fused one where it reads the format, else chunks dequantized into linear_f32's
+        loop: either way the float32 weight's outputs to the bit), more rows tile by tile."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+            return linear(x, weight, bias)
+        fused = self._fused_blocks(x, weight, bias)
+        if fused is not None:
+            assert self.matvec is not None
+            return self.matvec.linear_blocks(x, fused, bias)
+        matvec = self.matvec
+        if matvec is not None and all(matvec.fits_dequant(x, p, bias) for p in weight.parts):
+            outs = [
+                matvec.linear_dequant(
+                    x, part, None if bias is None else bias[start : start + part.shape[0]]
+                )
+                for start, part in weight.segments()
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self._tiled(x, weight, bias)
+
+    def _fused_blocks(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> BlockWeight | None:
+        """The weight's one segment where the fused few-row block kernel takes it with x."""
+        part = weight.single
+        if self.matvec is None or part is None or not self.matvec.fits_blocks(x, part, bias):
+            return None
+        return part
+
     def form(self, weight: torch.Tensor) -> str:
         """The form this weight's many-row products take (ONEDNN or TRANSPOSED)."""
         return self._forms.get(tuple(weight.shape), ONEDNN)
 
     def tune_forms(
         self,
-        weights: Sequence[torch.Tensor],
+        weights: Sequence[Weight],
         rows: int = TUNE_ROWS,
         rounds: int = 2,
         clock: Callable[[], float] = time.perf_counter,
@@ -194,6 +233,8 @@ class PackedLinear:
             return {}
         groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
         for w in weights:
+            if not isinstance(w, torch.Tensor):  # kept in blocks: one form only
+                continue
             if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
                 groups.setdefault(tuple(w.shape), []).append(w)
         chosen: dict[tuple[int, ...], str] = {}
@@ -248,11 +289,13 @@ class PackedLinear:
         return form
 
     def few_row_form(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
     ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | None:
         """The weight a call with these (few) rows hands the native kernel: the float32
         weight itself, the model file's blocks of it, or an int8 form; None when such a
-        call goes elsewhere."""
+        call goes elsewhere (a weight kept in blocks that the fused kernel does not read)."""
+        if isinstance(weight, QuantizedWeight):
+            return self._fused_blocks(x, weight, bias) if x.dtype == torch.float32 else None
         if self.matvec is None or not self._packable(x, weight, bias):
             return None
         return self._few_form(x, weight, bias) if self._few_rows(x, weight, bias) else None
@@ -375,8 +418,10 @@ class Int8Linear(PackedLinear):
         self._integer: dict[int, IntegerBlocks] = {}
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # the float32 product of its values
+            return super().__call__(x, weight, bias)
         if (
             self.matmul is not None
             and self._packable(x, weight, bias)

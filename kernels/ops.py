@@ -54,6 +54,7 @@ from spillway.kernels.kv_store import store_kv_ref
 from spillway.kernels.linear import Int8Linear, PackedLinear, linear
 from spillway.kernels.moe import fused_experts_ref
 from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
+from spillway.kernels.quantized_weight import QuantizedWeight, Weight, embedding
 from spillway.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from spillway.kernels.rotary import heads_together, rotary_factors, rotary_ref
 
@@ -68,8 +69,10 @@ class KernelOps(Protocol):
     name: str
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor: ...
+
+    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
 
     def store_kv(
         self,
@@ -331,17 +334,24 @@ class TorchOps:
         return None if matmul is None else matmul.path
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x W^T + b; on the CPU against weights packed on first use (kernels.linear)."""
+        """x W^T + b; on the CPU against weights packed on first use (kernels.linear), or
+        read in the model file's blocks where it keeps them (`quantized_weight`)."""
         return self._linear(x, weight, bias)
+
+    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor:
+        """The table's rows at ids; a table kept in blocks dequantizes only those."""
+        if isinstance(table, QuantizedWeight):
+            return embedding(ids, table, self._linear.matvec)
+        return F.embedding(ids, table)
 
     def use_source_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
         """Float32 weights whose exact values the model file's blocks hold: few-row steps
         read those (`PackedLinear.use_blocks`)."""
         self._linear.use_blocks(pairs)
 
-    def verify_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
+    def verify_rows(self, projections: Sequence[Weight]) -> int | None:
         """How many one-token rows a decode step over these projections may hold and still
         run the native few-row path, where each row is computed exactly as a step of that
         row alone (a speculative verify's positions); None without that path."""
@@ -356,7 +366,7 @@ class TorchOps:
         blocks = all(isinstance(form, BlockWeight) for form in forms)
         return cpu_matvec.MAX_BLOCK_ROWS if blocks else cpu_matvec.MAX_ROWS
 
-    def tune_few_rows(self, projections: Sequence[torch.Tensor]) -> int | None:
+    def tune_few_rows(self, projections: Sequence[Weight]) -> int | None:
         """Times a one-row pass over these projections under each threading choice of the
         native few-row kernels and keeps the faster (`MatvecKernels.tune`); returns it, or
         None where those kernels are not in use."""
@@ -384,7 +394,7 @@ class TorchOps:
         with torch.inference_mode():
             return matvec.tune(one_row, workload=workload)
 
-    def tune_many_rows(self, projections: Sequence[torch.Tensor]) -> dict[tuple[int, ...], str]:
+    def tune_many_rows(self, projections: Sequence[Weight]) -> dict[tuple[int, ...], str]:
         """Picks each projection shape's many-row form by timing, or as a start before on
         this machine did (`PackedLinear.tune_forms`: oneDNN's packing or MKL on the
         transposed weight); returns shape -> form."""
@@ -749,9 +759,14 @@ class TritonOps:
         self._gated_delta = gated_delta
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        assert isinstance(weight, torch.Tensor)  # weights load dequantized for CUDA
         return linear(x, weight, bias)  # cuBLAS: the projections are not ours to beat
+
+    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor:
+        assert isinstance(table, torch.Tensor)
+        return F.embedding(ids, table)
 
     def store_kv(
         self,

@@ -211,3 +211,14 @@ def open_gguf(path: str | Path) -> GGUFFile:
         while len(_parsed) > _CACHE_SIZE:
             _parsed.popitem(last=False)
     return parsed
+
+
+def forget_gguf(path: str | Path) -> None:
+    """Drops the cached parse of this file, whose tensors map it: once no array of it is
+    referenced, the mapping closes and the pages it read leave this process's memory
+    (the weight loader copies what it keeps, then calls this). A later `open_gguf`
+    parses the file again."""
+    resolved = str(Path(path).resolve())
+    with _lock:
+        for key in [k for k in _parsed if k[0] == resolved]:
+            del _parsed[key]

@@ -65,10 +65,27 @@ def _add_tokenizer(writer: GGUFWriter, vocab: int) -> None:
     writer.add_eos_token_id(vocab - 1)
 
 
-def write_tiny_llama(path: Path, kind: GGMLQuantizationType, seed: int = 0) -> Path:
-    """A 2-layer llama GGUF (TINY's shapes) with every projection in `kind`."""
+# llama.cpp's Q4_K_M mix: Q4_K, with attn_v, ffn_down and output in Q6_K (it keeps Q6_K
+# for half of the layers' attn_v and ffn_down; here all of them).
+Q4_K_M = {
+    "": GGMLQuantizationType.Q4_K,
+    "attn_v": GGMLQuantizationType.Q6_K,
+    "ffn_down": GGMLQuantizationType.Q6_K,
+    "output": GGMLQuantizationType.Q6_K,
+}
+
+
+def write_tiny_llama(
+    path: Path,
+    kind: GGMLQuantizationType | dict[str, GGMLQuantizationType],
+    seed: int = 0,
+    shape: dict[str, int] = TINY,
+) -> Path:
+    """A llama GGUF (TINY's shapes unless `shape` says) with every projection in `kind`,
+    or per tensor as a mix like Q4_K_M says (name part -> type, "" for the rest)."""
     rng = np.random.default_rng(seed)
-    t = TINY
+    t = shape
+    mix = kind if isinstance(kind, dict) else {"": kind}
     head_dim = t["hidden"] // t["heads"]
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(t["layers"])
@@ -84,8 +101,10 @@ def write_tiny_llama(path: Path, kind: GGMLQuantizationType, seed: int = 0) -> P
     _add_tokenizer(writer, t["vocab"])
 
     def matrix(name: str, rows: int, cols: int) -> None:
-        data = random_blocks(rng, rows, cols, kind)
-        raw = None if data.dtype != np.uint8 else kind
+        found = [k for part, k in mix.items() if part and f"{part}." in name]
+        this = found[0] if found else mix[""]
+        data = random_blocks(rng, rows, cols, this)
+        raw = None if data.dtype != np.uint8 else this
         writer.add_tensor(name, data, raw_dtype=raw)
 
     def norm(name: str) -> None:

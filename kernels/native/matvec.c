@@ -37,7 +37,7 @@
  * scheduling costs nothing against the chunk's bytes. */
 #define CHUNK 64
 
-enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4, HAS_BLOCKS_Q8 = 8 };
+enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4, HAS_BLOCKS_Q8 = 8, HAS_DEQUANT = 16 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_VNNI 1
@@ -49,7 +49,7 @@ enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4, HAS_BLOCKS_Q8 = 8 };
 #endif
 
 int matvec_features(void) {
-    int f = 0;
+    int f = HAS_DEQUANT; /* plain C: dequantize_rows, linear_dequant_f32 */
 #ifdef F32_SIMD
     f |= HAS_F32;
 #endif
@@ -791,3 +791,231 @@ int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int
     return -4; /* not built with AVX2, FMA and F16C: matvec_features() says so */
 }
 #endif
+
+/* --- GGUF blocks to float32 ------------------------------------------------------------
+ *
+ * dequantize_rows turns rows of the model file's blocks into float32 exactly as gguf-py's
+ * dequantize does (the numbers transformers loads): every product here (an f16 scale, an
+ * f16 scale times a 6- or 8-bit sub-block scale, times a quantized value of at most 6
+ * bits) fits float32's 24-bit mantissa, so it is exact, and each weight rounds once, in
+ * its final addition or subtraction of the minimum, whatever the compiler fuses. Plain C
+ * (no vector instructions assumed): a weight kept in blocks is dequantized a tile at a
+ * time for many-row products, or a chunk of rows at a time under linear_dequant_f32.
+ * Codes: BLOCK_Q4_1, BLOCK_Q8_0 as above, then the rest (DQ_* below; cpu_matvec's
+ * BLOCK_CODES mirrors them). */
+enum { DQ_Q4_1 = 0, DQ_Q8_0 = 1, DQ_Q4_0 = 2, DQ_Q5_0 = 3, DQ_Q5_1 = 4, DQ_Q4_K = 5,
+       DQ_Q5_K = 6, DQ_Q6_K = 7 };
+
+/* IEEE half to float (exact; no F16C needed). */
+static inline float f16_bits(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Values and bytes per block of each code; 0 for an unknown code. */
+static int dq_block(int type, int64_t *values, int64_t *bytes) {
+    static const int64_t v[] = {32, 32, 32, 32, 32, 256, 256, 256};
+    static const int64_t b[] = {20, 34, 18, 22, 24, 144, 176, 210};
+    if (type < 0 || type > DQ_Q6_K) return 0;
+    *values = v[type];
+    *bytes = b[type];
+    return 1;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (gguf-py's get_scale_min). */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+static void dq_block_values(const uint8_t *blk, int type, float *out) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (type == DQ_Q4_1 || type == DQ_Q8_0) { /* the fused kernels' conversion: the same values */
+        __m256 w[4];
+        block_weights(blk, type, w);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 8 * i, w[i]);
+        return;
+    }
+#endif
+    switch (type) {
+    case DQ_Q4_0: {
+        const float d = f16_bits(blk);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((blk[2 + j] & 0x0F) - 8);
+            out[j + 16] = d * (float)((blk[2 + j] >> 4) - 8);
+        }
+        break;
+    }
+    case DQ_Q4_1: {
+        const float d = f16_bits(blk), m = f16_bits(blk + 2);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(blk[4 + j] & 0x0F) + m;
+            out[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+        }
+        break;
+    }
+    case DQ_Q5_0:
+    case DQ_Q5_1: {
+        const int one = type == DQ_Q5_1; /* Q5_1: d, m, qh, qs; Q5_0: d, qh, qs */
+        const float d = f16_bits(blk), m = one ? f16_bits(blk + 2) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, blk + 2 + 2 * one, sizeof qh);
+        const uint8_t *qs = blk + 6 + 2 * one;
+        for (int j = 0; j < 32; j++) {
+            const int lo = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+            const int q = lo | (int)(((qh >> j) & 1u) << 4);
+            out[j] = one ? d * (float)q + m : d * (float)(q - 16);
+        }
+        break;
+    }
+    case DQ_Q8_0: {
+        const float d = f16_bits(blk);
+        for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)blk[2 + j] * d;
+        break;
+    }
+    case DQ_Q4_K:
+    case DQ_Q5_K: { /* d, dmin, scales[12], (qh[32],) qs[128] */
+        const int five = type == DQ_Q5_K;
+        const float d = f16_bits(blk), dmin = f16_bits(blk + 2);
+        const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + 16 + 32 * five;
+        float ds[8], dm[8];
+        for (int s = 0; s < 8; s++) {
+            int sc, mn;
+            k_scale_min(scales, s, &sc, &mn);
+            ds[s] = d * (float)sc;
+            dm[s] = dmin * (float)mn;
+        }
+        /* Sub-blocks 2 j and 2 j + 1 share 32 bytes of qs (low, high nibbles): constant
+         * shifts, so that the compiler vectorizes each loop. */
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *q = qs + 32 * j;
+            float *lo = out + 64 * j, *hi = lo + 32;
+            if (five) {
+                for (int l = 0; l < 32; l++) {
+                    const int h0 = (qh[l] >> (2 * j)) & 1, h1 = (qh[l] >> (2 * j + 1)) & 1;
+                    lo[l] = ds[2 * j] * (float)((q[l] & 0x0F) | (h0 << 4)) - dm[2 * j];
+                    hi[l] = ds[2 * j + 1] * (float)((q[l] >> 4) | (h1 << 4)) - dm[2 * j + 1];
+                }
+            } else {
+                for (int l = 0; l < 32; l++) {
+                    lo[l] = ds[2 * j] * (float)(q[l] & 0x0F) - dm[2 * j];
+                    hi[l] = ds[2 * j + 1] * (float)(q[l] >> 4) - dm[2 * j + 1];
+                }
+            }
+        }
+        break;
+    }
+    case DQ_Q6_K: { /* ql[128], qh[64], scales[16] int8, d */
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        const float d = f16_bits(blk + 208);
+        float ds[16];
+        for (int i = 0; i < 16; i++) ds[i] = d * (float)scales[i];
+        /* Values 128 g + 32 s + l: low nibble of ql[64 g + 32 (s % 2) + l] shifted by
+         * 4 (s / 2), two high bits of qh[32 g + l] shifted by 2 s; a scale per 16 values. */
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *ql = blk + 64 * g, *qh = blk + 128 + 32 * g;
+            float *o = out + 128 * g;
+            const float *sc = ds + 8 * g;
+            for (int l = 0; l < 32; l++) {
+                const int half = l / 16;
+                const int q0 = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                const int q1 = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                const int q2 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                const int q3 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                o[l] = sc[half] * (float)(q0 - 32);
+                o[l + 32] = sc[2 + half] * (float)(q1 - 32);
+                o[l + 64] = sc[4 + half] * (float)(q2 - 32);
+                o[l + 96] = sc[6 + half] * (float)(q3 - 32);
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* Rows [rows, k] of blocks -> out [rows, k] float32. */
+static void dq_rows(const uint8_t *w, int type, int64_t values, int64_t bytes, int64_t rows,
+                    int64_t k, float *out) {
+    const int64_t nb = k / values;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++)
+            dq_block_values(w + (r * nb + b) * bytes, type, out + r * k + b * values);
+}
+
+/* Returns 0, -2 when k is not a multiple of the block's values, -3 for an unknown code. */
+int dequantize_rows(const uint8_t *w, int type, int64_t rows, int64_t k, float *out,
+                    int64_t parallel_min_bytes) {
+    int64_t values, bytes;
+    if (!dq_block(type, &values, &bytes)) return -3;
+    if (k % values != 0) return -2;
+    const int64_t row_bytes = k / values * bytes;
+    const int parallel = rows * k * (int64_t)sizeof(float) >= parallel_min_bytes;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t r0 = 0; r0 < rows; r0 += CHUNK)
+        dq_rows(w + r0 * row_bytes, type, values, bytes, min64(CHUNK, rows - r0), k, out + r0 * k);
+    return 0;
+}
+
+/* linear_dequant_f32: linear_f32 on a weight kept in blocks of any code above: each chunk
+ * of CHUNK output rows is dequantized into a per-thread buffer, then summed by the very
+ * loop linear_f32 runs (dot4_f32 in groups of four from the chunk's start, dot_f32 for the
+ * rest, bias last), so the outputs are linear_f32's on the float32 weight to the bit, at
+ * the blocks' bytes read. Returns 0, -1 when a buffer cannot be allocated, -2 / -3 as
+ * dequantize_rows. */
+int linear_dequant_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                       int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    int64_t values, bytes;
+    if (!dq_block(type, &values, &bytes)) return -3;
+    if (k % values != 0) return -2;
+    const int64_t row_bytes = k / values * bytes;
+    const int parallel = n * k * (int64_t)sizeof(float) >= parallel_min_bytes;
+    int failed = 0;
+#pragma omp parallel if (parallel) reduction(| : failed)
+    {
+        float *tile = malloc((size_t)(CHUNK * k) * sizeof(float));
+        failed |= tile == NULL;
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
+            if (tile == NULL) continue;
+            const int64_t n1 = min64(n0 + CHUNK, n);
+            dq_rows(w + n0 * row_bytes, type, values, bytes, n1 - n0, k, tile);
+            for (int64_t row = 0; row < m; row++) {
+                const float *a = x + row * k;
+                float *out = y + row * n;
+                int64_t j = n0;
+#ifdef F32_SIMD
+                for (; j + 4 <= n1; j += 4) dot4_f32(a, tile + (j - n0) * k, k, out + j);
+#endif
+                for (; j < n1; j++) out[j] = dot_f32(a, tile + (j - n0) * k, k);
+                if (bias)
+                    for (j = n0; j < n1; j++) out[j] += bias[j];
+            }
+        }
+        free(tile);
+    }
+    return failed ? -1 : 0;
+}

@@ -8,6 +8,7 @@ layout (rotate-half RoPE, weights `[out_features, in_features]`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
@@ -20,12 +21,13 @@ import numpy as np
 import torch
 
 from spillway.kernels.cpu_info import cpu_flags
-from spillway.kernels.cpu_matvec import BLOCK_TYPES, BlockWeight
+from spillway.kernels.cpu_matvec import BLOCK_CODES, BLOCK_TYPES, BlockWeight
+from spillway.kernels.quantized_weight import QuantizedWeight, Weight, dequantize
 from spillway.services.worker.mla import MLAWeights, q_width
 from spillway.services.worker.moe import MoEWeights
 from spillway.services.worker.weights import LayerWeights, ModelWeights, MtpWeights
 from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS, gguf_architecture
-from spillway.shared.gguf_file import GGUFFile, open_gguf
+from spillway.shared.gguf_file import GGUFFile, forget_gguf, open_gguf
 from spillway.shared.model_config import ModelConfig, load_model_config
 from spillway.shared.model_files import ModelSource
 
@@ -86,10 +88,19 @@ def time_matmul(dtype: torch.dtype, rows: int = 64, size: int = 1024, rounds: in
 
 
 def load_model(
-    source: ModelSource, device: torch.device, dtype: torch.dtype, mtp: bool = False
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    mtp: bool = False,
+    keep_quantized: bool = True,
 ) -> tuple[ModelConfig, ModelWeights]:
     """The model's config (tie_word_embeddings as found in the weights) and its weights
-    (with `mtp`, its multi-token-prediction layer too: Hugging Face folders only)."""
+    (with `mtp`, its multi-token-prediction layer too: Hugging Face folders only).
+
+    From a GGUF file in the exact mode (CPU, float32) with `keep_quantized`, the
+    projections and the embedding stay in the file's blocks (`QuantizedWeight`): memory
+    about the file's size. Without it (`--quantize int8`, whose many-row products quantize
+    float32 weights) they load dequantized, the blocks kept beside for few-row steps."""
     if source.kind == "synthetic":
         from spillway.services.worker.synthetic import synthetic_weights
 
@@ -100,52 +111,78 @@ def load_model(
         reader = open_gguf(source.path)  # the parse the config came from
         # The file's blocks hold the float32 weights' exact values: worth keeping for those.
         exact_blocks = device.type == "cpu" and dtype == torch.float32
-        tensors, raw_blocks = _gguf_tensors(reader, config, exact_blocks)
+        tensors, raw_blocks = _gguf_tensors(
+            reader, config, exact_blocks, only_blocks=exact_blocks and keep_quantized
+        )
+        del reader
+        forget_gguf(source.path)  # every tensor was copied: the file's pages may go
         names = GGUF_NAMES
     else:
         config = load_model_config(source)
-        tensors, raw_blocks = _safetensors_tensors(source.path), {}
+        tensors, raw_blocks = {**_safetensors_tensors(source.path)}, {}
         names = HF_NAMES
     weights = _assemble(tensors, names, config, device, dtype, raw_blocks, mtp=mtp)
+    release_freed_memory()
     tied = weights.lm_head is weights.embed
     if tied != config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=tied)
     return config, weights
 
 
+def release_freed_memory() -> None:
+    """Hands the heap pages freed during the load back to the OS (glibc's malloc_trim):
+    the parts of each fused weight are freed after the fusing, in pages glibc otherwise
+    keeps, about a third of a quantized model's size. A no-op without glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols: libc's
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 # --- sources: name -> float tensor in the HF layout ---------------------------------------
 
 
 def _gguf_tensors(
-    reader: GGUFFile, config: ModelConfig, keep_blocks: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    reader: GGUFFile, config: ModelConfig, keep_blocks: bool, only_blocks: bool = False
+) -> tuple[dict[str, Weight], dict[str, BlockWeight]]:
     """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
     stored in a format the native few-row kernels read (`cpu_matvec.BLOCK_TYPES`), permuted
     alike. q/k rows are un-permuted where the architecture's converter permuted them; q/k/v
-    biases of an architecture without them are left out, as transformers leaves them."""
-    from gguf.quants import dequantize
+    biases of an architecture without them are left out, as transformers leaves them. With
+    only_blocks, a matrix in any block format stays in its blocks alone (a
+    `QuantizedWeight`), never dequantized here."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize as gguf_dequantize
 
     arch = gguf_architecture(reader.fields)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     blocks: dict[str, BlockWeight] = {}
     check_tensor_types(reader)
     for tensor in reader.tensors:
         if not arch.qkv_bias and tensor.name.endswith(_QKV_BIASES):
             log.warning("ignored %s: %s files have no q/k/v bias", tensor.name, arch.name)
             continue
-        # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
-        data = dequantize(tensor.data, tensor.tensor_type)
-        blocked = keep_blocks and tensor.data.ndim == 2  # [rows, row bytes] when blocked
-        raw = tensor.data if blocked else None
+        blocked = tensor.data.ndim == 2 and tensor.data.dtype == np.uint8  # [rows, row bytes]
         kind = tensor.tensor_type.name.lower()
+        raw = tensor.data if blocked and keep_blocks else None
+        quantized = only_blocks and raw is not None and kind in BLOCK_CODES
+        # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
+        data = None if quantized else gguf_dequantize(tensor.data, tensor.tensor_type)
         for part, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
             if arch.permuted_qk and part in tensor.name:
-                data = _unpermute_rope_rows(data, heads)
+                data = None if data is None else _unpermute_rope_rows(data, heads)
                 raw = None if raw is None else _unpermute_rope_rows(raw, heads)
-        out[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32))
-        if raw is not None and kind in BLOCK_TYPES and data.ndim == 2:
+        values, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        width = tensor.data.shape[-1] // block_bytes * values  # a row's values
+        if raw is not None and (quantized or kind in BLOCK_TYPES):
             rows = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file is mapped
-            blocks[tensor.name] = BlockWeight(rows, kind, data.shape[1])
+            blocks[tensor.name] = BlockWeight(rows, kind, width)
+        if quantized:
+            out[tensor.name] = QuantizedWeight((blocks.pop(tensor.name),))
+        else:
+            assert data is not None
+            out[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32))
     return out, blocks
 
 
@@ -258,7 +295,7 @@ GGUF_NAMES = TensorNames(
 
 
 def _assemble(
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, Weight],
     names: TensorNames,
     config: ModelConfig,
     device: torch.device,
@@ -267,7 +304,9 @@ def _assemble(
     mtp: bool = False,
 ) -> ModelWeights:
     """The model's weights; with `mtp`, its first multi-token-prediction layer too (left
-    out otherwise: DeepSeek-V3's is a whole MoE layer)."""
+    out otherwise: DeepSeek-V3's is a whole MoE layer). Weights kept in blocks
+    (`QuantizedWeight`) stay so where they are projections or the embedding, fused as
+    the float32 ones would be; anywhere else they are dequantized."""
     raw_blocks = raw_blocks or {}
     blocks: list[tuple[torch.Tensor, BlockWeight]] = []
 
@@ -279,16 +318,27 @@ def _assemble(
             kind = found[0].kind  # type: ignore[union-attr]
             blocks.append((weight, BlockWeight(data, kind, weight.shape[1])))
 
-    def take(name: str, alone: bool = True) -> torch.Tensor:
+    def take_weight(name: str, alone: bool = True) -> Weight:
         if name not in tensors:
             raise KeyError(f"weight {name!r} missing from the model files")
-        weight = tensors.pop(name).to(device=device, dtype=dtype)
+        found = tensors.pop(name)
+        if isinstance(found, QuantizedWeight):
+            return found
+        weight = found.to(device=device, dtype=dtype)
         if alone:
             keep_blocks(weight, (name,))
         return weight
 
-    def fuse(*parts: str) -> torch.Tensor:
-        fused = torch.cat([take(p, alone=False) for p in parts], dim=0).contiguous()
+    def take(name: str) -> torch.Tensor:
+        weight = take_weight(name)
+        return weight if isinstance(weight, torch.Tensor) else _as_tensor(weight).to(dtype)
+
+    def fuse(*parts: str) -> Weight:
+        found = [take_weight(p, alone=False) for p in parts]
+        if all(isinstance(w, QuantizedWeight) for w in found):
+            return QuantizedWeight.cat([w for w in found if isinstance(w, QuantizedWeight)])
+        plain = [_as_tensor(w).to(device=device, dtype=dtype) for w in found]
+        fused = torch.cat(plain, dim=0).contiguous()
         keep_blocks(fused, parts)
         return fused
 
@@ -305,11 +355,13 @@ def _assemble(
         return LayerWeights(
             attn_norm=take(n("attn_norm")),
             qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
-            qkv_bias=fuse(n("q_bias"), n("k_bias"), n("v_bias")) if has_bias else None,
-            o=take(n("o")),
+            qkv_bias=torch.cat([take(n(b)) for b in ("q_bias", "k_bias", "v_bias")])
+            if has_bias
+            else None,
+            o=take_weight(n("o")),
             ffn_norm=take(n("ffn_norm")),
             gate_up=None if sparse else fuse(n("gate"), n("up")),
-            down=None if sparse else take(n("down")),
+            down=None if sparse else take_weight(n("down")),
             q_norm=take(n("q_norm")) if config.qk_norm else None,
             k_norm=take(n("k_norm")) if config.qk_norm else None,
             moe=_moe_weights(tensors, config, i, take, names) if sparse else None,
@@ -317,10 +369,10 @@ def _assemble(
         )
 
     layers = [layer_weights(i) for i in range(config.num_layers)]
-    embed = take(names.embed)
+    embed = take_weight(names.embed)
     # A tied model may still ship lm_head (HF save_pretrained can); the config decides.
     tied = names.lm_head not in tensors or (names is HF_NAMES and config.tie_word_embeddings)
-    lm_head = embed if tied else take(names.lm_head)
+    lm_head = embed if tied else take_weight(names.lm_head)
     tensors.pop(names.lm_head, None)
     weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
     if mtp:
@@ -337,8 +389,13 @@ def _assemble(
     return weights
 
 
+def _as_tensor(weight: Weight) -> torch.Tensor:
+    """A weight as a float32 tensor (dequantized where it is kept in blocks)."""
+    return weight if isinstance(weight, torch.Tensor) else dequantize(weight)
+
+
 def _mtp_weights(
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, Weight],
     config: ModelConfig,
     layer_weights: Callable[[int], LayerWeights],
     take: Callable[..., torch.Tensor],
@@ -359,8 +416,8 @@ def _mtp_weights(
         eh_proj=take(f"{p}.eh_proj.weight"),
         layer=layer_weights(config.num_layers),
         norm=take(f"{p}.shared_head.norm.weight"),
-        head=take(head) if head in tensors else model.lm_head,
-        embed=take(embed) if embed in tensors else model.embed,
+        head=take(head) if head in tensors else _as_tensor(model.lm_head),
+        embed=take(embed) if embed in tensors else _as_tensor(model.embed),
     )
 
 
@@ -375,7 +432,7 @@ _MOE_LAYOUTS = {
 
 
 def _mla_weights(
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, Weight],
     config: ModelConfig,
     layer: int,
     take: Callable[..., torch.Tensor],
@@ -404,7 +461,7 @@ def _mla_weights(
 
 
 def _moe_weights(
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, Weight],
     config: ModelConfig,
     layer: int,
     take: Callable[..., torch.Tensor],

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
 from spillway.kernels.cpu_decode_layers import Geometry, LayerTensors
 from spillway.kernels.ops import KernelOps, TorchOps
@@ -205,7 +204,7 @@ class LlamaModel:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V to the cache. Reads nothing back to the host."""
         eps = self.config.rms_norm_eps
-        x = F.embedding(batch.token_ids, self.weights.embed)  # [T, H]
+        x = self.ops.embedding(batch.token_ids, self.weights.embed)  # [T, H]
         at_once = (
             self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
         )
@@ -222,7 +221,7 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s logits and every token's final normed hidden state [T, H] (what a
         multi-token-prediction layer reads)."""
-        x = F.embedding(batch.token_ids, self.weights.embed)
+        x = self.ops.embedding(batch.token_ids, self.weights.embed)
         at_once = (
             self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
         )

@@ -34,7 +34,11 @@ def perplexities(
 ) -> dict[str, float]:
     """Perplexity of token_ids under each mode ("none": float32 weights and cache), on the
     CPU over the same weights."""
-    config, weights = load_model(source, torch.device("cpu"), torch.float32)
+    # int8 modes quantize float32 weights: a GGUF file's then load dequantized for all.
+    exact_only = all(mode.removesuffix(_KV_SUFFIX) == "none" for mode in modes)
+    config, weights = load_model(
+        source, torch.device("cpu"), torch.float32, keep_quantized=exact_only
+    )
     out = {}
     for mode in modes:
         quantize = mode.removesuffix(_KV_SUFFIX)

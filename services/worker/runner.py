@@ -884,7 +884,10 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     if model_config.hybrid is not None:
         return load_hybrid_runner(settings, source, device, dtype, ops, kv_dtype)
     mtp = settings.speculative == "mtp"
-    config, weights = load_model(source, device, dtype, mtp=mtp)
+    # --quantize int8 quantizes float32 weights for its many-row products: those load
+    # dequantized; the exact mode keeps a GGUF file's blocks alone.
+    keep_quantized = settings.quantize != "int8"
+    config, weights = load_model(source, device, dtype, mtp=mtp, keep_quantized=keep_quantized)
     check_expert_parallel(settings, config, source.model_id)
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
     if group is not None:
@@ -953,7 +956,7 @@ def load_draft_model(
     check_servable(source)
     if load_model_config(source).hybrid is not None:
         raise ValueError(f"--draft-model {settings.draft_model}: a hybrid model cannot draft")
-    config, weights = load_model(source, device, dtype)
+    config, weights = load_model(source, device, dtype, keep_quantized=settings.quantize != "int8")
     if config.vocab_size != target.vocab_size:
         raise ValueError(
             f"--draft-model {settings.draft_model}: vocabulary of {config.vocab_size} tokens,"

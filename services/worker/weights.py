@@ -1,5 +1,8 @@
 """The weights every model source ends in (GGUF, a Hugging Face folder, a synthetic model):
-q/k/v fused into one projection and gate/up into another, in the Hugging Face layout."""
+q/k/v fused into one projection and gate/up into another, in the Hugging Face layout.
+
+A projection or the embedding is a float32 tensor, or, in the exact CPU mode from a GGUF
+file, a `QuantizedWeight`: the file's blocks alone, the values they dequantize to exactly."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from spillway.kernels.cpu_matvec import BlockWeight
+from spillway.kernels.quantized_weight import QuantizedWeight, Weight
 from spillway.services.worker.mla import MLAWeights
 from spillway.services.worker.moe import MoEWeights
 
@@ -16,13 +20,13 @@ from spillway.services.worker.moe import MoEWeights
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv: Weight  # [(Hq + 2 Hkv) * D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2 style) or None
-    o: torch.Tensor  # [H, Hq * D]
+    o: Weight  # [H, Hq * D]
     ffn_norm: torch.Tensor  # [H]
     # The dense MLP; None on a MoE layer.
-    gate_up: torch.Tensor | None  # [2 I, H]: gate rows first, then up
-    down: torch.Tensor | None  # [H, I]
+    gate_up: Weight | None  # [2 I, H]: gate rows first, then up
+    down: Weight | None  # [H, I]
     q_norm: torch.Tensor | None = None  # [D]: per-head RMSNorm of q before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [D]
     moe: MoEWeights | None = None  # the MoE feed-forward in place of the dense MLP
@@ -56,10 +60,10 @@ class MtpWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, H]
+    embed: Weight  # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    lm_head: Weight  # [V, H]; the embedding itself when tied
     # Projection weights (by identity) whose values the model file's own blocks hold exactly:
     # a few-row step can read those instead (0.625 bytes a weight for Q4_1, not 4). Only
     # for float32 weights on the CPU loaded from GGUF.
@@ -69,19 +73,22 @@ class ModelWeights:
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device  # the norms are plain tensors in every source
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
     def num_bytes(self) -> int:
-        tensors = [self.embed, self.norm, self.lm_head]
+        tensors: list[object] = [self.embed, self.norm, self.lm_head]
         for layer in self.layers:
             tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
             for part in (layer.moe, layer.mla):
                 if part is not None:
                     tensors += [getattr(part, f.name) for f in dataclasses.fields(part)]
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-        unique = {t.data_ptr(): t for t in tensors if t is not None}
-        return sum(t.numel() * t.element_size() for t in unique.values())
+        quantized = {id(t): t for t in tensors if isinstance(t, QuantizedWeight)}
+        plain = [t for t in tensors if isinstance(t, torch.Tensor)]
+        unique = {t.data_ptr(): t for t in plain}
+        return sum(t.numel() * t.element_size() for t in unique.values()) + sum(
+            w.nbytes for w in quantized.values()
+        )

@@ -9,8 +9,10 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from spillway.kernels.quantized_weight import QuantizedWeight
 from spillway.services.worker.loader import GGUF_TENSOR_TYPES
 from spillway.services.worker.runner import load_runner
+from spillway.services.worker.weights import ModelWeights
 from spillway.shared.config import load_settings
 from tests.gguf_files import write_tiny_llama
 from tests.unit.worker.plans import generate
@@ -52,6 +54,21 @@ def test_greedy_output_equals_transformers_on_the_same_gguf(tmp_path, kind):
     settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
     runner = load_runner(settings)[0]
     assert generate(runner, PROMPTS, max_new_tokens=NEW_TOKENS, chunk=3) == expected
+    _assert_blocks_alone(runner.model.weights, blocked=kind not in ("F32", "F16"))
+
+
+def _assert_blocks_alone(w: ModelWeights, blocked: bool) -> None:
+    """A block-typed file's projections, embedding and lm_head are its blocks alone: the
+    float32 bytes left are the norms'."""
+    matrices = [w.embed, w.lm_head] + [
+        t for x in w.layers for t in (x.qkv, x.o, x.gate_up, x.down) if t is not None
+    ]
+    assert all(isinstance(t, QuantizedWeight) == blocked for t in matrices)
+    if blocked:
+        quantized = {id(t): t for t in matrices if isinstance(t, QuantizedWeight)}
+        float32_bytes = w.num_bytes() - sum(t.nbytes for t in quantized.values())
+        hidden = w.norm.shape[0]
+        assert float32_bytes == 4 * hidden * (2 * len(w.layers) + 1)
 
 
 def test_a_tensor_type_outside_the_set_is_refused_naming_tensor_and_type(tmp_path):

@@ -104,19 +104,28 @@ def test_batched_greedy_generation_equals_transformers_generate(runner, hf_model
     assert got == expected
 
 
-def test_the_gguf_blocks_kept_are_the_float32_weights_exactly(runner):
-    """Every projection (and the tied lm_head) keeps the file's blocks, rows permuted and
-    fused as the float32 weights were, and they dequantize to those weights bit for bit."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, quants
+def test_projections_and_embedding_are_kept_only_in_the_files_blocks(runner, hf_model):
+    """No float32 copy of a block-typed weight after load: every projection and the tied
+    embedding is the file's blocks (rows permuted and fused as transformers' weights
+    are), and they dequantize to transformers' weights of the same file bit for bit."""
+    from spillway.kernels.quantized_weight import QuantizedWeight, dequantize
 
-    w = runner.model.weights
-    projections = [w.lm_head] + [t for x in w.layers for t in (x.qkv, x.o, x.gate_up, x.down)]
-    assert sorted(id(t) for t, _ in w.blocks) == sorted(id(t) for t in projections)
-    kinds = {b.kind for _, b in w.blocks}
-    assert kinds == {"q4_1", "q8_0"}  # what this file holds
-    for dense, blocks in w.blocks:
-        qtype = GGMLQuantizationType[blocks.kind.upper()]
-        values = quants.dequantize(blocks.data.numpy(), qtype)
-        assert blocks.shape == tuple(dense.shape)
-        assert torch.equal(torch.from_numpy(np.array(values, dtype=np.float32)), dense)
+    w, c = runner.model.weights, runner.model.config
+    assert w.lm_head is w.embed
+    projections = [w.embed] + [t for x in w.layers for t in (x.qkv, x.o, x.gate_up, x.down)]
+    assert all(isinstance(t, QuantizedWeight) for t in projections)
+    assert {p.kind for t in projections for p in t.parts} == {"q4_1", "q8_0"}  # this file's
+    assert all(len(t.parts) == 1 for t in projections)  # q/k/v, gate/up fused in one format
+    blocks = sum(t.nbytes for t in projections)
+    float32_bytes = w.num_bytes() - blocks  # what is left is float32: the norms alone
+    assert float32_bytes == 4 * c.hidden_size * (2 * c.num_layers + 1)
+    hf = hf_model.model
+    assert torch.equal(dequantize(w.embed), hf.embed_tokens.weight)
+    for ours, theirs in zip(w.layers, hf.layers, strict=True):
+        attn, mlp = theirs.self_attn, theirs.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        assert torch.equal(dequantize(ours.qkv), qkv)
+        assert torch.equal(dequantize(ours.o), attn.o_proj.weight)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        assert torch.equal(dequantize(ours.gate_up), gate_up)
+        assert torch.equal(dequantize(ours.down), mlp.down_proj.weight)

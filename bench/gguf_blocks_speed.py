@@ -1,0 +1,91 @@
+"""A GGUF model kept in its blocks against the same model with float32 weights, in one run:
+prefill and greedy decode speed of each, interleaved, and whether their tokens agree.
+
+    python -m bench.gguf_blocks_speed [--model FILE.gguf] [--rounds 3] [--prompt 128]
+                                      [--new 64]
+
+"blocks": the exact CPU mode's weights (`loader.load_model`, keep_quantized): the file's
+blocks alone, many-row products dequantizing tiles (`kernels.quantized_weight`).
+"float32": the same file dequantized at load (keep_quantized off), as the exact mode held
+it before: oneDNN's packed copies for many rows, the Q4_1 / Q8_0 blocks beside for few.
+Both run `ModelRunner` with `TorchOps` in this process, warmed up, one sequence: a
+`--prompt`-token prefill in one step, then `--new` decode steps; medians of `--rounds`,
+in wall time and in this process's CPU time (steadier on a shared machine, where wall
+time mostly measures the neighbours), on `--threads` threads (default: one per core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from spillway.kernels.ops import TorchOps
+from spillway.services.worker.kv_cache import KVCache, blocks_needed
+from spillway.services.worker.loader import load_model
+from spillway.services.worker.model import LlamaModel, configure_threads
+from spillway.services.worker.runner import ModelRunner
+from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
+from tests.unit.worker.plans import generate
+
+BLOCK_SIZE = 16
+
+
+def runner_for(model: str, keep_quantized: bool, tokens: int) -> ModelRunner:
+    source = resolve_model(model)
+    config, weights = load_model(
+        source, torch.device("cpu"), torch.float32, keep_quantized=keep_quantized
+    )
+    ops = TorchOps()
+    llama = LlamaModel(config, weights, ops)
+    llama.warm_up()
+    blocks = blocks_needed(tokens, BLOCK_SIZE) + 1
+    cache = KVCache(config, blocks, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    return ModelRunner(llama, cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    configure_threads(torch.device("cpu"), args.threads)
+    tokens = args.prompt + args.new + 1
+    runners = {
+        "blocks": runner_for(args.model, True, tokens),
+        "float32": runner_for(args.model, False, tokens),
+    }
+    prompt = [[(i * 37) % 1000 + 10 for i in range(args.prompt)]]
+    # (clock name, runner name) -> seconds per round
+    prefill: dict[tuple[str, str], list[float]] = {}
+    decode: dict[tuple[str, str], list[float]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            start = {c: clock() for c, clock in clocks.items()}
+            generate(runner, prompt, max_new_tokens=1, chunk=args.prompt)
+            first = {c: clock() - start[c] for c, clock in clocks.items()}
+            start = {c: clock() for c, clock in clocks.items()}
+            outputs[name] = generate(runner, prompt, max_new_tokens=args.new + 1, chunk=args.prompt)
+            for c, clock in clocks.items():
+                prefill.setdefault((c, name), []).append(first[c])
+                decode.setdefault((c, name), []).append((clock() - start[c] - first[c]) / args.new)
+    for c in clocks:
+        for name in runners:
+            p, d = statistics.median(prefill[c, name]), statistics.median(decode[c, name])
+            print(f"{c:4s} {name:8s} prefill of {args.prompt} tokens {p * 1000:7.0f} ms,"
+                  f" decode {d * 1000:6.1f} ms a token ({1 / d:5.1f} tok/s)")  # fmt: skip
+        p_ratio = statistics.median(prefill[c, "blocks"]) / statistics.median(prefill[c, "float32"])
+        d_ratio = statistics.median(decode[c, "blocks"]) / statistics.median(decode[c, "float32"])
+        print(f"{c:4s} blocks / float32: prefill {p_ratio:.2f}, decode {d_ratio:.2f}")
+    print(f"same tokens: {outputs['blocks'] == outputs['float32']}")
+
+
+if __name__ == "__main__":
+    main()

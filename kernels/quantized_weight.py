@@ -1,0 +1,179 @@
+"""A float32 weight kept in the model file's quantized blocks (GGUF Q4_0 ... Q6_K), and the
+products and lookups that read it without a float32 copy in memory.
+
+The exact CPU mode computes from a GGUF file's values, which are the blocks' dequantization
+(gguf-py's `dequantize`, what transformers loads). Dequantized at load, a Q4 file costs 8x
+its size; kept as blocks, about its size. Every use turns blocks into float32 only where
+it is needed, exactly as gguf-py does (`cpu_matvec.MatvecKernels.dequantize`, or gguf-py
+itself where the native kernels are not built):
+
+- a few rows (decode): the fused native kernel for Q4_1 / Q8_0 (`linear_blocks`), or
+  `linear_dequant` for any format; both give `linear_f32`'s outputs on the float32 weight
+  to the bit;
+- many rows (prefill): a tile of rows at a time (TILE_BYTES of float32) dequantized into a
+  reused scratch buffer, then the same float32 product as a float32 weight's (`F.linear`);
+- an embedding lookup: only the rows looked up.
+
+A fused projection (q/k/v, gate/up) whose parts the file holds in different formats (a
+Q4_K_M file keeps some attn_v in Q6_K beside Q4_K q and k) is one weight of several row
+segments, each in its own format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from spillway.kernels.cpu_matvec import BLOCK_CODES, BlockWeight, MatvecKernels
+
+# Float32 bytes of one tile of a many-row product: small against the weights (the memory
+# bound is 1.3x the file), large enough that BLAS runs at its speed on each tile.
+TILE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A float32 weight [N, K] as row segments of the model file's blocks (in order)."""
+
+    parts: tuple[BlockWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a quantized weight needs at least one block segment")
+        widths = {p.in_features for p in self.parts}
+        if len(widths) != 1:
+            raise ValueError(f"block segments of different widths {sorted(widths)}")
+        for p in self.parts:
+            if p.kind not in BLOCK_CODES:
+                raise ValueError(f"unknown block format {p.kind!r}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.data.shape[0] for p in self.parts), self.parts[0].in_features))
+
+    # What its values are: the float32 weight it stands for, on the CPU.
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+    @property
+    def single(self) -> BlockWeight | None:
+        """The one segment, where there is only one."""
+        return self.parts[0] if len(self.parts) == 1 else None
+
+    def segments(self) -> Iterator[tuple[int, BlockWeight]]:
+        """(first output row, segment) in order."""
+        start = 0
+        for part in self.parts:
+            yield start, part
+            start += part.data.shape[0]
+
+    @staticmethod
+    def cat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """Rows stacked as torch.cat(dim=0) stacks them; neighbouring segments of one
+        format become one (so q/k/v all in Q4_1 stay one fused Q4_1 weight)."""
+        parts: list[BlockWeight] = []
+        for part in (p for w in weights for p in w.parts):
+            last = parts[-1] if parts else None
+            if last is not None and last.kind == part.kind:
+                data = torch.cat([last.data, part.data], dim=0)
+                parts[-1] = BlockWeight(data, part.kind, part.in_features)
+            else:
+                parts.append(part)
+        return QuantizedWeight(tuple(parts))
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def dequantize_rows(
+    part: BlockWeight,
+    start: int,
+    stop: int,
+    out: torch.Tensor,
+    matvec: MatvecKernels | None,
+) -> torch.Tensor:
+    """Rows [start, stop) of a block segment as float32, written into `out` (contiguous,
+    [stop - start, K]): gguf-py's values to the bit."""
+    if matvec is not None:
+        matvec.dequantize(part, start, stop, out)
+        return out
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(part.data[start:stop].numpy(), GGMLQuantizationType[part.kind.upper()])
+    out.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)))
+    return out
+
+
+def dequantize(weight: QuantizedWeight, matvec: MatvecKernels | None = None) -> torch.Tensor:
+    """The whole float32 weight (for paths that have no block form: tests, CUDA)."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for start, part in weight.segments():
+        rows = part.data.shape[0]
+        dequantize_rows(part, 0, rows, out[start : start + rows], matvec)
+    return out
+
+
+def embedding(
+    ids: torch.Tensor, table: QuantizedWeight, matvec: MatvecKernels | None = None
+) -> torch.Tensor:
+    """F.embedding(ids, the float32 table), dequantizing only the rows looked up."""
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.shape[0], table.shape[1], dtype=torch.float32)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= table.shape[0]):
+        raise IndexError(f"token id outside the embedding table of {table.shape[0]} rows")
+    for start, part in table.segments():
+        rows = part.data.shape[0]
+        inside = (flat >= start) & (flat < start + rows)
+        if not bool(inside.any()):
+            continue
+        picked = part.data.index_select(0, flat[inside] - start)  # [T', row bytes]
+        gathered = BlockWeight(picked, part.kind, part.in_features)
+        values = torch.empty(picked.shape[0], table.shape[1], dtype=torch.float32)
+        dequantize_rows(gathered, 0, picked.shape[0], values, matvec)
+        out[inside] = values
+    return out.view(*ids.shape, table.shape[1])
+
+
+class TiledProduct:
+    """x W^T (+ b) for many rows of x against a quantized weight: each tile of rows of W
+    dequantized into one reused scratch buffer, then F.linear on it (the float32
+    weight's own product, tile by tile)."""
+
+    def __init__(self, matvec: MatvecKernels | None, tile_bytes: int = TILE_BYTES) -> None:
+        self.matvec = matvec
+        self.tile_bytes = tile_bytes
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def __call__(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        (n, k), m = weight.shape, x.shape[0]
+        # Tiles of whole 64-row chunks (the dequantizer's), at least one chunk.
+        tile_rows = max(64, self.tile_bytes // (4 * k) // 64 * 64)
+        tiles = [
+            (start + t0, part, t0, min(t0 + tile_rows, part.data.shape[0]))
+            for start, part in weight.segments()
+            for t0 in range(0, part.data.shape[0], tile_rows)
+        ]
+        if self._scratch.numel() < min(tile_rows, n) * k:
+            self._scratch = torch.empty(min(tile_rows, n) * k, dtype=torch.float32)
+        y = None if len(tiles) == 1 else torch.empty(m, n, dtype=torch.float32)
+        for out_start, part, t0, t1 in tiles:
+            w = self._scratch[: (t1 - t0) * k].view(t1 - t0, k)
+            dequantize_rows(part, t0, t1, w, self.matvec)
+            b = None if bias is None else bias[out_start : out_start + t1 - t0]
+            product = F.linear(x, w, b)
+            if y is None:
+                return product
+            y[:, out_start : out_start + t1 - t0] = product
+        assert y is not None
+        return y

@@ -1,0 +1,210 @@
+"""Weights kept in GGUF blocks: the native dequantizer against gguf-py on random blocks of
+every format, and the products and lookups that read them against torch on the
+dequantized weight (`gguf.quants.dequantize` + matmul)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from spillway.kernels import cpu_matvec
+from spillway.kernels.cpu_matvec import BLOCK_CODES, BLOCK_SHAPES, HAS_F32, MAX_ROWS, BlockWeight
+from spillway.kernels.linear import PackedLinear
+from spillway.kernels.quantized_weight import (
+    QuantizedWeight,
+    TiledProduct,
+    dequantize,
+    embedding,
+)
+
+KINDS = sorted(BLOCK_CODES)
+# Byte offsets of each format's f16 scales in its block (d, and m / dmin where it has one).
+SCALE_OFFSETS = {
+    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+    "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+}  # fmt: skip
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
+    """[rows, row bytes] of random bytes, each f16 scale a random finite half (normal,
+    subnormal, zero, either sign): every bit pattern of the quantized values."""
+    values, size = BLOCK_SHAPES[kind]
+    data = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind]:
+        halves = rng.integers(0, 1 << 16, (rows, cols // values), dtype=np.uint16)
+        halves &= np.uint16(0xBFFF)  # exponent below 31: finite (and at most 2)
+        data[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+def reference(data: np.ndarray, kind: str) -> torch.Tensor:
+    values = gguf_dequantize(data, GGMLQuantizationType[kind.upper()])
+    return torch.from_numpy(np.array(values, dtype=np.float32))
+
+
+def block_weight(data: np.ndarray, kind: str, k: int) -> BlockWeight:
+    return BlockWeight(torch.from_numpy(data.copy()), kind, k)
+
+
+@pytest.fixture(scope="module")
+def matvec(tmp_path_factory) -> cpu_matvec.MatvecKernels:
+    kernels = cpu_matvec.load(tmp_path_factory.mktemp("matvec"))
+    if kernels is None:
+        pytest.skip("no compiler or no AVX2 here: the native kernels are not built")
+    return kernels
+
+
+def test_block_shapes_are_gguf_pys():
+    for kind, shape in BLOCK_SHAPES.items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[kind.upper()]] == shape
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_equals_gguf_py_to_the_bit(matvec, kind):
+    rng = np.random.default_rng(BLOCK_CODES[kind])
+    rows, k = 131, 512  # rows: a chunk tail
+    data = random_blocks(rng, rows, k, kind)
+    want = reference(data, kind)
+    got = torch.empty(rows, k)
+    matvec.dequantize(block_weight(data, kind, k), 0, rows, got)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 too
+    part = torch.empty(7, k)
+    matvec.dequantize(block_weight(data, kind, k), 60, 67, part)
+    assert torch.equal(part, want[60:67])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_dequant_is_the_float32_kernel_on_the_dequantized_weight(
+    matvec, kind, rows, with_bias
+):
+    if not matvec.features & HAS_F32:
+        pytest.skip("float32 kernel not built")
+    rng = np.random.default_rng(rows)
+    n, k = 135, 768  # n: chunk and group-of-four tails
+    data = random_blocks(rng, n, k, kind)
+    w = reference(data, kind)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    blocks = block_weight(data, kind, k)
+    assert matvec.fits_dequant(x, blocks, bias)
+    got = matvec.linear_dequant(x, blocks, bias)
+    assert torch.equal(got, matvec.linear_f32(x, w, bias))
+    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+
+
+def assert_float32_close(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias=None):
+    """Within float32 summation-order rounding of x dense^T (+ bias), against float64."""
+    want = x.double() @ dense.double().T + (0 if bias is None else bias.double())
+    scale = (x.double().abs() @ dense.double().abs().T).max().item() + 1.0
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * scale)
+
+
+def _mixed(rng: np.random.Generator, k: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A fused weight of three segments in different formats, and its float32 values."""
+    parts, values = [], []
+    for kind, rows in (("q4_k", 64), ("q4_k", 32), ("q6_k", 36), ("q8_0", 100)):
+        data = random_blocks(rng, rows, k, kind)
+        parts.append(QuantizedWeight((block_weight(data, kind, k),)))
+        values.append(reference(data, kind))
+    return QuantizedWeight.cat(parts), torch.cat(values)
+
+
+def test_cat_joins_neighbouring_segments_of_one_format():
+    weight, dense = _mixed(np.random.default_rng(0), 256)
+    assert [p.kind for p in weight.parts] == ["q4_k", "q6_k", "q8_0"]
+    assert weight.shape == dense.shape == (232, 256)
+    assert torch.equal(dequantize(weight), dense)
+
+
+@pytest.mark.parametrize("rows", [1, 2, MAX_ROWS, 5, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_on_blocks_equals_torch_on_the_dequantized_weight(matvec, rows, with_bias):
+    weight, dense = _mixed(np.random.default_rng(rows), 512)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=g)
+    bias = torch.randn(dense.shape[0], generator=g) if with_bias else None
+    linear = PackedLinear(matvec=matvec)
+    got = linear(x, weight, bias)
+    if rows <= MAX_ROWS and matvec.features & HAS_F32:  # the float32 kernel's, to the bit
+        assert torch.equal(got, matvec.linear_f32(x, dense, bias))
+    assert_float32_close(got, x, dense, bias)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_single_q4_1_or_q8_0_weight_takes_the_fused_block_kernel(matvec, kind):
+    data = random_blocks(np.random.default_rng(1), 96, 256, kind)
+    weight = QuantizedWeight((block_weight(data, kind, 256),))
+    x = torch.randn(1, 256)
+    linear = PackedLinear(matvec=matvec)
+    form = linear.few_row_form(x, weight, None)
+    assert isinstance(form, BlockWeight) and form is weight.parts[0]
+    assert torch.equal(linear(x, weight), matvec.linear_blocks(x, form, None))
+    assert torch.equal(linear(x, weight), matvec.linear_f32(x, reference(data, kind), None))
+
+
+def test_a_weight_of_other_formats_has_no_fused_form(matvec):
+    weight, _ = _mixed(np.random.default_rng(2), 256)
+    assert PackedLinear(matvec=matvec).few_row_form(torch.zeros(1, 256), weight, None) is None
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_tiles_equal_one_product_on_the_whole_weight(matvec, native):
+    weight, dense = _mixed(np.random.default_rng(3), 256)
+    x = torch.randn(33, 256)
+    tiled = TiledProduct(matvec if native else None, tile_bytes=64 * 256 * 4)  # 64-row tiles
+    bias = torch.randn(dense.shape[0])
+    assert_float32_close(tiled(x, weight, bias), x, dense, bias)
+    whole = TiledProduct(matvec if native else None)
+    assert_float32_close(whole(x, weight, None), x, dense)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_embedding_dequantizes_the_rows_looked_up(matvec, native):
+    weight, dense = _mixed(np.random.default_rng(4), 256)
+    ids = torch.tensor([[0, 231, 5], [100, 96, 0]])
+    got = embedding(ids, weight, matvec if native else None)
+    assert torch.equal(got, F.embedding(ids, dense))
+    with pytest.raises(IndexError, match="outside the embedding table of 232 rows"):
+        embedding(torch.tensor([232]), weight, matvec if native else None)
+
+
+def test_segments_of_different_widths_or_unknown_formats_are_refused():
+    a = BlockWeight(torch.zeros(4, 20, dtype=torch.uint8), "q4_1", 32)
+    b = BlockWeight(torch.zeros(4, 40, dtype=torch.uint8), "q4_1", 64)
+    with pytest.raises(ValueError, match="different widths"):
+        QuantizedWeight((a, b))
+    with pytest.raises(ValueError, match="unknown block format 'q2_k'"):
+        QuantizedWeight((BlockWeight(torch.zeros(4, 84, dtype=torch.uint8), "q2_k", 256),))
+
+
+def test_a_build_without_vector_instructions_dequantizes_the_same(tmp_path):
+    """The plain C loops (Q4_1 and Q8_0 otherwise take the AVX2 conversion of the fused
+    kernels), built and run here: gguf-py's values to the bit for every format."""
+    from spillway.kernels import cpu_native
+
+    flags = [f for f in cpu_native.compile_flags() if not f.startswith("-m")]
+    library = cpu_native.build(cpu_matvec.SOURCE, flags, tmp_path)
+    if library is None:
+        pytest.skip("no C compiler here")
+    plain = cpu_matvec.MatvecKernels(library)
+    assert plain.features == cpu_matvec.HAS_DEQUANT  # nothing else without vector units
+    rng = np.random.default_rng(7)
+    for kind in KINDS:
+        data = random_blocks(rng, 70, 512, kind)
+        got = torch.empty(70, 512)
+        plain.dequantize(block_weight(data, kind, 512), 0, 70, got)
+        assert torch.equal(got.view(torch.int32), reference(data, kind).view(torch.int32)), kind
+        x = torch.randn(2, 512)
+        dense = reference(data, kind)
+        assert torch.equal(
+            plain.linear_dequant(x, block_weight(data, kind, 512), None),
+            plain.linear_f32(x, dense, None),
+        )

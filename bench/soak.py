@@ -123,6 +123,7 @@ class Rig:
     t0: float = 0.0  # monotonic start of the traffic
     wall0: float = 0.0
     killed_workers: int = 0
+    probes: list[Outcome] = field(default_factory=list)  # the recovery checks' requests
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -253,9 +254,12 @@ def members(h: dict[str, Any]) -> set[str]:
     return out
 
 
-def serving(url: str, gone: set[str] = frozenset()) -> bool:
+PROBE = {"prompt": "ping", "max_tokens": 2, "temperature": 0}
+
+
+def serving(url: str, gone: set[str] = frozenset(), probes: list[Outcome] | None = None) -> bool:
     """Two workers, two schedulers (none of them one in `gone`, a killed process's), the
-    spill store writable, and a short request served."""
+    spill store writable, and a short request served (its outcome added to `probes`)."""
     h = _health(url)
     if h.get("status") != "ok" or h.get("workers") != 2 or len(h.get("schedulers", [])) != 2:
         return False
@@ -263,13 +267,14 @@ def serving(url: str, gone: set[str] = frozenset()) -> bool:
         return False
     if h.get("spill", {}).get("status") != "ok":
         return False
+    out = Outcome("probe", 0.0, max_tokens=PROBE["max_tokens"])
+    if probes is not None:
+        probes.append(out)
     try:
-        r = httpx.post(
-            f"{url}/v1/completions",
-            json={"prompt": "ping", "max_tokens": 2, "temperature": 0},
-            timeout=10,
-        )
-    except httpx.HTTPError:
+        r = httpx.post(f"{url}/v1/completions", json=PROBE, timeout=10)
+        absorb(out, r.json(), streamed=False)
+    except (httpx.HTTPError, ValueError) as e:
+        out.error = {"code": "client_error", "message": f"{type(e).__name__}: {e}"}
         return False
     return r.status_code == 200
 
@@ -342,7 +347,7 @@ async def faults(rig: Rig, plan: list[Planned], injected: list[Injected], say) -
                 await asyncio.sleep(0.1)
                 gone = before - members(await asyncio.to_thread(_health, url))
         while time.monotonic() < deadline:
-            if await asyncio.to_thread(serving, url, gone):
+            if await asyncio.to_thread(serving, url, gone, rig.probes):
                 f.recovered_s = rig.now()
                 break
             await asyncio.sleep(0.25)
@@ -443,6 +448,7 @@ async def drive(rig: Rig, duration_s: float, lanes: int, say):
 @dataclass
 class Result:
     verdicts: list[Verdict]
+    injected: list[Injected]
     text: str
 
     @property
@@ -489,10 +495,11 @@ def run(
             warmup = min(300.0, duration_s / 3)
             verdicts = [
                 ended_once(outcomes, injected, end_s),
-                greedy_equal(outcomes, refs),
-                tokens_whole(outcomes),
+                greedy_equal(outcomes, refs, injected, end_s),
+                tokens_whole(outcomes, injected, end_s),
                 idle(gauges, spill_keys),
-                metrics_match(outcomes, finished, after_tokens - before_tokens),
+                # The recovery probes count in the gateway's metrics too.
+                metrics_match(outcomes + rig.probes, finished, after_tokens - before_tokens),
                 rss_bounded(samples, warmup, end_s),
                 errors_logged_for_faults(error_lines(logs, rig.wall0), injected, end_s),
             ]
@@ -504,7 +511,7 @@ def run(
                     "references": refs,
                     "finished": finished,
                 }))  # fmt: skip
-            return Result(verdicts, text)
+            return Result(verdicts, injected, text)
         finally:
             if system is not None:
                 system.stop(signal.SIGTERM)

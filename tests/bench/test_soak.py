@@ -11,6 +11,7 @@ import pytest
 
 from bench.soak_checks import (
     RssSample,
+    across_bus_restart,
     ended_once,
     error_lines,
     errors_logged_for_faults,
@@ -183,24 +184,42 @@ def test_greedy_runs_equal_their_reference_up_to_a_near_tie() -> None:
     same.tokens, same.gaps, same.usage_completion = {0: [1, 2, 3, 4]}, {0: [1.0] * 4}, 4
     tie = _done(reference="p")
     tie.tokens, tie.gaps = {0: [1, 2, 9, 9]}, {0: [1.0] * 4}
-    assert greedy_equal([same, tie, _done()], refs).detail == "2 compared, 1 parted at a near tie"
+    v = greedy_equal([same, tie, _done()], refs, [], 60)
+    assert v.ok and v.detail.startswith("2 compared, 1 parted at a near tie, 0 NATS")
     lost = _done(reference="p")
     lost.tokens, lost.gaps = {0: [1, 3]}, {0: [1.0] * 2}
     miscounted = _done(reference="p")
     miscounted.tokens, miscounted.gaps, miscounted.usage_completion = {0: [1, 2]}, {0: [1.0] * 2}, 3
-    v = greedy_equal([lost, miscounted], refs)
+    v = greedy_equal([lost, miscounted], refs, [], 60)
     assert not v.ok and "at 1: token 3 != 2" in v.examples[0] and "usage says 3" in v.examples[1]
 
 
 def test_tokens_whole_counts_every_choice_of_a_finished_stream() -> None:
     o = _done("n2", choices=2)
     o.tokens, o.usage_completion = {0: [1, 2], 1: [3]}, 3
-    assert tokens_whole([o]).ok
+    assert tokens_whole([o], [], 60).ok
     o.usage_completion = 4
-    assert not tokens_whole([o]).ok
+    assert not tokens_whole([o], [], 60).ok
     chat = _done("tools")
     chat.usage_completion = 9  # no token ids: not counted
-    assert tokens_whole([chat]).detail == "0 streams counted"
+    assert tokens_whole([chat], [], 60).detail.startswith("0 counted")
+
+
+def test_nats_clients_across_a_nats_restart_are_left_out_of_the_token_checks() -> None:
+    restart = Injected("nats_restart", at_s=20, lifted_s=22, recovered_s=24)
+    short = _done("nats_stream", at=19.0, reference="p")
+    short.tokens, short.gaps, short.usage_completion = {0: [1, 3]}, {0: [1.0] * 2}, 3
+    http = _done("stream", at=19.0, reference="p")
+    http.tokens, http.gaps, http.usage_completion = {0: [1, 3]}, {0: [1.0] * 2}, 3
+    refs = {"p": ([1, 2, 3], [1.0] * 3)}
+    assert across_bus_restart(short, [restart], 60)
+    assert not across_bus_restart(http, [restart], 60)
+    assert not across_bus_restart(short, [Injected("worker_kill", 20, 20, 24)], 60)
+    g = greedy_equal([short, http], refs, [restart], 60)
+    t = tokens_whole([short, http], [restart], 60)
+    assert "1 NATS-API clients across a NATS restart not compared" in g.detail
+    assert "1 NATS-API clients across a NATS restart not counted" in t.detail
+    assert len(g.examples) == 1 and len(t.examples) == 1 and "stream at 19.0s" in t.examples[0]
 
 
 def test_idle_wants_every_gauge_and_spill_key_at_zero() -> None:
@@ -264,6 +283,9 @@ def test_error_lines_outside_a_faults_window_fail() -> None:
     v = errors_logged_for_faults(lines, [fault], end_s=120)
     assert not v.ok and "something broke" in v.examples[0]
     assert errors_logged_for_faults(lines[:1], [fault], end_s=120).ok
+    # In the window, but about something else than the fault.
+    unrelated = [(12.0, "2026-12-05 08:00:12,000 gateway ERROR x: template failed")]
+    assert not errors_logged_for_faults(unrelated, [fault], end_s=120).ok
 
 
 def test_the_tables_show_kinds_faults_rss_and_verdicts() -> None:

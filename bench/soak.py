@@ -398,6 +398,21 @@ def counters(url: str) -> tuple[dict[str, float], float]:
     return finished, m.get("spillway_generation_tokens_total", 0.0)
 
 
+# What the system did under the soak, from /metrics at the end (the whole run).
+FIGURES = {
+    "n-gram draft tokens accepted": ("spillway_spec_decode_accepted_tokens_total",),
+    "preemptions (spill)": ('spillway_preemptions_total{mode="spill"}',),
+    "preemptions (recompute)": ('spillway_preemptions_total{mode="recompute"}',),
+    "spills refused": ("spillway_spill_failures_total",),
+    "swap-ins": ("spillway_swap_ins_total",),
+    "requests moved to another worker": ("spillway_migrations_total",),
+}
+
+
+def system_figures(m: dict[str, float]) -> dict[str, float]:
+    return {name: sum(m.get(k, 0.0) for k in keys) for name, keys in FIGURES.items()}
+
+
 def settle(rig: Rig) -> tuple[dict[str, float], int]:
     """The idle gauges and the spill keys left, once both are zero (or at the timeout)."""
     keys = SpillKeys(NS)
@@ -488,7 +503,7 @@ def run(
             gauges, spill_keys = settle(rig)
             after_finished, after_tokens = counters(system.url)
             finished = {k: v - before_finished.get(k, 0.0) for k, v in after_finished.items()}
-            spec = metrics(system.url).get("spillway_spec_decode_accepted_tokens_total", 0.0)
+            figures = system_figures(metrics(system.url))
             logs = Path(system.log.name).read_text(errors="replace")
             group.log.flush()
             logs += Path(group.log.name).read_text(errors="replace")
@@ -503,7 +518,7 @@ def run(
                 rss_bounded(samples, warmup, end_s),
                 errors_logged_for_faults(error_lines(logs, rig.wall0), injected, end_s),
             ]
-            text = report(outcomes, injected, samples, verdicts, spec)
+            text = report(outcomes, injected, samples, verdicts, figures)
             if dump is not None:
                 dump.write_text(json.dumps({
                     "outcomes": [dataclasses.asdict(o) for o in outcomes],

@@ -89,11 +89,12 @@ def report(
     injected: list[Injected],
     samples: list[RssSample],
     verdicts: list[Verdict],
-    spec_accepted: float,
+    figures: dict[str, float],
 ) -> str:
     return "\n\n".join([
         "requests by kind\n" + requests_table(outcomes),
-        f"n-gram drafts accepted: {spec_accepted:g} tokens",
+        "what the system did (its metrics)\n"
+        + table(["figure", "count"], [[k, f"{v:g}"] for k, v in figures.items()]),
         "faults injected\n" + faults_table(injected),
         "RSS over time (MiB)\n" + rss_table(samples),
         "invariants\n" + verdicts_table(verdicts),

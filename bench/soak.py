@@ -246,12 +246,13 @@ def _health(url: str) -> dict[str, Any]:
         return {}
 
 
-def members(h: dict[str, Any]) -> set[str]:
-    """The schedulers and workers /health names."""
-    out = set()
-    for s in h.get("schedulers", []):
-        out |= {s["id"], *s["workers"]}
-    return out
+def members(h: dict[str, Any], fault: str) -> set[str]:
+    """The schedulers (for a scheduler's kill) or the workers (for a worker's) /health
+    names. Only the killed kind counts: a dead scheduler's workers vanish from /health
+    too, until they register with the other one."""
+    if fault == "scheduler_kill":
+        return {s["id"] for s in h.get("schedulers", [])}
+    return {w for s in h.get("schedulers", []) for w in s["workers"]}
 
 
 PROBE = {"prompt": "ping", "max_tokens": 2, "temperature": 0}
@@ -263,7 +264,8 @@ def serving(url: str, gone: set[str] = frozenset(), probes: list[Outcome] | None
     h = _health(url)
     if h.get("status") != "ok" or h.get("workers") != 2 or len(h.get("schedulers", [])) != 2:
         return False
-    if members(h) & gone:
+    named = {s["id"] for s in h["schedulers"]} | {w for s in h["schedulers"] for w in s["workers"]}
+    if named & gone:
         return False
     if h.get("spill", {}).get("status") != "ok":
         return False
@@ -331,7 +333,7 @@ async def faults(rig: Rig, plan: list[Planned], injected: list[Injected], say) -
         await asyncio.sleep(max(0.0, p.at_s - rig.now()))
         # A killed process is replaced once /health names none of the members seen
         # before it (its lease, or its worker's, lapsed) but still two of each.
-        before = members(await asyncio.to_thread(_health, url))
+        before = members(await asyncio.to_thread(_health, url), p.fault)
         at = rig.now()
         handle = await asyncio.to_thread(inject, rig, p.fault)
         say(f"{at:7.1f}s  injected {p.fault} (held {p.hold_s:g}s)")
@@ -342,10 +344,10 @@ async def faults(rig: Rig, plan: list[Planned], injected: list[Injected], say) -
         deadline = time.monotonic() + RECOVERY_TIMEOUT_S
         gone: set[str] = set()
         if p.fault.endswith("_kill"):
-            gone = before - members(await asyncio.to_thread(_health, url))
+            gone = before - members(await asyncio.to_thread(_health, url), p.fault)
             while not gone and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-                gone = before - members(await asyncio.to_thread(_health, url))
+                gone = before - members(await asyncio.to_thread(_health, url), p.fault)
         while time.monotonic() < deadline:
             if await asyncio.to_thread(serving, url, gone, rig.probes):
                 f.recovered_s = rig.now()

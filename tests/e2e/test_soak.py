@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 # The suite's budget allows three minutes for the whole of it: the system's start and the
 # references before, the drain and the idle check after.
-MINUTES = 2.25
+MINUTES = 2.0
 
 
 def test_a_short_soak_with_every_fault_keeps_every_invariant() -> None:

@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--lanes", type=int, default=6, help="clients sending at once")
     parser.add_argument("--model", type=Path, help="a Hugging Face folder (default: tiny)")
-    parser.add_argument("--kv-blocks", type=int, default=48, help="per worker, 16 tokens each")
+    parser.add_argument("--kv-blocks", type=int, default=24, help="per worker, 16 tokens each "
+                        "(small: the lanes preempt one another, and spill)")  # fmt: skip
     parser.add_argument("--dump", type=Path, help="write every outcome here (JSON)")
     args = parser.parse_args(argv)
     result = run(args.minutes, args.lanes, args.model, args.kv_blocks, args.dump)

@@ -177,34 +177,39 @@ CLIENT_SIDE_ERRORS = ("client_timeout", "client_error")  # the soak's own, not a
 
 def metrics_match(outcomes: list[Outcome], finished: dict[str, float], generated: float) -> Verdict:
     """The gateway's counters against the clients'. Each choice is counted once: a
-    finished one by its reason; a request ended by an error reply once as `error`; one
-    whose client
+    finished one by its reason; a request ended by an error reply once as `error` (or not
+    at all, when it was refused before it ran); one whose client
     left or gave up could have ended either way (`abort`, or its own reason when it
     finished before the gateway noticed), so it may fall under any reason but the total
     is exact. Generated tokens: at least what the usages told, and beyond it at most
     what the requests whose count no client heard could have made."""
     exact: Counter[str] = Counter()
-    loose = told = unheard = 0
+    loose = errors = told = unheard = 0
     for o in outcomes:
         if o.disconnected or (o.error is not None and o.error.get("code") in CLIENT_SIDE_ERRORS):
             loose += o.choices
             unheard += o.max_tokens * o.choices
         elif o.error is not None:
-            exact["error"] += 1  # a request's error ends it once, whatever its n
+            # An error reply ends a request once as `error`, whatever its n; refused
+            # before it was placed (a submit unanswered), it never counted as running.
+            errors += 1
             unheard += o.max_tokens * o.choices
         else:
             for i in range(o.choices):
                 exact.update(o.finishes.get(i, [])[-1:])
             told += o.usage_completion or 0
     bad: list[str] = []
-    for reason in sorted(set(exact) | {r for r, v in finished.items() if v}):
+    for reason in sorted(set(exact) | {r for r, v in finished.items() if v} | {"error"}):
         got = round(finished.get(reason, 0.0))
-        if not exact[reason] <= got <= exact[reason] + loose:
-            bad.append(f"finish_reason={reason}: metrics {got}, clients {exact[reason]}"
-                       + (f" (+ up to {loose} left or given up)" if loose else ""))  # fmt: skip
+        room = loose + (errors if reason == "error" else 0)
+        if not exact[reason] <= got <= exact[reason] + room:
+            extra = f" (+ up to {room} left, given up or refused)" if room else ""
+            bad.append(f"finish_reason={reason}: metrics {got}, clients {exact[reason]}{extra}")
     total = round(sum(finished.values()))
-    if total != sum(exact.values()) + loose:
-        bad.append(f"choices finished: metrics {total}, clients {sum(exact.values()) + loose}")
+    least = sum(exact.values()) + loose
+    if not least <= total <= least + errors:
+        shown = f"{least}" + (f" (+ up to {errors} errors)" if errors else "")
+        bad.append(f"choices finished: metrics {total}, clients {shown}")
     if not told <= generated <= told + unheard:
         bad.append(f"generation tokens: metrics {generated:g}, clients {told} "
                    f"(+ at most {unheard} unheard)")  # fmt: skip

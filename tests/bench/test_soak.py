@@ -237,17 +237,17 @@ def test_metrics_match_the_clients_count_with_room_only_for_unheard_tokens() -> 
     left = Outcome("disconnect", 2.0, disconnected=True, max_tokens=240)
     refused = Outcome("stream", 3.0, error={"code": "no_worker"}, max_tokens=96)
     outcomes = [finished, pair, left, refused]
-    # The client that left: `abort`, or `length` when its run ended first.
+    # The client that left: `abort`, or `length` when its run ended first; the error:
+    # `error`, or nothing when it was refused before it ran.
     for reasons in ({"length": 3.0, "abort": 1.0, "error": 1.0},
-                    {"length": 4.0, "error": 1.0}):  # fmt: skip
+                    {"length": 4.0, "error": 1.0}, {"length": 4.0}):  # fmt: skip
         assert metrics_match(outcomes, reasons, 128.0 + 240 + 96).ok
         assert metrics_match(outcomes, reasons, 128.0).ok
     v = metrics_match(outcomes, {"length": 3.0, "abort": 2.0, "timeout": 1.0}, 127.0)
     assert not v.ok
     assert v.examples == [
-        "finish_reason=abort: metrics 2, clients 0 (+ up to 1 left or given up)",
-        "finish_reason=error: metrics 0, clients 1 (+ up to 1 left or given up)",
-        "choices finished: metrics 6, clients 5",
+        "finish_reason=abort: metrics 2, clients 0 (+ up to 1 left, given up or refused)",
+        "choices finished: metrics 6, clients 4 (+ up to 1 errors)",
         "generation tokens: metrics 127, clients 128 (+ at most 336 unheard)",
     ]
 

@@ -19,7 +19,7 @@ MINUTES = 2.0
 
 
 def test_a_short_soak_with_every_fault_keeps_every_invariant() -> None:
-    result = run(MINUTES, lanes=6, model=None, kv_blocks=48)
+    result = run(MINUTES, lanes=6, model=None, kv_blocks=24)
     print(result.text)
     failed = [v for v in result.verdicts if not v.ok]
     assert not failed, "\n".join(

@@ -176,7 +176,11 @@ class SpillStore:
         for h in block_hashes:
             pipe.exists(self.keys.prefix_block(h))
             pipe.exists(self.keys.prefix_state(h))
-        found = await pipe.execute()
+        try:
+            found = await pipe.execute()
+        except REDIS_ERRORS as e:  # restarting: the prompt is computed, as on a miss
+            log.warning("prefix lookup answered 0: Redis unreachable (%s)", type(e).__name__)
+            return 0
         hits = last_state = 0
         for block, state in zip(found[::2], found[1::2], strict=True):
             if not block:

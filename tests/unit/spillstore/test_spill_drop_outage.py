@@ -1,5 +1,6 @@
-"""Dropping spills while Redis cannot be reached (it restarts): a WARNING naming Redis,
-the ledger freed, and the handler goes on (no ERROR with a traceback)."""
+"""Dropping spills and looking prefixes up while Redis cannot be reached (it restarts):
+a WARNING naming Redis, the ledger freed, a lookup a miss, and no ERROR with a
+traceback."""
 
 from __future__ import annotations
 
@@ -32,4 +33,14 @@ async def test_a_drop_with_redis_unreachable_warns_and_frees_the_ledger(caplog) 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("Redis unreachable" in w for w in warnings)
     assert "could not delete spill r1:1" in warnings[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_prefix_lookup_with_redis_unreachable_is_a_miss(caplog) -> None:
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+    store = SpillStore(client, SpillKeys("ns"), capacity_bytes=1 << 20)
+    with caplog.at_level(logging.WARNING):
+        assert await store.lookup(["a", "b"]) == 0
+    await client.aclose()
+    assert any("Redis unreachable" in r.getMessage() for r in caplog.records)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # torch would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench soak clean
 
 install: $(STAMP) servers
 
@@ -47,6 +47,10 @@ lint: install
 
 bench: install
 	$(BIN)/spillway bench --launch --compare --json bench-results/bench.json
+
+# 30 minutes of mixed traffic with a fault every 2.5 minutes; exits 1 if an invariant fails.
+soak: install
+	$(BIN)/python -m bench.soak --minutes 30
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

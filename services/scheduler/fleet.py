@@ -110,6 +110,13 @@ HANDED_BACK = ErrorInfo(
     message="the scheduler is stopping before this request started: run it elsewhere",
     code=HANDED_BACK_CODE,
 )
+# The only worker was lost while another scheduler serves: gateways resume the requests
+# there (from what each client has) instead of ending them with `no_worker`.
+WORKER_LOST = ErrorInfo(
+    status=503,
+    message="the scheduler's only worker was lost: run it elsewhere",
+    code=HANDED_BACK_CODE,
+)
 WORKER_STOPPING = ErrorInfo(
     status=503, message="the scheduler's workers are stopping", code="shutting_down"
 )
@@ -684,7 +691,14 @@ class Fleet:
             del self.lanes[lane.worker_id]
         self.figures.ended.add(lane.stats)
         others = [o for o in self.lanes.values() if o.accepting]
-        if not others:
+        if not others and not self.stopping and self._replica_can_serve():
+            log.warning(
+                "worker %s lost and no other here: handing its requests back to the "
+                "gateways for another scheduler",
+                lane.worker_id,
+            )
+            self._pending += lane.detach(WORKER_LOST)
+        elif not others:
             log.warning("worker %s lost and no other: ending its requests", lane.worker_id)
             self._pending += lane.detach()
         else:

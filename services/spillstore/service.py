@@ -39,6 +39,7 @@ from spillway.shared.protocol import (
     PrefixLookupReply,
     SpillDrop,
     SpillRecord,
+    SpillRef,
     SpillStats,
     StatsRequest,
 )
@@ -120,6 +121,25 @@ class SpillStore:
         await self.redis.hdel(self.keys.index(), entry.name)
         return entry.num_bytes
 
+    async def drop_all(self, refs: list[SpillRef]) -> int:
+        """Deletes spills no longer needed; the bytes they held. With Redis unreachable
+        (restarting, a network blip) this is a WARNING naming it, not a failed handler:
+        the values left behind expire after spill_ttl_s, and a restarted Redis holds
+        none of them anyway."""
+        freed = 0
+        for ref in refs:
+            try:
+                freed += await self.drop(ref.seq_id, ref.spill_id)
+            except REDIS_ERRORS as e:
+                log.warning(
+                    "could not delete spill %s:%d, Redis unreachable (%s); its keys expire "
+                    "with their TTL",
+                    ref.seq_id,
+                    ref.spill_id,
+                    type(e).__name__,
+                )
+        return freed
+
     async def expire_orphans(self) -> int:
         expired = self.ledger.orphans(self.clock())
         for entry in expired:
@@ -156,7 +176,11 @@ class SpillStore:
         for h in block_hashes:
             pipe.exists(self.keys.prefix_block(h))
             pipe.exists(self.keys.prefix_state(h))
-        found = await pipe.execute()
+        try:
+            found = await pipe.execute()
+        except REDIS_ERRORS as e:  # restarting: the prompt is computed, as on a miss
+            log.warning("prefix lookup answered 0: Redis unreachable (%s)", type(e).__name__)
+            return 0
         hits = last_state = 0
         for block, state in zip(found[::2], found[1::2], strict=True):
             if not block:
@@ -296,10 +320,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         ) as span:
             if len(request_ids) == 1:
                 span.set_attribute("spillway.request.id", request_ids[0])
-            freed = 0
-            for ref in drop.spills:
-                freed += await store.drop(ref.seq_id, ref.spill_id)
-            span.set_attribute("spillway.kv.bytes", freed)
+            span.set_attribute("spillway.kv.bytes", await store.drop_all(drop.spills))
 
     async def on_lookup(req: PrefixLookup, ctx: Context, raw: Msg) -> PrefixLookupReply:
         attributes = {"spillway.request.id": req.request_id} if req.request_id else None

@@ -5,7 +5,7 @@ moved request must go on exactly where it was (no token lost or repeated)."""
 
 from __future__ import annotations
 
-from spillway.services.scheduler.fleet import HANDED_BACK
+from spillway.services.scheduler.fleet import HANDED_BACK, WORKER_LOST
 from spillway.services.scheduler.fleet_events import (
     Aborted,
     BusReconnected,
@@ -93,6 +93,28 @@ def test_with_no_other_worker_the_requests_of_a_dead_one_end_with_an_error():
     error = rig.error_of("a")
     assert error is not None and error.status == 503 and error.code == "no_worker"
     refused = rig.submit("late")
+    assert refused is not None and refused.code == "no_worker"
+
+
+def test_with_another_scheduler_serving_the_requests_of_a_dead_only_worker_go_back():
+    """The gateways resume them on the other scheduler, from what each client has,
+    instead of ending them with no_worker."""
+    rig = FleetRig()
+    rig.register("w1")
+    rig.feed(
+        LeaseHeard(SchedulerLease(scheduler_id="s2", interval_s=1.0, worker_id="wx", boot_id="b"))
+    )
+    rig.submit("a", max_tokens=50)
+    rig.submit("b", max_tokens=50)
+    rig.wake()
+    _run_until_tokens(rig, "a", 2)
+    w1 = rig.workers["w1"]
+    w1.answers = w1.beats = False
+    rig.tick(1.2)
+    for rid in ("a", "b"):
+        assert rig.finish(rid) == "error"
+        assert rig.error_of(rid) == WORKER_LOST and WORKER_LOST.code == "handed_back"
+    refused = rig.submit("late")  # new ones: no_worker, and the gateway goes elsewhere
     assert refused is not None and refused.code == "no_worker"
 
 

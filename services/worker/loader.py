@@ -465,7 +465,7 @@ def _moe_weights(
     config: ModelConfig,
     layer: int,
     take: Callable[..., torch.Tensor],
-    names: TensorNames,
+    names: TensorNames = HF_NAMES,
 ) -> MoEWeights:
     """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
     takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],

@@ -54,6 +54,9 @@ def main(rank: int, size: int, url: str, out: Path, model: str, method: str, dra
         model=model, kv_blocks=64, block_size=4, device="cpu", dtype="float32",
         expert_parallel=size, rank=rank, dist_url=url, speculative=method,
         num_speculative_tokens=K, draft_model=draft or None,
+        # Rank 0 plans in this process between steps (no keepalive while it does): a busy
+        # machine must not break the group.
+        ep_timeout_s=120.0,
     )  # fmt: skip
     runner, _ = load_runner(settings)
     group = runner.experts

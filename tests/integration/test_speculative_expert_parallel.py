@@ -5,8 +5,6 @@ drafts and a draft model's give the outputs of plain decoding in one process."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from spillway.shared.config import load_settings
 from tests.integration import ep_spec_ranks
 from tests.integration.ep_spec_ranks import GREEDY
 from tests.integration.in_process import Served, serve
-from tests.unit.worker.test_expert_parallel import free_port
+from tests.unit.worker.test_expert_parallel import run_ranks
 from tests.unit.worker.tiny_families import save_repetitive_family
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 
@@ -31,32 +29,24 @@ def moe_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def plain(moe_dir) -> Served:
     """One process, no speculation: the outputs to equal."""
-    settings = load_settings(
-        model=str(moe_dir), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
-    )
-    runner, _ = load_runner(settings)
-    config = ep_spec_ranks.scheduler_config("none")
-    return serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)[0]
+    return one_process(moe_dir)
 
 
 def two_ranks(tmp_path: Path, model: Path, method: str, draft: Path | None = None) -> dict:
     out = tmp_path / f"{method}.json"
-    url = f"tcp://127.0.0.1:{free_port()}"
-    args = [url, str(out), str(model), method, *([str(draft)] if draft else [])]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.ep_spec_ranks", str(r), "2", *args]
-        )
-        for r in range(2)
-    ]
-    try:
-        codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0]
+    args = [str(out), str(model), method, *([str(draft)] if draft else [])]
+    run_ranks("tests.integration.ep_spec_ranks", 2, args)
     return json.loads(out.read_text())
+
+
+def one_process(model: Path) -> Served:
+    """The prompts served greedily in one process, without speculation."""
+    settings = load_settings(
+        model=str(model), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
+    )
+    runner, _ = load_runner(settings)
+    config = ep_spec_ranks.scheduler_config("none")
+    return serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)[0]
 
 
 def assert_same(report: dict, one: Served) -> None:
@@ -91,12 +81,7 @@ def hybrid_dir(request, tmp_path_factory) -> Path:
 def test_a_hybrid_model_over_two_ranks_equals_one_process(hybrid_dir, tmp_path):
     """Each rank holds half the routed experts and its own copy of the recurrent states;
     with n-gram drafts the followers' states stand after the drafts rank 0 accepted."""
-    settings = load_settings(
-        model=str(hybrid_dir), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
-    )
-    runner, _ = load_runner(settings)
-    config = ep_spec_ranks.scheduler_config("none")
-    served, _ = serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)
+    served = one_process(hybrid_dir)
     report = two_ranks(tmp_path, hybrid_dir, "ngram")
     assert_same(report, served)
     # Drafts stood and fell: a follower whose state went on from the wrong place would
@@ -108,12 +93,7 @@ def test_a_moe_mtp_layer_over_two_ranks_equals_plain_decoding(tmp_path_factory, 
     """DeepSeek-V3's MTP layer is a MoE layer: every rank runs it after the step, its
     experts exchanged as the model's are."""
     folder = save_tiny_deepseek_mtp(tmp_path_factory.mktemp("mtp"), predictive=True)
-    settings = load_settings(
-        model=str(folder), kv_blocks=64, block_size=4, device="cpu", dtype="float32"
-    )
-    runner, _ = load_runner(settings)
-    config = ep_spec_ranks.scheduler_config("none")
-    served, _ = serve(runner, config, ep_spec_ranks.PROMPTS, GREEDY, ep_spec_ranks.NEW_TOKENS)
+    served = one_process(folder)
     report = two_ranks(tmp_path, folder, "mtp")
     assert_same(report, served)
     assert 0 < report["accepted_tokens"] <= report["draft_tokens"]

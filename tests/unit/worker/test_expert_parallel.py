@@ -59,17 +59,13 @@ def folders(tmp_path_factory):
     return {"random": random, "skewed": skewed}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(folders, tmp_path_factory):
-    """Both ranks' reports: {(model, exchange): entry} per rank."""
-    out = tmp_path_factory.mktemp("ep") / "report"
+def run_ranks(module: str, size: int, args: list[str]) -> None:
+    """Runs `python -m module RANK SIZE DIST_URL *args` for every rank, each its own
+    process meeting at a free local port; every rank must exit 0."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    paths = [str(folders["random"]), str(folders["skewed"])]
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.unit.worker.ep_ranks", str(r), "2", url, str(out), *paths]
-        )
-        for r in range(2)
+        subprocess.Popen([sys.executable, "-m", module, str(r), str(size), url, *args])
+        for r in range(size)
     ]
     try:
         codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
@@ -77,7 +73,15 @@ def two_ranks(folders, tmp_path_factory):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0]
+    assert codes == [0] * size
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders, tmp_path_factory):
+    """Both ranks' reports: {(model, exchange): entry} per rank."""
+    out = tmp_path_factory.mktemp("ep") / "report"
+    paths = [str(folders["random"]), str(folders["skewed"])]
+    run_ranks("tests.unit.worker.ep_ranks", 2, [str(out), *paths])
     names = {p: name for name, p in zip(("random", "skewed"), paths, strict=True)}
     reports = []
     for rank in range(2):

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.ssd_scan import weights
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
 from spillway.services.worker import mamba2
-from spillway.services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from spillway.services.worker.mamba2 import mamba2_dims, mamba2_mixer
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.shared.model_config import HybridConfig, load_model_config
 from spillway.shared.model_files import resolve_model
@@ -25,19 +26,6 @@ def granite(tmp_path_factory: pytest.TempPathFactory):
     config = load_model_config(resolve_model(str(folder)))
     layer = load_reference(folder).model.layers[0].mamba
     return config, layer
-
-
-def _weights(layer) -> Mamba2Weights:
-    return Mamba2Weights(
-        in_proj=layer.in_proj.weight.detach(),
-        conv_weight=layer.conv1d.weight.detach().squeeze(1),
-        conv_bias=layer.conv1d.bias.detach(),
-        dt_bias=layer.dt_bias.detach(),
-        A=-torch.exp(layer.A_log.detach().float()),
-        D=layer.D.detach(),
-        norm=layer.norm.weight.detach(),
-        out_proj=layer.out_proj.weight.detach(),
-    )
 
 
 def _pool(c: HybridConfig, slots: int) -> StatePool:
@@ -66,7 +54,7 @@ def _step(ops, config, w, pool, rows: list[torch.Tensor], slots, fresh):
 def _run(config, layer, seqs: list[torch.Tensor], slots: list[int], pool=None):
     """Prefill in two chunks, then decode one token at a time: every token's output."""
     ops = TorchOps(native=None)
-    w = _weights(layer)
+    w = weights(layer)
     pool = pool or _pool(config.hybrid, 8)
     prompt = [s.shape[0] - DECODE_STEPS for s in seqs]
     cut = [(p + 1) // 2 for p in prompt]
@@ -151,7 +139,7 @@ def test_the_chunked_scan_equals_the_step_kernels_and_snapshots_the_same_states(
     monkeypatch.setattr(mamba2, "CHUNK", chunk)
     config, layer = granite
     c = config.hybrid
-    w = _weights(layer)
+    w = weights(layer)
     ops = TorchOps(native=None)
     gen = torch.Generator().manual_seed(5)
     rows = [torch.randn(n, config.hidden_size, generator=gen) for n in (1, 6, 3)]

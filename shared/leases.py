@@ -111,11 +111,20 @@ class LeaseBook:
         for heard in self._heard.values():
             heard.at = now
 
-    def ready_for_request(self, exclude: frozenset[str] = frozenset()) -> list[SchedulerLease]:
-        """The live schedulers that drive a worker and are not draining."""
+    def known(self) -> list[SchedulerLease]:
+        """Every scheduler heard and not forgotten (`lapse`), however old its lease: for a
+        caller whose own check decides when silence means death (and knows when the
+        silence was its own stall), the age alone says nothing."""
+        return [h.lease for h in self._heard.values() if h.lease is not None]
+
+    def ready_for_request(
+        self, exclude: frozenset[str] = frozenset(), by_age: bool = True
+    ) -> list[SchedulerLease]:
+        """The live schedulers that drive a worker and are not draining; `by_age=False`:
+        the known ones (see `known`)."""
         return [
             lease
-            for lease in self.live()
+            for lease in (self.live() if by_age else self.known())
             if lease.worker_id and not lease.draining and lease.scheduler_id not in exclude
         ]
 

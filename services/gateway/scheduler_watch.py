@@ -83,7 +83,12 @@ class SchedulerWatch:
     # --- queries -----------------------------------------------------------------------
 
     def pick(self, exclude: frozenset[str] = frozenset(), prompt: Sequence[int] = ()) -> str | None:
-        leases = self.recent.adjusted(self.book.ready_for_request(exclude))
+        # Among the schedulers the watch has not found gone, not those heard within the
+        # timeout: after our own stall (a loaded machine) their leases wait unread in our
+        # queue, and a request handled first would find none live, go to whichever the
+        # queue group picks and move its prefix's home there. The watch's check forgets
+        # a silent scheduler within CHECK_INTERVAL_S of its timeout, unless we stalled.
+        leases = self.recent.adjusted(self.book.ready_for_request(exclude, by_age=False))
         lease = self.affinity.choose(prompt, leases)
         if lease is None:
             return None

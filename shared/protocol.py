@@ -640,6 +640,10 @@ class SpillRecord(Message):
     worker_id: str
     num_bytes: int
     num_keys: int
+    # The scheduler that ordered the spill and its process: the store expires the spills
+    # of a scheduler that died (its requests resume elsewhere and never read them).
+    scheduler_id: str = ""
+    boot_id: str = ""
 
 
 class SpillRef(Message):

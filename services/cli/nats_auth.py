@@ -140,6 +140,8 @@ def permissions(user: str, namespace: str = "") -> Permissions:
                 ns(SPILL_DROP),
                 ns(SPILL_PREFIX_LOOKUP),
                 ns(WORKER_HEARTBEAT),
+                # Schedulers alive: a dead one's spills are never dropped by anyone else.
+                ns(SCHED_HEARTBEAT),
                 own_inbox,
             ),
         )

@@ -2,10 +2,14 @@
 how many bytes, and which are orphans of a worker that died.
 
 A spill is recorded when its worker reports the write (`spill.recorded`) and forgotten
-when the scheduler drops it (resumed, finished, aborted, recomputed) or when its worker has
-been silent for the orphan timeout. A drop may overtake its record (they come from
-different processes): the name is remembered for a while, and a late record is then
-deleted at once.
+when the scheduler drops it (resumed, finished, aborted, recomputed), when its worker has
+been silent for the orphan timeout, or when the scheduler that ordered it has (or came
+back as a new process, a new boot id): the requests of a dead scheduler resume elsewhere
+under new ids and recompute, so nothing will ever read or drop its spills, while the
+worker that wrote them may live on, serving another scheduler.
+
+A drop may overtake its record (they come from different processes): the name is
+remembered for a while, and a late record is then deleted at once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ class SpillEntry:
     num_bytes: int
     num_keys: int
     recorded_at: float
+    # The scheduler that ordered the spill, and its process ("" from a worker that did not
+    # say: such a spill expires with its worker only).
+    scheduler_id: str = ""
+    boot_id: str = ""
 
     @property
     def name(self) -> str:
@@ -39,6 +47,8 @@ class SpillLedger:
         self.orphan_timeout_s = orphan_timeout_s
         self.entries: dict[str, SpillEntry] = {}
         self.worker_seen: dict[str, float] = {}
+        # scheduler id -> (its boot id as last heard, when)
+        self.scheduler_seen: dict[str, tuple[str, float]] = {}
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self.spilled_total = 0
         self.dropped_total = 0
@@ -55,15 +65,27 @@ class SpillLedger:
     def worker_alive(self, worker_id: str, now: float) -> None:
         self.worker_seen[worker_id] = now
 
+    def scheduler_alive(self, scheduler_id: str, boot_id: str, now: float) -> None:
+        self.scheduler_seen[scheduler_id] = (boot_id, now)
+
     def record(self, rec: SpillRecord, now: float) -> SpillEntry | None:
         """The entry to keep; None when the spill was dropped already (delete it)."""
         name = spill_name(rec.seq_id, rec.spill_id)
         self.worker_seen.setdefault(rec.worker_id, now)
+        if rec.scheduler_id:  # a scheduler not heard yet gets the full timeout
+            self.scheduler_seen.setdefault(rec.scheduler_id, (rec.boot_id, now))
         if name in self._dropped:
             del self._dropped[name]
             return None
         entry = SpillEntry(
-            rec.seq_id, rec.spill_id, rec.worker_id, rec.num_bytes, rec.num_keys, now
+            rec.seq_id,
+            rec.spill_id,
+            rec.worker_id,
+            rec.num_bytes,
+            rec.num_keys,
+            now,
+            rec.scheduler_id,
+            rec.boot_id,
         )
         self.entries[name] = entry
         self.spilled_total += 1
@@ -73,6 +95,8 @@ class SpillLedger:
         """An entry found in Redis at start: its worker gets the full orphan timeout."""
         self.entries[entry.name] = entry
         self.worker_seen.setdefault(entry.worker_id, now)
+        if entry.scheduler_id:
+            self.scheduler_seen.setdefault(entry.scheduler_id, (entry.boot_id, now))
 
     def drop(self, seq_id: str, spill_id: int) -> SpillEntry | None:
         """Forgets a spill; returns its entry when it was recorded (else remembers the
@@ -88,15 +112,30 @@ class SpillLedger:
         return entry
 
     def orphans(self, now: float) -> list[SpillEntry]:
-        """Spills whose worker has been silent for the orphan timeout; forgets them."""
-        dead = {w for w, seen in self.worker_seen.items() if now - seen > self.orphan_timeout_s}
-        expired = [e for e in self.entries.values() if e.worker_id in dead]
+        """Spills whose worker or scheduler has been silent for the orphan timeout, or
+        whose scheduler restarted (another boot id); forgets them."""
+        timeout = self.orphan_timeout_s
+        dead = {w for w, seen in self.worker_seen.items() if now - seen > timeout}
+        gone = {s for s, (_, seen) in self.scheduler_seen.items() if now - seen > timeout}
+        expired = [
+            e for e in self.entries.values() if e.worker_id in dead or self._lost_owner(e, gone)
+        ]
         for entry in expired:
             del self.entries[entry.name]
         for worker_id in dead:
             del self.worker_seen[worker_id]
+        for scheduler_id in gone:
+            del self.scheduler_seen[scheduler_id]
         self.expired_total += len(expired)
         return expired
+
+    def _lost_owner(self, entry: SpillEntry, gone: set[str]) -> bool:
+        if not entry.scheduler_id:
+            return False
+        if entry.scheduler_id in gone:
+            return True
+        heard = self.scheduler_seen.get(entry.scheduler_id)
+        return bool(heard and entry.boot_id and heard[0] and heard[0] != entry.boot_id)
 
     def sequences(self) -> dict[str, int]:
         return {name: e.num_bytes for name, e in self.entries.items()}

@@ -8,6 +8,8 @@ tier; never sits in a step's data path (workers read and write the values direct
     spill.prefix_lookup  request/reply: how many leading blocks of a prompt the tier holds
     worker.heartbeat     (listened to) which workers live: the spills of one silent for
                          the orphan timeout are deleted
+    sched.heartbeat      (listened to) which schedulers live: the spills ordered by one
+                         silent for the orphan timeout, or restarted, are deleted
 
 A sweep every second expires orphans and trims the prefix tier to its capacity (oldest
 blocks first). The ledger is mirrored in a Redis hash, so a restarted store knows what it
@@ -37,6 +39,7 @@ from spillway.shared.protocol import (
     Heartbeat,
     PrefixLookup,
     PrefixLookupReply,
+    SchedulerLease,
     SpillDrop,
     SpillRecord,
     SpillRef,
@@ -103,6 +106,8 @@ class SpillStore:
             "worker_id": entry.worker_id,
             "num_bytes": entry.num_bytes,
             "num_keys": entry.num_keys,
+            "scheduler_id": entry.scheduler_id,
+            "boot_id": entry.boot_id,
         }
         await self.redis.hset(self.keys.index(), entry.name, json.dumps(fields))
         if self.ledger.used_bytes > self.capacity_bytes:
@@ -147,10 +152,13 @@ class SpillStore:
             await self.redis.hdel(self.keys.index(), entry.name)
         if expired:
             workers = sorted({e.worker_id for e in expired})
+            schedulers = sorted({e.scheduler_id for e in expired if e.scheduler_id})
             log.warning(
-                "expired %d spilled sequences of silent worker(s) %s",
+                "expired %d spilled sequences of worker(s) %s / scheduler(s) %s, one of "
+                "them silent or restarted",
                 len(expired),
                 ", ".join(workers),
+                ", ".join(schedulers) or "-",
             )
         return len(expired)
 
@@ -336,12 +344,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     async def on_heartbeat(beat: Heartbeat, ctx: Context, raw: Msg) -> None:
         store.ledger.worker_alive(beat.info.worker_id, store.clock())
 
+    async def on_lease(lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
+        store.ledger.scheduler_alive(lease.scheduler_id, lease.boot_id, store.clock())
+
     subs = [
         await bus.serve(subjects.SPILL_STATS, StatsRequest, on_stats),
         await bus.serve(subjects.SPILL_RECORDED, SpillRecord, on_record),
         await bus.serve(subjects.SPILL_DROP, SpillDrop, on_drop),
         await bus.serve(subjects.SPILL_PREFIX_LOOKUP, PrefixLookup, on_lookup),
         await bus.serve(subjects.WORKER_HEARTBEAT, Heartbeat, on_heartbeat),
+        await bus.serve(subjects.SCHED_HEARTBEAT, SchedulerLease, on_lease),
     ]
     sweeper = asyncio.create_task(_sweep_forever(store), name="spillstore-sweep")
     announce_ready("spillstore", f"redis={settings.redis_url.split('@')[-1]}")

@@ -352,6 +352,8 @@ class WorkerService:
     async def _record_spills(self, result: StepResult, spans: dict[str, Span]) -> None:
         """Tells the spill store what this step wrote, for its accounting and expiry (in
         the trace of the request it spilled)."""
+        owner = self.ownership.owner or ""
+        lease = self.leases.get(owner) if owner else None
         for spill in result.spills:
             if not spill.ok:
                 continue
@@ -361,6 +363,8 @@ class WorkerService:
                 worker_id=self.info.worker_id,
                 num_bytes=spill.num_bytes,
                 num_keys=spill.num_keys,
+                scheduler_id=owner,
+                boot_id=lease.boot_id if lease is not None else "",
             )
             try:
                 span = spans.get(spill.seq_id)

@@ -1,5 +1,5 @@
 """The spill-store service over real NATS and Redis: accounting, deletion on drop, expiry
-of a dead worker's spills, capacity and lookups of the shared prefix tier."""
+of a dead worker's or scheduler's spills, capacity and lookups of the shared prefix tier."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from spillway.shared.protocol import (
     Heartbeat,
     PrefixLookup,
     PrefixLookupReply,
+    SchedulerLease,
     SpillDrop,
     SpillRecord,
     SpillRef,
@@ -25,6 +26,7 @@ from spillway.shared.protocol import (
 )
 from spillway.shared.spill_keys import SpillKeys
 from spillway.shared.subjects import (
+    SCHED_HEARTBEAT,
     SPILL_DROP,
     SPILL_PREFIX_LOOKUP,
     SPILL_RECORDED,
@@ -142,6 +144,33 @@ async def test_a_dead_workers_spills_expire_and_a_live_ones_stay(nats_url, redis
         assert stats.expired_total == 1 and stats.sequences == {"x:1": 1000}
         assert not await store.exists(keys.block_group("y", 1, 0))
         assert await store.exists(keys.block_group("x", 1, 0))
+
+
+async def test_a_dead_schedulers_spills_expire_while_the_worker_that_wrote_them_lives(
+    nats_url, redis_url
+):
+    """The requests of a killed scheduler resume elsewhere under new ids, so nothing drops
+    its spills; the store expires them once its lease is gone (its worker beats on)."""
+    store_ctx = _running_store(nats_url, redis_url, "sp5", spill_orphan_timeout_s=1.0)
+    async with store_ctx as (bus, store, keys):
+        for seq, scheduler in (("kept", "s-live"), ("orphan", "s-killed")):
+            await _spill(store, keys, seq, 1, 1)
+            await bus.publish(SPILL_RECORDED, SpillRecord(
+                seq_id=seq, spill_id=1, worker_id="w", num_bytes=1000, num_keys=1,
+                scheduler_id=scheduler, boot_id="b"))  # fmt: skip
+        await _until(bus, lambda s: s.num_sequences == 2)
+        deadline = asyncio.get_running_loop().time() + 10
+        while asyncio.get_running_loop().time() < deadline:
+            await bus.publish(WORKER_HEARTBEAT, _beat("w"))
+            lease = SchedulerLease(scheduler_id="s-live", interval_s=0.2, boot_id="b")
+            await bus.publish(SCHED_HEARTBEAT, lease)
+            stats = await _stats(bus)
+            if stats.expired_total:
+                break
+            await asyncio.sleep(0.2)
+        assert stats.expired_total == 1 and stats.sequences == {"kept:1": 1000}
+        assert not await store.exists(keys.block_group("orphan", 1, 0))
+        assert await store.exists(keys.block_group("kept", 1, 0))
 
 
 async def test_prefix_tier_lookups_count_leading_hits_and_the_tier_keeps_its_capacity(

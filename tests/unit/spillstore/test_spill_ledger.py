@@ -42,3 +42,44 @@ def test_spills_of_a_worker_silent_past_the_timeout_expire_and_others_stay():
     expired = ledger.orphans(now=15)
     assert [e.seq_id for e in expired] == ["b"]
     assert ledger.sequences() == {"a:1": 100} and ledger.expired_total == 1
+
+
+def _owned(seq: str, scheduler: str, boot: str, worker: str = "w1") -> SpillRecord:
+    return SpillRecord(seq_id=seq, spill_id=1, worker_id=worker, num_bytes=100, num_keys=1,
+                       scheduler_id=scheduler, boot_id=boot)  # fmt: skip
+
+
+def test_spills_of_a_scheduler_silent_past_the_timeout_expire_though_their_worker_lives():
+    """A killed scheduler's requests resume elsewhere under new ids: nothing will drop
+    what it spilled, and the worker that wrote it lives on, serving another scheduler."""
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=10)
+    ledger.record(_owned("a", "s-live", "b1"), now=0)
+    ledger.record(_owned("b", "s-killed", "b2"), now=0)
+    ledger.record(_rec("c"), now=0)  # from a worker that names no scheduler
+    for now in (5, 9, 15):
+        ledger.worker_alive("w1", now=now)
+        ledger.scheduler_alive("s-live", "b1", now=now)
+    assert ledger.orphans(now=9) == []
+    expired = ledger.orphans(now=15)
+    assert [e.seq_id for e in expired] == ["b"]
+    assert ledger.sequences() == {"a:1": 100, "c:1": 100}
+
+
+def test_spills_of_a_scheduler_that_came_back_as_a_new_process_expire_at_once():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=10)
+    ledger.scheduler_alive("s1", "boot-1", now=0)
+    ledger.record(_owned("old", "s1", "boot-1"), now=0)
+    ledger.scheduler_alive("s1", "boot-2", now=2)  # restarted under its fixed id
+    ledger.record(_owned("new", "s1", "boot-2"), now=3)
+    expired = ledger.orphans(now=3)
+    assert [e.seq_id for e in expired] == ["old"]
+    assert ledger.sequences() == {"new:1": 100}
+
+
+def test_a_scheduler_first_heard_in_a_record_gets_the_full_timeout():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=10)
+    ledger.record(_owned("a", "s1", "b1"), now=4)
+    ledger.worker_alive("w1", now=13)
+    assert ledger.orphans(now=13) == []  # 9 s since the record: not yet
+    ledger.worker_alive("w1", now=15)
+    assert [e.seq_id for e in ledger.orphans(now=15)] == ["a"]

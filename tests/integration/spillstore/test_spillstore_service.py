@@ -84,6 +84,18 @@ async def _spill(store: aioredis.Redis, keys: SpillKeys, seq: str, spill_id: int
         await store.set(keys.block_group(seq, spill_id, g), b"k" * 1000)
 
 
+async def _first_expiry(bus: Bus, beats: list) -> SpillStats:
+    """Keeps publishing `beats` (subject, message) until the store expires something."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        for subject, message in beats:
+            await bus.publish(subject, message)
+        stats = await _stats(bus)
+        if stats.expired_total or asyncio.get_running_loop().time() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
 def _beat(worker_id: str) -> Heartbeat:
     info = WorkerInfo(
         worker_id=worker_id, model_id="m", num_kv_blocks=8, block_size=16, max_model_len=64,
@@ -134,13 +146,7 @@ async def test_a_dead_workers_spills_expire_and_a_live_ones_stay(nats_url, redis
             await bus.publish(SPILL_RECORDED, SpillRecord(
                 seq_id=seq, spill_id=1, worker_id=worker, num_bytes=1000, num_keys=1))  # fmt: skip
         await _until(bus, lambda s: s.num_sequences == 2)
-        deadline = asyncio.get_running_loop().time() + 10
-        while asyncio.get_running_loop().time() < deadline:
-            await bus.publish(WORKER_HEARTBEAT, _beat("alive"))
-            stats = await _stats(bus)
-            if stats.expired_total:
-                break
-            await asyncio.sleep(0.2)
+        stats = await _first_expiry(bus, [(WORKER_HEARTBEAT, _beat("alive"))])
         assert stats.expired_total == 1 and stats.sequences == {"x:1": 1000}
         assert not await store.exists(keys.block_group("y", 1, 0))
         assert await store.exists(keys.block_group("x", 1, 0))
@@ -159,15 +165,8 @@ async def test_a_dead_schedulers_spills_expire_while_the_worker_that_wrote_them_
                 seq_id=seq, spill_id=1, worker_id="w", num_bytes=1000, num_keys=1,
                 scheduler_id=scheduler, boot_id="b"))  # fmt: skip
         await _until(bus, lambda s: s.num_sequences == 2)
-        deadline = asyncio.get_running_loop().time() + 10
-        while asyncio.get_running_loop().time() < deadline:
-            await bus.publish(WORKER_HEARTBEAT, _beat("w"))
-            lease = SchedulerLease(scheduler_id="s-live", interval_s=0.2, boot_id="b")
-            await bus.publish(SCHED_HEARTBEAT, lease)
-            stats = await _stats(bus)
-            if stats.expired_total:
-                break
-            await asyncio.sleep(0.2)
+        lease = SchedulerLease(scheduler_id="s-live", interval_s=0.2, boot_id="b")
+        stats = await _first_expiry(bus, [(WORKER_HEARTBEAT, _beat("w")), (SCHED_HEARTBEAT, lease)])
         assert stats.expired_total == 1 and stats.sequences == {"kept:1": 1000}
         assert not await store.exists(keys.block_group("orphan", 1, 0))
         assert await store.exists(keys.block_group("kept", 1, 0))

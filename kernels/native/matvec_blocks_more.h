@@ -61,7 +61,7 @@ static inline __m512 iota16(float from) {
  * vector. The dot loops then broadcast each from memory (load ports) rather than from a
  * register (the shuffle port their table lookups need). Measured on the 2-core Xeon, CPU
  * time of a 150M-weight Q4_K llama's decode step: 14.2 ms with the scales made one by
- * one in scalar code, each broadcast from a register. */
+ * one in scalar code, each broadcast from a register, 12.3 with this. */
 static inline void k_scales(const uint8_t *blk, float sm[16]) {
     uint32_t u[4];
     memcpy(u, blk + 4, 12);
@@ -78,7 +78,8 @@ static inline void k_scales(const uint8_t *blk, float sm[16]) {
     const __m512 scale = _mm512_permutexvar_ps(
         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
         _mm512_castps128_ps512(_mm_xor_ps(dmf, sign)));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u));
+    /* from registers: a 16-byte load of four 4-byte stores would miss store forwarding */
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]));
     _mm512_store_ps(sm, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)));
 }
 
@@ -102,6 +103,47 @@ static inline __m512 q4_k_block(const float *a, const uint8_t *blk, __m512 c) {
         c = ACC_FMA(aj + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), hi), c);
     }
     return c;
+}
+
+/* Q4_K's four output rows at once, the rows interleaved per 64 values (each row's
+ * products still in k order into its one accumulator, as q4_k_block sums them): four
+ * independent FMA chains where a whole block per row made one chain of 16, and the
+ * inputs loaded once for the four rows. Measured on the 2-core Xeon, one thread, CPU
+ * time of nine projections of a 150M-weight llama's shapes at one row: 2.65 -> 1.80 ms
+ * (Q4_1's loop: 1.78). The same for Q6_K measured no gain. */
+static inline void dot4_q4_k(const float *restrict a, const uint8_t *restrict w,
+                             int64_t row_bytes, int64_t nb, float *restrict out) {
+    __m512 c[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    float sm[4][16] __attribute__((aligned(64)));
+    const __m512 iota = iota16(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * 144;
+            prefetch_block(blk, row_bytes, 144);
+            k_scales(blk, sm[r]);
+        }
+        const float *ab = a + 256 * b;
+        for (int j = 0; j < 4; j++) {
+            const float *aj = ab + 64 * j;
+            const __m512 a0 = _mm512_loadu_ps(aj), a1 = _mm512_loadu_ps(aj + 16);
+            const __m512 a2 = _mm512_loadu_ps(aj + 32), a3 = _mm512_loadu_ps(aj + 48);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *qs = w + r * row_bytes + b * 144 + 16 + 32 * j;
+                const __m512 lo = _mm512_fmadd_ps(_mm512_set1_ps(sm[r][2 * j]), iota,
+                                                  _mm512_set1_ps(sm[r][8 + 2 * j]));
+                const __m512 hi = _mm512_fmadd_ps(_mm512_set1_ps(sm[r][2 * j + 1]), iota,
+                                                  _mm512_set1_ps(sm[r][9 + 2 * j]));
+                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+                c[r] = _mm512_fmadd_ps(a0, _mm512_permutexvar_ps(q0, lo), c[r]);
+                c[r] = _mm512_fmadd_ps(a1, _mm512_permutexvar_ps(q1, lo), c[r]);
+                c[r] = _mm512_fmadd_ps(a2, _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), hi), c[r]);
+                c[r] = _mm512_fmadd_ps(a3, _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), hi), c[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(c[r]);
 }
 
 /* Q5_K: as Q4_K with a fifth bit per value from qh (bit 2 j of qh[l] for value 64 j + l,
@@ -226,7 +268,11 @@ static void dot4_more(const float *restrict a, const uint8_t *restrict w, int64_
                       int64_t nb, int64_t values, int64_t bytes, int type,
                       float *restrict out) {
     switch (type) {
+#ifdef __AVX512F__
+    case BLOCK_Q4_K: dot4_q4_k(a, w, row_bytes, nb, out); break;
+#else
     case BLOCK_Q4_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q4_K, out); break;
+#endif
     case BLOCK_Q5_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_K, out); break;
     case BLOCK_Q6_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q6_K, out); break;
     default: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q4_0, out); break;

@@ -1,13 +1,16 @@
 """A GGUF model kept in its blocks against the same model with float32 weights, in one run:
 prefill and greedy decode speed of each, interleaved, and whether their tokens agree.
 
-    python -m bench.gguf_blocks_speed [--model FILE.gguf] [--rounds 3] [--prompt 128]
+    python -m bench.gguf_blocks_speed [--model FILE.gguf ...] [--rounds 3] [--prompt 128]
                                       [--new 64]
 
 "blocks": the exact CPU mode's weights (`loader.load_model`, keep_quantized): the file's
 blocks alone, many-row products dequantizing tiles (`kernels.quantized_weight`).
 "float32": the same file dequantized at load (keep_quantized off), as the exact mode held
 it before: oneDNN's packed copies for many rows, the Q4_1 / Q8_0 blocks beside for few.
+With several `--model`s (files of one model's shapes in different types, e.g. Q4_K and
+Q4_1), each runs kept in its blocks, interleaved with the others, and the first also as
+float32; ratios are against the first file's blocks and its float32.
 Both run `ModelRunner` with `TorchOps` in this process, warmed up, one sequence: a
 `--prompt`-token prefill in one step, then `--new` decode steps; medians of `--rounds`,
 in wall time and in this process's CPU time (steadier on a shared machine, where wall
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,7 +52,7 @@ def runner_for(model: str, keep_quantized: bool, tokens: int) -> ModelRunner:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", nargs="+", default=[DEFAULT_MODEL])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
@@ -56,10 +60,12 @@ def main() -> None:
     args = parser.parse_args()
     configure_threads(torch.device("cpu"), args.threads)
     tokens = args.prompt + args.new + 1
-    runners = {
-        "blocks": runner_for(args.model, True, tokens),
-        "float32": runner_for(args.model, False, tokens),
-    }
+    first = args.model[0]
+    names = {model: Path(model).stem if len(args.model) > 1 else "" for model in args.model}
+    runners = {f"blocks {names[m]}".strip(): runner_for(m, True, tokens) for m in args.model}
+    baseline = f"blocks {names[first]}".strip()
+    runners[f"float32 {names[first]}".strip()] = runner_for(first, False, tokens)
+    float32 = list(runners)[-1]
     prompt = [[(i * 37) % 1000 + 10 for i in range(args.prompt)]]
     # (clock name, runner name) -> seconds per round
     prefill: dict[tuple[str, str], list[float]] = {}
@@ -70,21 +76,26 @@ def main() -> None:
         for name, runner in runners.items():
             start = {c: clock() for c, clock in clocks.items()}
             generate(runner, prompt, max_new_tokens=1, chunk=args.prompt)
-            first = {c: clock() - start[c] for c, clock in clocks.items()}
+            once = {c: clock() - start[c] for c, clock in clocks.items()}
             start = {c: clock() for c, clock in clocks.items()}
             outputs[name] = generate(runner, prompt, max_new_tokens=args.new + 1, chunk=args.prompt)
             for c, clock in clocks.items():
-                prefill.setdefault((c, name), []).append(first[c])
-                decode.setdefault((c, name), []).append((clock() - start[c] - first[c]) / args.new)
+                prefill.setdefault((c, name), []).append(once[c])
+                decode.setdefault((c, name), []).append((clock() - start[c] - once[c]) / args.new)
+    width = max(len(name) for name in runners)
     for c in clocks:
         for name in runners:
             p, d = statistics.median(prefill[c, name]), statistics.median(decode[c, name])
-            print(f"{c:4s} {name:8s} prefill of {args.prompt} tokens {p * 1000:7.0f} ms,"
+            print(f"{c:4s} {name:{width}s} prefill of {args.prompt} tokens {p * 1000:7.0f} ms,"
                   f" decode {d * 1000:6.1f} ms a token ({1 / d:5.1f} tok/s)")  # fmt: skip
-        p_ratio = statistics.median(prefill[c, "blocks"]) / statistics.median(prefill[c, "float32"])
-        d_ratio = statistics.median(decode[c, "blocks"]) / statistics.median(decode[c, "float32"])
-        print(f"{c:4s} blocks / float32: prefill {p_ratio:.2f}, decode {d_ratio:.2f}")
-    print(f"same tokens: {outputs['blocks'] == outputs['float32']}")
+        for name in runners:
+            for base in dict.fromkeys((baseline, float32)):
+                if name in (base, float32):
+                    continue
+                p_ratio = statistics.median(prefill[c, name]) / statistics.median(prefill[c, base])
+                d_ratio = statistics.median(decode[c, name]) / statistics.median(decode[c, base])
+                print(f"{c:4s} {name} / {base}: prefill {p_ratio:.2f}, decode {d_ratio:.2f}")
+    print(f"same tokens ({baseline}, {float32}): {outputs[baseline] == outputs[float32]}")
 
 
 if __name__ == "__main__":

@@ -70,18 +70,26 @@ SOURCE = Path(__file__).with_name("native") / "matvec.c"
 HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT = 1, 2, 4, 8, 16
 # matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
 INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
-# The model file's block formats `linear_blocks` reads (BLOCK_* in matvec.c).
-BLOCK_TYPES = {"q4_1": 0, "q8_0": 1}
-BLOCK_VALUES = 32
 # Every block format `dequantize_rows` and `linear_dequant_f32` read (DQ_* in matvec.c),
-# and each one's (values, bytes) per block: the GGUF types llama.cpp users download.
+# and each one's (values, bytes) per block: the GGUF types llama.cpp users download. F16
+# and BF16 are "blocks" of one value: kept 16-bit, widened to float32 where used.
 BLOCK_CODES = {
     "q4_1": 0, "q8_0": 1, "q4_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7,
+    "f16": 8, "bf16": 9,
 }  # fmt: skip
 BLOCK_SHAPES = {
     "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
-    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "bf16": (1, 2),
 }  # fmt: skip
+# The model file's block formats `linear_blocks` reads (BLOCK_* in matvec.c and
+# matvec_blocks_more.h, the codes of BLOCK_CODES), and those `linear_blocks_q8` reads.
+BLOCK_TYPES = {
+    kind: BLOCK_CODES[kind]
+    for kind in ("q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "f16", "bf16")
+}
+INTEGER_BLOCK_TYPES = frozenset({"q4_1", "q8_0"})
+# 16-bit float types: any K and N (linear_f32's loops); the block types want N % 4 == 0.
+HALF_TYPES = frozenset({"f16", "bf16"})
 # Activations are quantized per block of this many values (QB in matvec.c).
 Q8_BLOCK = 64
 # Rows up to which the native kernels beat oneDNN / fbgemm (they reread the weights from
@@ -269,12 +277,14 @@ class MatvecKernels:
         """Whether `linear_blocks` (with feature HAS_BLOCKS_Q8: `linear_blocks_q8`) takes x
         against this block weight."""
         n, k = weight.shape
+        kinds = INTEGER_BLOCK_TYPES if feature == HAS_BLOCKS_Q8 else BLOCK_TYPES
+        if weight.kind not in kinds:
+            return False
         return (
             self._few_rows(feature, x, bias)
             and x.shape[1] == k
-            and k % BLOCK_VALUES == 0
-            and n % 4 == 0
-            and weight.kind in BLOCK_TYPES
+            and k % BLOCK_SHAPES[weight.kind][0] == 0
+            and (n % 4 == 0 or weight.kind in HALF_TYPES)
             and weight.data.is_contiguous()
         )
 

@@ -189,12 +189,13 @@ class PackedLinear:
             return self.matvec.linear_blocks(x, fused, bias)
         matvec = self.matvec
         if matvec is not None and all(matvec.fits_dequant(x, p, bias) for p in weight.parts):
-            outs = [
-                matvec.linear_dequant(
-                    x, part, None if bias is None else bias[start : start + part.shape[0]]
-                )
-                for start, part in weight.segments()
-            ]
+            # A fused weight of several formats (a Q4_K_M file's q/k in Q4_K, v in Q6_K):
+            # each segment through the fused kernel where it reads the format.
+            outs = []
+            for start, part in weight.segments():
+                b = None if bias is None else bias[start : start + part.shape[0]]
+                fits = matvec.fits_blocks(x, part, b)
+                outs.append((matvec.linear_blocks if fits else matvec.linear_dequant)(x, part, b))
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return self._tiled(x, weight, bias)
 

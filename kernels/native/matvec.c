@@ -87,70 +87,133 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
         _mm_prefetch((const char *)((p) + 7 * (k)), _MM_HINT_T0);                  \
     } while (0)
 
+/* The weight loads of linear_f32's loops, one per element type: float32 W as it is, and
+ * F16 / BF16 W (GGUF files' 16-bit tensors, kept so in memory) widened to float32 in
+ * registers. Widening is exact, and the loops below are one text for all three (instances
+ * of DEFINE_LINEAR), so a 16-bit weight's outputs are the float32 weight's to the bit. */
+static inline float load1_f32(const float *w, int64_t i) { return w[i]; }
+/* s + a w of the scalar tails: one rounding (fused) where the CPU fuses, two where it
+ * cannot, written out, so that the compiler's choice to contract (which differed between
+ * the element types' copies of one loop) never decides the outputs. */
+static inline float madd(float a, float w, float s) {
+#if defined(__FMA__) || defined(__AVX512F__)
+    return fmaf(a, w, s);
+#else
+    return s + a * w;
+#endif
+}
+static inline float load1_bf16(const uint16_t *w, int64_t i) {
+    const uint32_t bits = (uint32_t)w[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#ifdef __AVX512F__
+static inline __m512 loadv_f32(const float *w, int64_t i) { return _mm512_loadu_ps(w + i); }
+static inline __m512 loadv_bf16(const uint16_t *w, int64_t i) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+#ifdef __F16C__
+static inline __m512 loadv_f16(const uint16_t *w, int64_t i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
+}
+#endif
+#elif defined(F32_SIMD)
+static inline __m256 loadv_f32(const float *w, int64_t i) { return _mm256_loadu_ps(w + i); }
+static inline __m256 loadv_bf16(const uint16_t *w, int64_t i) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+#ifdef __F16C__
+static inline __m256 loadv_f16(const uint16_t *w, int64_t i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
+}
+#endif
+#endif
+#ifdef __F16C__
+static inline float load1_f16(const uint16_t *w, int64_t i) { return _cvtsh_ss(w[i]); }
+#endif
+
 #ifdef __AVX512F__
 /* Output rows j..j+3 of one input row a. */
-static inline void dot4_f32(const float *restrict a, const float *restrict w, int64_t k,
-                            float *restrict out) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        const __m512 av = _mm512_loadu_ps(a + i);
-        c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(w + i), c0);
-        c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(w + k + i), c1);
-        c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(w + 2 * k + i), c2);
-        c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(w + 3 * k + i), c3);
+#define DEFINE_DOT4(T, WT)                                                                 \
+    static inline void dot4_##T(const float *restrict a, const WT *restrict w, int64_t k, \
+                                float *restrict out) {                                     \
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                        \
+        int64_t i = 0;                                                                     \
+        for (; i + 16 <= k; i += 16) {                                                     \
+            const __m512 av = _mm512_loadu_ps(a + i);                                      \
+            c0 = _mm512_fmadd_ps(av, loadv_##T(w, i), c0);                                 \
+            c1 = _mm512_fmadd_ps(av, loadv_##T(w, k + i), c1);                             \
+            c2 = _mm512_fmadd_ps(av, loadv_##T(w, 2 * k + i), c2);                         \
+            c3 = _mm512_fmadd_ps(av, loadv_##T(w, 3 * k + i), c3);                         \
+        }                                                                                  \
+        float s[4] = {_mm512_reduce_add_ps(c0), _mm512_reduce_add_ps(c1),                  \
+                      _mm512_reduce_add_ps(c2), _mm512_reduce_add_ps(c3)};                 \
+        for (; i < k; i++)                                                                 \
+            for (int r = 0; r < 4; r++) s[r] = madd(a[i], load1_##T(w, r * k + i), s[r]); \
+        for (int r = 0; r < 4; r++) out[r] = s[r];                                         \
     }
-    float s[4] = {_mm512_reduce_add_ps(c0), _mm512_reduce_add_ps(c1), _mm512_reduce_add_ps(c2),
-                  _mm512_reduce_add_ps(c3)};
-    for (; i < k; i++)
-        for (int r = 0; r < 4; r++) s[r] += a[i] * w[r * k + i];
-    for (int r = 0; r < 4; r++) out[r] = s[r];
-}
 #elif defined(F32_SIMD)
 /* The same with 8-wide vectors (AVX2 + FMA). */
-static inline void dot4_f32(const float *restrict a, const float *restrict w, int64_t k,
-                            float *restrict out) {
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        const __m256 av = _mm256_loadu_ps(a + i);
-        c0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + i), c0);
-        c1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + k + i), c1);
-        c2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + 2 * k + i), c2);
-        c3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(w + 3 * k + i), c3);
+#define DEFINE_DOT4(T, WT)                                                                 \
+    static inline void dot4_##T(const float *restrict a, const WT *restrict w, int64_t k, \
+                                float *restrict out) {                                     \
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                        \
+        int64_t i = 0;                                                                     \
+        for (; i + 8 <= k; i += 8) {                                                       \
+            const __m256 av = _mm256_loadu_ps(a + i);                                      \
+            c0 = _mm256_fmadd_ps(av, loadv_##T(w, i), c0);                                 \
+            c1 = _mm256_fmadd_ps(av, loadv_##T(w, k + i), c1);                             \
+            c2 = _mm256_fmadd_ps(av, loadv_##T(w, 2 * k + i), c2);                         \
+            c3 = _mm256_fmadd_ps(av, loadv_##T(w, 3 * k + i), c3);                         \
+        }                                                                                  \
+        float s[4] = {hsum256(c0), hsum256(c1), hsum256(c2), hsum256(c3)};                 \
+        for (; i < k; i++)                                                                 \
+            for (int r = 0; r < 4; r++) s[r] = madd(a[i], load1_##T(w, r * k + i), s[r]); \
+        for (int r = 0; r < 4; r++) out[r] = s[r];                                         \
     }
-    float s[4] = {hsum256(c0), hsum256(c1), hsum256(c2), hsum256(c3)};
-    for (; i < k; i++)
-        for (int r = 0; r < 4; r++) s[r] += a[i] * w[r * k + i];
-    for (int r = 0; r < 4; r++) out[r] = s[r];
-}
 #endif
 
-static inline float dot_f32(const float *restrict a, const float *restrict w, int64_t k) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < k; i++) s += a[i] * w[i];
-    return s;
-}
+#define DEFINE_DOT(T, WT)                                                                  \
+    static inline float dot_##T(const float *restrict a, const WT *restrict w, int64_t k) { \
+        float s = 0.0f;                                                                    \
+        for (int64_t i = 0; i < k; i++) s = madd(a[i], load1_##T(w, i), s);                \
+        return s;                                                                          \
+    }
 
-void linear_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                const float *bias, float *y, int64_t parallel_min_bytes) {
-    const int parallel = n * k * (int64_t)sizeof(float) >= parallel_min_bytes;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
-        const int64_t n1 = min64(n0 + CHUNK, n);
-        for (int64_t row = 0; row < m; row++) {
-            const float *a = x + row * k;
-            float *out = y + row * n;
-            int64_t j = n0;
 #ifdef F32_SIMD
-            for (; j + 4 <= n1; j += 4) dot4_f32(a, w + j * k, k, out + j);
+#define DOT4_GROUPS(T) for (; j + 4 <= n1; j += 4) dot4_##T(a, w + j * k, k, out + j);
+#else
+#define DOT4_GROUPS(T)
 #endif
-            for (; j < n1; j++) out[j] = dot_f32(a, w + j * k, k);
-            if (bias)
-                for (j = n0; j < n1; j++) out[j] += bias[j];
-        }
+
+/* y = x W^T + b for W of element type WT; `bytes` per weight decide the split. */
+#define DEFINE_LINEAR(T, WT, RET)                                                          \
+    RET linear_##T(const float *x, int64_t m, int64_t k, const WT *w, int64_t n,           \
+                   const float *bias, float *y, int64_t parallel_min_bytes) {              \
+        const int parallel = n * k * (int64_t)sizeof(WT) >= parallel_min_bytes;           \
+        _Pragma("omp parallel for schedule(static) if (parallel)")                         \
+        for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {                                        \
+            const int64_t n1 = min64(n0 + CHUNK, n);                                       \
+            for (int64_t row = 0; row < m; row++) {                                        \
+                const float *a = x + row * k;                                              \
+                float *out = y + row * n;                                                  \
+                int64_t j = n0;                                                            \
+                DOT4_GROUPS(T)                                                             \
+                for (; j < n1; j++) out[j] = dot_##T(a, w + j * k, k);                     \
+                if (bias)                                                                  \
+                    for (j = n0; j < n1; j++) out[j] += bias[j];                           \
+            }                                                                              \
+        }                                                                                  \
     }
-}
+
+#ifdef F32_SIMD
+DEFINE_DOT4(f32, float)
+#endif
+DEFINE_DOT(f32, float)
+DEFINE_LINEAR(f32, float, void)
 
 #if defined(Q8_VNNI) || defined(Q8_AVX2)
 /* One row of x -> q per block of QB (stored + 128 for VNNI), scale amax / 127 per block
@@ -569,9 +632,47 @@ static void dot4_blocks_rows(const float *restrict x, int64_t m, int64_t k,
     }
 }
 
-/* Returns 0, -2 when K is not a multiple of 32 or N of 4, -3 for an unknown block type. */
+#include "matvec_blocks_more.h"
+
+int linear_dequant_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                       int64_t n, const float *bias, float *y, int64_t parallel_min_bytes);
+
+/* The 16-bit float types (GGUF F16, BF16): linear_f32's loops on the widened weight. */
+enum { BLOCK_F16 = 8, BLOCK_BF16 = 9 };
+DEFINE_DOT4(f16, uint16_t)
+DEFINE_DOT4(bf16, uint16_t)
+DEFINE_DOT(f16, uint16_t)
+DEFINE_DOT(bf16, uint16_t)
+DEFINE_LINEAR(f16, uint16_t, static void)
+DEFINE_LINEAR(bf16, uint16_t, static void)
+
+/* Returns 0, -1 when a buffer cannot be allocated, -2 when K is not a multiple of the
+ * block's values or N of 4, -3 for an unknown block type. F16 / BF16 take any K and N. A
+ * type of matvec_blocks_more.h at several rows goes through linear_dequant_f32 (each
+ * chunk of rows dequantized once for all of them): the same outputs, row by row. */
 int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                       int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    if (type == BLOCK_F16 || type == BLOCK_BF16) {
+        (type == BLOCK_F16 ? linear_f16 : linear_bf16)(x, m, k, (const uint16_t *)w, n, bias, y,
+                                                        parallel_min_bytes);
+        return 0;
+    }
+    int64_t values, bytes;
+    if (more_block(type, &values, &bytes)) {
+        if (k % values != 0 || n % 4 != 0) return -2;
+        if (m > 1) return linear_dequant_f32(x, m, k, w, type, n, bias, y, parallel_min_bytes);
+        const int64_t nb = k / values, row_bytes = nb * bytes;
+        const int parallel = n * row_bytes >= parallel_min_bytes;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
+            const int64_t n1 = min64(n0 + CHUNK, n);
+            for (int64_t j = n0; j < n1; j += 4)
+                dot4_more(x, w + j * row_bytes, row_bytes, nb, values, bytes, type, y + j);
+            if (bias)
+                for (int64_t j = n0; j < n1; j++) y[j] += bias[j];
+        }
+        return 0;
+    }
     if (k % 32 != 0 || n % 4 != 0) return -2;
     if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
     const int64_t block_bytes = type == BLOCK_Q4_1 ? 20 : 34, nb = k / 32;
@@ -804,7 +905,7 @@ int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int
  * Codes: BLOCK_Q4_1, BLOCK_Q8_0 as above, then the rest (DQ_* below; cpu_matvec's
  * BLOCK_CODES mirrors them). */
 enum { DQ_Q4_1 = 0, DQ_Q8_0 = 1, DQ_Q4_0 = 2, DQ_Q5_0 = 3, DQ_Q5_1 = 4, DQ_Q4_K = 5,
-       DQ_Q5_K = 6, DQ_Q6_K = 7 };
+       DQ_Q5_K = 6, DQ_Q6_K = 7, DQ_F16 = 8, DQ_BF16 = 9 };
 
 /* IEEE half to float (exact; no F16C needed). */
 static inline float f16_bits(const uint8_t *p) {
@@ -833,9 +934,9 @@ static inline float f16_bits(const uint8_t *p) {
 
 /* Values and bytes per block of each code; 0 for an unknown code. */
 static int dq_block(int type, int64_t *values, int64_t *bytes) {
-    static const int64_t v[] = {32, 32, 32, 32, 32, 256, 256, 256};
-    static const int64_t b[] = {20, 34, 18, 22, 24, 144, 176, 210};
-    if (type < 0 || type > DQ_Q6_K) return 0;
+    static const int64_t v[] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1};
+    static const int64_t b[] = {20, 34, 18, 22, 24, 144, 176, 210, 2, 2};
+    if (type < 0 || type > DQ_BF16) return 0;
     *values = v[type];
     *bytes = b[type];
     return 1;
@@ -957,9 +1058,32 @@ static void dq_block_values(const uint8_t *blk, int type, float *out) {
     }
 }
 
+/* n 16-bit floats (F16, BF16: "blocks" of one value) -> float32, exactly. */
+static void widen_halves(const uint8_t *w, int type, int64_t n, float *out) {
+    int64_t i = 0;
+    if (type == DQ_BF16) {
+        for (; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, w + 2 * i, sizeof h);
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + i, &bits, sizeof bits);
+        }
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))));
+#endif
+    for (; i < n; i++) out[i] = f16_bits(w + 2 * i);
+}
+
 /* Rows [rows, k] of blocks -> out [rows, k] float32. */
 static void dq_rows(const uint8_t *w, int type, int64_t values, int64_t bytes, int64_t rows,
                     int64_t k, float *out) {
+    if (type == DQ_F16 || type == DQ_BF16) {
+        widen_halves(w, type, rows * k, out);
+        return;
+    }
     const int64_t nb = k / values;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++)

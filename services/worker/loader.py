@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from spillway.kernels.cpu_info import cpu_flags
-from spillway.kernels.cpu_matvec import BLOCK_CODES, BLOCK_TYPES, BlockWeight
+from spillway.kernels.cpu_matvec import BLOCK_CODES, INTEGER_BLOCK_TYPES, BlockWeight
 from spillway.kernels.quantized_weight import QuantizedWeight, Weight, dequantize
 from spillway.services.worker.mla import MLAWeights, q_width
 from spillway.services.worker.moe import MoEWeights
@@ -147,11 +147,12 @@ def _gguf_tensors(
     reader: GGUFFile, config: ModelConfig, keep_blocks: bool, only_blocks: bool = False
 ) -> tuple[dict[str, Weight], dict[str, BlockWeight]]:
     """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
-    stored in a format the native few-row kernels read (`cpu_matvec.BLOCK_TYPES`), permuted
+    stored in a format both native few-row block kernels read
+    (`cpu_matvec.INTEGER_BLOCK_TYPES`), permuted
     alike. q/k rows are un-permuted where the architecture's converter permuted them; q/k/v
     biases of an architecture without them are left out, as transformers leaves them. With
-    only_blocks, a matrix in any block format stays in its blocks alone (a
-    `QuantizedWeight`), never dequantized here."""
+    only_blocks, a matrix in any block format (F16 and BF16 too: 16 bits a value) stays
+    in its blocks alone (a `QuantizedWeight`), never dequantized here."""
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -163,9 +164,11 @@ def _gguf_tensors(
         if not arch.qkv_bias and tensor.name.endswith(_QKV_BIASES):
             log.warning("ignored %s: %s files have no q/k/v bias", tensor.name, arch.name)
             continue
-        blocked = tensor.data.ndim == 2 and tensor.data.dtype == np.uint8  # [rows, row bytes]
+        # F16 matrices come as float16 arrays: their bytes are rows of 2-byte "blocks".
+        stored = tensor.data.view(np.uint8) if tensor.data.dtype == np.float16 else tensor.data
+        blocked = stored.ndim == 2 and stored.dtype == np.uint8  # [rows, row bytes]
         kind = tensor.tensor_type.name.lower()
-        raw = tensor.data if blocked and keep_blocks else None
+        raw = stored if blocked and keep_blocks else None
         quantized = only_blocks and raw is not None and kind in BLOCK_CODES
         # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
         data = None if quantized else gguf_dequantize(tensor.data, tensor.tensor_type)
@@ -174,8 +177,11 @@ def _gguf_tensors(
                 data = None if data is None else _unpermute_rope_rows(data, heads)
                 raw = None if raw is None else _unpermute_rope_rows(raw, heads)
         values, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-        width = tensor.data.shape[-1] // block_bytes * values  # a row's values
-        if raw is not None and (quantized or kind in BLOCK_TYPES):
+        width = stored.shape[-1] // block_bytes * values  # a row's values
+        # Beside a float32 copy (keep_blocks without only_blocks), only the formats both
+        # few-row block kernels read, float32 and integer: the float32 weights' own
+        # kernels serve the rest.
+        if raw is not None and (quantized or kind in INTEGER_BLOCK_TYPES):
             rows = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the file is mapped
             blocks[tensor.name] = BlockWeight(rows, kind, width)
         if quantized:

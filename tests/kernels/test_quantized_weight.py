@@ -9,10 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 
 from spillway.kernels import cpu_matvec
-from spillway.kernels.cpu_matvec import BLOCK_CODES, BLOCK_SHAPES, HAS_F32, MAX_ROWS, BlockWeight
+from spillway.kernels.cpu_matvec import (
+    BLOCK_CODES,
+    BLOCK_SHAPES,
+    BLOCK_TYPES,
+    HAS_F32,
+    MAX_ROWS,
+    BlockWeight,
+)
 from spillway.kernels.linear import PackedLinear
 from spillway.kernels.quantized_weight import (
     QuantizedWeight,
@@ -20,34 +26,9 @@ from spillway.kernels.quantized_weight import (
     dequantize,
     embedding,
 )
+from tests.kernels.gguf_blocks import block_weight, random_blocks, reference
 
 KINDS = sorted(BLOCK_CODES)
-# Byte offsets of each format's f16 scales in its block (d, and m / dmin where it has one).
-SCALE_OFFSETS = {
-    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
-    "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
-}  # fmt: skip
-
-
-def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
-    """[rows, row bytes] of random bytes, each f16 scale a random finite half (normal,
-    subnormal, zero, either sign): every bit pattern of the quantized values."""
-    values, size = BLOCK_SHAPES[kind]
-    data = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[kind]:
-        halves = rng.integers(0, 1 << 16, (rows, cols // values), dtype=np.uint16)
-        halves &= np.uint16(0xBFFF)  # exponent below 31: finite (and at most 2)
-        data[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
-    return data.reshape(rows, -1)
-
-
-def reference(data: np.ndarray, kind: str) -> torch.Tensor:
-    values = gguf_dequantize(data, GGMLQuantizationType[kind.upper()])
-    return torch.from_numpy(np.array(values, dtype=np.float32))
-
-
-def block_weight(data: np.ndarray, kind: str, k: int) -> BlockWeight:
-    return BlockWeight(torch.from_numpy(data.copy()), kind, k)
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +119,8 @@ def test_packed_linear_on_blocks_equals_torch_on_the_dequantized_weight(matvec, 
     assert_float32_close(got, x, dense, bias)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_a_single_q4_1_or_q8_0_weight_takes_the_fused_block_kernel(matvec, kind):
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_a_weight_of_one_fused_format_takes_the_fused_block_kernel(matvec, kind):
     data = random_blocks(np.random.default_rng(1), 96, 256, kind)
     weight = QuantizedWeight((block_weight(data, kind, 256),))
     x = torch.randn(1, 256)
@@ -150,9 +131,30 @@ def test_a_single_q4_1_or_q8_0_weight_takes_the_fused_block_kernel(matvec, kind)
     assert torch.equal(linear(x, weight), matvec.linear_f32(x, reference(data, kind), None))
 
 
-def test_a_weight_of_other_formats_has_no_fused_form(matvec):
+def test_a_weight_of_several_formats_has_no_fused_form(matvec):
     weight, _ = _mixed(np.random.default_rng(2), 256)
     assert PackedLinear(matvec=matvec).few_row_form(torch.zeros(1, 256), weight, None) is None
+
+
+def test_each_segment_of_several_formats_takes_the_fused_kernel_where_it_reads_it(
+    matvec, monkeypatch
+):
+    """A Q4_K_M-like fused weight (Q4_K, Q6_K, Q8_0 segments) at one row: every segment
+    through linear_blocks (none dequantized by chunks), the float32 kernel's outputs."""
+    if not matvec.features & HAS_F32:
+        pytest.skip("float32 kernel not built")
+    weight, dense = _mixed(np.random.default_rng(5), 512)
+    calls = []
+    real = cpu_matvec.MatvecKernels.linear_blocks
+    monkeypatch.setattr(
+        cpu_matvec.MatvecKernels,
+        "linear_blocks",
+        lambda self, x, w, b: calls.append(w.kind) or real(self, x, w, b),
+    )
+    x, bias = torch.randn(1, 512), torch.randn(dense.shape[0])
+    got = PackedLinear(matvec=matvec)(x, weight, bias)
+    assert calls == ["q4_k", "q6_k", "q8_0"]
+    assert torch.equal(got, matvec.linear_f32(x, dense, bias))
 
 
 @pytest.mark.parametrize("native", [True, False])

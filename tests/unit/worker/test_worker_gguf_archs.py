@@ -30,7 +30,7 @@ NEW_TOKENS = 8
 MIN_GAP = 1e-4
 # gguf-py quantizes the model's weights to Q8_0 and Q4_0; Q4_K (Q4_K_M files' main type)
 # is random blocks (tests/gguf_files.py).
-KINDS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K"]
+KINDS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K"]
 # Mistral's weights drawn apart from Llama's (the same draw would repeat its file).
 SEEDS = {"mistral": 1}
 

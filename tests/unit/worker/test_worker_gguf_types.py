@@ -22,7 +22,7 @@ NEW_TOKENS = 8
 # The smallest top-1 over top-2 logit gap of transformers' greedy steps we accept: below
 # it float32 rounding of a different summation order could pick another token.
 MIN_GAP = 1e-4
-TYPES = ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _transformers_greedy(path: Path) -> tuple[list[list[int]], float]:
@@ -54,18 +54,19 @@ def test_greedy_output_equals_transformers_on_the_same_gguf(tmp_path, kind):
     settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
     runner = load_runner(settings)[0]
     assert generate(runner, PROMPTS, max_new_tokens=NEW_TOKENS, chunk=3) == expected
-    _assert_blocks_alone(runner.model.weights, blocked=kind not in ("F32", "F16"))
+    _assert_blocks_alone(runner.model.weights, blocked=kind != "F32", kind=kind.lower())
 
 
-def _assert_blocks_alone(w: ModelWeights, blocked: bool) -> None:
-    """A block-typed file's projections, embedding and lm_head are its blocks alone: the
-    float32 bytes left are the norms'."""
+def _assert_blocks_alone(w: ModelWeights, blocked: bool, kind: str) -> None:
+    """A block-typed (or 16-bit) file's projections, embedding and lm_head are its blocks
+    alone, in the file's type: the float32 bytes left are the norms'."""
     matrices = [w.embed, w.lm_head] + [
         t for x in w.layers for t in (x.qkv, x.o, x.gate_up, x.down) if t is not None
     ]
     assert all(isinstance(t, QuantizedWeight) == blocked for t in matrices)
     if blocked:
         quantized = {id(t): t for t in matrices if isinstance(t, QuantizedWeight)}
+        assert {p.kind for t in quantized.values() for p in t.parts} == {kind}
         float32_bytes = w.num_bytes() - sum(t.nbytes for t in quantized.values())
         hidden = w.norm.shape[0]
         assert float32_bytes == 4 * hidden * (2 * len(w.layers) + 1)

@@ -27,9 +27,9 @@ from spillway.kernels.ops import KernelOps
 from spillway.services.worker.ssd_scan import (
     CHUNK,
     ChunkLayout,
+    chunk_scan,
     conv_windows,
     end_states,
-    ssd_scan,
     window_state,
 )
 from spillway.services.worker.state_pool import take_step_snapshots
@@ -188,7 +188,7 @@ def _scan_rows(
     dtf = layout.gather(F.softplus(dt.to(f32) + w.dt_bias.to(f32)))  # [R, K, Q, H]
     dtf = dtf * layout.valid.view(dtf.shape[:3])[..., None]
     chunked = (*x.shape[:3],)
-    scan = ssd_scan(
+    scan = chunk_scan(  # the Triton kernel on CUDA, the torch form elsewhere
         layout.chunk, x.reshape(*chunked, heads, p), dtf, w.A,
         b.reshape(*chunked, g, n), cm.reshape(*chunked, g, n), w.D, ssm_state[slots],
     )  # fmt: skip

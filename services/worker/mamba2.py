@@ -145,11 +145,12 @@ class ScanRows:
 
     @property
     def starts(self) -> list[int]:
-        return [int(self.starts_t[r]) for r in self.rows]
+        # one copy for all rows (a read per row would wait on the GPU once per row)
+        return self.starts_t[self.rows].tolist()
 
     @property
     def lens(self) -> list[int]:
-        return [int(self.lens_t[r]) for r in self.rows]
+        return self.lens_t[self.rows].tolist()
 
     @property
     def slots(self) -> torch.Tensor:

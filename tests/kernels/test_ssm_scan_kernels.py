@@ -8,6 +8,8 @@ worker's block-boundary snapshots are. Tiny sizes: without CUDA this is the inte
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -202,3 +204,17 @@ def test_delta_launcher_rejects_mismatched_heads():
     with pytest.raises(AssertionError, match="do not group"):
         gated_delta_chunk_scan(ch["q"], ch["k"], ch["v"][..., :3, :], ch["g"][..., :3],
                                ch["beta"][..., :3], h0[:, :3])  # fmt: skip
+
+
+@pytest.mark.parametrize("module", [ssd_scan_module, delta_scan_module])
+def test_the_worker_takes_the_kernel_only_on_cuda_with_triton(monkeypatch, module):
+    """The dispatch: CPU tensors keep the torch form; CUDA ones take the kernel, unless
+    Triton is missing (a torch-only install), where the torch form runs there too."""
+    from spillway.kernels import gated_delta_chunk, ssd_chunk_scan
+
+    kernel_module = ssd_chunk_scan if module is ssd_scan_module else gated_delta_chunk
+    on_cuda = SimpleNamespace(is_cuda=True)  # stands for a CUDA tensor: only is_cuda is read
+    assert not module.use_kernel(torch.zeros(1))
+    assert module.use_kernel(on_cuda)
+    monkeypatch.setattr(kernel_module, "tl", None)
+    assert not module.use_kernel(on_cuda)

@@ -1,6 +1,7 @@
 """The CPU path of the recurrent decode steps against the references and transformers:
 
     python -m bench.ssm_kernels [--threads 2] [--repeats 10] [--stat median] [--heads-div 1]
+                                [--prefill]
 
 For R in {1, 8, 64} decode rows and two models' layer shapes (Granite-4.0-H-tiny's Mamba2
 mixer: conv over 3328 channels, 48 heads x 64 x state 128; Qwen3-Next's gated DeltaNet: conv
@@ -14,6 +15,11 @@ counts and channels), prints the milliseconds of each step by
 
 then the ratios ref / ours and hf / ours (> 1: ours is faster). The state pool holds 2 R
 slots, float32, like the worker's; inputs are float32.
+
+`--prefill` (CUDA) times the prefill scans instead, at the same layer shapes: a step's
+prefill rows of PREFILL_LENS tokens packed in the worker's chunks of 64, through the Triton
+kernel (`kernels.ssd_chunk_scan`, `kernels.gated_delta_chunk`) and through the worker's
+torch form on the same GPU (`ssd_scan`, `delta_scan`), and torch / kernel.
 """
 
 from __future__ import annotations
@@ -126,13 +132,80 @@ def delta_candidates(rows: int, hk: int, hv: int, dim: int) -> dict[str, Callabl
     }
 
 
+PREFILL_LENS = (4096,), (1024, 333, 64, 5), (512,) * 16
+
+
+def _synced(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:  # a GPU launch returns before the work is done
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return out
+
+    return run
+
+
+def prefill_candidates(
+    kind: str, lens: tuple[int, ...], div: int, device: str = "cuda"
+) -> dict[str, Callable]:
+    from spillway.kernels.gated_delta_chunk import gated_delta_chunk_scan
+    from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
+    from spillway.services.worker.delta_scan import delta_scan
+    from spillway.services.worker.ssd_scan import CHUNK, ChunkLayout, ssd_scan
+
+    dev = torch.device(device)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    layout = ChunkLayout.build(starts, lens, sum(lens), dev, CHUNK)
+    t, r = sum(lens), len(lens)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return layout.gather(torch.randn(shape, device=dev))
+
+    if kind == "mamba2":
+        h, p = GRANITE["heads"] // div, GRANITE["head_dim"]
+        g, n = GRANITE["groups"], GRANITE["state"]
+        x, b, c = rand(t, h, p), rand(t, g, n), rand(t, g, n)
+        dt = layout.gather(0.05 + 0.5 * torch.rand(t, h, device=dev))
+        a, d = -torch.rand(h, device=dev), torch.randn(h, device=dev)
+        h0 = torch.randn(r, h, p, n, device=dev)
+        return {
+            "kernel": _synced(lambda: ssd_chunk_scan(x, dt, a, b, c, d, h0)),
+            "torch": _synced(lambda: ssd_scan(CHUNK, x, dt, a, b, c, d, h0)),
+        }
+    hk, hv, dim = QWEN3_NEXT["k_heads"] // div, QWEN3_NEXT["v_heads"] // div, QWEN3_NEXT["dim"]
+    q, k, v = rand(t, hk, dim), rand(t, hk, dim), rand(t, hv, dim)
+    gl = layout.gather(-torch.rand(t, hv, device=dev))
+    beta = layout.gather(torch.rand(t, hv, device=dev))
+    s0 = 0.1 * torch.randn(r, hv, dim, dim, device=dev)
+    return {
+        "kernel": _synced(lambda: gated_delta_chunk_scan(q, k, v, gl, beta, s0)),
+        "torch": _synced(lambda: delta_scan(q, k, v, gl, beta, s0)),
+    }
+
+
+def prefill_main(repeats: int, stat: str, div: int) -> None:
+    print(f"{stat} ms over {repeats} rounds on {torch.cuda.get_device_name()}, heads / {div}")
+    print(f"{'scan':<10} {'rows':<22} {'kernel':>8} {'torch':>8} {'torch/kernel':>13}")
+    with torch.inference_mode():
+        for kind in ("mamba2", "deltanet"):
+            for lens in PREFILL_LENS:
+                ms = time_ms(prefill_candidates(kind, lens, div), repeats, stat)
+                label = f"{len(lens)} x {lens[0]}" if len(set(lens)) == 1 else str(lens)
+                print(f"{kind:<10} {label:<22} {ms['kernel']:>8.3f} {ms['torch']:>8.3f} "
+                      f"{ms['torch'] / ms['kernel']:>13.2f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--stat", choices=("median", "min"), default="median")
     parser.add_argument("--heads-div", type=int, default=1, help="divide head counts by this")
+    parser.add_argument("--prefill", action="store_true", help="the prefill scans (CUDA)")
     args = parser.parse_args()
+    if args.prefill:
+        prefill_main(args.repeats, args.stat, args.heads_div)
+        return
     torch.set_num_threads(args.threads)
     div = args.heads_div
     gr, qn = GRANITE, QWEN3_NEXT

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
+from spillway.services.worker.delta_scan import chunk_delta_scan
 from spillway.services.worker.mamba2 import ScanRows
 from spillway.services.worker.ssd_scan import (
     CHUNK,
@@ -142,18 +143,11 @@ def _scan_rows(
     out: torch.Tensor,  # [T, Hv, Dv]: the rows' outputs written here
 ) -> None:
     """Every scanning row at once, in chunks of Q tokens (`ssd_scan.ChunkLayout`; padding
-    has beta = 0 and g = 0, so it leaves the state as it is). The recurrence
-
-        S_t = e^{g_t} S_{t-1} + k_t u_t^T,  u_t = beta_t (v_t - e^{g_t} S_{t-1}^T k_t),
-        o_t = S_t^T q_t
-
-    unrolled over a chunk from its entering state S, with G_t the running sum of g: the
-    new values solve (I + A) U = beta (V - e^{G} K S), A[t, s] = beta_t e^{G_t - G_s}
-    k_t.k_s for s < t (unit lower-triangular). (I + A)^-1 does not depend on S, so every
-    chunk's W1 = (I + A)^-1 beta V and W2 = (I + A)^-1 beta e^G K come from one batched
-    solve (the WY form); then, chunk after chunk for all rows together, U = W1 - W2 S,
-    o_t = e^{G_t} S^T q_t + sum_{s <= t} e^{G_t - G_s} (q_t.k_s) u_s and S moves on to
-    the chunk's end. Each take (row, j, snapshot) gets its row's states once token j ran."""
+    has beta = 0 and g = 0, so it leaves the state as it is): the causal conv over each
+    slot's K - 1 inputs and the row's, then the delta rule's chunked WY form
+    (`delta_scan`), from the slots' states to the states after each row's last token,
+    which go back to the slots. Each take (row, j, snapshot) gets its row's states once
+    token j ran."""
     f32 = torch.float32
     hk, hv, dk, dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     key_dim, _ = gated_delta_dims(c)
@@ -163,58 +157,19 @@ def _scan_rows(
     conv_out, windows = conv_windows(layout, mixed, conv_state[slots], w.conv_weight, None)
     cq, ck, cv = conv_out.split([key_dim, key_dim, hv * dv], dim=-1)  # [R, K, Q, ...]
     r, nk, q_len = conv_out.shape[:3]
-
-    def heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:  # -> [R, K, Hv, Q, D]
-        x = x.reshape(r, nk, q_len, n, d)
-        if n != hv:
-            x = x.repeat_interleave(hv // n, dim=3)
-        return x.permute(0, 1, 3, 2, 4)
-
-    q = heads(_l2(cq.reshape(r, nk, q_len, hk, dk)), hk, dk) * dk**-0.5
-    k = heads(_l2(ck.reshape(r, nk, q_len, hk, dk)), hk, dk)
-    v = heads(cv, hv, dv)
     valid = layout.valid.view(r, nk, q_len)[..., None]
-    gc = (layout.gather(g.to(f32)) * valid).permute(0, 1, 3, 2)  # [R, K, Hv, Q]
-    bc = (layout.gather(beta.to(f32)) * valid).permute(0, 1, 3, 2)
-    cum = gc.cumsum(-1)  # [R, K, Hv, Q]
-    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=mixed.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    a = (bc[..., None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
-    eye = torch.eye(q_len, dtype=f32, device=mixed.device)
-    rhs = torch.cat([bc[..., None] * v, (bc * cum.exp())[..., None] * k], dim=-1)
-    solved = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
-    w1, w2 = solved.split([dv, dk], dim=-1)  # [R, K, Hv, Q, Dv], [.., Q, Dk]
-    attend = decay * (q @ k.transpose(-1, -2))  # [R, K, Hv, Q, Q]
-    tail = (cum[..., -1:] - cum).exp()  # decay from each token to its chunk's end
-    s = state[slots]  # [R, Hv, Dk, Dv]
-    entering, values, outs = [], [], []
-    for i in range(nk):
-        entering.append(s)
-        u = w1[:, i] - w2[:, i] @ s  # [R, Hv, Q, Dv]
-        values.append(u)
-        outs.append(cum[:, i].exp()[..., None] * (q[:, i] @ s) + attend[:, i] @ u)
-        s = (
-            cum[:, i, :, -1, None, None].exp() * s
-            + (k[:, i] * tail[:, i, ..., None]).transpose(-1, -2) @ u
-        )
-    o = torch.stack(outs, dim=1).permute(0, 1, 3, 2, 4)  # [R, K, Q, Hv, Dv]
-    layout.scatter(o, out)
+    scan = chunk_delta_scan(  # the Triton kernel on CUDA, the torch form elsewhere
+        cq.reshape(r, nk, q_len, hk, dk), ck.reshape(r, nk, q_len, hk, dk),
+        cv.reshape(r, nk, q_len, hv, dv), layout.gather(g.to(f32)) * valid,
+        layout.gather(beta.to(f32)) * valid, state[slots],
+    )  # fmt: skip
+    layout.scatter(scan.o, out)
     for row, at, snapshot in rows.own_takes():
         assert snapshots is not None
-        i, j = divmod(at, layout.chunk)
-        upto = (cum[row, i, :, j, None] - cum[row, i, :, : j + 1]).exp()  # [Hv, j + 1]
-        added = (k[row, i, :, : j + 1] * upto[..., None]).transpose(-1, -2) @ values[i][
-            row, :, : j + 1
-        ]
         snapshots[0][snapshot].copy_(window_state(windows, row, at, width))
-        snapshots[1][snapshot].copy_(cum[row, i, :, j, None, None].exp() * entering[i][row] + added)
-    state[slots] = s
+        snapshots[1][snapshot].copy_(scan.state_at(row, at, layout.chunk))
+    state[slots] = scan.h_end
     conv_state[slots] = end_states(windows, rows.lens, width)
-
-
-def _l2(x: torch.Tensor) -> torch.Tensor:
-    """transformers' l2norm of modeling_qwen3_next (eps 1e-6), in float32."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
 def _norm_then_gate(

@@ -27,9 +27,9 @@ from spillway.kernels.ops import KernelOps
 from spillway.services.worker.ssd_scan import (
     CHUNK,
     ChunkLayout,
+    chunk_scan,
     conv_windows,
     end_states,
-    ssd_scan,
     window_state,
 )
 from spillway.services.worker.state_pool import take_step_snapshots
@@ -145,11 +145,12 @@ class ScanRows:
 
     @property
     def starts(self) -> list[int]:
-        return [int(self.starts_t[r]) for r in self.rows]
+        # one copy for all rows (a read per row would wait on the GPU once per row)
+        return self.starts_t[self.rows].tolist()
 
     @property
     def lens(self) -> list[int]:
-        return [int(self.lens_t[r]) for r in self.rows]
+        return self.lens_t[self.rows].tolist()
 
     @property
     def slots(self) -> torch.Tensor:
@@ -188,7 +189,7 @@ def _scan_rows(
     dtf = layout.gather(F.softplus(dt.to(f32) + w.dt_bias.to(f32)))  # [R, K, Q, H]
     dtf = dtf * layout.valid.view(dtf.shape[:3])[..., None]
     chunked = (*x.shape[:3],)
-    scan = ssd_scan(
+    scan = chunk_scan(  # the Triton kernel on CUDA, the torch form elsewhere
         layout.chunk, x.reshape(*chunked, heads, p), dtf, w.A,
         b.reshape(*chunked, g, n), cm.reshape(*chunked, g, n), w.D, ssm_state[slots],
     )  # fmt: skip

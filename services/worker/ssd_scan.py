@@ -152,3 +152,36 @@ def end_states(windows: torch.Tensor, lens: Sequence[int], width: int) -> torch.
     start = torch.tensor(list(lens), dtype=torch.int64, device=windows.device)
     idx = start[:, None] + torch.arange(width - 1, device=windows.device)[None, :]
     return windows.gather(2, idx[:, None, :].expand(-1, windows.shape[1], -1))
+
+
+def use_kernel(t: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs the scan: on CUDA tensors with Triton installed."""
+    if not t.is_cuda:
+        return False
+    from spillway.kernels.ssd_chunk_scan import available
+
+    return available()
+
+
+def chunk_scan(
+    chunk: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    h0: torch.Tensor,
+) -> ScanResult:
+    """`ssd_scan`'s result from the Triton kernel on CUDA (`kernels.ssd_chunk_scan`: one
+    launch, the state kept on chip across the chunks), from `ssd_scan` elsewhere."""
+    if not use_kernel(x):
+        return ssd_scan(chunk, x, dt, a, b, c, d, h0)
+    from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
+
+    y, h_in, h_end = ssd_chunk_scan(x, dt, a, b, c, d, h0)
+    # What `state_at` reads, for the snapshots: cheap elementwise terms, as ssd_scan has them.
+    cum = (dt * a).cumsum(2)
+    u = dt[..., None] * x
+    bh = b.repeat_interleave(x.shape[3] // b.shape[3], dim=3)
+    return ScanResult(y, cum, u, bh, h_in, h_end)

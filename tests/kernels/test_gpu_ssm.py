@@ -96,3 +96,69 @@ def test_gated_delta_bf16() -> None:
         out = gated_delta_rule_step(q, k, v, g, beta, pool, slots)
         assert _rel(out, ref) < TOLERANCE
         assert _rel(pool, ref_pool) < TOLERANCE
+
+
+def _packed_rows(lens: tuple[int, ...], chunk: int):
+    from spillway.services.worker.ssd_scan import ChunkLayout
+
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    return ChunkLayout.build(starts, lens, sum(lens), torch.device("cuda"), chunk)
+
+
+# A step's prefill rows: a long prompt's chunk, mid-size ones, a short one (ragged, padded)
+PREFILL_LENS = (1024, 333, 64, 5)
+SCAN_TOLERANCE = 1e-4  # float32 on both sides (IEEE dots in the kernels, no TF32 in torch)
+
+
+def test_ssd_chunk_scan_at_granite_sizes() -> None:
+    """Granite-4.0-H-tiny's Mamba2 heads, the worker's chunk of 64: the kernel equals the
+    torch form (`ssd_scan`, also on the GPU), outputs and every chunk's entering state."""
+    from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
+    from spillway.services.worker.ssd_scan import CHUNK, ssd_scan
+
+    h, p, g, n = MAMBA["heads"], MAMBA["head_dim"], MAMBA["groups"], MAMBA["state"]
+    layout = _packed_rows(PREFILL_LENS, CHUNK)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    t = sum(PREFILL_LENS)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", generator=gen)
+
+    x, b, c = (layout.gather(v) for v in (rand(t, h, p), rand(t, g, n), rand(t, g, n)))
+    dt = layout.gather(0.05 + 0.5 * torch.rand(t, h, device="cuda", generator=gen))
+    a, d = -torch.exp(0.5 * rand(h)), rand(h)
+    h0 = rand(len(PREFILL_LENS), h, p, n)
+    y, h_in, h_end = ssd_chunk_scan(x, dt, a, b, c, d, h0)
+    ref = ssd_scan(CHUNK, x, dt, a, b, c, d, h0)
+    valid = layout.valid.view(y.shape[:3])
+    assert _rel(y[valid], ref.y[valid]) < SCAN_TOLERANCE
+    assert _rel(h_in, ref.h_in) < SCAN_TOLERANCE
+    assert _rel(h_end, ref.h_end) < SCAN_TOLERANCE
+
+
+def test_gated_delta_chunk_scan_at_qwen3_next_sizes() -> None:
+    """Qwen3-Next's gated DeltaNet heads, the worker's chunk of 64: the kernel equals the
+    torch form (`delta_scan`, also on the GPU), outputs, new values and entering states."""
+    from spillway.kernels.gated_delta_chunk import gated_delta_chunk_scan
+    from spillway.services.worker.delta_scan import delta_scan
+    from spillway.services.worker.ssd_scan import CHUNK
+
+    hk, hv, kd, vd = DELTA["k_heads"], DELTA["v_heads"], DELTA["k_dim"], DELTA["v_dim"]
+    layout = _packed_rows(PREFILL_LENS, CHUNK)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    t = sum(PREFILL_LENS)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", generator=gen)
+
+    q, k, v = (layout.gather(x) for x in (rand(t, hk, kd), rand(t, hk, kd), rand(t, hv, vd)))
+    g = layout.gather(-torch.rand(t, hv, device="cuda", generator=gen))
+    beta = layout.gather(torch.rand(t, hv, device="cuda", generator=gen))
+    h0 = 0.1 * rand(len(PREFILL_LENS), hv, kd, vd)
+    o, u, h_in, h_end = gated_delta_chunk_scan(q, k, v, g, beta, h0)
+    ref = delta_scan(q, k, v, g, beta, h0)
+    valid = layout.valid.view(o.shape[:3])
+    assert _rel(o[valid], ref.o[valid]) < SCAN_TOLERANCE
+    assert _rel(u[valid], ref.u[valid]) < SCAN_TOLERANCE
+    assert _rel(h_in, ref.h_in) < SCAN_TOLERANCE
+    assert _rel(h_end, ref.h_end) < SCAN_TOLERANCE

@@ -1,4 +1,5 @@
-"""The recurrent decode-step kernels compile for a real GPU target, checked without one."""
+"""The recurrent decode-step and prefill-scan kernels compile for a real GPU target, checked
+without one."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 
 from tests.kernels.test_compile import SHARED_LIMIT, compile_report
 
-LAUNCHERS = ["causal_conv1d", "selective_state", "gated_delta"]
+LAUNCHERS = [
+    "causal_conv1d",
+    "selective_state",
+    "gated_delta",
+    "ssd_chunk_scan",
+    "gated_delta_chunk",
+]
 
 
 @pytest.fixture(scope="module")

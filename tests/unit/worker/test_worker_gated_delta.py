@@ -8,7 +8,7 @@ import torch
 
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker import gated_delta
+from spillway.services.worker import delta_scan, gated_delta
 from spillway.services.worker.gated_delta import (
     GatedDeltaWeights,
     gated_delta_dims,
@@ -131,15 +131,19 @@ def test_a_reused_slot_starts_from_zero(qwen3_next) -> None:
         torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("chunk", [64, 4, 2])
+@pytest.mark.parametrize(("chunk", "kernel"), [(64, False), (4, False), (2, False), (64, True),
+                                               (4, True), (2, True)])  # fmt: skip
 def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
-    qwen3_next, chunk, monkeypatch
+    qwen3_next, chunk, kernel, monkeypatch
 ):
     """One step of mixed rows (a decode row, prompt chunks of several tokens) from
     non-zero states, with snapshots inside and at the end of rows: the chunked form (rows
     of several tokens) and the per-token steps give the same outputs, pools, snapshots,
-    whether a row fits one chunk of the form or spans several (the state passed on)."""
+    whether a row fits one chunk of the form or spans several (the state passed on), and
+    whether the form runs in torch or in the Triton kernel (CUDA's path, here made to run
+    in the interpreter)."""
     monkeypatch.setattr(gated_delta, "CHUNK", chunk)
+    monkeypatch.setattr(delta_scan, "use_kernel", lambda t: kernel)
     config, layer = qwen3_next
     w = _weights(layer)
     ops = TorchOps(native=None)

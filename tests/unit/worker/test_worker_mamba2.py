@@ -9,7 +9,7 @@ import torch
 from bench.ssd_scan import weights
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker import mamba2
+from spillway.services.worker import mamba2, ssd_scan
 from spillway.services.worker.mamba2 import mamba2_dims, mamba2_mixer
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.shared.model_config import HybridConfig, load_model_config
@@ -128,15 +128,19 @@ def test_a_reused_slot_starts_from_zero(granite) -> None:
         torch.testing.assert_close(got, _reference(layer, seq), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("chunk", [64, 4, 2])
+@pytest.mark.parametrize(("chunk", "kernel"), [(64, False), (4, False), (2, False), (64, True),
+                                               (4, True), (2, True)])  # fmt: skip
 def test_the_chunked_scan_equals_the_step_kernels_and_snapshots_the_same_states(
-    granite, chunk, monkeypatch
+    granite, chunk, kernel, monkeypatch
 ):
     """One step of mixed rows (a decode row, prompt chunks of several tokens) from
     non-zero states, with snapshots inside and at the end of rows: the scan (rows of
     several tokens) and the per-token steps give the same outputs, pools and snapshots,
-    whether a row fits one chunk of the scan or spans several (the state passed on)."""
+    whether a row fits one chunk of the scan or spans several (the state passed on), and
+    whether the scan runs in torch or in the Triton kernel (CUDA's path, here made to run
+    in the interpreter)."""
     monkeypatch.setattr(mamba2, "CHUNK", chunk)
+    monkeypatch.setattr(ssd_scan, "use_kernel", lambda t: kernel)
     config, layer = granite
     c = config.hybrid
     w = weights(layer)

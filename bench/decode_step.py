@@ -41,7 +41,7 @@ from bench.kernels import SECTIONS, Result, timer_for
 from bench.kernels import main as bench_main
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
-from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.synthetic import synthetic_weights
 from spillway.services.worker.weights import ModelWeights

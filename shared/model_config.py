@@ -40,7 +40,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # Multi-head latent attention (DeepSeek-V3). The cache then holds one "head" per token,
     # num_kv_heads = 1 of head_dim = kv_lora_rank + qk_rope_head_dim: the compressed latent
-    # and the rotated shared key, read as both K and V (see services/worker/mla.py).
+    # and the rotated shared key, read as both K and V (see services/worker/layers/mla.py).
     mla: MLAConfig | None = None
     # Hybrid families (Mamba2 or gated DeltaNet layers among the attention layers).
     hybrid: HybridConfig | None = None
@@ -336,7 +336,7 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
         raise ValueError("mistral: unsupported layer_types (alternating attention)")
 
 
-# The rope scaling kinds served exactly (services/worker/rope.py), and the keys each needs.
+# The rope scaling kinds served exactly (services/worker/layers/rope.py), and the keys each needs.
 ROPE_SCALING_KINDS = ("default", "linear", "llama3", "yarn")
 _ROPE_KEYS = {
     "linear": ("factor",),

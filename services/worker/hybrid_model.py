@@ -21,18 +21,18 @@ import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.expert_parallel import ExpertGroup
-from spillway.services.worker.gated_delta import (
+from spillway.services.worker.forward_batch import ForwardBatch
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.layers.attention import Attention
+from spillway.services.worker.layers.gated_delta import (
     GatedDeltaWeights,
     gated_delta_dims,
     gated_delta_mixer,
 )
-from spillway.services.worker.kv_cache import KVCache
-from spillway.services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
-from spillway.services.worker.model import ForwardBatch, LlamaModel
-from spillway.services.worker.moe import MoEWeights, moe_forward
-from spillway.services.worker.rope import rope_tables
+from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from spillway.services.worker.layers.moe import MoEWeights, moe_forward
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
-from spillway.services.worker.weights import LayerWeights, ModelWeights
+from spillway.services.worker.weights import LayerWeights
 from spillway.shared.model_config import ModelConfig
 
 
@@ -214,24 +214,16 @@ class HybridModel:
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.ops = ops
         self.max_positions = max_positions or config.context_length
-        # Attention runs through LlamaModel's paged attention; its weights hold the
-        # attention layers only (for the shapes it reads), and its scale is Granite's.
-        attn_layers = [x.attention for x in layers if x.attention is not None]
-        shell = ModelWeights(embed=embed, layers=attn_layers, norm=norm, lm_head=lm_head)  # type: ignore[arg-type]
-        self.attn = LlamaModel(config, shell, ops, self.max_positions)
-        if self.hybrid.attention_multiplier is not None:
-            self.attn.scale = self.hybrid.attention_multiplier
-        # Qwen3-Next: q_proj yields each head's query and its output gate, and only the
-        # first partial_rotary_factor of each head's dims rotate.
-        self.gated = config.architecture == "qwen3_next"
-        self.rotary_dim = int(config.head_dim * self.hybrid.partial_rotary_factor)
-        if self.rotary_dim != config.head_dim:
-            self.cos, self.sin = rope_tables(
-                self.rotary_dim, self.max_positions, config.rope_theta, embed.device,
-                config.extra.get("rope") or {"rope_type": "default"},
-            )  # fmt: skip
-        else:
-            self.cos, self.sin = self.attn.cos, self.attn.sin
+        # Granite's softmax scale is attention_multiplier; Qwen3-Next's q_proj yields each
+        # head's query and its output gate, and only the first partial_rotary_factor of
+        # each head's dims rotate.
+        self.attention = Attention(
+            config, ops, embed.device, self.max_positions,
+            scale=self.hybrid.attention_multiplier,
+            rotary_dim=int(config.head_dim * self.hybrid.partial_rotary_factor),
+            rotate=self.hybrid.rope,
+            gated=config.architecture == "qwen3_next",
+        )  # fmt: skip
         # The routed experts through an expert-parallel group (which also counts each
         # expert's tokens), else in this process.
         self.experts: ExpertGroup | None = None
@@ -305,7 +297,10 @@ class HybridModel:
                     batch.max_query_len, takes, snaps,
                 )  # fmt: skip
             else:
-                out = self._attention(h, layer, batch, kv_cache, i)
+                assert layer.attention is not None
+                out = self.attention.forward(
+                    h, layer.attention, batch, kv_cache.k[i], kv_cache.v[i]
+                )
             x = x + out * h_cfg.residual_multiplier
             h = ops.rms_norm(x, layer.ffn_norm, eps)
             x = x + self._feed_forward(h, layer.moe) * h_cfg.residual_multiplier
@@ -314,47 +309,6 @@ class HybridModel:
             x = x[idx]
         logits = ops.linear(ops.rms_norm(x, self.norm, eps), self.lm_head).float()
         return logits / h_cfg.logits_scaling
-
-    def _attention(
-        self, h: torch.Tensor, layer: HybridLayer, batch: ForwardBatch, kv: KVCache, i: int
-    ) -> torch.Tensor:
-        c, w = self.config, layer.attention
-        assert w is not None
-        t = h.shape[0]
-        q_size, kv_size = self.attn.q_size, self.attn.kv_size
-        gate = None
-        if self.gated:
-            q2, k, v = ops_split(self.ops.linear(h, w.qkv), 2 * q_size, kv_size)
-            q, gate = q2.reshape(t, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
-        else:
-            q, k, v = ops_split(self.ops.linear(h, w.qkv), q_size, kv_size)
-        if w.q_norm is not None and w.k_norm is not None:  # over each head's D
-            eps = c.rms_norm_eps
-            q = self.ops.rms_norm(q.reshape(-1, c.head_dim), w.q_norm, eps)
-            k = self.ops.rms_norm(k.reshape(-1, c.head_dim), w.k_norm, eps)
-        q = q.reshape(t, c.num_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
-        if self.hybrid.rope:
-            q, k = self._rotate(q, k, batch.positions)
-        self.ops.store_kv(k, v, kv.k[i], kv.v[i], batch.slot_mapping)
-        out = self.attn._attend(q, batch, kv.k[i], kv.v[i], None).reshape(t, q_size)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(t, q_size))
-        return self.ops.linear(out, w.o)
-
-    def _rotate(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary on the first rotary_dim dims of each head (all of them by default)."""
-        rd = self.rotary_dim
-        if rd == q.shape[-1]:
-            q, k = q.contiguous(), k.contiguous()
-            self.ops.rotary(q, k, positions, self.cos, self.sin)
-            return q, k
-        qr, kr = q[..., :rd].contiguous(), k[..., :rd].contiguous()
-        self.ops.rotary(qr, kr, positions, self.cos, self.sin)
-        return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
 
     def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         moe = self.config.moe
@@ -371,10 +325,6 @@ class HybridModel:
 
 def _is_projection(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1
-
-
-def ops_split(qkv: torch.Tensor, q_size: int, kv_size: int):
-    return qkv.split([q_size, kv_size, kv_size], dim=-1)
 
 
 def load_hybrid_model(

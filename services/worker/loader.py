@@ -23,8 +23,8 @@ import torch
 from spillway.kernels.cpu_info import cpu_flags
 from spillway.kernels.cpu_matvec import BLOCK_CODES, BLOCK_TYPES, BlockWeight
 from spillway.kernels.quantized_weight import QuantizedWeight, Weight, dequantize
-from spillway.services.worker.mla import MLAWeights, q_width
-from spillway.services.worker.moe import MoEWeights
+from spillway.services.worker.layers.mla import MLAWeights, q_width
+from spillway.services.worker.layers.moe import MoEWeights
 from spillway.services.worker.weights import LayerWeights, ModelWeights, MtpWeights
 from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS, gguf_architecture
 from spillway.shared.gguf_file import GGUFFile, forget_gguf, open_gguf

@@ -47,6 +47,7 @@ from spillway.services.worker.draft_model import DraftModelDrafter
 from spillway.services.worker.draft_states import DraftStates
 from spillway.services.worker.ep_group import agree_num_blocks, join_group
 from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.hybrid_model import HybridModel, load_hybrid_model
 from spillway.services.worker.kv_cache import (
     KVCache,
@@ -59,7 +60,7 @@ from spillway.services.worker.kv_cache import (
 )
 from spillway.services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
 from spillway.services.worker.loader import load_model, resolve_device, resolve_dtype
-from spillway.services.worker.model import ForwardBatch, LlamaModel, configure_threads
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.mtp import MtpCache, MtpDrafter
 from spillway.services.worker.sampling_state import SamplingStates, load_sampling_states
 from spillway.services.worker.speculative import (
@@ -69,6 +70,7 @@ from spillway.services.worker.speculative import (
     verify_drafts,
 )
 from spillway.services.worker.state_pool import StatePool, slot_bytes
+from spillway.services.worker.threads import configure_threads
 from spillway.services.worker.weights import ModelWeights
 from spillway.shared.config import Settings
 from spillway.shared.expert_parallel import check_expert_parallel

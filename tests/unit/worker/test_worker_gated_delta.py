@@ -8,8 +8,8 @@ import torch
 
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker import gated_delta
-from spillway.services.worker.gated_delta import (
+from spillway.services.worker.layers import gated_delta
+from spillway.services.worker.layers.gated_delta import (
     GatedDeltaWeights,
     gated_delta_dims,
     gated_delta_mixer,

@@ -9,8 +9,8 @@ import torch
 from bench.ssd_scan import weights
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker import mamba2
-from spillway.services.worker.mamba2 import mamba2_dims, mamba2_mixer
+from spillway.services.worker.layers import mamba2
+from spillway.services.worker.layers.mamba2 import mamba2_dims, mamba2_mixer
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.shared.model_config import HybridConfig, load_model_config
 from spillway.shared.model_files import resolve_model

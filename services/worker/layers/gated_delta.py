@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.mamba2 import ScanRows
-from spillway.services.worker.ssd_scan import (
+from spillway.services.worker.layers.mamba2 import ScanRows
+from spillway.services.worker.layers.ssd_scan import (
     CHUNK,
     ChunkLayout,
     conv_windows,

@@ -17,7 +17,8 @@ logits computed and no value read back to the host along the way.
 from __future__ import annotations
 
 import logging
-from typing import cast
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
@@ -29,6 +30,7 @@ from spillway.services.worker.kv_cache import KVCache
 from spillway.services.worker.layers.attention import Attention
 from spillway.services.worker.layers.mla import LatentAttention
 from spillway.services.worker.layers.moe import moe_forward
+from spillway.services.worker.models.family import Family, refuse_options
 from spillway.services.worker.weights import LayerWeights, ModelWeights
 from spillway.shared.model_config import ModelConfig
 
@@ -208,3 +210,37 @@ class LlamaModel:
         assert layer.gate_up is not None and layer.down is not None  # a dense layer
         gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
         return self.ops.linear(self.ops.silu_mul(gate_up), layer.down)  # [T, H]
+
+
+def read_config(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
+    """Qwen3's q/k norms and the sliding windows as transformers applies them: Mistral on
+    every layer; Qwen2/Qwen3 only with use_sliding_window, on the layers layer_types names
+    (by default those from max_window_layers on); Llama never."""
+    arch = base.architecture
+    refuse_options(arch, cfg, attention_bias=arch == "qwen2")
+    if arch == "mistral" and cfg.get("layer_types"):
+        raise ValueError("mistral: unsupported layer_types (alternating attention)")
+    return replace(base, qk_norm=arch == "qwen3", layer_windows=_layer_windows(arch, cfg))
+
+
+def _layer_windows(arch: str, cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if arch == "llama" or window is None:
+        return ()
+    if arch == "mistral":
+        return (int(window),) * layers
+    if not cfg.get("use_sliding_window"):
+        return ()
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full"
+        for i in range(layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+# Llama and the families that differ from it only by configuration (q/k biases, q/k
+# norms, windows), each also read from GGUF (`shared/gguf_arch.py`).
+FAMILY = Family(
+    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), read_config=read_config
+)

@@ -14,8 +14,8 @@ from spillway.services.worker.layers.gated_delta import (
     gated_delta_dims,
     gated_delta_mixer,
 )
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
-from spillway.shared.model_config import load_model_config
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import load_reference, save_tiny_family
 

@@ -1,10 +1,10 @@
 """A hybrid decoder: recurrent layers (a state per sequence in `state_pool.StatePool`)
 among attention layers (the paged KV cache), each followed by a MoE feed-forward with a
-shared MLP. Granite 4.0-H (granitemoehybrid): Mamba2 mixers, attention with or without
-rope and the softmax scale `attention_multiplier`, and the multipliers on the embedding,
-each residual branch and the logits.
+shared MLP: Granite 4.0-H (`granite_hybrid`: Mamba2 mixers) and Qwen3-Next
+(`qwen3_next`: gated DeltaNet mixers). Attention is the shared piece
+(`layers.attention`) with the family's options; the family modules read the layers.
 
-One forward runs a flat batch (`model.ForwardBatch`) whose `state_slots` name each row's
+One forward runs a flat batch (`forward_batch.ForwardBatch`) whose `state_slots` name each row's
 state slot; rows flagged `state_fresh` start from zero, and `state_takes` copy a row's
 states at a block boundary into a snapshot (prefix caching). The model is tested against
 transformers directly and served by `runner.load_hybrid_runner`. It never takes the
@@ -13,6 +13,7 @@ one-call Llama decode loop (its layers are not plain).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from spillway.services.worker.layers.gated_delta import (
 from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
 from spillway.services.worker.layers.moe import MoEWeights, moe_forward
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
+from spillway.services.worker.tensor_files import safetensors_tensors
 from spillway.services.worker.weights import LayerWeights
 from spillway.shared.model_config import ModelConfig
 
@@ -74,128 +76,6 @@ def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
         else:
             raise ValueError(f"{config.architecture}: layer kind {kind!r} is not run yet")
     return specs
-
-
-def load_granite_layers(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype
-) -> list[HybridLayer]:
-    """Granite 4.0-H's layers from its Hugging Face tensors (popped as they are taken)."""
-    c, moe = config.hybrid, config.moe
-    assert c is not None and moe is not None
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"weight {name!r} missing from the model files")
-        return tensors.pop(name).to(dtype)
-
-    def first(*names: str) -> str:
-        """The checkpoint's name for a tensor: the Hub's layout, or transformers' own."""
-        return next((n for n in names if n in tensors), names[0])
-
-    layers = []
-    for i, kind in enumerate(c.layer_kinds):
-        p = f"model.layers.{i}"
-        b = f"{p}.block_sparse_moe"
-        shared = (
-            take(f"{p}.shared_mlp.input_linear.weight"),
-            take(f"{p}.shared_mlp.output_linear.weight"),
-        )
-        ffn = MoEWeights(
-            router=take(first(f"{b}.router.layer.weight", f"{b}.router.weight")).float(),
-            w_gate_up=take(first(f"{b}.input_linear.weight", f"{b}.experts.gate_up_proj")),
-            w_down=take(first(f"{b}.output_linear.weight", f"{b}.experts.down_proj")),
-            shared_gate_up=shared[0],
-            shared_down=shared[1],
-        ) if moe.num_experts > 0 else dense_ffn(*shared)  # fmt: skip
-        layer = HybridLayer(
-            attn_norm=take(f"{p}.input_layernorm.weight"),
-            ffn_norm=take(f"{p}.post_attention_layernorm.weight"),
-            moe=ffn,
-        )
-        if kind == "mamba2":
-            m = f"{p}.mamba"
-            opt = lambda n: take(n) if n in tensors else None  # noqa: E731
-            layer.mamba = Mamba2Weights(
-                in_proj=take(f"{m}.in_proj.weight"),
-                conv_weight=take(f"{m}.conv1d.weight").squeeze(1).contiguous(),
-                conv_bias=opt(f"{m}.conv1d.bias"),
-                dt_bias=take(f"{m}.dt_bias"),
-                A=-torch.exp(tensors.pop(f"{m}.A_log").float()),
-                D=take(f"{m}.D"),
-                norm=take(f"{m}.norm.weight"),
-                out_proj=take(f"{m}.out_proj.weight"),
-                in_proj_bias=opt(f"{m}.in_proj.bias"),
-                out_proj_bias=opt(f"{m}.out_proj.bias"),
-            )
-        else:
-            a = f"{p}.self_attn"
-            qkv = torch.cat([take(f"{a}.{n}_proj.weight") for n in "qkv"]).contiguous()
-            layer.attention = LayerWeights(
-                attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None,
-                o=take(f"{a}.o_proj.weight"), ffn_norm=layer.ffn_norm, gate_up=None, down=None,
-            )  # fmt: skip
-        layers.append(layer)
-    return layers
-
-
-def load_qwen3_next_layers(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype
-) -> list[HybridLayer]:
-    """Qwen3-Next's layers from its Hugging Face tensors (popped as they are taken). Its
-    RMSNorms scale by (1 + w): the weights are stored here as 1 + w, so the plain norm
-    runs them."""
-    from spillway.services.worker.loader import _moe_weights
-
-    c = config.hybrid
-    assert c is not None and config.moe is not None
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"weight {name!r} missing from the model files")
-        return tensors.pop(name).to(dtype)
-
-    def one_plus(name: str) -> torch.Tensor:
-        return (1.0 + tensors.pop(name).float()).to(dtype)
-
-    def mlp(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = [take(f"{prefix}.gate_proj.weight"), take(f"{prefix}.up_proj.weight")]
-        return torch.cat(gate_up).contiguous(), take(f"{prefix}.down_proj.weight")
-
-    layers = []
-    for i, kind in enumerate(c.layer_kinds):
-        p = f"model.layers.{i}"
-        if config.moe.sparse_layers[i]:
-            ffn = _moe_weights(tensors, config, i, lambda n, alone=True: take(n))
-            ffn.shared_gate_up, ffn.shared_down = mlp(f"{p}.mlp.shared_expert")
-            ffn.shared_gate = take(f"{p}.mlp.shared_expert_gate.weight")
-        else:  # a dense layer (mlp_only_layers, decoder_sparse_step): its MLP alone
-            ffn = dense_ffn(*mlp(f"{p}.mlp"))
-        layer = HybridLayer(
-            attn_norm=one_plus(f"{p}.input_layernorm.weight"),
-            ffn_norm=one_plus(f"{p}.post_attention_layernorm.weight"),
-            moe=ffn,
-        )
-        if kind == "gated_delta":
-            m = f"{p}.linear_attn"
-            layer.delta = GatedDeltaWeights(
-                in_proj_qkvz=take(f"{m}.in_proj_qkvz.weight"),
-                in_proj_ba=take(f"{m}.in_proj_ba.weight"),
-                conv_weight=take(f"{m}.conv1d.weight").squeeze(1).contiguous(),
-                dt_bias=take(f"{m}.dt_bias"),
-                A=-torch.exp(tensors.pop(f"{m}.A_log").float()),
-                norm=take(f"{m}.norm.weight"),  # the gated norm scales by w itself
-                out_proj=take(f"{m}.out_proj.weight"),
-            )
-        else:
-            a = f"{p}.self_attn"
-            qkv = torch.cat([take(f"{a}.{n}_proj.weight") for n in "qkv"]).contiguous()
-            layer.attention = LayerWeights(
-                attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None,
-                o=take(f"{a}.o_proj.weight"), ffn_norm=layer.ffn_norm, gate_up=None, down=None,
-                q_norm=one_plus(f"{a}.q_norm.weight"), k_norm=one_plus(f"{a}.k_norm.weight"),
-            )  # fmt: skip
-        layers.append(layer)
-    return layers
 
 
 class HybridModel:
@@ -330,23 +210,21 @@ def _is_projection(t: object) -> bool:
 def load_hybrid_model(
     folder: Path,
     config: ModelConfig,
+    read_layers: Callable[[dict[str, torch.Tensor], ModelConfig, torch.dtype], list[HybridLayer]],
     ops: KernelOps,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    one_plus_norm: bool = False,
 ) -> HybridModel:
-    """A Granite 4.0-H or Qwen3-Next model from a Hugging Face folder."""
-    from spillway.services.worker.loader import _safetensors_tensors
-
-    loaders = {"granitemoehybrid": load_granite_layers, "qwen3_next": load_qwen3_next_layers}
-    if config.architecture not in loaders:
-        raise ValueError(f"{config.architecture}: not a hybrid family ({', '.join(loaders)})")
-    tensors = {name: t.to(device) for name, t in _safetensors_tensors(folder).items()}
-    layers = loaders[config.architecture](tensors, config, dtype)
+    """A hybrid model from a Hugging Face folder, its layers read by its family's
+    `read_layers` (`models.registry.load_hybrid_model` picks it)."""
+    tensors = {name: t.to(device) for name, t in safetensors_tensors(folder).items()}
+    layers = read_layers(tensors, config, dtype)
     embed = tensors.pop("model.embed_tokens.weight").to(dtype)
     lm = tensors.pop("lm_head.weight", None)
     lm_head = embed if config.tie_word_embeddings or lm is None else lm.to(dtype)
     norm = tensors.pop("model.norm.weight").float()
-    if config.architecture == "qwen3_next":  # (1 + w), as its layers' norms
+    if one_plus_norm:  # (1 + w), as its layers' norms
         norm = 1.0 + norm
     norm = norm.to(dtype)
     return HybridModel(config, embed, layers, norm, lm_head, ops)

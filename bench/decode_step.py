@@ -41,11 +41,12 @@ from bench.kernels import SECTIONS, Result, timer_for
 from bench.kernels import main as bench_main
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
-from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.synthetic import synthetic_weights
 from spillway.services.worker.weights import ModelWeights
-from spillway.shared.model_config import ModelConfig, load_model_config
+from spillway.shared.model_config import ModelConfig
 from spillway.shared.model_files import resolve_model
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 

@@ -51,8 +51,8 @@ def save_model(folder: Path, layers: int, hidden: int, experts: int) -> Path:
 
 def batch(rows: int, length: int, context: int, block_size: int, seed: int):
     """`rows` rows of `length` new tokens each, ending at position `context`."""
+    from spillway.services.worker.forward_batch import ForwardBatch
     from spillway.services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
-    from spillway.services.worker.model import ForwardBatch
 
     g = torch.Generator().manual_seed(seed)
     per_row = -(-context // block_size)

@@ -29,8 +29,9 @@ import torch
 from spillway.kernels.ops import TorchOps
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
 from spillway.services.worker.loader import load_model
-from spillway.services.worker.model import LlamaModel, configure_threads
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.runner import ModelRunner
+from spillway.services.worker.threads import configure_threads
 from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 from tests.unit.worker.plans import generate
 

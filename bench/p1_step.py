@@ -32,10 +32,11 @@ import torch
 from spillway.kernels.ops import QUANTIZATIONS, TorchOps
 from spillway.services.cli.bench.machine import matmul_gflops
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
-from spillway.services.worker.model import LlamaModel, configure_threads
+from spillway.services.worker.models.llama import LlamaModel
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.synthetic import synthetic_weights
-from spillway.shared.model_config import load_model_config
+from spillway.services.worker.threads import configure_threads
 from spillway.shared.model_files import resolve_model
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 

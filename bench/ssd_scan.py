@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
-from spillway.shared.model_config import load_model_config
+from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from spillway.services.worker.models.registry import load_model_config
 from spillway.shared.model_files import resolve_model
 
 # Granite 4.0-H-like mixer proportions at a small width.

@@ -150,8 +150,8 @@ def prefill_candidates(
 ) -> dict[str, Callable]:
     from spillway.kernels.gated_delta_chunk import gated_delta_chunk_scan
     from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
-    from spillway.services.worker.delta_scan import delta_scan
-    from spillway.services.worker.ssd_scan import CHUNK, ChunkLayout, ssd_scan
+    from spillway.services.worker.layers.delta_scan import delta_scan
+    from spillway.services.worker.layers.ssd_scan import CHUNK, ChunkLayout, ssd_scan
 
     dev = torch.device(device)
     starts = [sum(lens[:i]) for i in range(len(lens))]

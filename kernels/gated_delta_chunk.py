@@ -1,5 +1,5 @@
 """Gated DeltaNet's prefill over rows packed into chunks (the chunked WY form), in Triton:
-what `services.worker.delta_scan.delta_scan` computes in torch.
+what `services.worker.layers.delta_scan.delta_scan` computes in torch.
 
 Rows come laid out in [R, K, Q] chunks (padding has beta = 0 and g = 0, so it leaves the
 state as it is). The recurrence, per value head with state S [Dk, Dv],

@@ -1,5 +1,5 @@
 """Mamba2's prefill scan over rows packed into chunks (the chunked state space dual form),
-in Triton: what `services.worker.ssd_scan.ssd_scan` computes in torch.
+in Triton: what `services.worker.layers.ssd_scan.ssd_scan` computes in torch.
 
 Rows come laid out in [R, K, Q] chunks (padding has dt = 0 and x = 0: no decay and no input,
 so the state passes through it unchanged). Within chunk k of a row, with cum_t the running

@@ -1,8 +1,12 @@
 """A model's architecture and special tokens, read from GGUF metadata or config.json
 (for a synthetic model: its config.json or a preset of shared.model_files).
 
-Read by the gateway (context length, special tokens) and the worker (shapes); needs
-neither torch nor the weights.
+`load_base_config` reads what every family shares (shapes, context length, special
+tokens, rope): the gateway needs no more. The family options (MoE, latent attention,
+recurrent layers, windows) are typed here, since `spillway up`'s start-up checks read
+them too, and read from config.json by the worker's family modules
+(`services/worker/models/`), which get the file as `extra["hf_config"]`. A GGUF file's
+come whole from the table of shared/gguf_arch.py. Needs neither torch nor the weights.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # Multi-head latent attention (DeepSeek-V3). The cache then holds one "head" per token,
     # num_kv_heads = 1 of head_dim = kv_lora_rank + qk_rope_head_dim: the compressed latent
-    # and the rotated shared key, read as both K and V (see services/worker/mla.py).
+    # and the rotated shared key, read as both K and V (see services/worker/layers/mla.py).
     mla: MLAConfig | None = None
     # Hybrid families (Mamba2 or gated DeltaNet layers among the attention layers).
     hybrid: HybridConfig | None = None
@@ -116,9 +120,9 @@ class MoEConfig:
     has_correction_bias: bool = False  # e_score_correction_bias: used for choosing only
 
 
-def load_model_config(source: ModelSource) -> ModelConfig:
-    """A GGUF file's metadata is parsed once per process (`shared.gguf_file.open_gguf`):
-    the weights' loading reads the same parse."""
+def load_base_config(source: ModelSource) -> ModelConfig:
+    """The fields every family shares. A GGUF file's metadata is parsed once per process
+    (`shared.gguf_file.open_gguf`): the weights' loading reads the same parse."""
     if source.kind == "gguf":
         return _from_gguf(source.path)
     if source.kind == "synthetic":
@@ -218,58 +222,24 @@ def _from_hf_folder(path: Path) -> ModelConfig:
     return _from_hf_config(cfg, gen)
 
 
-SUPPORTED_FAMILIES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3",
-    "granitemoehybrid", "qwen3_next",
-)  # fmt: skip
-
-# Families whose layers keep a recurrent state per sequence (a slot of the worker's state
-# pool each, spilled with its blocks; no prefix caching).
-HYBRID_FAMILIES = ("granitemoehybrid", "qwen3_next")
-
-
-def serving_refusal(config: ModelConfig) -> str | None:
-    """Why this model cannot be served, or None. Every family whose config parses is
-    served: options the server cannot honour are refused by name when it is read."""
-    del config
-    return None
-
-
-def check_servable(source: ModelSource) -> None:
-    """Raises ValueError naming the family and the reason when `source` cannot be served
-    yet (`serving_refusal`); reads only its config (a GGUF file of an architecture we do not
-    load is refused by name as it is read)."""
-    reason = serving_refusal(load_model_config(source))
-    if reason is not None:
-        raise ValueError(reason)
-
-
 def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
-    """From config.json and generation_config.json, as dicts. A family or an option that
-    would not be served exactly as transformers runs it is refused by name."""
+    """From config.json and generation_config.json, as dicts: the fields every family
+    shares, read as transformers reads them (the worker's family module reads the rest
+    from `extra["hf_config"]`). Options no family serves exactly are refused by name."""
     arch = cfg.get("model_type", "llama")
-    if arch not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED_FAMILIES)})"
-        )
     _refuse_unsupported_options(arch, cfg)
     eos = list(_as_ids(cfg.get("eos_token_id")))
     eos += [e for e in _as_ids(gen.get("eos_token_id")) if e not in eos]
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or {}
-    mla = _mla_config(arch, cfg)
     return ModelConfig(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=1 if mla else int(cfg.get("num_key_value_heads") or heads),
-        head_dim=(
-            mla.kv_lora_rank + mla.qk_rope_head_dim
-            if mla
-            else int(cfg.get("head_dim") or hidden // heads)
-        ),
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         context_length=int(cfg.get("max_position_embeddings", 2048)),
@@ -278,17 +248,13 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
-        extra={"rope": rope_parameters(cfg)},
-        qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_next"),
-        layer_windows=_layer_windows(arch, cfg),
-        moe=_moe_config(arch, cfg),
-        mla=mla,
-        hybrid=_hybrid_config(arch, cfg),
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
+        extra={"rope": rope_parameters(cfg), "hf_config": cfg},
     )
 
 
 def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
+    """The options no family serves (each family refuses its own: `attention_bias`,
+    `partial_rotary_factor` and the rest, in the worker's models/)."""
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"{arch}: unsupported hidden_act {act!r} (supported: silu)")
@@ -300,43 +266,14 @@ def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
     missing = [k for k in _ROPE_KEYS.get(kind, ()) if rope.get(k) is None]
     if missing:
         raise ValueError(f"{arch}: rope scaling {kind!r} lacks {', '.join(missing)}")
-    # Llama-style attention_bias puts a bias on o_proj too, which our layers lack; Qwen2
-    # always has q/k/v biases (found in the weights) and no o_proj bias.
-    if cfg.get("attention_bias") and arch != "qwen2":
-        raise ValueError(f"{arch}: unsupported attention_bias=True")
-    if arch == "granitemoehybrid" and cfg.get("position_embedding_type") not in (None, "rope"):
-        kind = cfg["position_embedding_type"]
-        raise ValueError(f"{arch}: unsupported position_embedding_type {kind!r}")
-    limit = cfg.get("time_step_limit")
-    if arch == "granitemoehybrid" and limit is not None:
-        # transformers writes infinity as {"__float__": "Infinity"} (JSON has none)
-        low, high = (float(x["__float__"] if isinstance(x, dict) else x) for x in limit)
-        if low > 0.0 or high != float("inf"):  # the decode kernels do not clamp dt
-            raise ValueError(f"{arch}: unsupported time_step_limit {[low, high]}")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: unsupported mlp_bias=True")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0 and arch != "qwen3_next":
-        raise ValueError(
-            f"{arch}: unsupported partial_rotary_factor {cfg['partial_rotary_factor']}"
-        )
     if cfg.get("quantization_config"):
         kind = cfg["quantization_config"].get("quant_method", "?")
         raise ValueError(f"{arch}: unsupported quantization_config ({kind})")
-    if arch == "deepseek_v3":
-        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ValueError(f"deepseek_v3: unsupported scoring_func {cfg['scoring_func']!r}")
-        if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError(f"deepseek_v3: unsupported topk_method {cfg['topk_method']!r}")
-        # transformers rotates head_dim dimensions of the rope part; only the rope width fits
-        if cfg.get("head_dim") not in (None, cfg.get("qk_rope_head_dim")):
-            raise ValueError(
-                f"deepseek_v3: unsupported head_dim {cfg['head_dim']} (not qk_rope_head_dim)"
-            )
-    if arch == "mistral" and cfg.get("layer_types"):
-        raise ValueError("mistral: unsupported layer_types (alternating attention)")
 
 
-# The rope scaling kinds served exactly (services/worker/rope.py), and the keys each needs.
+# The rope scaling kinds served exactly (services/worker/layers/rope.py), and the keys each needs.
 ROPE_SCALING_KINDS = ("default", "linear", "llama3", "yarn")
 _ROPE_KEYS = {
     "linear": ("factor",),
@@ -360,144 +297,3 @@ def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
         if rope["rope_type"] == "yarn" and rope.get("factor") is None:
             rope["factor"] = context / rope["original_max_position_embeddings"]
     return rope
-
-
-def _layer_windows(arch: str, cfg: dict[str, Any]) -> tuple[int | None, ...]:
-    """Per layer window as transformers applies it: Mistral and Mixtral use sliding_window
-    on every layer; Qwen families only with use_sliding_window, Qwen2/Qwen3 on the layers
-    layer_types names (by default those from max_window_layers on)."""
-    layers = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
-        window = None
-    if arch not in ("mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe") or window is None:
-        return ()
-    window = int(window)
-    if arch in ("qwen2", "qwen3"):
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full"
-            for i in range(layers)
-        ]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return (window,) * layers
-
-
-def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
-    layers = int(cfg["num_hidden_layers"])
-    if arch == "mixtral":
-        return MoEConfig(
-            num_experts=int(cfg["num_local_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            sparse_layers=(True,) * layers,
-        )
-    if arch == "granitemoehybrid":
-        experts = int(cfg.get("num_local_experts", 8))
-        return MoEConfig(
-            num_experts=experts,
-            top_k=int(cfg.get("num_experts_per_tok", 2)),
-            intermediate_size=int(cfg["intermediate_size"]),
-            sparse_layers=(experts > 0,) * layers,
-        )
-    if arch == "qwen3_moe" or arch == "qwen3_next":
-        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))
-        step = int(cfg.get("decoder_sparse_step", 1))
-        dense = set(cfg.get("mlp_only_layers") or [])
-        return MoEConfig(
-            num_experts=experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            sparse_layers=tuple(
-                i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
-            ),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_next")),
-        )
-    if arch == "deepseek_v3":
-        # A key left out takes transformers' DeepseekV3Config default.
-        experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 256)))
-        first_moe = int(cfg.get("first_k_dense_replace", 3) or 0)
-        n_group = int(cfg.get("n_group", 8) or 1)
-        return MoEConfig(
-            num_experts=experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            sparse_layers=tuple(experts > 0 and i >= first_moe for i in range(layers)),
-            scoring="sigmoid",
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            num_shared_experts=int(cfg.get("n_shared_experts", 1) or 0),
-            n_group=n_group,
-            topk_group=int(cfg.get("topk_group", 4) or n_group),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
-            has_correction_bias=True,
-        )
-    return None
-
-
-def _hybrid_config(arch: str, cfg: dict[str, Any]) -> HybridConfig | None:
-    """The recurrent layers as transformers builds them (its config defaults for keys left
-    out)."""
-    layers = int(cfg["num_hidden_layers"])
-    hidden = int(cfg["hidden_size"])
-    if arch == "granitemoehybrid":
-        types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
-        heads = int(cfg.get("mamba_n_heads", 128))
-        head_dim = cfg.get("mamba_d_head", "auto")
-        expand = int(cfg.get("mamba_expand", 2))
-        attention_multiplier = cfg.get("attention_multiplier", 1.0)
-        return HybridConfig(
-            # "mamba"/"attention" on the Hub; transformers 5 writes the generic names
-            layer_kinds=tuple(
-                "mamba2" if t in ("mamba", "linear_attention") else "attention" for t in types
-            ),
-            conv_width=int(cfg.get("mamba_d_conv", 4)),
-            mamba_heads=heads,
-            mamba_head_dim=expand * hidden // heads if head_dim == "auto" else int(head_dim),
-            mamba_state=int(cfg.get("mamba_d_state", 256)),
-            mamba_groups=int(cfg.get("mamba_n_groups", 1)),
-            mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-            mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-            mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
-            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
-            attention_multiplier=float(attention_multiplier),
-            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
-            rope=cfg.get("position_embedding_type") == "rope",
-            shared_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
-        )
-    if arch == "qwen3_next":
-        interval = int(cfg.get("full_attention_interval", 4))
-        types = cfg.get("layer_types") or [
-            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
-        ]
-        return HybridConfig(
-            layer_kinds=tuple(
-                "gated_delta" if t == "linear_attention" else "attention" for t in types
-            ),
-            conv_width=int(cfg.get("linear_conv_kernel_dim", 4)),
-            linear_k_heads=int(cfg.get("linear_num_key_heads", 16)),
-            linear_v_heads=int(cfg.get("linear_num_value_heads", 32)),
-            linear_k_dim=int(cfg.get("linear_key_head_dim", 128)),
-            linear_v_dim=int(cfg.get("linear_value_head_dim", 128)),
-            partial_rotary_factor=float(
-                cfg.get("partial_rotary_factor")
-                or rope_parameters(cfg).get("partial_rotary_factor")
-                or 0.25
-            ),
-            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
-            shared_expert_gate=True,
-        )
-    return None
-
-
-def _mla_config(arch: str, cfg: dict[str, Any]) -> MLAConfig | None:
-    if arch != "deepseek_v3":
-        return None
-    q_lora = cfg.get("q_lora_rank")
-    return MLAConfig(
-        q_lora_rank=int(q_lora) if q_lora else None,
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
-        rope_interleave=bool(cfg.get("rope_interleave", True)),
-    )

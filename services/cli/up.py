@@ -124,12 +124,12 @@ def worker_launches(
 
 
 def check_servable_model(settings: Settings) -> None:
-    """A model the system cannot serve yet (a hybrid family, a GGUF architecture we do not
-    load) is refused before anything starts, with the reason. Only a local file or folder
-    is read here: the default model (which may need a download) and a missing one are the
-    worker's to resolve and report."""
+    """A GGUF file of an architecture we do not load is refused before anything starts,
+    with the reason. Only a local file is read here: the default model (which may need a
+    download), a missing one and a folder's config are the worker's to resolve and
+    report."""
     from spillway.shared.gguf_arch import gguf_architecture
-    from spillway.shared.model_config import gguf_fields, load_model_config, serving_refusal
+    from spillway.shared.model_config import gguf_fields
     from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 
     if settings.model == DEFAULT_MODEL:
@@ -144,13 +144,6 @@ def check_servable_model(settings: Settings) -> None:
             gguf_architecture(fields)
         except ValueError as e:
             raise StartupError(f"{source.path}: {e}") from e
-        return
-    try:
-        reason = serving_refusal(load_model_config(source))
-    except Exception:
-        return
-    if reason is not None:
-        raise StartupError(reason)
 
 
 def check_expert_parallel_model(settings: Settings) -> None:
@@ -158,8 +151,9 @@ def check_expert_parallel_model(settings: Settings) -> None:
     its experts) is refused before anything starts."""
     if settings.expert_parallel == 1:
         return
+    # The experts are a family option: the worker's family modules read them.
+    from spillway.services.worker.service import load_model_config
     from spillway.shared.expert_parallel import check_expert_parallel
-    from spillway.shared.model_config import load_model_config
     from spillway.shared.model_files import resolve_model
 
     source = resolve_model(settings.model)

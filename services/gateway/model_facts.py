@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from spillway.shared.model_config import load_model_config
+from spillway.shared.model_config import load_base_config
 from spillway.shared.model_files import ModelSource
 from spillway.shared.tokenizer_files import cache_key
 
@@ -40,5 +40,5 @@ def load_model_facts(source: ModelSource, cache_dir: str | Path) -> ModelFacts:
 
 
 def _read_facts(source: ModelSource) -> ModelFacts:
-    config = load_model_config(source)
+    config = load_base_config(source)
     return ModelFacts(context_length=config.context_length, vocab_size=config.vocab_size)

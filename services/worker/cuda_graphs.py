@@ -31,8 +31,9 @@ from typing import Protocol
 
 import torch
 
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
-from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 

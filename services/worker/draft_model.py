@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache
-from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.shared.protocol import StepRow
 
 

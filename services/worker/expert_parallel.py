@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.moe import MoEWeights, route, shared_experts
+from spillway.services.worker.layers.moe import MoEWeights, route, shared_experts
 from spillway.shared.expert_parallel import expert_range
 from spillway.shared.model_config import MoEConfig
 

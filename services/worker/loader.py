@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,12 +21,14 @@ import torch
 from spillway.kernels.cpu_info import cpu_flags
 from spillway.kernels.cpu_matvec import BLOCK_CODES, INTEGER_BLOCK_TYPES, BlockWeight
 from spillway.kernels.quantized_weight import QuantizedWeight, Weight, dequantize
-from spillway.services.worker.mla import MLAWeights, q_width
-from spillway.services.worker.moe import MoEWeights
-from spillway.services.worker.weights import LayerWeights, ModelWeights, MtpWeights
-from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS, gguf_architecture
+from spillway.services.worker.layers.moe_weights import read_moe_weights
+from spillway.services.worker.models.family import Family
+from spillway.services.worker.models.registry import family_for, load_model_config
+from spillway.services.worker.tensor_files import safetensors_tensors
+from spillway.services.worker.weights import LayerWeights, ModelWeights
+from spillway.shared.gguf_arch import gguf_architecture
 from spillway.shared.gguf_file import GGUFFile, forget_gguf, open_gguf
-from spillway.shared.model_config import ModelConfig, load_model_config
+from spillway.shared.model_config import ModelConfig
 from spillway.shared.model_files import ModelSource
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,10 @@ def load_model(
         names = GGUF_NAMES
     else:
         config = load_model_config(source)
-        tensors, raw_blocks = {**_safetensors_tensors(source.path)}, {}
+        tensors, raw_blocks = {**safetensors_tensors(source.path)}, {}
         names = HF_NAMES
-    weights = _assemble(tensors, names, config, device, dtype, raw_blocks, mtp=mtp)
+    family = family_for(config.architecture)
+    weights = _assemble(tensors, names, config, family, device, dtype, raw_blocks, mtp=mtp)
     release_freed_memory()
     tied = weights.lm_head is weights.embed
     if tied != config.tie_word_embeddings:
@@ -223,23 +224,6 @@ def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _safetensors_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        out.update(load_file(str(file)))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        missing = set(json.loads(index.read_text())["weight_map"]) - set(out)
-        if missing:
-            raise FileNotFoundError(f"safetensors shards missing tensors: {sorted(missing)[:5]}")
-    return out
-
-
 # --- assembling ---------------------------------------------------------------------------
 
 LayerName = Callable[[int, str], str]
@@ -304,6 +288,7 @@ def _assemble(
     tensors: dict[str, Weight],
     names: TensorNames,
     config: ModelConfig,
+    family: Family,
     device: torch.device,
     dtype: torch.dtype,
     raw_blocks: dict[str, BlockWeight] | None = None,
@@ -348,6 +333,9 @@ def _assemble(
         keep_blocks(fused, parts)
         return fused
 
+    # GGUF names its stacked experts alike in every family; a folder as its family does.
+    experts = None if names is GGUF_NAMES else family.experts
+
     def layer_weights(i: int) -> LayerWeights:
         n = lambda role: names.layer(i, role)  # noqa: E731
         has_bias = n("q_bias") in tensors
@@ -357,7 +345,8 @@ def _assemble(
             if i < config.num_layers
             else f"model.layers.{i}.mlp.gate.weight" in tensors
         )
-        mla = _mla_weights(tensors, config, i, take) if config.mla is not None else None
+        latent = family.latent_attention_weights
+        mla = latent(tensors, config, i, take) if latent is not None else None
         return LayerWeights(
             attn_norm=take(n("attn_norm")),
             qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
@@ -370,7 +359,7 @@ def _assemble(
             down=None if sparse else take_weight(n("down")),
             q_norm=take(n("q_norm")) if config.qk_norm else None,
             k_norm=take(n("k_norm")) if config.qk_norm else None,
-            moe=_moe_weights(tensors, config, i, take, names) if sparse else None,
+            moe=read_moe_weights(tensors, config, i, take, experts) if sparse else None,
             mla=mla[1] if mla else None,
         )
 
@@ -382,7 +371,11 @@ def _assemble(
     tensors.pop(names.lm_head, None)
     weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
     if mtp:
-        weights.mtp = _mtp_weights(tensors, config, layer_weights, take, weights)
+        if family.mtp_weights is None or not config.num_mtp_layers:
+            raise ValueError(
+                f"model_type {config.architecture!r} has no multi-token-prediction layer"
+            )
+        weights.mtp = family.mtp_weights(tensors, config, layer_weights, take, weights)
     projected = [lm_head] + [
         t for x in layers for t in (x.qkv, x.o, x.gate_up, x.down) if t is not None
     ]
@@ -398,137 +391,6 @@ def _assemble(
 def _as_tensor(weight: Weight) -> torch.Tensor:
     """A weight as a float32 tensor (dequantized where it is kept in blocks)."""
     return weight if isinstance(weight, torch.Tensor) else dequantize(weight)
-
-
-def _mtp_weights(
-    tensors: dict[str, Weight],
-    config: ModelConfig,
-    layer_weights: Callable[[int], LayerWeights],
-    take: Callable[..., torch.Tensor],
-    model: ModelWeights,
-) -> MtpWeights:
-    """The first MTP layer, as DeepSeek-V3 checkpoints hold it: model.layers.{L} (L the
-    number of decoder layers) with enorm, hnorm, eh_proj, shared_head and a decoder
-    layer's own tensors. Its embed_tokens and shared_head.head copy the model's where
-    the checkpoint leaves them out."""
-    if not config.num_mtp_layers:
-        raise ValueError(f"model_type {config.architecture!r} has no multi-token-prediction layer")
-    p = f"model.layers.{config.num_layers}"
-    embed = f"{p}.embed_tokens.weight"
-    head = f"{p}.shared_head.head.weight"
-    return MtpWeights(
-        enorm=take(f"{p}.enorm.weight"),
-        hnorm=take(f"{p}.hnorm.weight"),
-        eh_proj=take(f"{p}.eh_proj.weight"),
-        layer=layer_weights(config.num_layers),
-        norm=take(f"{p}.shared_head.norm.weight"),
-        head=take(head) if head in tensors else _as_tensor(model.lm_head),
-        embed=take(embed) if embed in tensors else _as_tensor(model.embed),
-    )
-
-
-# Where each family keeps its MoE block and what it calls an expert's projections
-# (gate, up, down), in the per-expert layout Hugging Face checkpoints ship.
-_MOE_LAYOUTS = {
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-}
-
-
-def _mla_weights(
-    tensors: dict[str, Weight],
-    config: ModelConfig,
-    layer: int,
-    take: Callable[..., torch.Tensor],
-) -> tuple[torch.Tensor, MLAWeights]:
-    """Layer `layer`'s fused input projection (q_a or q_proj, then kv_a_proj_with_mqa:
-    both read the normed hidden state) and the rest of its latent attention."""
-    c = config.mla
-    assert c is not None
-    p = f"model.layers.{layer}.self_attn"
-    q_in = take(f"{p}.q_a_proj.weight" if c.q_lora_rank else f"{p}.q_proj.weight")
-    qkv = torch.cat([q_in, take(f"{p}.kv_a_proj_with_mqa.weight")], dim=0).contiguous()
-    heads, dn, dv = config.num_heads, c.qk_nope_head_dim, c.v_head_dim
-    kv_b = take(f"{p}.kv_b_proj.weight").view(heads, dn + dv, c.kv_lora_rank)
-    w_uk, w_uv = (part.contiguous() for part in kv_b.split([dn, dv], dim=1))
-    weights = MLAWeights(
-        q_a_norm=take(f"{p}.q_a_layernorm.weight") if c.q_lora_rank else None,
-        q_b=take(f"{p}.q_b_proj.weight") if c.q_lora_rank else None,
-        kv_a_norm=take(f"{p}.kv_a_layernorm.weight"),
-        w_uk=w_uk,
-        w_uv=w_uv,
-    )
-    width = q_width(c, heads) + c.kv_lora_rank + c.qk_rope_head_dim
-    if tuple(qkv.shape) != (width, config.hidden_size):
-        raise ValueError(f"layer {layer} q/kv_a weights fuse to {tuple(qkv.shape)}, not {width}")
-    return qkv, weights
-
-
-def _moe_weights(
-    tensors: dict[str, Weight],
-    config: ModelConfig,
-    layer: int,
-    take: Callable[..., torch.Tensor],
-    names: TensorNames = HF_NAMES,
-) -> MoEWeights:
-    """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
-    takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],
-    experts.down_proj [E, H, I]) that newer exports use, and GGUF's stacked experts
-    (gate and up apart, joined here as transformers joins them)."""
-    moe = config.moe
-    assert moe is not None
-    if names is GGUF_NAMES:
-        g = {role: f"blk.{layer}.{name}" for role, name in GGUF_EXPERT_TENSORS.items()}
-        router = take(g["router"]).float()  # routing runs in float32 (moe.py)
-        w_gate_up = torch.cat([take(g["gate"]), take(g["up"])], dim=1).contiguous()
-        w_down = take(g["down"])
-        weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
-        return _checked_moe(weights, config, layer)
-    block, (gate, up, down) = _MOE_LAYOUTS[config.architecture]
-    prefix = f"model.layers.{layer}.{block}"
-    router = take(f"{prefix}.gate.weight").float()
-    if f"{prefix}.experts.gate_up_proj" in tensors:
-        w_gate_up = take(f"{prefix}.experts.gate_up_proj")
-        w_down = take(f"{prefix}.experts.down_proj")
-    else:
-        w_gate_up = torch.stack(
-            [
-                torch.cat([take(f"{prefix}.experts.{e}.{p}.weight") for p in (gate, up)], dim=0)
-                for e in range(moe.num_experts)
-            ]
-        )
-        w_down = torch.stack(
-            [take(f"{prefix}.experts.{e}.{down}.weight") for e in range(moe.num_experts)]
-        )
-    weights = _checked_moe(
-        MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down), config, layer
-    )
-    if moe.has_correction_bias:  # chooses experts in float32, whatever the weights' dtype
-        weights.correction_bias = take(f"{prefix}.gate.e_score_correction_bias").float()
-    if moe.num_shared_experts:
-        shared = f"{prefix}.shared_experts"
-        weights.shared_gate_up = torch.cat(
-            [take(f"{shared}.gate_proj.weight"), take(f"{shared}.up_proj.weight")], dim=0
-        ).contiguous()
-        weights.shared_down = take(f"{shared}.down_proj.weight")
-    return weights
-
-
-def _checked_moe(weights: MoEWeights, config: ModelConfig, layer: int) -> MoEWeights:
-    moe = config.moe
-    assert moe is not None
-    router, w_gate_up, w_down = weights.router, weights.w_gate_up, weights.w_down
-    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
-    for name, got, want in (
-        ("router", router.shape, (e, h)),
-        ("experts gate_up", w_gate_up.shape, (e, 2 * i, h)),
-        ("experts down", w_down.shape, (e, h, i)),
-    ):
-        if tuple(got) != want:
-            raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
-    return weights
 
 
 def _check_shapes(w: ModelWeights, c: ModelConfig) -> None:

@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache
-from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.weights import MtpWeights
 from spillway.shared.protocol import StepRow
 

@@ -16,7 +16,7 @@ import torch
 from spillway.kernels.ops import TorchOps
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
 from spillway.services.worker.loader import load_model
-from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.runner import ModelRunner
 from spillway.shared.model_files import ModelSource
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow

@@ -47,7 +47,7 @@ from spillway.services.worker.draft_model import DraftModelDrafter
 from spillway.services.worker.draft_states import DraftStates
 from spillway.services.worker.ep_group import agree_num_blocks, join_group
 from spillway.services.worker.expert_parallel import ExpertGroup
-from spillway.services.worker.hybrid_model import HybridModel, load_hybrid_model
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import (
     KVCache,
     block_bytes,
@@ -59,7 +59,13 @@ from spillway.services.worker.kv_cache import (
 )
 from spillway.services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
 from spillway.services.worker.loader import load_model, resolve_device, resolve_dtype
-from spillway.services.worker.model import ForwardBatch, LlamaModel, configure_threads
+from spillway.services.worker.models.hybrid import HybridModel
+from spillway.services.worker.models.llama import LlamaModel
+from spillway.services.worker.models.registry import (
+    check_servable,
+    load_hybrid_model,
+    load_model_config,
+)
 from spillway.services.worker.mtp import MtpCache, MtpDrafter
 from spillway.services.worker.sampling_state import SamplingStates, load_sampling_states
 from spillway.services.worker.speculative import (
@@ -69,10 +75,11 @@ from spillway.services.worker.speculative import (
     verify_drafts,
 )
 from spillway.services.worker.state_pool import StatePool, slot_bytes
+from spillway.services.worker.threads import configure_threads
 from spillway.services.worker.weights import ModelWeights
 from spillway.shared.config import Settings
 from spillway.shared.expert_parallel import check_expert_parallel
-from spillway.shared.model_config import ModelConfig, check_servable, load_model_config
+from spillway.shared.model_config import ModelConfig
 from spillway.shared.model_files import ModelSource, resolve_model, weights_fingerprint
 from spillway.shared.protocol import (
     OUT_OF_MEMORY_CODE,

@@ -37,6 +37,7 @@ from opentelemetry.trace import Span, set_span_in_context
 from spillway.services.worker.ep_group import KEEPALIVE, follow, leave
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.info import worker_info
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.ownership import Ownership
 from spillway.services.worker.runner import KVIo, ModelRunner, load_runner
 from spillway.services.worker.step_spans import StepSpans
@@ -62,6 +63,10 @@ from spillway.shared.telemetry import Telemetry
 from spillway.shared.waiting import raise_if_cancelled, wait_event
 
 log = logging.getLogger(__name__)
+
+# What the CLI may reach: `serve`, and the model's config with its family's options for
+# `spillway up`'s checks before anything starts.
+__all__ = ["load_model_config", "serve"]
 
 # The scheduler probes our step subject before it answers.
 REGISTER_TIMEOUT_S = 5.0

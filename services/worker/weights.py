@@ -13,8 +13,8 @@ import torch
 
 from spillway.kernels.cpu_matvec import BlockWeight
 from spillway.kernels.quantized_weight import QuantizedWeight, Weight
-from spillway.services.worker.mla import MLAWeights
-from spillway.services.worker.moe import MoEWeights
+from spillway.services.worker.layers.mla import MLAWeights
+from spillway.services.worker.layers.moe import MoEWeights
 
 
 @dataclass

@@ -99,7 +99,7 @@ def test_gated_delta_bf16() -> None:
 
 
 def _packed_rows(lens: tuple[int, ...], chunk: int):
-    from spillway.services.worker.ssd_scan import ChunkLayout
+    from spillway.services.worker.layers.ssd_scan import ChunkLayout
 
     starts = [sum(lens[:i]) for i in range(len(lens))]
     return ChunkLayout.build(starts, lens, sum(lens), torch.device("cuda"), chunk)
@@ -114,7 +114,7 @@ def test_ssd_chunk_scan_at_granite_sizes() -> None:
     """Granite-4.0-H-tiny's Mamba2 heads, the worker's chunk of 64: the kernel equals the
     torch form (`ssd_scan`, also on the GPU), outputs and every chunk's entering state."""
     from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
-    from spillway.services.worker.ssd_scan import CHUNK, ssd_scan
+    from spillway.services.worker.layers.ssd_scan import CHUNK, ssd_scan
 
     h, p, g, n = MAMBA["heads"], MAMBA["head_dim"], MAMBA["groups"], MAMBA["state"]
     layout = _packed_rows(PREFILL_LENS, CHUNK)
@@ -140,8 +140,8 @@ def test_gated_delta_chunk_scan_at_qwen3_next_sizes() -> None:
     """Qwen3-Next's gated DeltaNet heads, the worker's chunk of 64: the kernel equals the
     torch form (`delta_scan`, also on the GPU), outputs, new values and entering states."""
     from spillway.kernels.gated_delta_chunk import gated_delta_chunk_scan
-    from spillway.services.worker.delta_scan import delta_scan
-    from spillway.services.worker.ssd_scan import CHUNK
+    from spillway.services.worker.layers.delta_scan import delta_scan
+    from spillway.services.worker.layers.ssd_scan import CHUNK
 
     hk, hv, kd, vd = DELTA["k_heads"], DELTA["v_heads"], DELTA["k_dim"], DELTA["v_dim"]
     layout = _packed_rows(PREFILL_LENS, CHUNK)

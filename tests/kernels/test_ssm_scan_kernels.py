@@ -18,8 +18,8 @@ from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
 from spillway.kernels.ssm_reference import gated_delta_rule_step_ref, selective_state_update_ref
 from spillway.services.worker import delta_scan as delta_scan_module
 from spillway.services.worker import ssd_scan as ssd_scan_module
-from spillway.services.worker.delta_scan import chunk_delta_scan, delta_scan
-from spillway.services.worker.ssd_scan import ChunkLayout, chunk_scan, ssd_scan
+from spillway.services.worker.layers.delta_scan import chunk_delta_scan, delta_scan
+from spillway.services.worker.layers.ssd_scan import ChunkLayout, chunk_scan, ssd_scan
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32 in both, summed in another order
 # (row lengths, chunk, block_q): ragged rows spanning several chunks; the last case splits

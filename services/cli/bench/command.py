@@ -38,7 +38,7 @@ from spillway.services.cli.bench.report import comparison_table, summary_table, 
 from spillway.services.cli.bench.workload import TEXT, BenchRequest, Workload, make_requests
 from spillway.services.cli.worker_env import apply_openmp_environment
 from spillway.shared.config import load_settings
-from spillway.shared.model_config import ModelConfig, load_model_config
+from spillway.shared.model_config import ModelConfig, load_base_config
 from spillway.shared.model_files import ModelNotFound, ModelSource, resolve_model
 
 
@@ -208,7 +208,7 @@ def compare(
     the_machine = machine_mod.describe_machine()
     print(f"\nmachine: {the_machine.line()}", flush=True)
     gflops = machine_mod.matmul_gflops()
-    config = load_model_config(source)
+    config = load_base_config(source)
     bound = bound_tokens_per_s(config, requests, gflops)
     batch = args.peer_batch or args.concurrency
     peers: list[PeerResult] = []

@@ -13,7 +13,7 @@ from gguf.quants import quantize
 
 from spillway.shared import gguf_file
 from spillway.shared.gguf_file import GGUFFormatError, SkippedArray, open_gguf, parse_gguf
-from spillway.shared.model_config import load_model_config
+from spillway.shared.model_config import load_base_config
 from spillway.shared.model_files import DEFAULT_MODEL, resolve_model
 
 
@@ -76,7 +76,7 @@ def test_fresh_files_read_as_gguf_reader_reads_them(tmp_path, seed, alignment):
 def test_the_default_model_reads_as_gguf_reader_reads_it():
     source = resolve_model(DEFAULT_MODEL)
     parsed = _same_as_reader(source.path)
-    config = load_model_config(source)
+    config = load_base_config(source)
     assert config.vocab_size == parsed.fields["tokenizer.ggml.tokens"].length == 49152
     assert config.num_layers == parsed.fields["llama.block_count"]
 

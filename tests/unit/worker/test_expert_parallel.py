@@ -162,9 +162,9 @@ def test_unknown_exchange_is_refused():
 
 
 def test_a_dense_model_or_a_bad_group_is_refused(tmp_path, folders):
+    from spillway.services.worker.models.registry import load_model_config
     from spillway.shared.config import load_settings
     from spillway.shared.expert_parallel import check_expert_parallel
-    from spillway.shared.model_config import load_model_config
     from spillway.shared.model_files import resolve_model
     from tests.unit.worker.tiny_llama import write_synthetic_config
 

@@ -12,9 +12,10 @@ import torch
 from spillway.kernels.linear import FORMS
 from spillway.kernels.ops import TorchOps
 from spillway.services.worker import loader
-from spillway.services.worker.model import LlamaModel, configure_threads
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.quality import perplexity
 from spillway.services.worker.runner import load_runner
+from spillway.services.worker.threads import configure_threads
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import TINY_VOCAB, tiny_runner

@@ -13,7 +13,7 @@ from spillway.kernels.cpu_decode_layers import Geometry
 from spillway.kernels.cpu_matvec import BlockWeight
 from spillway.kernels.ops import TorchOps
 from spillway.services.worker.kv_cache import KVCache
-from spillway.services.worker.model import LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.synthetic import synthetic_weights
 from spillway.shared.model_config import ModelConfig

@@ -8,14 +8,14 @@ import torch
 
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker import delta_scan, gated_delta
-from spillway.services.worker.gated_delta import (
+from spillway.services.worker.layers import delta_scan, gated_delta
+from spillway.services.worker.layers.gated_delta import (
     GatedDeltaWeights,
     gated_delta_dims,
     gated_delta_mixer,
 )
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
-from spillway.shared.model_config import load_model_config
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import load_reference, save_tiny_family
 

@@ -12,10 +12,10 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from spillway.services.cli.up import StartupError, check_servable_model
+from spillway.services.worker.models.registry import check_servable, load_model_config
 from spillway.services.worker.runner import load_runner
 from spillway.shared.config import Settings, load_settings
 from spillway.shared.gguf_arch import GGUF_ARCHITECTURES
-from spillway.shared.model_config import check_servable, load_model_config
 from spillway.shared.model_files import resolve_model
 from tests.gguf_files import FAMILIES, write_header_only, write_tiny_gguf
 from tests.unit.worker.plans import generate

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from spillway.services.cli.up import check_servable_model
-from spillway.services.worker.model import ForwardBatch
+from spillway.services.worker.forward_batch import ForwardBatch
+from spillway.services.worker.models.registry import check_servable, load_model_config
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.shared.config import Settings
-from spillway.shared.model_config import check_servable, load_model_config
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import save_tiny_family
 

@@ -9,11 +9,11 @@ import torch
 
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker.hybrid_model import HybridModel, load_hybrid_model
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
-from spillway.services.worker.model import ForwardBatch
+from spillway.services.worker.models.hybrid import HybridModel
+from spillway.services.worker.models.registry import load_hybrid_model, load_model_config
 from spillway.services.worker.state_pool import StatePool
-from spillway.shared.model_config import load_model_config
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import (
     load_reference,

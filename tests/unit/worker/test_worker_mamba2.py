@@ -9,10 +9,11 @@ import torch
 from bench.ssd_scan import weights
 from spillway.kernels import ssm_reference
 from spillway.kernels.ops import TorchOps
-from spillway.services.worker import mamba2, ssd_scan
-from spillway.services.worker.mamba2 import mamba2_dims, mamba2_mixer
+from spillway.services.worker.layers import mamba2, ssd_scan
+from spillway.services.worker.layers.mamba2 import mamba2_dims, mamba2_mixer
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
-from spillway.shared.model_config import HybridConfig, load_model_config
+from spillway.shared.model_config import HybridConfig
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import load_reference, save_tiny_family
 

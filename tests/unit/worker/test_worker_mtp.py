@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from spillway.kernels.ops import TorchOps
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
 from spillway.services.worker.loader import load_model
-from spillway.services.worker.model import ForwardBatch, LlamaModel
+from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.mtp import MtpCache, mtp_forward
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.tiny_families import load_reference, save_tiny_family

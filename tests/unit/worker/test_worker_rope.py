@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.services.worker.rope import inverse_frequencies
+from spillway.services.worker.layers.rope import inverse_frequencies
 from spillway.shared.model_config import rope_parameters
 from tests.unit.worker.tiny_families import (
     family_config,

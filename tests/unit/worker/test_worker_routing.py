@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.services.worker.routing import grouped_sigmoid_topk, softmax_topk
+from spillway.services.worker.layers.routing import grouped_sigmoid_topk, softmax_topk
 
 
 def _router(module, weight: torch.Tensor, **buffers: torch.Tensor):

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.runner import load_runner
 from spillway.services.worker.synthetic import synthetic_weights
 from spillway.shared.config import load_settings
-from spillway.shared.model_config import SYNTHETIC_CONFIGS, load_model_config
+from spillway.shared.model_config import SYNTHETIC_CONFIGS
 from spillway.shared.model_files import SYNTHETIC_PRESETS, ModelNotFound, resolve_model
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import TINY_VOCAB, write_synthetic_config

@@ -145,8 +145,8 @@ def reference_logits(model, prompt: list[int]) -> torch.Tensor:
 
 def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
     """Every position's logits [T, V] of the prompts prefilled together in one step."""
+    from spillway.services.worker.forward_batch import ForwardBatch
     from spillway.services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
-    from spillway.services.worker.model import ForwardBatch
 
     bs = runner.block_size
     tables, block = [], 0

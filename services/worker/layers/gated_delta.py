@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.delta_scan import chunk_delta_scan
-from spillway.services.worker.mamba2 import ScanRows
-from spillway.services.worker.ssd_scan import (
+from spillway.services.worker.layers.delta_scan import chunk_delta_scan
+from spillway.services.worker.layers.mamba2 import ScanRows
+from spillway.services.worker.layers.ssd_scan import (
     CHUNK,
     ChunkLayout,
     conv_windows,

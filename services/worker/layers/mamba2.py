@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.ssd_scan import (
+from spillway.services.worker.layers.ssd_scan import (
     CHUNK,
     ChunkLayout,
     chunk_scan,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.routing import grouped_sigmoid_topk, softmax_topk
+from spillway.services.worker.layers.routing import grouped_sigmoid_topk, softmax_topk
 from spillway.shared.model_config import MoEConfig
 
 

@@ -17,90 +17,26 @@ logits computed and no value read back to the host along the way.
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, replace
-from typing import cast
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
 from spillway.kernels.cpu_decode_layers import Geometry, LayerTensors
-from spillway.kernels.ops import KernelOps, TorchOps
+from spillway.kernels.ops import KernelOps
 from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache
-from spillway.services.worker.mla import mla_output, mla_queries_and_latents
-from spillway.services.worker.moe import moe_forward
-from spillway.services.worker.rope import rope_tables, yarn_mscale
+from spillway.services.worker.layers.attention import Attention
+from spillway.services.worker.layers.mla import LatentAttention
+from spillway.services.worker.layers.moe import moe_forward
+from spillway.services.worker.models.family import Family, refuse_options
 from spillway.services.worker.weights import LayerWeights, ModelWeights
-from spillway.services.worker.window_attention import windowed_paged_attention
 from spillway.shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 # Rows of warm_up's second pass: more than the few-row kernels take (cpu_matvec.MAX_ROWS).
 WARM_UP_ROWS = 8
-
-
-@dataclass
-class ForwardBatch:
-    """Index tensors for one step, built once and shared by every layer."""
-
-    token_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64: block_id * BS + offset
-    block_tables: torch.Tensor  # [R, MB] int32
-    context_lens: torch.Tensor  # [R] int32: tokens in the cache after this step
-    query_start: torch.Tensor  # [R + 1] int32
-    # [S] int64: the last token of each sampling row; None: every token's logits
-    logits_indices: torch.Tensor | None
-    max_query_len: int  # the longest row, known on the host (sizes kernel grids)
-    # The longest context, known on the host (trims decode attention's split-K); None when
-    # it must not be baked in (a CUDA graph replays for any context).
-    max_context_len: int | None = None
-    # One token per row (T == R): attention takes the `paged_decode_attention` fast path.
-    decode_only: bool = False
-    # Hybrid models: [R] int64, each row's slot in the state pool (`state_pool`), and
-    # [R] bool, the rows whose first computed token is position 0 (their slot is zeroed
-    # before the layers run). None for a model without state layers.
-    state_slots: torch.Tensor | None = None
-    state_fresh: torch.Tensor | None = None
-    # Hybrid models' prefix caching: (row, token index within the row, snapshot), the
-    # row's state copied to that snapshot once that token ran (host-side).
-    state_takes: tuple[tuple[int, int, int], ...] = ()
-
-    def to(self, device: torch.device) -> ForwardBatch:
-        """The same batch with its tensors on `device` (one copy per tensor); itself where
-        they are there already (a CPU step: nothing to copy, nothing to rebuild)."""
-        if self.token_ids.device == device:  # every tensor of a batch shares one device
-            return self
-        idx = self.logits_indices
-        return replace(
-            self,
-            token_ids=self.token_ids.to(device),
-            positions=self.positions.to(device),
-            slot_mapping=self.slot_mapping.to(device),
-            block_tables=self.block_tables.to(device),
-            context_lens=self.context_lens.to(device),
-            query_start=self.query_start.to(device),
-            logits_indices=None if idx is None else idx.to(device),
-            state_slots=None if self.state_slots is None else self.state_slots.to(device),
-            state_fresh=None if self.state_fresh is None else self.state_fresh.to(device),
-        )
-
-
-def configure_threads(device: torch.device, threads: int | None = None) -> int:
-    """On the CPU: `threads` math threads, by default one per core this process may run
-    on (its affinity, which a container or `taskset` may narrow). Returns the count."""
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    count = threads or available_cores()
-    torch.set_num_threads(count)
-    return count
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 class LlamaModel:
@@ -121,34 +57,23 @@ class LlamaModel:
         # Expert parallel: this rank's share of the MoE layers and their exchange
         # (`expert_parallel.ExpertGroup`); None: every expert here.
         self.experts: ExpertGroup | None = None
-        mla = config.mla
-        rotary_dim = mla.qk_rope_head_dim if mla else config.head_dim
-        rope = config.extra.get("rope") or {"rope_type": "default"}
-        self.cos, self.sin = rope_tables(
-            rotary_dim, self.max_positions, config.rope_theta, weights.device, rope
+        # Latent attention (DeepSeek-V3) in place of grouped-query attention on every layer.
+        self.attention: Attention | LatentAttention = (
+            LatentAttention(config, ops, weights.device, self.max_positions)
+            if config.mla
+            else Attention(config, ops, weights.device, self.max_positions)
         )
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        # Latent attention scores with the full query-key head width (nope + rope).
-        self.scale = (
-            mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else config.head_dim
-        ) ** -0.5
-        if mla and rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-            # DeepSeek's softmax scale takes YaRN's magnitude correction squared.
-            self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+        self.cos, self.sin = self.attention.cos, self.attention.sin
+        self.scale = self.attention.scale
         self.geometry = Geometry(
             config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.scale
         )
-        # The Triton kernels take power-of-two head widths; a latent's (kv_lora_rank + rope
-        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the plain torch ops,
-        # which read lengths back to the host: no decode CUDA graphs for such a model.
-        width = config.head_dim
-        self.latent_ops: KernelOps = (
-            TorchOps(native=None) if mla and ops.name != "torch" and width & (width - 1) else ops
+        latent = (
+            isinstance(self.attention, LatentAttention) and self.attention.latent_ops is not ops
         )
-        # Windowed attention (`window_attention`, plain torch on any device) reads lengths
-        # back to the host too.
-        self.capturable = self.latent_ops is ops and not windows
+        # Windowed attention (`window_attention`, plain torch on any device) and latent
+        # attention on torch ops (`mla`) read lengths back to the host.
+        self.capturable = not latent and not windows
         use_blocks = getattr(ops, "use_source_blocks", None)
         if use_blocks is not None and weights.blocks:
             use_blocks(weights.blocks)
@@ -261,7 +186,7 @@ class LlamaModel:
             residual, h = x, self.ops.rms_norm(x, layer.attn_norm, eps)
         else:
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
-        x = self._attention(h, layer, batch, k_cache, v_cache, window)
+        x = self.attention.forward(h, layer, batch, k_cache, v_cache, window)
         h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
         if layer.moe is not None:
             assert self.config.moe is not None
@@ -281,87 +206,41 @@ class LlamaModel:
             self.geometry,
         )  # fmt: skip
 
-    def _attention(
-        self,
-        h: torch.Tensor,  # [T, H]
-        layer: LayerWeights,
-        batch: ForwardBatch,
-        k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-        v_cache: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        c = self.config
-        t = h.shape[0]
-        if layer.mla is not None:
-            return self._latent_attention(h, layer, batch, k_cache)
-        qkv = self.ops.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if layer.q_norm is not None and layer.k_norm is not None:  # over each head's D
-            eps = c.rms_norm_eps
-            q = self.ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps)
-            k = self.ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps)
-        q = q.reshape(t, c.num_heads, c.head_dim)  # [T, Hq, D]
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-        v = v.view(t, c.num_kv_heads, c.head_dim)
-        self.ops.rotary(q, k, batch.positions, self.cos, self.sin)
-        self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = self._attend(q, batch, k_cache, v_cache, window)  # [T, Hq, D]
-        return self.ops.linear(out.reshape(t, self.q_size), layer.o)  # [T, H]
-
-    def _latent_attention(
-        self, h: torch.Tensor, layer: LayerWeights, batch: ForwardBatch, cache: torch.Tensor
-    ) -> torch.Tensor:
-        """DeepSeek-V3's attention: the cache's one plane is both K and V (`mla`)."""
-        c, w = self.config, layer.mla
-        assert c.mla is not None and w is not None
-        qkv = self.ops.linear(h, layer.qkv)  # [T, q + R + dr]
-        q, kv = mla_queries_and_latents(
-            self.ops, c.mla, c.num_heads, qkv, w, batch.positions, self.cos, self.sin
-        )  # [T, Hq, R + dr], [T, 1, R + dr]
-        self.latent_ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
-        out = self._attend(q, batch, cache, cache, None, self.latent_ops)  # [T, Hq, R + dr]
-        return self.ops.linear(mla_output(c.mla, out, w), layer.o)  # [T, H]
-
-    def _attend(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        batch: ForwardBatch,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        window: int | None,
-        ops: KernelOps | None = None,
-    ) -> torch.Tensor:
-        """Paged attention of this step's queries, as the batch and the window call for."""
-        ops = ops or self.ops
-        if window is not None and (batch.max_context_len or self.max_positions) > window:
-            out = windowed_paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
-                self.scale, window,
-            )  # fmt: skip
-        elif batch.decode_only:  # T == R: row r's single query is q[r]
-            out = ops.paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables,
-                batch.context_lens,
-                self.scale,
-                max_context_len=batch.max_context_len,
-            )  # [R, Hq, D]
-        else:
-            out = ops.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables,
-                batch.context_lens,
-                batch.query_start,
-                self.scale,
-                max_query_len=batch.max_query_len,
-            )  # [T, Hq, D]
-        return out
-
     def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         assert layer.gate_up is not None and layer.down is not None  # a dense layer
         gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
         return self.ops.linear(self.ops.silu_mul(gate_up), layer.down)  # [T, H]
+
+
+def read_config(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
+    """Qwen3's q/k norms and the sliding windows as transformers applies them: Mistral on
+    every layer; Qwen2/Qwen3 only with use_sliding_window, on the layers layer_types names
+    (by default those from max_window_layers on); Llama never."""
+    arch = base.architecture
+    refuse_options(arch, cfg, attention_bias=arch == "qwen2")
+    if arch == "mistral" and cfg.get("layer_types"):
+        raise ValueError("mistral: unsupported layer_types (alternating attention)")
+    return replace(base, qk_norm=arch == "qwen3", layer_windows=_layer_windows(arch, cfg))
+
+
+def _layer_windows(arch: str, cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if arch == "llama" or window is None:
+        return ()
+    if arch == "mistral":
+        return (int(window),) * layers
+    if not cfg.get("use_sliding_window"):
+        return ()
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full"
+        for i in range(layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+# Llama and the families that differ from it only by configuration (q/k biases, q/k
+# norms, windows), each also read from GGUF (`shared/gguf_arch.py`).
+FAMILY = Family(
+    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), read_config=read_config
+)

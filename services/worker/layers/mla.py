@@ -18,11 +18,16 @@ the softmax scale of the full qk_head_dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from spillway.kernels.ops import KernelOps
-from spillway.shared.model_config import MLAConfig
+from spillway.kernels.ops import KernelOps, TorchOps
+from spillway.kernels.quantized_weight import Weight
+from spillway.services.worker.forward_batch import ForwardBatch
+from spillway.services.worker.layers.attention import paged_attend
+from spillway.services.worker.layers.rope import rope_tables, yarn_mscale
+from spillway.shared.model_config import MLAConfig, ModelConfig
 
 # kv_a_layernorm and q_a_layernorm keep DeepseekV3RMSNorm's default epsilon, whatever the
 # config's rms_norm_eps says.
@@ -83,3 +88,60 @@ def mla_output(c: MLAConfig, out: torch.Tensor, w: MLAWeights) -> torch.Tensor:
     """Attention's output over the latents [T, Hq, R + dr] -> the heads' values [T, Hq * dv]."""
     values = torch.einsum("thr,hvr->thv", out[..., : c.kv_lora_rank], w.w_uv)  # [T, Hq, dv]
     return values.reshape(out.shape[0], -1)
+
+
+class LatentWeights(Protocol):
+    """What latent attention reads of a layer's weights (`weights.LayerWeights`)."""
+
+    qkv: Weight  # q_a (or q_proj) fused with kv_a_proj_with_mqa
+    o: Weight  # [H, Hq * dv]
+    mla: MLAWeights | None
+
+
+class LatentAttention:
+    """DeepSeek-V3's attention: the cache's one plane is both K and V."""
+
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, device: torch.device, max_positions: int
+    ) -> None:
+        mla = config.mla
+        assert mla is not None
+        self.config, self.mla, self.ops = config, mla, ops
+        self.max_positions = max_positions
+        rope = config.extra.get("rope") or {"rope_type": "default"}
+        self.cos, self.sin = rope_tables(
+            mla.qk_rope_head_dim, max_positions, config.rope_theta, device, rope
+        )
+        # Latent attention scores with the full query-key head width (nope + rope).
+        self.scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+        if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            # DeepSeek's softmax scale takes YaRN's magnitude correction squared.
+            self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+        # The Triton kernels take power-of-two head widths; a latent's (kv_lora_rank + rope
+        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the plain torch ops,
+        # which read lengths back to the host: no decode CUDA graphs for such a model.
+        width = config.head_dim
+        self.latent_ops: KernelOps = (
+            TorchOps(native=None) if ops.name != "torch" and width & (width - 1) else ops
+        )
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, H]
+        layer: LatentWeights,
+        batch: ForwardBatch,
+        cache: torch.Tensor,  # the one plane: K and V
+        _v_cache: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        c, w = self.config, layer.mla
+        assert w is not None
+        qkv = self.ops.linear(h, layer.qkv)  # [T, q + R + dr]
+        q, kv = mla_queries_and_latents(
+            self.ops, self.mla, c.num_heads, qkv, w, batch.positions, self.cos, self.sin
+        )  # [T, Hq, R + dr], [T, 1, R + dr]
+        self.latent_ops.store_kv(kv, kv, cache, cache, batch.slot_mapping)
+        out = paged_attend(
+            self.latent_ops, q, batch, cache, cache, self.scale, None, self.max_positions
+        )  # [T, Hq, R + dr]
+        return self.ops.linear(mla_output(self.mla, out, w), layer.o)  # [T, H]

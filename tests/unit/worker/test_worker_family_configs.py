@@ -1,10 +1,11 @@
 """Family options read from config.json, and the options that cannot be served exactly,
-refused by name."""
+refused by name (the worker's family modules, over the shared fields)."""
 
 from __future__ import annotations
 
 import pytest
 
+from spillway.services.worker.models.registry import with_family_options
 from spillway.shared.model_config import _from_hf_config
 
 BASE = {
@@ -18,7 +19,7 @@ BASE = {
 
 
 def config(model_type: str, **changes):
-    return _from_hf_config({**BASE, "model_type": model_type, **changes}, {})
+    return with_family_options(_from_hf_config({**BASE, "model_type": model_type, **changes}, {}))
 
 
 def test_qwen3_moe_sparse_layers_follow_step_and_dense_list():

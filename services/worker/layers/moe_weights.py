@@ -1,0 +1,89 @@
+"""A MoE layer's router and experts, read from a checkpoint's tensors into `MoEWeights`:
+a Hugging Face checkpoint's per-expert or fused layout (each family says where its MoE
+block lies and what it calls an expert's projections), or GGUF's stacked experts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from spillway.kernels.quantized_weight import Weight
+from spillway.services.worker.layers.moe import MoEWeights
+from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS
+from spillway.shared.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a family keeps its MoE block and what it calls an expert's projections
+    (gate, up, down), in the per-expert layout Hugging Face checkpoints ship."""
+
+    block: str  # model.layers.{i}.<block>
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+def read_moe_weights(
+    tensors: dict[str, Weight],
+    config: ModelConfig,
+    layer: int,
+    take: Callable[..., torch.Tensor],
+    layout: ExpertLayout | None,
+) -> MoEWeights:
+    """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
+    takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],
+    experts.down_proj [E, H, I]) that newer exports use, and GGUF's stacked experts
+    (gate and up apart, joined here as transformers joins them)."""
+    moe = config.moe
+    assert moe is not None
+    if layout is None:  # GGUF's names
+        g = {role: f"blk.{layer}.{name}" for role, name in GGUF_EXPERT_TENSORS.items()}
+        router = take(g["router"]).float()  # routing runs in float32 (moe.py)
+        w_gate_up = torch.cat([take(g["gate"]), take(g["up"])], dim=1).contiguous()
+        w_down = take(g["down"])
+        weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
+        return checked_moe(weights, config, layer)
+    block, (gate, up, down) = layout.block, layout.projections
+    prefix = f"model.layers.{layer}.{block}"
+    router = take(f"{prefix}.gate.weight").float()
+    if f"{prefix}.experts.gate_up_proj" in tensors:
+        w_gate_up = take(f"{prefix}.experts.gate_up_proj")
+        w_down = take(f"{prefix}.experts.down_proj")
+    else:
+        w_gate_up = torch.stack(
+            [
+                torch.cat([take(f"{prefix}.experts.{e}.{p}.weight") for p in (gate, up)], dim=0)
+                for e in range(moe.num_experts)
+            ]
+        )
+        w_down = torch.stack(
+            [take(f"{prefix}.experts.{e}.{down}.weight") for e in range(moe.num_experts)]
+        )
+    weights = checked_moe(
+        MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down), config, layer
+    )
+    if moe.has_correction_bias:  # chooses experts in float32, whatever the weights' dtype
+        weights.correction_bias = take(f"{prefix}.gate.e_score_correction_bias").float()
+    if moe.num_shared_experts:
+        shared = f"{prefix}.shared_experts"
+        weights.shared_gate_up = torch.cat(
+            [take(f"{shared}.gate_proj.weight"), take(f"{shared}.up_proj.weight")], dim=0
+        ).contiguous()
+        weights.shared_down = take(f"{shared}.down_proj.weight")
+    return weights
+
+
+def checked_moe(weights: MoEWeights, config: ModelConfig, layer: int) -> MoEWeights:
+    moe = config.moe
+    assert moe is not None
+    router, w_gate_up, w_down = weights.router, weights.w_gate_up, weights.w_down
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    for name, got, want in (
+        ("router", router.shape, (e, h)),
+        ("experts gate_up", w_gate_up.shape, (e, 2 * i, h)),
+        ("experts down", w_down.shape, (e, h, i)),
+    ):
+        if tuple(got) != want:
+            raise ValueError(f"layer {layer} {name} has shape {tuple(got)}, the config says {want}")
+    return weights

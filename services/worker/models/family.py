@@ -1,0 +1,65 @@
+"""What the worker knows of one model family beyond the shared decoder: each family module
+(`models/<family>.py`) defines one `Family`, and `models/registry.py` lists them.
+
+A family that needs none of the hooks is plain Llama over its config's options (q/k
+norms, windows, biases); the hooks are where a family's checkpoint or layers differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spillway.services.worker.layers.mla import MLAWeights
+from spillway.services.worker.layers.moe_weights import ExpertLayout
+from spillway.shared.model_config import ModelConfig
+
+# (config.json as a dict, the fields every family shares) -> the config with the family's
+# options; raises ValueError naming an option the family cannot serve exactly.
+ConfigReader = Callable[[dict[str, Any], ModelConfig], ModelConfig]
+# (tensors, config, layer index, take) -> the layer's fused input projection and the rest
+# of its latent attention.
+LatentReader = Callable[
+    [dict[str, Any], ModelConfig, int, Callable[..., torch.Tensor]],
+    tuple[torch.Tensor, MLAWeights],
+]
+# (tensors, config, layer_weights(i), take, the model's weights) -> its MtpWeights.
+MtpReader = Callable[..., Any]
+# (tensors, config, dtype) -> a hybrid model's layers (`models.hybrid.HybridLayer`).
+HybridReader = Callable[[dict[str, torch.Tensor], ModelConfig, torch.dtype], list[Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # the Hugging Face model_type values it serves
+    # Its options from config.json (a GGUF file's are read by shared/gguf_arch.py's table).
+    read_config: ConfigReader
+    # Where a folder keeps its MoE layers' router and experts; None: a dense family.
+    experts: ExpertLayout | None = None
+    # Latent attention's weights in place of q/k/v (DeepSeek-V3).
+    latent_attention_weights: LatentReader | None = None
+    # The first multi-token-prediction layer, for `--speculative mtp`.
+    mtp_weights: MtpReader | None = None
+    # A hybrid family (recurrent layers among attention): its layers from a folder's
+    # tensors. The hybrid model runs it (`models.hybrid`), not the Llama decoder.
+    hybrid_layers: HybridReader | None = None
+    # The final norm scales by (1 + w), as the family's layer norms (Qwen3-Next).
+    one_plus_norm: bool = False
+
+
+def refuse_options(
+    arch: str, cfg: dict[str, Any], attention_bias: bool = False, partial_rotary: bool = False
+) -> None:
+    """Refuses by name the attention options a family does not serve: Llama-style
+    attention_bias puts a bias on o_proj too, which our layers lack (Qwen2 has q/k/v
+    biases, found in the weights, and none on o_proj); partial rotary (Qwen3-Next)."""
+    if cfg.get("attention_bias") and not attention_bias:
+        raise ValueError(f"{arch}: unsupported attention_bias=True")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0 and not partial_rotary:
+        raise ValueError(
+            f"{arch}: unsupported partial_rotary_factor {cfg['partial_rotary_factor']}"
+        )

@@ -1,0 +1,230 @@
+"""A hybrid decoder: recurrent layers (a state per sequence in `state_pool.StatePool`)
+among attention layers (the paged KV cache), each followed by a MoE feed-forward with a
+shared MLP: Granite 4.0-H (`granite_hybrid`: Mamba2 mixers) and Qwen3-Next
+(`qwen3_next`: gated DeltaNet mixers). Attention is the shared piece
+(`layers.attention`) with the family's options; the family modules read the layers.
+
+One forward runs a flat batch (`forward_batch.ForwardBatch`) whose `state_slots` name each row's
+state slot; rows flagged `state_fresh` start from zero, and `state_takes` copy a row's
+states at a block boundary into a snapshot (prefix caching). The model is tested against
+transformers directly and served by `runner.load_hybrid_runner`. It never takes the
+one-call Llama decode loop (its layers are not plain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.expert_parallel import ExpertGroup
+from spillway.services.worker.forward_batch import ForwardBatch
+from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.layers.attention import Attention
+from spillway.services.worker.layers.gated_delta import (
+    GatedDeltaWeights,
+    gated_delta_dims,
+    gated_delta_mixer,
+)
+from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
+from spillway.services.worker.layers.moe import MoEWeights, moe_forward
+from spillway.services.worker.state_pool import StateLayerSpec, StatePool
+from spillway.services.worker.tensor_files import safetensors_tensors
+from spillway.services.worker.weights import LayerWeights
+from spillway.shared.model_config import ModelConfig
+
+
+@dataclass
+class HybridLayer:
+    attn_norm: torch.Tensor  # [H]
+    ffn_norm: torch.Tensor  # [H]
+    moe: MoEWeights  # routed experts (may be none) and the shared MLP
+    mamba: Mamba2Weights | None = None  # a Mamba2 layer, else attention:
+    attention: LayerWeights | None = None  # qkv and o (Qwen3-Next: q/k norms too)
+    delta: GatedDeltaWeights | None = None  # a gated DeltaNet layer (Qwen3-Next)
+
+
+def dense_ffn(gate_up: torch.Tensor, down: torch.Tensor) -> MoEWeights:
+    """A layer's plain MLP in the MoE slot: no router, no experts, the MLP as the shared
+    one (the feed-forward runs it alone)."""
+    empty = torch.empty(0)
+    return MoEWeights(
+        router=empty, w_gate_up=empty, w_down=empty, shared_gate_up=gate_up, shared_down=down
+    )
+
+
+def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
+    """Per layer, the state pool's shapes (None for attention)."""
+    c = config.hybrid
+    assert c is not None
+    specs: list[StateLayerSpec | None] = []
+    for kind in c.layer_kinds:
+        if kind == "mamba2":
+            _inner, conv_dim = mamba2_dims(c)
+            shape = (c.mamba_heads, c.mamba_head_dim, c.mamba_state)
+            specs.append(StateLayerSpec(kind, conv_dim, c.conv_width, shape))
+        elif kind == "gated_delta":
+            _key, conv_dim = gated_delta_dims(c)
+            shape = (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim)
+            specs.append(StateLayerSpec(kind, conv_dim, c.conv_width, shape))
+        elif kind == "attention":
+            specs.append(None)
+        else:
+            raise ValueError(f"{config.architecture}: layer kind {kind!r} is not run yet")
+    return specs
+
+
+class HybridModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[HybridLayer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        ops: KernelOps,
+        max_positions: int | None = None,
+    ) -> None:
+        assert config.hybrid is not None
+        self.config, self.hybrid = config, config.hybrid
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.ops = ops
+        self.max_positions = max_positions or config.context_length
+        # Granite's softmax scale is attention_multiplier; Qwen3-Next's q_proj yields each
+        # head's query and its output gate, and only the first partial_rotary_factor of
+        # each head's dims rotate.
+        self.attention = Attention(
+            config, ops, embed.device, self.max_positions,
+            scale=self.hybrid.attention_multiplier,
+            rotary_dim=int(config.head_dim * self.hybrid.partial_rotary_factor),
+            rotate=self.hybrid.rope,
+            gated=config.architecture == "qwen3_next",
+        )  # fmt: skip
+        # The routed experts through an expert-parallel group (which also counts each
+        # expert's tokens), else in this process.
+        self.experts: ExpertGroup | None = None
+
+    # No decode CUDA graphs: the recurrent layers' prefill loop reads lengths on the host.
+    capturable = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def warm_up(self) -> None:
+        """Every projection once, so one-time packing (the CPU backend's) happens at start."""
+        weights = [self.lm_head]
+        for layer in self.layers:
+            for part in (layer.mamba, layer.delta):
+                if part is not None:
+                    weights += [t for t in vars(part).values() if _is_projection(t)]
+            if layer.attention is not None:
+                weights += [layer.attention.qkv, layer.attention.o]
+            shared = (layer.moe.shared_gate_up, layer.moe.shared_down)
+            weights += [t for t in shared if t is not None]
+        with torch.inference_mode():
+            for w in weights:
+                self.ops.linear(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w)
+
+    def new_state_pool(self, num_slots: int) -> StatePool:
+        return StatePool(state_specs(self.config), num_slots, self.embed.device)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        pool: StatePool,
+        snapshots: StatePool | None = None,
+    ) -> torch.Tensor:
+        """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
+        None); writes this step's K/V, updates the rows' states and copies them into
+        `snapshots` where `batch.state_takes` says."""
+        c, h_cfg, ops = self.config, self.hybrid, self.ops
+        eps = c.rms_norm_eps
+        slots = batch.state_slots
+        if slots is None:
+            raise ValueError("a hybrid model's batch needs state_slots")
+        pool.reset(slots, batch.state_fresh)
+        x = F.embedding(batch.token_ids, self.embed) * h_cfg.embedding_multiplier
+        for i, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.attn_norm, eps)
+            snaps = None
+            if snapshots is not None and batch.state_takes and pool.conv[i] is not None:
+                snap_conv, snap_ssm = snapshots.conv[i], snapshots.ssm[i]
+                assert snap_conv is not None and snap_ssm is not None
+                snaps = (snap_conv, snap_ssm)
+            takes = batch.state_takes if snaps is not None else ()
+            if layer.mamba is not None:
+                conv, ssm = pool.conv[i], pool.ssm[i]
+                assert conv is not None and ssm is not None
+                out = mamba2_mixer(
+                    ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
+                    batch.max_query_len, takes, snaps,
+                )  # fmt: skip
+            elif layer.delta is not None:
+                conv, state = pool.conv[i], pool.ssm[i]
+                assert conv is not None and state is not None
+                out = gated_delta_mixer(
+                    ops, h_cfg, eps, h, layer.delta, conv, state, batch.query_start, slots,
+                    batch.max_query_len, takes, snaps,
+                )  # fmt: skip
+            else:
+                assert layer.attention is not None
+                out = self.attention.forward(
+                    h, layer.attention, batch, kv_cache.k[i], kv_cache.v[i]
+                )
+            x = x + out * h_cfg.residual_multiplier
+            h = ops.rms_norm(x, layer.ffn_norm, eps)
+            x = x + self._feed_forward(h, layer.moe) * h_cfg.residual_multiplier
+        idx = batch.logits_indices
+        if idx is not None:
+            x = x[idx]
+        logits = ops.linear(ops.rms_norm(x, self.norm, eps), self.lm_head).float()
+        return logits / h_cfg.logits_scaling
+
+    def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+        moe = self.config.moe
+        assert moe is not None
+        if w.router.numel() > 0 and self.experts is not None:
+            return self.experts.forward(self.ops, moe, h, w)
+        if w.router.numel() > 0:
+            return moe_forward(self.ops, moe, h, w)
+        assert w.shared_gate_up is not None and w.shared_down is not None
+        return self.ops.linear(
+            self.ops.silu_mul(self.ops.linear(h, w.shared_gate_up)), w.shared_down
+        )
+
+
+def _is_projection(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1
+
+
+def load_hybrid_model(
+    folder: Path,
+    config: ModelConfig,
+    read_layers: Callable[[dict[str, torch.Tensor], ModelConfig, torch.dtype], list[HybridLayer]],
+    ops: KernelOps,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    one_plus_norm: bool = False,
+) -> HybridModel:
+    """A hybrid model from a Hugging Face folder, its layers read by its family's
+    `read_layers` (`models.registry.load_hybrid_model` picks it)."""
+    tensors = {name: t.to(device) for name, t in safetensors_tensors(folder).items()}
+    layers = read_layers(tensors, config, dtype)
+    embed = tensors.pop("model.embed_tokens.weight").to(dtype)
+    lm = tensors.pop("lm_head.weight", None)
+    lm_head = embed if config.tie_word_embeddings or lm is None else lm.to(dtype)
+    norm = tensors.pop("model.norm.weight").float()
+    if one_plus_norm:  # (1 + w), as its layers' norms
+        norm = 1.0 + norm
+    norm = norm.to(dtype)
+    return HybridModel(config, embed, layers, norm, lm_head, ops)

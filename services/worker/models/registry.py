@@ -1,0 +1,76 @@
+"""Every model family the worker serves, by Hugging Face model_type: adding a family is one
+module under models/ defining its `FAMILY`, listed here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spillway.kernels.ops import KernelOps
+from spillway.services.worker.models import (
+    deepseek_v3,
+    granite_hybrid,
+    llama,
+    mixtral,
+    qwen3_moe,
+    qwen3_next,
+)
+from spillway.services.worker.models.family import Family
+from spillway.services.worker.models.hybrid import HybridModel
+from spillway.services.worker.models.hybrid import load_hybrid_model as _load_hybrid
+from spillway.shared.model_config import ModelConfig, load_base_config
+from spillway.shared.model_files import ModelSource
+
+FAMILIES: dict[str, Family] = {
+    model_type: module.FAMILY
+    for module in (llama, qwen3_moe, mixtral, deepseek_v3, granite_hybrid, qwen3_next)
+    for model_type in module.FAMILY.model_types
+}
+
+
+def family_for(model_type: str) -> Family:
+    """The family serving `model_type`; ValueError naming the supported ones."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})"
+        )
+    return family
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """The model's config with its family's options: the fields every family shares
+    (`shared.model_config`, which the gateway reads too), then the family's own from
+    config.json. A GGUF file's come whole from shared/gguf_arch.py's table. ValueError
+    naming a model_type or an option that cannot be served exactly."""
+    return with_family_options(load_base_config(source))
+
+
+def check_servable(source: ModelSource) -> None:
+    """Raises ValueError naming the family and the reason when `source` cannot be served;
+    reads only its config (before any weight loads)."""
+    load_model_config(source)
+
+
+def with_family_options(base: ModelConfig) -> ModelConfig:
+    family = family_for(base.architecture)
+    cfg = base.extra.get("hf_config")
+    return base if cfg is None else family.read_config(cfg, base)
+
+
+def load_hybrid_model(
+    folder: Path,
+    config: ModelConfig,
+    ops: KernelOps,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> HybridModel:
+    """A hybrid family's model (Granite 4.0-H, Qwen3-Next) from a Hugging Face folder."""
+    family = FAMILIES.get(config.architecture)
+    if family is None or family.hybrid_layers is None:
+        hybrids = [t for t, f in FAMILIES.items() if f.hybrid_layers is not None]
+        raise ValueError(f"{config.architecture}: not a hybrid family ({', '.join(hybrids)})")
+    return _load_hybrid(
+        folder, config, family.hybrid_layers, ops, dtype, device, family.one_plus_norm
+    )

@@ -16,8 +16,8 @@ import torch
 from spillway.kernels.gated_delta_chunk import gated_delta_chunk_scan
 from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
 from spillway.kernels.ssm_reference import gated_delta_rule_step_ref, selective_state_update_ref
-from spillway.services.worker import delta_scan as delta_scan_module
-from spillway.services.worker import ssd_scan as ssd_scan_module
+from spillway.services.worker.layers import delta_scan as delta_scan_module
+from spillway.services.worker.layers import ssd_scan as ssd_scan_module
 from spillway.services.worker.layers.delta_scan import chunk_delta_scan, delta_scan
 from spillway.services.worker.layers.ssd_scan import ChunkLayout, chunk_scan, ssd_scan
 

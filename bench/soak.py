@@ -101,6 +101,8 @@ SYSTEM_ENV = {
 }
 
 SPEC_ENV = {"SPILLWAY_SPEC_DRAFT_COST": "0.1"}
+# Per worker, 16 tokens each: small, so that the lanes preempt one another and spill.
+KV_BLOCKS = 24
 
 
 def common_args(model: Path, nats_url: str, redis_url: str, kv_blocks: int) -> list[str]:
@@ -552,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--lanes", type=int, default=6, help="clients sending at once")
     parser.add_argument("--model", type=Path, help="a Hugging Face folder (default: tiny)")
-    parser.add_argument("--kv-blocks", type=int, default=24, help="per worker, 16 tokens each "
-                        "(small: the lanes preempt one another, and spill)")  # fmt: skip
+    parser.add_argument("--kv-blocks", type=int, default=KV_BLOCKS,
+                        help="per worker, 16 tokens each (small: the lanes preempt one "
+                        "another, and spill)")  # fmt: skip
     parser.add_argument("--dump", type=Path, help="write every outcome here (JSON)")
     args = parser.parse_args(argv)
     result = run(args.minutes, args.lanes, args.model, args.kv_blocks, args.dump)

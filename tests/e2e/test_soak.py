@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import run
+from bench.soak import KV_BLOCKS, run
 
 pytestmark = pytest.mark.slow
 
 # The suite's budget allows three minutes for the whole of it: the system's start and the
 # references before, the drain and the idle check after.
 MINUTES = 2.0
-# KV pools roomy enough that nothing is preempted here (`make soak` spills, with 24): the
-# spills of requests swapped out on a scheduler that is killed are never dropped (their
-# requests resume elsewhere under new ids, and the worker that wrote them lives on), so
-# the spill store's ledger keeps counting them and the idle check fails whenever the kill
-# finds a request swapped out.
-KV_BLOCKS = 96
 
 
 def test_a_short_soak_with_every_fault_keeps_every_invariant() -> None:
+    # The bench's small KV pools: requests are preempted and spilled, so the scheduler
+    # kill may find some swapped out, whose spills the store must then expire (the idle
+    # check counts every spill key left).
     result = run(MINUTES, lanes=6, model=None, kv_blocks=KV_BLOCKS)
     print(result.text)
     failed = [v for v in result.verdicts if not v.ok]

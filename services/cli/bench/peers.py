@@ -169,8 +169,9 @@ def agreement(ours: Sequence[str], theirs: Sequence[str]) -> tuple[int, float]:
     return same, prefix / max(len(ours), 1)
 
 
-# A process killed by SIGSEGV (subprocess reports the signal as a negative exit code).
-CRASHED = "exit code -11"
+# A process killed by SIGSEGV or SIGILL (subprocess reports the signal as a negative exit
+# code): llama.cpp's AMX-repacked weights have died both ways on Sapphire Rapids Xeons.
+CRASHED = ("exit code -11", "exit code -4")
 
 
 def run_llama_cpp_peer(
@@ -182,7 +183,8 @@ def run_llama_cpp_peer(
 ) -> PeerResult:
     """llama.cpp as it comes; where it crashes, again without its extra buffer types (the
     weights repacked for AMX or other kernels at load: llama-cpp-python 0.3.36's AMX
-    buffers crashed in `llama_decode` on a Sapphire Rapids Xeon), said in its note."""
+    buffers crashed in `llama_decode` on Sapphire Rapids Xeons, with SIGSEGV or SIGILL),
+    said in its note."""
     result = run_subprocess_peer("llama.cpp", python, model_path, requests, batch_size, env=env)
     if result.error is None or not result.error.startswith(CRASHED):
         return result
@@ -191,5 +193,6 @@ def run_llama_cpp_peer(
         extra={"extra_bufts": False},
     )  # fmt: skip
     if again.error is None:
-        again.note += "; extra buffer types (AMX repacking) off: it crashed with them"
+        signal = "SIGILL" if result.error.startswith("exit code -4") else "SIGSEGV"
+        again.note += f"; extra buffer types (AMX repacking) off: it died of {signal} with them"
     return again

@@ -63,9 +63,13 @@ def test_a_subprocess_peer_runs_with_the_environment_it_is_given(tmp_path, monke
     assert json.dumps(given.output_ids) == "[[1]]"
 
 
-def test_llama_cpp_crashing_with_its_extra_buffers_runs_again_without_them(tmp_path, monkeypatch):
-    """A llama.cpp build whose repacked (AMX) weights crash `llama_decode` is measured
-    without them, and its note says so; one that runs is run once, as it comes."""
+@pytest.mark.parametrize("signame", ["SIGSEGV", "SIGILL"])
+def test_llama_cpp_crashing_with_its_extra_buffers_runs_again_without_them(
+    tmp_path, monkeypatch, signame
+):
+    """A llama.cpp build whose repacked (AMX) weights crash `llama_decode` (a segfault or
+    an illegal instruction) is measured without them, and its note says so; one that runs
+    is run once, as it comes."""
     import sys
 
     from spillway.services.cli.bench import peers
@@ -78,14 +82,17 @@ def test_llama_cpp_crashing_with_its_extra_buffers_runs_again_without_them(tmp_p
         "spec = json.loads(sys.stdin.read())\n"
         f"open({str(calls)!r}, 'a').write(str(spec.get('extra_bufts')) + '\\n')\n"
         "if spec.get('extra_bufts') is not False and spec['model'] == 'crash.gguf':\n"
-        "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        f"    os.kill(os.getpid(), signal.{signame})\n"
         "print(json.dumps({'output_ids': [[1]], 'duration_s': 0.5, 'note': 'ran'}))\n"
     )
     monkeypatch.setitem(peers.PEER_SCRIPTS, "llama.cpp", script)
     requests = [BenchRequest(0, [5, 6], 1, 0.0)]
     crashed = peers.run_llama_cpp_peer(sys.executable, "crash.gguf", requests)
     assert crashed.error is None and crashed.output_ids == [[1]]
-    assert crashed.note.startswith("ran; extra buffer types (AMX repacking) off")
+    assert (
+        crashed.note
+        == f"ran; extra buffer types (AMX repacking) off: it died of {signame} with them"
+    )
     assert calls.read_text().split() == ["None", "False"]
     calls.unlink()
     fine = peers.run_llama_cpp_peer(sys.executable, "fine.gguf", requests)

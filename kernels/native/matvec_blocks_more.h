@@ -1,4 +1,5 @@
-/* One-row projections of the GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q4_K, Q5_K, Q6_K),
+/* One-row projections of the GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q4_K, Q5_K,
+ * Q6_K),
  * for linear_blocks_f32 (included by matvec.c, inside its AVX2 + FMA + F16C section).
  *
  * Each weight is made in registers exactly as gguf-py's dequantize makes it: an f16 scale
@@ -16,7 +17,7 @@
  * times the converted values. Without AVX-512 a block is dequantized by dq_block_values
  * into a buffer on the stack and summed from there (the same values and order). */
 
-enum { BLOCK_Q4_0 = 2, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
+enum { BLOCK_Q4_0 = 2, BLOCK_Q5_0 = 3, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
 
 static void dq_block_values(const uint8_t *blk, int type, float *out);
 
@@ -24,6 +25,7 @@ static void dq_block_values(const uint8_t *blk, int type, float *out);
 static inline int more_block(int type, int64_t *values, int64_t *bytes) {
     switch (type) {
     case BLOCK_Q4_0: *values = 32, *bytes = 18; return 1;
+    case BLOCK_Q5_0: *values = 32, *bytes = 22; return 1;
     case BLOCK_Q4_K: *values = 256, *bytes = 144; return 1;
     case BLOCK_Q5_K: *values = 256, *bytes = 176; return 1;
     case BLOCK_Q6_K: *values = 256, *bytes = 210; return 1;
@@ -224,9 +226,28 @@ static inline __m512 q4_0_block(const float *a, const uint8_t *blk, __m512 c) {
     return ACC_FMA(a + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut), c);
 }
 
+/* Q5_0: w = d (q - 16), q the low nibble plus bit j of qh as its fifth bit (llama.cpp's
+ * layout: weights 0..15 the low nibbles, 16..31 the high ones), picked from a 32-entry
+ * table (vpermt2ps: bit 4 of the index chooses the upper half, d (0..15)). A real
+ * Q4_K_M file of a model whose width is no multiple of 256 holds mostly Q5_0. */
+static inline __m512 q5_0_block(const float *a, const uint8_t *blk, __m512 c) {
+    const __m512 d = _mm512_set1_ps(half_to_float(blk));
+    const __m512 lo = _mm512_mul_ps(d, iota16(-16.0f)), hi = _mm512_mul_ps(d, iota16(0.0f));
+    uint32_t qh;
+    memcpy(&qh, blk + 2, sizeof qh);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6)));
+    const __m512i i0 = _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(15)),
+                                       _mm512_maskz_set1_epi32((__mmask16)(qh & 0xFFFF), 16));
+    const __m512i i1 = _mm512_or_si512(_mm512_srli_epi32(q, 4),
+                                       _mm512_maskz_set1_epi32((__mmask16)(qh >> 16), 16));
+    c = ACC_FMA(a, _mm512_permutex2var_ps(lo, i0, hi), c);
+    return ACC_FMA(a + 16, _mm512_permutex2var_ps(lo, i1, hi), c);
+}
+
 /* One block of one output row into its accumulator. */
 static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type, __m512 c) {
     switch (type) {
+    case BLOCK_Q5_0: return q5_0_block(a, blk, c);
     case BLOCK_Q4_K: return q4_k_block(a, blk, c);
     case BLOCK_Q5_K: return q5_k_block(a, blk, c);
     case BLOCK_Q6_K: return q6_k_block(a, blk, c);
@@ -243,7 +264,7 @@ static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type
 static inline __m256 more_block_dot(const float *a, const uint8_t *blk, int type, __m256 c) {
     float v[256] __attribute__((aligned(32)));
     dq_block_values(blk, type, v);
-    const int values = type == BLOCK_Q4_0 ? 32 : 256;
+    const int values = type == BLOCK_Q4_0 || type == BLOCK_Q5_0 ? 32 : 256;
     for (int i = 0; i < values; i += 8) c = ACC_FMA(a + i, _mm256_load_ps(v + i), c);
     return c;
 }
@@ -275,6 +296,7 @@ static void dot4_more(const float *restrict a, const uint8_t *restrict w, int64_
 #endif
     case BLOCK_Q5_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_K, out); break;
     case BLOCK_Q6_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q6_K, out); break;
+    case BLOCK_Q5_0: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_0, out); break;
     default: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q4_0, out); break;
     }
 }

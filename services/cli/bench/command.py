@@ -82,7 +82,7 @@ def bench_main(args: argparse.Namespace) -> int:
         f" prompts, rate {workload.rate:g}/s, concurrency {workload.concurrency or 'unlimited'}",
         flush=True,
     )
-    system = Launched.start(shlex.split(args.launch_args)) if args.launch else None
+    system = Launched.start(launch_args(args.launch_args, args.model)) if args.launch else None
     url = system.url if system else (args.url or DEFAULT_URL)
     nats_url = system.nats_url if system else args.nats_url
     namespace = system.namespace if system else args.namespace
@@ -277,6 +277,15 @@ def flops_per_request(config: ModelConfig, prompt_len: int, new_tokens: int) -> 
 def bound_tokens_per_s(config: ModelConfig, requests: list[BenchRequest], gflops: float) -> float:
     work = sum(flops_per_request(config, len(r.prompt_ids), r.max_tokens) for r in requests)
     return sum(r.max_tokens for r in requests) / (work / (gflops * 1e9))
+
+
+def launch_args(given: str, model: str) -> list[str]:
+    """`spillway up`'s arguments for the launched system: the bench's `--model` (what the
+    prompts and the peers are made from) unless `--launch-args` names another, so that
+    both sides serve the same weights."""
+    extra = shlex.split(given)
+    named = any(a == "--model" or a.startswith("--model=") for a in extra)
+    return extra if named else ["--model", model, *extra]
 
 
 class Launched:

@@ -98,3 +98,15 @@ def test_llama_cpp_crashing_with_its_extra_buffers_runs_again_without_them(
     fine = peers.run_llama_cpp_peer(sys.executable, "fine.gguf", requests)
     assert fine.error is None and fine.note == "ran"
     assert calls.read_text().split() == ["None"]
+
+
+def test_the_launched_system_serves_the_benchs_model_unless_the_launch_args_name_one():
+    from spillway.services.cli.bench.command import launch_args
+
+    assert launch_args("--port 0", "/m/q4.gguf") == ["--model", "/m/q4.gguf", "--port", "0"]
+    assert launch_args("--model /m/other.gguf", "/m/q4.gguf") == ["--model", "/m/other.gguf"]
+    assert launch_args("--model=/m/x.gguf --workers 2", "d") == [
+        "--model=/m/x.gguf",
+        "--workers",
+        "2",
+    ]

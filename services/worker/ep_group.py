@@ -69,6 +69,7 @@ def follow(runner: Any, group: ExpertGroup) -> None:
             continue
         if message == STOP:
             log.info("rank 0 stopped: rank %d leaves", group.rank)
+            close_group()
             return
         if not isinstance(message, StepPlan):
             raise TypeError(f"rank 0 sent {type(message).__name__}, not a plan")
@@ -85,3 +86,18 @@ def leave(group: ExpertGroup | None) -> None:
         group.share(STOP)
     except Exception:  # a broken group exits on its own
         log.warning("could not tell the other ranks to stop")
+        return
+    close_group()
+
+
+def close_group() -> None:
+    """Tears this rank's process groups down before the process exits (a local step, no
+    collective): left to the interpreter's exit, gloo's threads were destroyed while still
+    joinable now and then and the process aborted ("terminate called without an active
+    exception", SIGABRT) after its work was done."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # the process is leaving anyway
+        log.warning("expert-parallel group not torn down: %s", e)

@@ -17,11 +17,7 @@ import torch.nn.functional as F
 
 from spillway.kernels._contract import check_out, check_paged_kv
 from spillway.kernels._jit import cdiv, helper, jit, next_pow2, num_sms
-
-try:
-    import triton.language as tl
-except ImportError:  # torch-only install: the reference below still works
-    tl = None
+from spillway.kernels._tl import tl
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32

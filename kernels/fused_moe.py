@@ -25,11 +25,7 @@ import torch
 
 from spillway.kernels._contract import check_experts
 from spillway.kernels._jit import cdiv, interpreting, is_pow2, jit
-
-try:
-    import triton.language as tl
-except ImportError:  # torch-only install: `moe_align` and the reference still work
-    tl = None
+from spillway.kernels._tl import tl
 
 
 @jit

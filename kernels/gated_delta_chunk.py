@@ -28,11 +28,7 @@ import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
 from spillway.kernels._jit import cdiv, jit, next_pow2
-
-try:
-    import triton.language as tl
-except ImportError:  # torch-only install: the worker keeps its torch form
-    tl = None
+from spillway.kernels._tl import tl
 
 
 def available() -> bool:

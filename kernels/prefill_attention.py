@@ -17,12 +17,8 @@ import torch.nn.functional as F
 
 from spillway.kernels._contract import check_out, check_paged_kv
 from spillway.kernels._jit import cdiv, jit
+from spillway.kernels._tl import tl
 from spillway.kernels.decode_attention import GatherBuffers, attend_tile, decode_gather, gather_kv
-
-try:
-    import triton.language as tl
-except ImportError:  # torch-only install: the reference below still works
-    tl = None
 
 LOG2E = math.log2(math.e)
 

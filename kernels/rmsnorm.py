@@ -11,11 +11,7 @@ import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
 from spillway.kernels._jit import jit, next_pow2
-
-try:
-    import triton.language as tl
-except ImportError:  # torch-only install: the reference below still works
-    tl = None
+from spillway.kernels._tl import tl
 
 
 @jit

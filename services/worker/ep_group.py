@@ -69,7 +69,6 @@ def follow(runner: Any, group: ExpertGroup) -> None:
             continue
         if message == STOP:
             log.info("rank 0 stopped: rank %d leaves", group.rank)
-            close_group()
             return
         if not isinstance(message, StepPlan):
             raise TypeError(f"rank 0 sent {type(message).__name__}, not a plan")
@@ -86,15 +85,13 @@ def leave(group: ExpertGroup | None) -> None:
         group.share(STOP)
     except Exception:  # a broken group exits on its own
         log.warning("could not tell the other ranks to stop")
-        return
-    close_group()
 
 
 def close_group() -> None:
-    """Tears this rank's process groups down before the process exits (a local step, no
-    collective): left to the interpreter's exit, gloo's threads were destroyed while still
-    joinable now and then and the process aborted ("terminate called without an active
-    exception", SIGABRT) after its work was done."""
+    """Tears this rank's process groups down as its process ends (a local step, no
+    collective; after it, no collective works): left to the interpreter's exit, gloo's
+    threads were destroyed while still joinable now and then and the process aborted
+    ("terminate called without an active exception", SIGABRT) after its work was done."""
     if not dist.is_initialized():
         return
     try:

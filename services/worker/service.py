@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, set_span_in_context
 
-from spillway.services.worker.ep_group import KEEPALIVE, follow, leave
+from spillway.services.worker.ep_group import KEEPALIVE, close_group, follow, leave
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.info import worker_info
 from spillway.services.worker.models.registry import load_model_config
@@ -126,6 +126,7 @@ async def _follow(runner: ModelRunner, group: ExpertGroup, executor: ThreadPoolE
     outlives its own SIGTERM on purpose: rank 0, draining, still needs it for its steps."""
     announce_ready("worker", f"rank={group.rank} of {group.size} (expert parallel)")
     await asyncio.get_running_loop().run_in_executor(executor, follow, runner, group)
+    close_group()
 
 
 class WorkerService:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from spillway.services.scheduler.config import SchedulerConfig
-from spillway.services.worker.ep_group import follow, leave
+from spillway.services.worker.ep_group import close_group, follow, leave
 from spillway.services.worker.runner import load_runner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import SampledLogprobs, SamplingParams
@@ -63,9 +63,11 @@ def main(rank: int, size: int, url: str, out: Path, model: str, method: str, dra
     assert group is not None and group.size == size
     if rank != 0:
         follow(runner, group)
+        close_group()
         return
     served, core = serve(runner, scheduler_config(method), PROMPTS, GREEDY, NEW_TOKENS)
     leave(group)
+    close_group()
     totals = core.spec.totals if core.spec is not None else None
     report = {
         "outputs": served.outputs,

@@ -50,11 +50,12 @@ class StallGuard:
         self.clock = clock
         self.max_gap_s = interval_s * tolerance
         self._last = clock.now()
+        self.gap_s = 0.0  # between the last two rounds
 
     def stalled(self) -> bool:
         now = self.clock.now()
-        gap, self._last = now - self._last, now
-        return gap > self.max_gap_s
+        self.gap_s, self._last = now - self._last, now
+        return self.gap_s > self.max_gap_s
 
 
 class LeaseBook:

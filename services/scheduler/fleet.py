@@ -592,6 +592,10 @@ class Fleet:
             if deadline is not None and deadline <= now:
                 self._wake(lane)  # an idle lane's waiting request is past its deadline
         if self._guard.stalled():
+            log.info(
+                "timers ran %.1f s apart (this process was starved): peers' timeouts restart",
+                self._guard.gap_s,
+            )
             self.registry.touch_all()  # heartbeats may wait unread in our own queue
             self.gateways.renew_all()
             return

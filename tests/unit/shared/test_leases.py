@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from spillway.services.worker.ownership import Ownership
 from spillway.shared.clock import FakeClock
 from spillway.shared.leases import LeaseBook, StallGuard, least, load_of
@@ -133,6 +135,6 @@ def test_a_stalled_check_is_told_so_and_others_get_a_fresh_timeout():
     clock.advance(0.3)
     assert not guard.stalled()
     clock.advance(4.0)  # our own loop was blocked
-    assert guard.stalled()
+    assert guard.stalled() and guard.gap_s == pytest.approx(4.0)
     clock.advance(0.25)
     assert not guard.stalled()

@@ -58,7 +58,7 @@ from bench.soak_checks import (
     rss_bounded,
     tokens_whole,
 )
-from bench.soak_faults import Injected, Planned, interval_for, schedule
+from bench.soak_faults import FAULTS, Injected, Planned, schedule
 from bench.soak_report import report
 from bench.soak_traffic import (
     DISCONNECT_AFTER,
@@ -433,8 +433,7 @@ def settle(rig: Rig) -> tuple[dict[str, float], int]:
         time.sleep(0.5)
 
 
-async def drive(rig: Rig, duration_s: float, lanes: int, say):
-    plan = schedule(duration_s)
+async def drive(rig: Rig, duration_s: float, lanes: int, plan: list[Planned], say):
     injected: list[Injected] = []
     samples: list[RssSample] = []
     traffic = Traffic()
@@ -476,9 +475,17 @@ class Result:
 
 
 def run(
-    minutes: float, lanes: int, model: Path | None, kv_blocks: int, dump: Path | None = None
+    minutes: float,
+    lanes: int,
+    model: Path | None,
+    kv_blocks: int,
+    dump: Path | None = None,
+    faults: tuple[str, ...] = FAULTS,
+    interval_s: float | None = None,
 ) -> Result:
     duration_s = minutes * 60
+    plan = schedule(duration_s, faults, interval_s)
+    interval = plan[1].at_s - plan[0].at_s if len(plan) > 1 else duration_s
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -501,8 +508,8 @@ def run(
             refs = references(system.url)
             before_finished, before_tokens = counters(system.url)
             say(f"{len(refs)} references computed; {minutes:g} minutes of traffic, "
-                f"{lanes} lanes, a fault every {interval_for(duration_s):.0f}s")  # fmt: skip
-            outcomes, injected, samples = asyncio.run(drive(rig, duration_s, lanes, say))
+                f"{lanes} lanes, a fault every {interval:.0f}s")  # fmt: skip
+            outcomes, injected, samples = asyncio.run(drive(rig, duration_s, lanes, plan, say))
             end_s = rig.now()
             gauges, spill_keys = settle(rig)
             after_finished, after_tokens = counters(system.url)
@@ -530,6 +537,7 @@ def run(
                     "references": refs,
                     "finished": finished,
                 }))  # fmt: skip
+                dump.with_suffix(".log").write_text(logs)  # every service's log
             return Result(verdicts, injected, text)
         finally:
             if system is not None:
@@ -557,9 +565,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=KV_BLOCKS,
                         help="per worker, 16 tokens each (small: the lanes preempt one "
                         "another, and spill)")  # fmt: skip
-    parser.add_argument("--dump", type=Path, help="write every outcome here (JSON)")
+    parser.add_argument(
+        "--dump",
+        type=Path,
+        help="write every outcome here (JSON), and the services' logs beside it (.log)",
+    )
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help="which faults, in turn (comma-separated; default: all)")  # fmt: skip
+    parser.add_argument("--interval", type=float, help="seconds between faults "
+                        "(default: 150, or fewer to fit each fault once)")  # fmt: skip
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.lanes, args.model, args.kv_blocks, args.dump)
+    faults = tuple(f for f in args.faults.split(",") if f)
+    try:
+        schedule(args.minutes * 60, faults, args.interval)
+    except ValueError as e:
+        parser.error(str(e))
+    result = run(
+        args.minutes, args.lanes, args.model, args.kv_blocks, args.dump, faults, args.interval
+    )
     print(result.text, flush=True)
     print("all invariants hold" if result.ok else "AN INVARIANT FAILED", flush=True)
     return 0 if result.ok else 1

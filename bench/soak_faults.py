@@ -40,21 +40,27 @@ class Planned:
     hold_s: float
 
 
-def interval_for(duration_s: float) -> float:
+def interval_for(duration_s: float, faults: tuple[str, ...] = FAULTS) -> float:
     """2.5 minutes apart in a long soak; a short one fits every fault once, evenly, with a
     fault-free stretch after the last (so the idle check follows a recovery)."""
-    return min(FULL_INTERVAL_S, duration_s / (len(FAULTS) + 1))
+    return min(FULL_INTERVAL_S, duration_s / (len(faults) + 1))
 
 
-def schedule(duration_s: float) -> list[Planned]:
+def schedule(
+    duration_s: float, faults: tuple[str, ...] = FAULTS, interval_s: float | None = None
+) -> list[Planned]:
     """The faults of a soak of `duration_s` seconds: one every interval, in turn, the
     last at least one interval before the end. Holds scale down with the interval (never
-    more than half of it), except the gateway's 3 s stop, which is the case it tests."""
-    interval = interval_for(duration_s)
+    more than half of it), except the gateway's 3 s stop, which is the case it tests.
+    `faults` picks some of FAULTS (to study one, say), and `interval_s` spaces them."""
+    unknown = set(faults) - set(FAULTS)
+    if unknown or not faults:
+        raise ValueError(f"faults must be some of {', '.join(FAULTS)}; got {sorted(unknown)}")
+    interval = interval_s or interval_for(duration_s, faults)
     out: list[Planned] = []
     at = interval
     while at <= duration_s - interval + 1e-9:
-        fault = FAULTS[len(out) % len(FAULTS)]
+        fault = faults[len(out) % len(faults)]
         hold = HOLD_S[fault]
         if fault != "gateway_stop":
             hold = min(hold, interval / 2)

@@ -212,6 +212,10 @@ class Settings(BaseSettings):
     # text: one readable line per record; json: one JSON object per line, with the
     # current span's trace_id and span_id (shared/json_logs.py).
     log_format: LogFormat = "text"
+    # Log the process's RSS and live Python objects this often (a leak grows both, a
+    # heap's high-water mark only the RSS); with PYTHONTRACEMALLOC=1, also the source lines
+    # whose allocations grew most (shared/memory_report.py). Unset: never.
+    memory_report_s: float | None = Field(default=None, gt=0)
     # Every span also appended to this file as one OTLP JSON line (shared/trace_file.py);
     # all services of a system may share it. `spillway trace` reads it.
     trace_file: str | None = None

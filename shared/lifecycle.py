@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from spillway.shared.health import READINESS, keep_health_file
+from spillway.shared.memory_report import report_memory
 
 READY_MARK = "ready"
 
@@ -47,9 +48,11 @@ def run_service(
     log_level: str = "INFO",
     health_file: Path | None = None,
     log_format: str = "text",
+    memory_report_s: float | None = None,
 ) -> int:
     """Runs `main(stop)` on a fresh event loop until it returns; exit code 0 on a clean stop.
-    With `health_file`, beats are written there from readiness on (shared/health.py)."""
+    With `health_file`, beats are written there from readiness on (shared/health.py); with
+    `memory_report_s`, the process's memory is logged that often (shared/memory_report.py)."""
     setup_logging(service, log_level, log_format)
 
     async def runner() -> None:
@@ -58,17 +61,21 @@ def run_service(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         READINESS.reset()
-        beats = None
+        side = []
         if health_file is not None:
-            beats = asyncio.create_task(
-                keep_health_file(health_file, service, READINESS), name="health-file"
+            side.append(
+                asyncio.create_task(
+                    keep_health_file(health_file, service, READINESS), name="health-file"
+                )
             )
+        if memory_report_s:
+            side.append(asyncio.create_task(report_memory(memory_report_s), name="memory"))
         try:
             await main(stop)
         finally:
-            if beats is not None:
-                beats.cancel()
-                await asyncio.gather(beats, return_exceptions=True)
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
 
     try:
         asyncio.run(runner())

@@ -129,6 +129,7 @@ def serve_one(service: str, settings: Settings, health_file: Path | None = None)
         settings.log_level,
         health_file,
         settings.log_format,
+        settings.memory_report_s,
     )
 
 

@@ -65,6 +65,16 @@ def test_a_short_soak_fits_every_fault_once_with_a_quiet_end() -> None:
     assert next(p for p in plan if p.fault == "gateway_stop").hold_s == 3.0
 
 
+def test_a_soak_may_study_some_faults_at_its_own_pace() -> None:
+    plan = schedule(600, ("scheduler_kill",), interval_s=90)
+    assert [p.at_s for p in plan] == [90.0 * k for k in range(1, 6)]
+    assert {p.fault for p in plan} == {"scheduler_kill"}
+    with pytest.raises(ValueError, match="faults must be some of"):
+        schedule(600, ("scheduler_kil",))
+    with pytest.raises(ValueError):
+        schedule(600, ())
+
+
 def test_a_moment_belongs_to_the_fault_whose_window_holds_it() -> None:
     a = Injected("worker_kill", at_s=10, lifted_s=10, recovered_s=14)
     b = Injected("nats_restart", at_s=40, lifted_s=42, recovered_s=None)  # never recovered

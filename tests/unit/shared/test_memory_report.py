@@ -1,0 +1,58 @@
+"""The memory report: its line tells the RSS from the live objects, and with tracing on
+it names the source line that grew."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tracemalloc
+
+import pytest
+
+from spillway.shared.memory_report import (
+    MemoryFigures,
+    describe,
+    growth_sites,
+    report_memory,
+    sample,
+)
+
+
+def test_a_report_line_gives_each_figure_and_its_growth() -> None:
+    first = MemoryFigures(rss_bytes=40 * 2**20, blocks=1000, gc_objects=500)
+    now = MemoryFigures(rss_bytes=42 * 2**20 + 2**19, blocks=990, gc_objects=520)
+    assert describe(now, first) == (
+        "memory: rss 42.5 MiB (+2.5), python blocks 990 (-10), gc objects 520 (+20)"
+    )
+    unknown = MemoryFigures(rss_bytes=None, blocks=1, gc_objects=1)
+    assert describe(unknown, first).startswith("memory: rss ?, python blocks 1 (-999)")
+
+
+def test_a_sample_sees_live_objects_grow() -> None:
+    before = sample()
+    held = [object() for _ in range(20_000)]
+    after = sample()
+    assert after.blocks - before.blocks >= 19_000
+    assert after.rss_bytes is not None and after.rss_bytes > 0
+    del held
+
+
+def test_the_line_that_allocated_is_named() -> None:
+    tracemalloc.start()
+    try:
+        first = tracemalloc.take_snapshot()
+        held = [bytearray(1000) for _ in range(2000)]  # the growth
+        sites = growth_sites(tracemalloc.take_snapshot(), first)
+    finally:
+        tracemalloc.stop()
+    assert sites and "test_memory_report.py" in sites[0], sites
+    del held
+
+
+async def test_reports_come_every_interval(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="spillway.shared.memory_report")
+    task = asyncio.create_task(report_memory(0.05))
+    await asyncio.sleep(0.22)
+    task.cancel()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: rss")]
+    assert 3 <= len(lines) <= 5, lines

@@ -2,7 +2,7 @@
 prefill and greedy decode speed of each, interleaved, and whether their tokens agree.
 
     python -m bench.gguf_blocks_speed [--model FILE.gguf ...] [--rounds 3] [--prompt 128]
-                                      [--new 64]
+                                      [--new 64] [--layer-loop]
 
 "blocks": the exact CPU mode's weights (`loader.load_model`, keep_quantized): the file's
 blocks alone, many-row products dequantizing tiles (`kernels.quantized_weight`).
@@ -10,7 +10,9 @@ blocks alone, many-row products dequantizing tiles (`kernels.quantized_weight`).
 it before: oneDNN's packed copies for many rows, the Q4_1 / Q8_0 blocks beside for few.
 With several `--model`s (files of one model's shapes in different types, e.g. Q4_K and
 Q4_1), each runs kept in its blocks, interleaved with the others, and the first also as
-float32; ratios are against the first file's blocks and its float32.
+float32; ratios are against the first file's blocks and its float32. `--layer-loop` adds
+each file's blocks once more with every decode step through the layer-by-layer loop (what
+a step takes where the one-call native loop declines it).
 Both run `ModelRunner` with `TorchOps` in this process, warmed up, one sequence: a
 `--prompt`-token prefill in one step, then `--new` decode steps; medians of `--rounds`,
 in wall time and in this process's CPU time (steadier on a shared machine, where wall
@@ -38,12 +40,14 @@ from tests.unit.worker.plans import generate
 BLOCK_SIZE = 16
 
 
-def runner_for(model: str, keep_quantized: bool, tokens: int) -> ModelRunner:
+def runner_for(model: str, keep_quantized: bool, tokens: int, one_call: bool = True) -> ModelRunner:
     source = resolve_model(model)
     config, weights = load_model(
         source, torch.device("cpu"), torch.float32, keep_quantized=keep_quantized
     )
     ops = TorchOps()
+    if not one_call:
+        ops._decode_layers = None  # every decode step through the layer-by-layer loop
     llama = LlamaModel(config, weights, ops)
     llama.warm_up()
     blocks = blocks_needed(tokens, BLOCK_SIZE) + 1
@@ -58,12 +62,18 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--layer-loop", action="store_true",
+                        help="also each file's blocks with decode steps through the "
+                        "layer-by-layer loop instead of the one-call native loop")  # fmt: skip
     args = parser.parse_args()
     configure_threads(torch.device("cpu"), args.threads)
     tokens = args.prompt + args.new + 1
     first = args.model[0]
     names = {model: Path(model).stem if len(args.model) > 1 else "" for model in args.model}
     runners = {f"blocks {names[m]}".strip(): runner_for(m, True, tokens) for m in args.model}
+    if args.layer_loop:
+        for m in args.model:
+            runners[f"layers {names[m]}".strip()] = runner_for(m, True, tokens, one_call=False)
     baseline = f"blocks {names[first]}".strip()
     runners[f"float32 {names[first]}".strip()] = runner_for(first, False, tokens)
     float32 = list(runners)[-1]

@@ -11,8 +11,9 @@ to the bit (the tests hold them equal).
 call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations, a float32
 or bfloat16 cache (the KV store and attention of that kind are handed in),
 and every projection's weight in the form the native few-row kernel takes (float32 or the
-model file's blocks of its values; under `--quantize int8` the file's blocks read with
-integer products, or int8); otherwise it returns None and the caller loops in Python.
+model file's blocks of its values, or row segments of blocks of several formats; under
+`--quantize int8` the file's blocks read with integer products, or int8); otherwise it
+returns None and the caller loops in Python.
 Where every projection reads the file's blocks as float32 it takes up to
 `cpu_matvec.MAX_BLOCK_ROWS` rows (a speculative verify's positions): each row's results
 are then those of a one-row step to the bit, as every kernel here computes a row alone.
@@ -38,6 +39,7 @@ from spillway.kernels.cpu_matvec import (
     Q8Weight,
 )
 from spillway.kernels.cpu_native import NativeKernels
+from spillway.kernels.quantized_weight import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -57,10 +59,14 @@ class _Kernels(ctypes.Structure):
     )]  # fmt: skip
 
 
+class _Segment(ctypes.Structure):
+    _fields_ = [("blocks", _PTR), ("block_type", _I64), ("n", _I64)]
+
+
 class _Projection(ctypes.Structure):
     _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("blocks", _PTR),
                 ("block_type", _I64), ("integer", _I64), ("bias", _PTR), ("n", _I64),
-                ("k", _I64)]  # fmt: skip
+                ("k", _I64), ("segments", _PTR), ("num_segments", _I64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -98,7 +104,7 @@ class FewRowLinear(Protocol):
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | None: ...
+    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight | None: ...
 
 
 @dataclass(frozen=True)
@@ -267,29 +273,40 @@ class DecodeLayers:
                 form = linear.few_row_form(probe, weight, bias)
                 if form is None:
                     return None
-                all_blocks = all_blocks and isinstance(form, BlockWeight)
-                setattr(entry, name, _projection(form, bias))
-                keep += [form, bias]
+                all_blocks = all_blocks and isinstance(form, BlockWeight | QuantizedWeight)
+                projection, segments = _projection(form, bias)
+                setattr(entry, name, projection)
+                keep += [form, bias, segments]
         max_rows = cpu_matvec.MAX_BLOCK_ROWS if all_blocks else cpu_matvec.MAX_ROWS
         self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, max_rows)
         return self._prepared
 
 
 def _projection(
-    form: torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks, bias: torch.Tensor | None
-) -> _Projection:
+    form: torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight,
+    bias: torch.Tensor | None,
+) -> tuple[_Projection, ctypes.Array | None]:
+    """The projection's entry, and its segment array where it has one (kept alive with
+    the layer array)."""
     bias_ptr = None if bias is None else bias.data_ptr()
     n, k = form.shape
+    if isinstance(form, QuantizedWeight):
+        segments = (_Segment * len(form.parts))(*(
+            _Segment(p.data.data_ptr(), BLOCK_TYPES[p.kind], p.shape[0]) for p in form.parts
+        ))  # fmt: skip
+        entry = _Projection(None, None, None, None, None, 0, 0, bias_ptr, n, k)
+        entry.segments, entry.num_segments = ctypes.addressof(segments), len(segments)
+        return entry, segments
     if isinstance(form, Q8Weight):
         ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
-        return _Projection(*ptrs, None, 0, 0, bias_ptr, n, k)
+        return _Projection(*ptrs, None, 0, 0, bias_ptr, n, k), None
     integer = isinstance(form, IntegerBlocks)
     if isinstance(form, IntegerBlocks):
         form = form.blocks
     if isinstance(form, BlockWeight):
         data, kind = form.data.data_ptr(), BLOCK_TYPES[form.kind]
-        return _Projection(None, None, None, None, data, kind, int(integer), bias_ptr, n, k)
-    return _Projection(form.data_ptr(), None, None, None, None, 0, 0, bias_ptr, n, k)
+        return _Projection(None, None, None, None, data, kind, int(integer), bias_ptr, n, k), None
+    return _Projection(form.data_ptr(), None, None, None, None, 0, 0, bias_ptr, n, k), None
 
 
 def load(

@@ -291,12 +291,22 @@ class PackedLinear:
 
     def few_row_form(
         self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | None:
+    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight | None:
         """The weight a call with these (few) rows hands the native kernel: the float32
-        weight itself, the model file's blocks of it, or an int8 form; None when such a
-        call goes elsewhere (a weight kept in blocks that the fused kernel does not read)."""
+        weight itself, the model file's blocks of it, or an int8 form; a weight kept as
+        segments of several block formats, itself, where the fused kernel reads each
+        segment (the call takes them in turn); None when such a call goes elsewhere."""
         if isinstance(weight, QuantizedWeight):
-            return self._fused_blocks(x, weight, bias) if x.dtype == torch.float32 else None
+            if x.dtype != torch.float32:
+                return None
+            if weight.single is not None:
+                return self._fused_blocks(x, weight, bias)
+            matvec = self.matvec
+            fused = matvec is not None and all(
+                matvec.fits_blocks(x, part, None if bias is None else bias[s : s + part.shape[0]])
+                for s, part in weight.segments()
+            )
+            return weight if fused else None
         if self.matvec is None or not self._packable(x, weight, bias):
             return None
         return self._few_form(x, weight, bias) if self._few_rows(x, weight, bias) else None

@@ -363,7 +363,7 @@ class TorchOps:
         ]
         if any(form is None for form in forms):
             return None
-        blocks = all(isinstance(form, BlockWeight) for form in forms)
+        blocks = all(isinstance(form, BlockWeight | QuantizedWeight) for form in forms)
         return cpu_matvec.MAX_BLOCK_ROWS if blocks else cpu_matvec.MAX_ROWS
 
     def tune_few_rows(self, projections: Sequence[Weight]) -> int | None:

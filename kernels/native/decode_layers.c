@@ -13,11 +13,15 @@
  * cached context; x = attn Wo^T; h = norm(residual += x); x = (silu(g) * u) Wdown^T with
  * [g u] = h Wgate_up^T. Layer 0 starts from residual = x. Each projection is float32, int8
  * (`Projection.q` set) or the model file's blocks (`.blocks`), read as the float32 values
- * or, with `.integer`, with integer products against x quantized to int8. On return x and
- * residual hold the last layer's output. The KV cache is float32 or bfloat16: the caller
+ * or, with `.integer`, with integer products against x quantized to int8. A projection may
+ * also be row segments of blocks of several formats (`.segments`: a llama.cpp Q4_K_M file
+ * writes q and k in one format and v in another), each segment read as the per-call path
+ * reads it, its outputs side by side as torch.cat puts them. On return x and residual hold
+ * the last layer's output. The KV cache is float32 or bfloat16: the caller
  * hands in the KV store and attention of that kind.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef void (*linear_f32_fn)(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
@@ -57,7 +61,13 @@ typedef struct {
 } Kernels;
 
 typedef struct {
-    const float *w;         /* float32 [n, k], or NULL when q or blocks is set */
+    const uint8_t *blocks; /* the file's blocks of rows [start, start + n) */
+    int64_t block_type;
+    int64_t n;
+} Segment;
+
+typedef struct {
+    const float *w;         /* float32 [n, k], or NULL when q, blocks or segments is set */
     const int8_t *q;        /* int8 [n, k] */
     const float *scales;    /* [n] */
     const float *wsum;      /* [n, k / 64] */
@@ -66,6 +76,8 @@ typedef struct {
     int64_t integer;        /* blocks read with x quantized to int8 (linear_blocks_q8) */
     const float *bias;      /* [n] or NULL */
     int64_t n, k;
+    const Segment *segments; /* row segments of blocks (float32 values), in order */
+    int64_t num_segments;
 } Projection;
 
 typedef struct {
@@ -86,8 +98,32 @@ typedef struct {
     float *x, *residual, *h, *qkv, *attn, *gate_up, *act;
 } Step;
 
+/* Each segment's [rows, n_s] product into its columns of y [rows, n]: straight into y at
+ * one row (its columns are contiguous there), through a scratch copy at more. */
+static int project_segments(const Kernels *f, const Projection *p, const float *x,
+                            int64_t rows, float *y, int64_t parallel_min_bytes) {
+    float *scratch = NULL;
+    int64_t col = 0;
+    int code = 0;
+    if (rows > 1 && !(scratch = malloc((size_t)(rows * p->n) * sizeof(float)))) return 1;
+    for (int64_t i = 0; i < p->num_segments && code == 0; i++) {
+        const Segment *g = p->segments + i;
+        float *out = rows > 1 ? scratch : y + col;
+        code = f->linear_blocks(x, rows, p->k, g->blocks, (int)g->block_type, g->n,
+                                p->bias ? p->bias + col : NULL, out, parallel_min_bytes);
+        if (rows > 1 && code == 0)
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(y + r * p->n + col, scratch + r * g->n, (size_t)g->n * sizeof(float));
+        col += g->n;
+    }
+    free(scratch);
+    return code;
+}
+
 static int project(const Kernels *f, const Projection *p, const float *x, int64_t rows,
                    float *y, int64_t parallel_min_bytes) {
+    if (p->num_segments)
+        return project_segments(f, p, x, rows, y, parallel_min_bytes);
     if (p->q)
         return f->linear_q8(x, rows, p->k, p->q, p->scales, p->wsum, p->n, p->bias, y,
                             parallel_min_bytes);

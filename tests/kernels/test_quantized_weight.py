@@ -131,9 +131,16 @@ def test_a_weight_of_one_fused_format_takes_the_fused_block_kernel(matvec, kind)
     assert torch.equal(linear(x, weight), matvec.linear_f32(x, reference(data, kind), None))
 
 
-def test_a_weight_of_several_formats_has_no_fused_form(matvec):
+def test_a_weight_of_several_fused_formats_is_its_own_few_row_form(matvec):
+    """Its segments go to the fused kernel in turn (the one-call decode loop takes them);
+    a segment the fused kernel cannot read leaves the weight no such form."""
     weight, _ = _mixed(np.random.default_rng(2), 256)
-    assert PackedLinear(matvec=matvec).few_row_form(torch.zeros(1, 256), weight, None) is None
+    linear = PackedLinear(matvec=matvec)
+    assert linear.few_row_form(torch.zeros(1, 256), weight, None) is weight
+    assert linear.few_row_form(torch.zeros(1, 256, dtype=torch.bfloat16), weight, None) is None
+    q5_1 = block_weight(random_blocks(np.random.default_rng(3), 8, 256, "q5_1"), "q5_1", 256)
+    unfused = QuantizedWeight.cat([weight, QuantizedWeight((q5_1,))])  # no fused Q5_1 kernel
+    assert linear.few_row_form(torch.zeros(1, 256), unfused, None) is None
 
 
 def test_each_segment_of_several_formats_takes_the_fused_kernel_where_it_reads_it(

@@ -12,6 +12,7 @@ from spillway.kernels import cpu_matvec
 from spillway.kernels.cpu_decode_layers import Geometry
 from spillway.kernels.cpu_matvec import BlockWeight
 from spillway.kernels.ops import TorchOps
+from spillway.kernels.quantized_weight import QuantizedWeight
 from spillway.services.worker.kv_cache import KVCache
 from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.runner import ModelRunner
@@ -184,6 +185,49 @@ def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, mo
     assert loop_tokens == want_tokens
     # the same products in the same order: the float32 path's logits to the bit
     assert torch.equal(loop_logits, want_logits)
+
+
+@pytest.fixture(scope="module")
+def segment_weights(weights):
+    """The model as a GGUF file keeps it in memory: every projection in its blocks, the
+    fused q/k/v as segments of two formats (q and k in Q5_0, v in Q8_0, as llama.cpp
+    writes a Q4_K_M file whose rows are too narrow for K-quants)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    def blocks(t: torch.Tensor, kind: str) -> QuantizedWeight:
+        raw = quants.quantize(t.numpy(), GGMLQuantizationType[kind.upper()])
+        return QuantizedWeight((BlockWeight(torch.from_numpy(np.array(raw)), kind, t.shape[1]),))
+
+    w = copy.deepcopy(weights)
+    q_width = CONFIG.num_heads * CONFIG.head_dim
+    for layer in w.layers:
+        q_and_k, v = layer.qkv[: q_width + q_width // 2], layer.qkv[q_width + q_width // 2 :]
+        layer.qkv = QuantizedWeight.cat([blocks(q_and_k, "q5_0"), blocks(v, "q8_0")])
+        layer.o, layer.gate_up = blocks(layer.o, "q4_0"), blocks(layer.gate_up, "q5_0")
+        layer.down = blocks(layer.down, "q8_0")
+    return w
+
+
+@pytest.mark.parametrize("rows", [1, cpu_matvec.MAX_ROWS])
+def test_a_projection_of_several_block_formats_goes_through_the_one_call_loop(
+    segment_weights, rows, monkeypatch
+):
+    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+        pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
+    once = _runner(segment_weights, "none", at_once=True)
+    taken = []
+    real = once.model.ops._decode_layers.run
+    monkeypatch.setattr(
+        once.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
+    )
+    once_tokens, once_logits = _steps(once, rows)
+    assert len(taken) >= 5 and all(r is not None for r in taken)  # none declined
+    for layer in once.model.ops._decode_layers._prepared.array:
+        assert layer.qkv.num_segments == 2 and not layer.o.num_segments
+    loop_tokens, loop_logits = _steps(_runner(segment_weights, "none", at_once=False), rows)
+    assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
+    assert once_logits.std() > 0
 
 
 def test_more_rows_than_the_native_path_takes_loop_in_python(weights, monkeypatch):

@@ -66,10 +66,13 @@ def growth_sites(now: tracemalloc.Snapshot, first: tracemalloc.Snapshot) -> list
 
 
 async def report_memory(every_s: float) -> None:
-    """Logs the figures every `every_s` seconds until cancelled."""
-    first, first_snapshot = sample(), None
-    if tracemalloc.is_tracing():
-        first_snapshot = tracemalloc.take_snapshot()
+    """Logs the figures every `every_s` seconds until cancelled. Growth counts from the
+    first report, one interval in: by then the service has imported what it serves with
+    and started, so what grows after is what serving grows."""
+    await asyncio.sleep(every_s)
+    first = sample()
+    first_snapshot = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
+    log.info("%s", describe(first, first))
     while True:
         await asyncio.sleep(every_s)
         log.info("%s", describe(sample(), first))

@@ -56,3 +56,4 @@ async def test_reports_come_every_interval(caplog: pytest.LogCaptureFixture) -> 
     task.cancel()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: rss")]
     assert 3 <= len(lines) <= 5, lines
+    assert "python blocks" in lines[0] and "(+0)" in lines[0]  # the baseline, one interval in

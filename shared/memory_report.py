@@ -4,8 +4,10 @@ With `SPILLWAY_MEMORY_REPORT_S` set, every service logs its RSS, the interpreter
 object blocks (`sys.getallocatedblocks`) and the objects the collector tracks, every
 that many seconds. A leak grows the live blocks with the RSS; a heap that only keeps
 its high-water mark (freed memory the allocator does not hand back to the system) grows
-the RSS alone. Started with `PYTHONTRACEMALLOC=1` (or `-X tracemalloc`), each report also
-names the source lines whose live allocations grew most since the first report.
+the RSS alone. Each report names the object types whose live count grew most since the
+first report, and what holds a few of the newest objects of the type that grew most: the
+container that keeps them is the leak. Started with `PYTHONTRACEMALLOC=1` (or
+`-X tracemalloc`), each report also names the source lines whose live allocations grew most.
 
 Pure formatting is kept apart from the sampling so that it can be tested on figures.
 """
@@ -17,11 +19,18 @@ import gc
 import logging
 import sys
 import tracemalloc
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 log = logging.getLogger(__name__)
 TOP_SITES = 8
+TOP_TYPES = 6
+HOLDER_SAMPLES = 3
+# Types too generic to name a leak by: their growth is everyone's, their holders are noise.
+_GENERIC = frozenset({"dict", "list", "tuple", "set", "function", "cell", "frame", "method"})
 
 
 @dataclass(frozen=True)
@@ -65,17 +74,88 @@ def growth_sites(now: tracemalloc.Snapshot, first: tracemalloc.Snapshot) -> list
     return [str(s) for s in stats[:TOP_SITES] if s.size_diff > 0]
 
 
+def count_types(objects: Iterable[object]) -> Counter[str]:
+    return Counter(_type_name(o) for o in objects)
+
+
+def _type_name(o: object) -> str:
+    t = type(o)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def type_growth(now: Counter[str], first: Counter[str]) -> list[tuple[str, int]]:
+    """The types whose live count grew most, largest first."""
+    grown = [(name, n - first.get(name, 0)) for name, n in now.items()]
+    return sorted((g for g in grown if g[1] > 0), key=lambda g: -g[1])[:TOP_TYPES]
+
+
+def describe_types(growth: list[tuple[str, int]]) -> str:
+    return "memory grew by type: " + ", ".join(f"{name} +{n}" for name, n in growth)
+
+
+def holders(objects: list[object], type_name: str) -> list[str]:
+    """What refers to the last few live objects of `type_name` (the newest, most likely
+    the leaked), each as a chain of referrer types three steps up."""
+    found = [o for o in objects if _type_name(o) == type_name][-HOLDER_SAMPLES:]
+    chains = []
+    for o in found:
+        chains.append(" <- ".join(_referrer_chain(o, objects)))
+    return chains
+
+
+def _referrer_chain(o: object, objects: list[object]) -> list[str]:
+    chain = [_type_name(o)]
+    refs: list[object] = []
+    for _ in range(3):
+        seen = refs  # this walk's own list of referrers is no holder
+        refs = [
+            r
+            for r in gc.get_referrers(o)
+            if r is not objects and r is not seen and not isinstance(r, FrameType)
+        ]
+        if not refs:
+            break
+        o = refs[0]
+        chain.append(_type_name(o) + _dict_keys(o))
+    return chain
+
+
+def _dict_keys(o: object) -> str:
+    """A dict's size and first keys say which attribute or table it is."""
+    if not isinstance(o, dict):
+        return ""
+    keys = [str(k)[:24] for k in list(o)[:3]]
+    return f"[{len(o)}: {', '.join(keys)}]"
+
+
 async def report_memory(every_s: float) -> None:
     """Logs the figures every `every_s` seconds until cancelled. Growth counts from the
     first report, one interval in: by then the service has imported what it serves with
     and started, so what grows after is what serving grows."""
     await asyncio.sleep(every_s)
     first = sample()
+    first_types = count_types(gc.get_objects())
     first_snapshot = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
     log.info("%s", describe(first, first))
     while True:
         await asyncio.sleep(every_s)
         log.info("%s", describe(sample(), first))
+        _report_types(first_types)
         if first_snapshot is not None:
             for site in growth_sites(tracemalloc.take_snapshot(), first_snapshot):
                 log.info("memory grew at %s", site)
+
+
+def _report_types(first: Counter[str]) -> None:
+    objects = gc.get_objects()
+    try:
+        growth = type_growth(count_types(objects), first)
+        if not growth:
+            return
+        log.info("%s", describe_types(growth))
+        named = [name for name, _ in growth if name not in _GENERIC]
+        if named:
+            for chain in holders(objects, named[0]):
+                log.info("memory held: %s", chain)
+    finally:
+        del objects  # the list refers to every object: never keep it past the report

@@ -4,6 +4,7 @@ it names the source line that grew."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import tracemalloc
 
@@ -11,10 +12,14 @@ import pytest
 
 from spillway.shared.memory_report import (
     MemoryFigures,
+    count_types,
     describe,
+    describe_types,
     growth_sites,
+    holders,
     report_memory,
     sample,
+    type_growth,
 )
 
 
@@ -65,3 +70,29 @@ async def test_reports_come_every_interval(caplog: pytest.LogCaptureFixture) -> 
     finally:
         task.cancel()
     assert "python blocks" in lines()[0] and "(+0)" in lines()[0], lines()  # the baseline
+
+
+class _Message:
+    pass
+
+
+class _Keeper:
+    def __init__(self) -> None:
+        self.kept: dict[str, _Message] = {}
+
+
+def test_the_type_that_grew_and_its_holder_are_named() -> None:
+    first = count_types(gc.get_objects())
+    keeper = _Keeper()
+    for i in range(500):
+        keeper.kept[f"request-{i}"] = _Message()
+    objects = gc.get_objects()
+    growth = type_growth(count_types(objects), first)
+    name = f"{__name__}._Message"
+    assert (name, 500) in growth, growth
+    assert describe_types(growth).startswith("memory grew by type: ")
+    chains = holders(objects, name)
+    del objects
+    assert len(chains) == 3, chains
+    assert all(c.startswith(f"{name} <- dict[500: request-0") for c in chains), chains
+    assert all(c.endswith(f"{__name__}._Keeper") for c in chains), chains

@@ -6,8 +6,11 @@ that many seconds. A leak grows the live blocks with the RSS; a heap that only k
 its high-water mark (freed memory the allocator does not hand back to the system) grows
 the RSS alone. Each report names the object types whose live count grew most since the
 first report, and what holds a few of the newest objects of the type that grew most: the
-container that keeps them is the leak. Started with `PYTHONTRACEMALLOC=1` (or
-`-X tracemalloc`), each report also names the source lines whose live allocations grew most.
+container that keeps them is the leak. Objects the collector does not track (strings,
+numbers) are found by their container instead: the dicts, lists, sets and deques that grew
+most since the previous report are named with what holds them. Started with
+`PYTHONTRACEMALLOC=1` (or `-X tracemalloc`), each report also names the source lines whose
+live allocations grew most.
 
 Pure formatting is kept apart from the sampling so that it can be tested on figures.
 """
@@ -19,7 +22,7 @@ import gc
 import logging
 import sys
 import tracemalloc
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,9 @@ from types import FrameType
 log = logging.getLogger(__name__)
 TOP_SITES = 8
 TOP_TYPES = 6
+TOP_CONTAINERS = 3
+CONTAINER_MIN_LEN = 32  # smaller containers are too many to follow and too small to matter
+_CONTAINERS = (dict, list, set, deque)
 HOLDER_SAMPLES = 3
 # Types too generic to name a leak by: their growth is everyone's, their holders are noise.
 _GENERIC = frozenset({"dict", "list", "tuple", "set", "function", "cell", "frame", "method"})
@@ -103,6 +109,34 @@ def holders(objects: list[object], type_name: str) -> list[str]:
     return chains
 
 
+def container_sizes(objects: Iterable[object]) -> dict[int, int]:
+    """The length of every large container, by id."""
+    return {id(o): n for o in objects if (n := _large_len(o))}
+
+
+def _large_len(o: object) -> int:
+    """The length of a large container, else 0. Tested on the type, not `isinstance`: an
+    object's `__class__` may be a property that warns (torch's deprecated aliases)."""
+    if not issubclass(type(o), _CONTAINERS):
+        return 0
+    n = len(o)  # type: ignore[arg-type]
+    return n if n >= CONTAINER_MIN_LEN else 0
+
+
+def grown_containers(
+    objects: list[object], before: dict[int, int]
+) -> list[tuple[int, int, object]]:
+    """The containers that grew most since `before` (from `container_sizes`): (growth,
+    length now, the container), largest growth first. A container new since then counts
+    from zero."""
+    grown = []
+    for o in objects:
+        if (n := _large_len(o)) and (g := n - before.get(id(o), 0)) > 0:
+            grown.append((g, n, o))
+    grown.sort(key=lambda t: -t[0])
+    return grown[:TOP_CONTAINERS]
+
+
 def _referrer_chain(o: object, objects: list[object]) -> list[str]:
     chain = [_type_name(o)]
     refs: list[object] = []
@@ -128,34 +162,52 @@ def _dict_keys(o: object) -> str:
     return f"[{len(o)}: {', '.join(keys)}]"
 
 
+def _sample_items(o: object) -> str:
+    items = list(o.items())[-2:] if isinstance(o, dict) else list(o)[-2:]  # type: ignore[call-overload]
+    return ", ".join(repr(i)[:60] for i in items)
+
+
 async def report_memory(every_s: float) -> None:
     """Logs the figures every `every_s` seconds until cancelled. Growth counts from the
     first report, one interval in: by then the service has imported what it serves with
     and started, so what grows after is what serving grows."""
     await asyncio.sleep(every_s)
     first = sample()
-    first_types = count_types(gc.get_objects())
+    objects = gc.get_objects()
+    first_types = count_types(objects)
+    sizes = container_sizes(objects)
+    del objects
     first_snapshot = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
     log.info("%s", describe(first, first))
     while True:
         await asyncio.sleep(every_s)
         log.info("%s", describe(sample(), first))
-        _report_types(first_types)
+        sizes = _report_types(first_types, sizes)
         if first_snapshot is not None:
             for site in growth_sites(tracemalloc.take_snapshot(), first_snapshot):
                 log.info("memory grew at %s", site)
 
 
-def _report_types(first: Counter[str]) -> None:
+def _report_types(first: Counter[str], sizes: dict[int, int]) -> dict[int, int]:
+    """Logs the types that grew since the first report and the containers that grew
+    since the last; returns the containers' sizes now, for the next report."""
     objects = gc.get_objects()
     try:
         growth = type_growth(count_types(objects), first)
-        if not growth:
-            return
-        log.info("%s", describe_types(growth))
+        if growth:
+            log.info("%s", describe_types(growth))
         named = [name for name, _ in growth if name not in _GENERIC]
         if named:
             for chain in holders(objects, named[0]):
                 log.info("memory held: %s", chain)
+        for grew, n, container in grown_containers(objects, sizes):
+            log.info(
+                "memory grew in a container: +%d to %d (last: %s), %s",
+                grew,
+                n,
+                _sample_items(container),
+                " <- ".join(_referrer_chain(container, objects)),
+            )
+        return container_sizes(objects)
     finally:
         del objects  # the list refers to every object: never keep it past the report

@@ -288,6 +288,7 @@ class Fleet:
             case LeaseHeard():
                 if event.lease.scheduler_id != self.scheduler_id:
                     self.replicas.observe(event.lease)
+                    self.replicas.lapse()  # a killed peer's lease is not kept for good
             case BusReconnected():
                 self._reconnected()
             case DrainStarted():

@@ -414,3 +414,16 @@ def test_a_waiting_request_moves_only_to_a_worker_whose_blocks_hold_it():
     assert _waiting_on(rig, "w1") == 0 and rig.fleet.lanes["w3"].sequence("b")
     rig.run()
     assert rig.outcomes["b"].token_ids == expected_tokens("b", 6)
+
+
+def test_a_peer_scheduler_that_stopped_leasing_is_forgotten():
+    """Each killed and restarted peer is a new scheduler id: a book that kept every one
+    would grow for as long as the system runs."""
+    rig = FleetRig()
+    rig.register("w1")
+    timeout_s = rig.fleet.replicas.timeout_s
+    for i in range(5):  # five peers in turn, each killed before the next one starts
+        rig.feed(LeaseHeard(SchedulerLease(scheduler_id=f"s{i}", interval_s=1.0, boot_id="b")))
+        rig.tick(timeout_s + 0.5)
+    rig.feed(LeaseHeard(SchedulerLease(scheduler_id="s9", interval_s=1.0, boot_id="b")))
+    assert [lease.scheduler_id for lease in rig.fleet.replicas.known()] == ["s9"]

@@ -12,9 +12,11 @@ import pytest
 
 from spillway.shared.memory_report import (
     MemoryFigures,
+    container_sizes,
     count_types,
     describe,
     describe_types,
+    grown_containers,
     growth_sites,
     holders,
     report_memory,
@@ -96,3 +98,18 @@ def test_the_type_that_grew_and_its_holder_are_named() -> None:
     assert len(chains) == 3, chains
     assert all(c.startswith(f"{name} <- dict[500: request-0") for c in chains), chains
     assert all(c.endswith(f"{__name__}._Keeper") for c in chains), chains
+
+
+def test_a_container_that_grew_is_named_with_its_holder() -> None:
+    keeper = _Keeper()
+    keeper.kept.update({f"request-{i}": _Message() for i in range(100)})
+    objects = gc.get_objects()
+    before = container_sizes(objects)
+    del objects
+    for i in range(100, 400):  # strings alone: objects the collector does not track
+        keeper.kept[f"request-{i}"] = f"gateway-{i}"  # type: ignore[assignment]
+    objects = gc.get_objects()
+    grown = grown_containers(objects, before)
+    del objects
+    assert grown and grown[0][:2] == (300, 400), grown
+    assert grown[0][2] is keeper.kept

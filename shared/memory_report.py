@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from spillway.shared.malloc_heap import HeapFigures, heap_figures
+
 log = logging.getLogger(__name__)
 TOP_SITES = 8
 TOP_TYPES = 6
@@ -44,10 +46,13 @@ class MemoryFigures:
     rss_bytes: int | None
     blocks: int
     gc_objects: int
+    heap: HeapFigures | None = None  # malloc's, where glibc tells it
 
 
 def sample() -> MemoryFigures:
-    return MemoryFigures(_rss_bytes(), sys.getallocatedblocks(), len(gc.get_objects()))
+    return MemoryFigures(
+        _rss_bytes(), sys.getallocatedblocks(), len(gc.get_objects()), heap_figures()
+    )
 
 
 def _rss_bytes() -> int | None:
@@ -62,16 +67,22 @@ def _rss_bytes() -> int | None:
 
 def describe(now: MemoryFigures, first: MemoryFigures) -> str:
     """One line: each figure now and its change since the first report."""
-    rss = "?" if now.rss_bytes is None else f"{now.rss_bytes / 2**20:.1f} MiB"
-    grew = (
-        ""
-        if now.rss_bytes is None or first.rss_bytes is None
-        else f" ({(now.rss_bytes - first.rss_bytes) / 2**20:+.1f})"
-    )
+    rss = "?" if now.rss_bytes is None else _mib(now.rss_bytes, first.rss_bytes)
+    heap = ""
+    if now.heap is not None and first.heap is not None:
+        heap = (
+            f", malloc in use {_mib(now.heap.in_use, first.heap.in_use)},"
+            f" free {_mib(now.heap.free, first.heap.free)}"
+        )
     return (
-        f"memory: rss {rss}{grew}, python blocks {now.blocks} ({now.blocks - first.blocks:+d}),"
-        f" gc objects {now.gc_objects} ({now.gc_objects - first.gc_objects:+d})"
+        f"memory: rss {rss}, python blocks {now.blocks} ({now.blocks - first.blocks:+d}),"
+        f" gc objects {now.gc_objects} ({now.gc_objects - first.gc_objects:+d}){heap}"
     )
+
+
+def _mib(now: int, first: int | None) -> str:
+    change = "" if first is None else f" ({(now - first) / 2**20:+.1f})"
+    return f"{now / 2**20:.1f} MiB{change}"
 
 
 def growth_sites(now: tracemalloc.Snapshot, first: tracemalloc.Snapshot) -> list[str]:
@@ -127,11 +138,12 @@ def grown_containers(
     objects: list[object], before: dict[int, int]
 ) -> list[tuple[int, int, object]]:
     """The containers that grew most since `before` (from `container_sizes`): (growth,
-    length now, the container), largest growth first. A container new since then counts
-    from zero."""
+    length now, the container), largest growth first. Only those large already then: the
+    many that live for one request come and go between two reports; a leak's container
+    stays and grows."""
     grown = []
     for o in objects:
-        if (n := _large_len(o)) and (g := n - before.get(id(o), 0)) > 0:
+        if (n := _large_len(o)) and (g := n - before.get(id(o), n)) > 0:
             grown.append((g, n, o))
     grown.sort(key=lambda t: -t[0])
     return grown[:TOP_CONTAINERS]

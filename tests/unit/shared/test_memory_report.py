@@ -10,6 +10,7 @@ import tracemalloc
 
 import pytest
 
+from spillway.shared.malloc_heap import HeapFigures
 from spillway.shared.memory_report import (
     MemoryFigures,
     container_sizes,
@@ -108,8 +109,16 @@ def test_a_container_that_grew_is_named_with_its_holder() -> None:
     del objects
     for i in range(100, 400):  # strings alone: objects the collector does not track
         keeper.kept[f"request-{i}"] = f"gateway-{i}"  # type: ignore[assignment]
+    passing = {f"r{i}": i for i in range(1000)}  # new since: one request's, not a leak
     objects = gc.get_objects()
     grown = grown_containers(objects, before)
     del objects
     assert grown and grown[0][:2] == (300, 400), grown
     assert grown[0][2] is keeper.kept
+    assert all(c is not passing for _, _, c in grown)
+
+
+def test_the_line_gives_the_malloc_heap_where_it_is_known() -> None:
+    first = MemoryFigures(2**20, 10, 10, HeapFigures(in_use=8 * 2**20, free=2**20))
+    now = MemoryFigures(2**20, 10, 10, HeapFigures(in_use=8 * 2**20, free=5 * 2**20))
+    assert describe(now, first).endswith(", malloc in use 8.0 MiB (+0.0), free 5.0 MiB (+4.0)")

@@ -10,8 +10,11 @@ with `gguf_file=`.
 llama.cpp's converter writes Mistral models as `llama` and drops their sliding window (as
 transformers reads such a file back). A file that names itself `mistral` is read as
 Llama's layout with `mistral.attention.sliding_window` honoured; transformers cannot load
-such a file, so it is held against transformers' Mistral on the same weights. Gemma 2 and
-3 are left out: spillway does not serve those families from safetensors either.
+such a file, so it is held against transformers' Mistral on the same weights.
+
+Gemma 2 and 3 files are read as llama.cpp reads them (`model_config.gemma_from_gguf`):
+transformers' GGUF loader reads fewer of their keys and takes its config defaults for the
+rest, which agree with every real checkpoint's values but in the places it names.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                  moe=False, head_dim_key="attention.key_length"),
         GGUFArch("qwen3moe", "qwen3_moe", permuted_qk=False, qk_norm=True, qkv_bias=False,
                  moe=True, head_dim_key="attention.key_length"),
+        # Gemma's decoder (`model_config.gemma_from_gguf` reads the rest of its keys);
+        # llama.cpp stores its norms as 1 + w.
+        GGUFArch("gemma2", "gemma2", permuted_qk=False, qk_norm=False, qkv_bias=False,
+                 moe=False, head_dim_key="attention.key_length"),
+        GGUFArch("gemma3", "gemma3_text", permuted_qk=False, qk_norm=True, qkv_bias=False,
+                 moe=False, head_dim_key="attention.key_length"),
     )
 }  # fmt: skip
 

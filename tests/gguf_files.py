@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, RopeScalingType
 from gguf.quants import quantize
 
 # Offsets of each K-quant block's f16 scales (d, and dmin where it has one).
@@ -136,7 +136,10 @@ def write_tiny_llama(
 # what its config sets beyond TINY's shapes. Mistral is written as `llama`, as llama.cpp
 # writes it (its sliding window dropped); Qwen3's head width is 128 and Qwen3-MoE's expert
 # width 768 because transformers' GGUF loader reads neither from the file (it takes its
-# config defaults, which the real checkpoints share).
+# config defaults, which the real checkpoints share). Gemma's head width is 256, its
+# query_pre_attn_scalar (transformers' default, llama.cpp's head width); windows of 4,
+# shorter than the prompts; Gemma 3 has 6 layers so that its every-6th full-attention
+# layer is there, and its real rope base (1e6; the sliding layers' 10000).
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("llama", "llama", {}),
     "mistral": ("llama", "mistral", {"sliding_window": 4}),
@@ -146,13 +149,21 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
         "norm_topk_prob": True,
     }),
+    "gemma2": ("gemma2", "gemma2", {
+        "head_dim": 256, "sliding_window": 4, "tie_word_embeddings": True,
+    }),
+    "gemma3": ("gemma3", "gemma3_text", {
+        "head_dim": 256, "sliding_window": 4, "num_hidden_layers": 6, "rope_theta": 1e6,
+    }),
 }  # fmt: skip
+# Architectures whose norms scale by (1 + w): llama.cpp writes 1 + w.
+ONE_PLUS_NORMS = {"gemma2", "gemma3"}
 
 
-def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128) -> Any:
+def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128, **changes: Any) -> Any:
     """A 2-layer random transformers model of `family` (FAMILIES): weights drawn with
-    initializer_range 0.2, norms around 1 and q/k/v biases (Qwen2) random too, so that
-    every tensor the file holds changes the output."""
+    initializer_range 0.2, norms scaling by about 1 (Gemma's 1 + w: w about 0) and q/k/v
+    biases (Qwen2) random too, so that every tensor the file holds changes the output."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, options = FAMILIES[family][1], FAMILIES[family][2]
@@ -163,16 +174,21 @@ def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128) -> An
         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=0,
         eos_token_id=TINY["vocab"] - 1,
     )  # fmt: skip
-    config = AutoConfig.for_model(model_type, **{**shapes, **options})
+    config = AutoConfig.for_model(model_type, **{**shapes, **options, **changes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=g) * 0.4 + 0.8)
+                centre = 0.0 if FAMILIES[family][0] in ONE_PLUS_NORMS else 1.0
+                p.copy_(torch.rand(p.shape, generator=g) * 0.4 + centre - 0.2)
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        if FAMILIES[family][0] in ONE_PLUS_NORMS and config.tie_word_embeddings:
+            # Gemma's tied head would otherwise pick the last token again and again: its
+            # embedding, times sqrt(hidden), outweighs what the layers add.
+            model.get_input_embeddings().weight.mul_(0.1)
     return model.eval()
 
 
@@ -184,19 +200,27 @@ def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, family: str, kind: GGMLQuantizationType, seed: int = 0, arch: str | None = None
+    path: Path,
+    family: str,
+    kind: GGMLQuantizationType,
+    seed: int = 0,
+    arch: str | None = None,
+    **changes: Any,
 ) -> Path:
-    """`tiny_transformers_model(family, seed)` as a GGUF file: names, metadata and q/k rows
-    as llama.cpp's converter writes them, every 2-D weight (and the stacked experts) but
+    """`tiny_transformers_model(family, seed, **changes)` as a GGUF file: names, metadata
+    and q/k rows as llama.cpp's converter writes them, every 2-D weight (and the stacked
+    experts) but
     the router in `kind`, norms, biases and the router in F32. `kind` is quantized with
     gguf-py's quantizers; a K-quant, which it has none for, is random blocks as
-    `random_blocks` draws them (the model 256 wide: a K-quant block spans 256 values)."""
+    `random_blocks` draws them (the model 256 wide: a K-quant block spans 256 values).
+    Gemma's norms are written as 1 + w, its window and (Gemma 2) soft-caps as llama.cpp's
+    converter writes them."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = arch or FAMILIES[family][0]
     layout = "llama" if arch == "mistral" else arch  # a `mistral` file: Llama's tensors
     k_quant = kind in _K_SCALE_OFFSETS
-    model = tiny_transformers_model(family, seed, hidden=256 if k_quant else 128)
+    model = tiny_transformers_model(family, seed, hidden=256 if k_quant else 128, **changes)
     rng = np.random.default_rng(seed)
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -214,9 +238,16 @@ def write_tiny_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    if arch == "mistral":
+    rope = c.rope_parameters.get("full_attention") or c.rope_parameters  # Gemma 3: per type
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    if arch in ("mistral", "gemma2", "gemma3"):
         writer.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     if arch == "qwen3moe":
         writer.add_expert_count(c.num_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
@@ -249,11 +280,15 @@ def write_tiny_gguf(
             add(f"blk.{layer}.ffn_down_exps.weight", data, kind)
             continue
         base, suffix = hf_name.rsplit(".", 1)
+        if base == "lm_head" and c.tie_word_embeddings:
+            continue  # the embedding serves (llama.cpp writes no output.weight)
         name = f"{names.get_name(base)}.{suffix}"
         if layout == "llama" and ".attn_q." in name:
             data = _permute_rope_rows(data, c.num_attention_heads)
         if layout == "llama" and ".attn_k." in name:
             data = _permute_rope_rows(data, c.num_key_value_heads)
+        if arch in ONE_PLUS_NORMS and name.endswith("norm.weight"):
+            data = data + 1.0
         quantized = data.ndim == 2 and "ffn_gate_inp" not in name
         add(name, data, kind if quantized else GGMLQuantizationType.F32)
     writer.write_header_to_file()

@@ -120,6 +120,9 @@ def load_model(
     else:
         config = load_model_config(source)
         tensors, raw_blocks = {**safetensors_tensors(source.path)}, {}
+        prefix = config.extra.get("weights_prefix")
+        if prefix is not None:
+            tensors = language_model_tensors(tensors, prefix)
         names = HF_NAMES
     family = family_for(config.architecture)
     weights = _assemble(tensors, names, config, family, device, dtype, raw_blocks, mtp=mtp)
@@ -128,6 +131,23 @@ def load_model(
     if tied != config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=tied)
     return config, weights
+
+
+def language_model_tensors(tensors: dict[str, Weight], prefix: str) -> dict[str, Weight]:
+    """An image-text checkpoint's language model named as a causal LM's: `{prefix}model.*`
+    (transformers 5's own layout: `model.{prefix}*`) as `model.*`, `{prefix}lm_head.*` as
+    `lm_head.*`; the rest (the vision tower, the projector) left out."""
+    renames = (
+        (f"{prefix}model.", "model."), (f"model.{prefix}", "model."), (prefix, ""),
+        ("lm_head.", "lm_head."),
+    )  # fmt: skip
+    out = {}
+    for name, tensor in tensors.items():
+        for old, new in renames:
+            if name.startswith(old):
+                out[new + name[len(old) :]] = tensor
+                break
+    return out
 
 
 def release_freed_memory() -> None:
@@ -252,6 +272,10 @@ _HF_ROLES = {
     "down": "mlp.down_proj.weight",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    # Sandwich norms (Gemma): there post_attention_layernorm is the attention's output norm.
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "pre_ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
 }
 _GGUF_ROLES = {
     "attn_norm": "attn_norm.weight",
@@ -268,6 +292,9 @@ _GGUF_ROLES = {
     "down": "ffn_down.weight",
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight",
+    "pre_ffn_norm": "ffn_norm.weight",
+    "post_ffn_norm": "post_ffw_norm.weight",
 }
 
 HF_NAMES = TensorNames(
@@ -309,10 +336,13 @@ def _assemble(
             kind = found[0].kind  # type: ignore[union-attr]
             blocks.append((weight, BlockWeight(data, kind, weight.shape[1])))
 
-    def take_weight(name: str, alone: bool = True) -> Weight:
+    def pop(name: str) -> Weight:
         if name not in tensors:
             raise KeyError(f"weight {name!r} missing from the model files")
-        found = tensors.pop(name)
+        return tensors.pop(name)
+
+    def take_weight(name: str, alone: bool = True) -> Weight:
+        found = pop(name)
         if isinstance(found, QuantizedWeight):
             return found
         weight = found.to(device=device, dtype=dtype)
@@ -323,6 +353,17 @@ def _assemble(
     def take(name: str) -> torch.Tensor:
         weight = take_weight(name)
         return weight if isinstance(weight, torch.Tensor) else _as_tensor(weight).to(dtype)
+
+    def take_norm(name: str) -> torch.Tensor:
+        """A norm's weight; for a family whose norms scale by (1 + w), 1 + w in float32
+        (from a GGUF file, which holds llama.cpp's 1 + w, read back as transformers reads
+        it: w = stored - 1), then in `dtype`."""
+        if not family.one_plus_norm:
+            return take(name)
+        w = _as_tensor(pop(name)).float()
+        if names is GGUF_NAMES:
+            w = w - 1.0
+        return (1.0 + w).to(device=device, dtype=dtype)
 
     def fuse(*parts: str) -> Weight:
         found = [take_weight(p, alone=False) for p in parts]
@@ -347,18 +388,21 @@ def _assemble(
         )
         latent = family.latent_attention_weights
         mla = latent(tensors, config, i, take) if latent is not None else None
+        sandwich = config.sandwich_norms
         return LayerWeights(
-            attn_norm=take(n("attn_norm")),
+            attn_norm=take_norm(n("attn_norm")),
             qkv=mla[0] if mla else fuse(n("q"), n("k"), n("v")),
             qkv_bias=torch.cat([take(n(b)) for b in ("q_bias", "k_bias", "v_bias")])
             if has_bias
             else None,
             o=take_weight(n("o")),
-            ffn_norm=take(n("ffn_norm")),
+            ffn_norm=take_norm(n("pre_ffn_norm" if sandwich else "ffn_norm")),
             gate_up=None if sparse else fuse(n("gate"), n("up")),
             down=None if sparse else take_weight(n("down")),
-            q_norm=take(n("q_norm")) if config.qk_norm else None,
-            k_norm=take(n("k_norm")) if config.qk_norm else None,
+            q_norm=take_norm(n("q_norm")) if config.qk_norm else None,
+            k_norm=take_norm(n("k_norm")) if config.qk_norm else None,
+            post_attn_norm=take_norm(n("post_attn_norm")) if sandwich else None,
+            post_ffn_norm=take_norm(n("post_ffn_norm")) if sandwich else None,
             moe=read_moe_weights(tensors, config, i, take, experts) if sparse else None,
             mla=mla[1] if mla else None,
         )
@@ -369,7 +413,7 @@ def _assemble(
     tied = names.lm_head not in tensors or (names is HF_NAMES and config.tie_word_embeddings)
     lm_head = embed if tied else take_weight(names.lm_head)
     tensors.pop(names.lm_head, None)
-    weights = ModelWeights(embed=embed, layers=layers, norm=take(names.norm), lm_head=lm_head)
+    weights = ModelWeights(embed=embed, layers=layers, norm=take_norm(names.norm), lm_head=lm_head)
     if mtp:
         if family.mtp_weights is None or not config.num_mtp_layers:
             raise ValueError(

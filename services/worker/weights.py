@@ -29,6 +29,9 @@ class LayerWeights:
     down: Weight | None  # [H, I]
     q_norm: torch.Tensor | None = None  # [D]: per-head RMSNorm of q before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [D]
+    # RMSNorms of the attention's and the MLP's outputs, before each residual add (Gemma).
+    post_attn_norm: torch.Tensor | None = None  # [H]
+    post_ffn_norm: torch.Tensor | None = None  # [H]
     moe: MoEWeights | None = None  # the MoE feed-forward in place of the dense MLP
     # Multi-head latent attention: then qkv is q_a (or q_proj) fused with kv_a_proj_with_mqa
     # and o is [H, Hq * v_head_dim].
@@ -39,7 +42,7 @@ class LayerWeights:
         """A Llama layer as the one-call native decode loop runs it."""
         return (
             self.gate_up is not None and self.q_norm is None and self.moe is None
-            and self.mla is None
+            and self.mla is None and self.post_attn_norm is None
         )  # fmt: skip
 
 

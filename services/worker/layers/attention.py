@@ -2,10 +2,13 @@
 softmax attention runs (Llama, Mistral, Qwen2/3, the MoE families, and the attention
 layers of the hybrids).
 
-The family options are arguments, not subclasses: q/k biases (Qwen2, found in the
-weights), per-head q/k RMSNorms (Qwen3), a sliding window per layer (Mistral, Qwen with
-use_sliding_window), a softmax scale other than head_dim ** -0.5 (Granite's
-attention_multiplier), no rotary at all (Granite without rope), rotary on the first part
+The family options are arguments or config fields, not subclasses: q/k biases (Qwen2,
+found in the weights), per-head q/k RMSNorms (Qwen3, Gemma 3), a sliding window per layer
+(Mistral, Qwen with use_sliding_window, Gemma), a softmax scale other than
+head_dim ** -0.5 (Granite's attention_multiplier, Gemma's query_pre_attn_scalar),
+soft-capped scores (Gemma 2: the fast kernels take no cap, so those layers run the torch
+attention of `window_attention` on every step), the windowed layers' rotary at a base of
+their own (Gemma 3), no rotary at all (Granite without rope), rotary on the first part
 of each head only (Qwen3-Next's partial_rotary_factor), and a sigmoid output gate that
 q_proj yields beside each head's query (Qwen3-Next).
 
@@ -55,13 +58,21 @@ class Attention:
         self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5 if scale is None else scale
+        if scale is None:
+            scale = config.attention_scale or config.head_dim**-0.5
+        self.scale = scale
+        self.softcap = config.attn_logit_softcap
         self.max_positions = max_positions
         self.rotate, self.gated = rotate, gated
         self.rotary_dim = rotary_dim or config.head_dim
         rope = config.extra.get("rope") or {"rope_type": "default"}
         self.cos, self.sin = rope_tables(
             self.rotary_dim, max_positions, config.rope_theta, device, rope
+        )
+        # The windowed layers' own tables (Gemma 3's local base, unscaled).
+        theta = config.sliding_rope_theta
+        self.sliding_rope = (
+            None if theta is None else rope_tables(self.rotary_dim, max_positions, theta, device)
         )
 
     def forward(
@@ -88,25 +99,29 @@ class Attention:
         k = k.reshape(t, self.num_kv_heads, d)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, d)
         if self.rotate:
-            q, k = self._rotate(q, k, batch.positions)
+            q, k = self._rotate(q, k, batch.positions, window is not None)
         self.ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = paged_attend(
-            self.ops, q, batch, k_cache, v_cache, self.scale, window, self.max_positions
-        ).reshape(t, self.q_size)  # [T, Hq * D]
+            self.ops, q, batch, k_cache, v_cache, self.scale, window, self.max_positions,
+            self.softcap,
+        )  # fmt: skip
+        out = out.reshape(t, self.q_size)  # [T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(t, self.q_size))
         return self.ops.linear(out, layer.o)  # [T, H]
 
     def _rotate(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, windowed: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary in place on every dim of each head, or on the first rotary_dim only."""
+        """Rotary in place on every dim of each head, or on the first rotary_dim only; a
+        windowed layer at its own base where the model has one."""
+        cos, sin = self.sliding_rope if windowed and self.sliding_rope else (self.cos, self.sin)
         rd = self.rotary_dim
         if rd == q.shape[-1]:
-            self.ops.rotary(q, k, positions, self.cos, self.sin)
+            self.ops.rotary(q, k, positions, cos, sin)
             return q, k
         qr, kr = q[..., :rd].contiguous(), k[..., :rd].contiguous()
-        self.ops.rotary(qr, kr, positions, self.cos, self.sin)
+        self.ops.rotary(qr, kr, positions, cos, sin)
         return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
 
 
@@ -119,12 +134,15 @@ def paged_attend(
     scale: float,
     window: int | None,
     max_positions: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Paged attention of this step's queries, as the batch and the window call for."""
-    if window is not None and (batch.max_context_len or max_positions) > window:
+    """Paged attention of this step's queries, as the batch, the window and the cap call
+    for: the fast kernels have no cap, so capped scores always run the torch path."""
+    reaches = window is not None and (batch.max_context_len or max_positions) > window
+    if reaches or softcap is not None:
         return windowed_paged_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_start,
-            scale, window,
+            scale, window, softcap,
         )  # fmt: skip
     if batch.decode_only:  # T == R: row r's single query is q[r]
         return ops.paged_decode_attention(

@@ -1,9 +1,13 @@
-"""Sliding-window attention over the paged cache (Mistral, Mixtral, windowed Qwen layers).
+"""Attention over the paged cache in plain torch: sliding windows (Mistral, Mixtral,
+windowed Qwen and Gemma layers) and soft-capped scores (Gemma 2), which the fast kernels
+do not compute.
 
 Query position p sees keys at positions p - window < j <= p, as transformers' sliding mask
-says. Plain torch, row by row, gathering only the keys the window can reach: used only
-for the steps where some row's context is longer than the window (shorter contexts are
-plain causal attention, which the fast kernels run).
+says (without a window: j <= p). A cap turns each scaled score s into cap * tanh(s / cap)
+before the mask and the softmax, as transformers' Gemma 2 does. Row by row, gathering
+only the keys the window can reach: a windowed layer takes it only for the steps where
+some row's context is longer than the window (shorter contexts are plain causal
+attention, which the fast kernels run); a capped layer takes it for every step.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ def windowed_paged_attention(
     context_lens: torch.Tensor,  # [R]: tokens in the cache after this step
     query_start: torch.Tensor,  # [R + 1]
     scale: float,
-    window: int,
+    window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[T, Hq, D] in q's dtype; softmax in float32."""
     bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -30,7 +35,8 @@ def windowed_paged_attention(
         a, b = starts[r], starts[r + 1]
         if b == a:
             continue
-        first = max(0, ctx - (b - a) - window + 1)  # the oldest key any query here sees
+        # The oldest key any query here sees.
+        first = 0 if window is None else max(0, ctx - (b - a) - window + 1)
         blocks = block_tables[r, : (ctx + bs - 1) // bs].long()
         k = k_cache[blocks].flatten(0, 1)[first:ctx]  # [L, Hkv, D]
         v = v_cache[blocks].flatten(0, 1)[first:ctx]
@@ -38,8 +44,12 @@ def windowed_paged_attention(
         v = v.repeat_interleave(group, dim=1).float()
         q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)[:, None]  # [n, 1]
         k_pos = torch.arange(first, ctx, device=q.device)[None, :]  # [1, L]
-        visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [n, L]
+        visible = k_pos <= q_pos  # [n, L]
+        if window is not None:
+            visible &= k_pos > q_pos - window
         scores = torch.einsum("thd,lhd->htl", q[a:b].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~visible, float("-inf"))
         out[a:b] = torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), v).to(q.dtype)
     return out

@@ -15,7 +15,7 @@ import torch
 
 from spillway.services.worker.layers.mla import MLAWeights
 from spillway.services.worker.layers.moe_weights import ExpertLayout
-from spillway.shared.model_config import ModelConfig
+from spillway.shared.model_config import ModelConfig, mlp_activation
 
 # (config.json as a dict, the fields every family shares) -> the config with the family's
 # options; raises ValueError naming an option the family cannot serve exactly.
@@ -47,16 +47,25 @@ class Family:
     # A hybrid family (recurrent layers among attention): its layers from a folder's
     # tensors. The hybrid model runs it (`models.hybrid`), not the Llama decoder.
     hybrid_layers: HybridReader | None = None
-    # The final norm scales by (1 + w), as the family's layer norms (Qwen3-Next).
+    # Every RMSNorm scales by (1 + w), stored so at load: the final norm here, the layers'
+    # by the family's reader (Qwen3-Next), or all by the loader (Gemma).
     one_plus_norm: bool = False
 
 
 def refuse_options(
-    arch: str, cfg: dict[str, Any], attention_bias: bool = False, partial_rotary: bool = False
+    arch: str,
+    cfg: dict[str, Any],
+    attention_bias: bool = False,
+    partial_rotary: bool = False,
+    gelu: bool = False,
 ) -> None:
-    """Refuses by name the attention options a family does not serve: Llama-style
-    attention_bias puts a bias on o_proj too, which our layers lack (Qwen2 has q/k/v
-    biases, found in the weights, and none on o_proj); partial rotary (Qwen3-Next)."""
+    """Refuses by name the options a family does not serve: Llama-style attention_bias
+    puts a bias on o_proj too, which our layers lack (Qwen2 has q/k/v biases, found in the
+    weights, and none on o_proj); partial rotary (Qwen3-Next); an MLP activation other
+    than SiLU (Gemma's GeGLU takes gelu_pytorch_tanh, and nothing else)."""
+    act = mlp_activation(cfg)
+    if act != ("gelu_pytorch_tanh" if gelu else "silu"):
+        raise ValueError(f"{arch}: unsupported hidden_act {act!r}")
     if cfg.get("attention_bias") and not attention_bias:
         raise ValueError(f"{arch}: unsupported attention_bias=True")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0 and not partial_rotary:

@@ -1,8 +1,10 @@
 """A Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) over a paged KV cache.
 
 The families differ by configuration over the same pieces: q/k biases (Qwen2), per-head
-q/k norms (Qwen3), sliding windows (Mistral), and a MoE feed-forward in place of the dense
-MLP on some or all layers (`moe.moe_forward`: Qwen3-MoE, Mixtral).
+q/k norms (Qwen3), sliding windows (Mistral), a MoE feed-forward in place of the dense
+MLP on some or all layers (`moe.moe_forward`: Qwen3-MoE, Mixtral), and Gemma's options
+(`models/gemma.py`): a GeGLU MLP, scaled embeddings, norms on the attention's and the
+MLP's outputs too, soft-capped attention scores and logits.
 
 One forward runs a flat batch of T tokens from R rows: prefill chunks and decode rows
 alike, each row's tokens packed back to back (`query_start`). Attention, KV stores, norms
@@ -21,6 +23,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 
 from spillway.kernels.cpu_decode_layers import Geometry, LayerTensors
 from spillway.kernels.ops import KernelOps
@@ -52,8 +55,14 @@ class LlamaModel:
         self.ops = ops
         self.max_positions = max_positions or config.context_length
         windows = [w for w in config.layer_windows if w is not None]
-        # The one-call decode loop runs plain Llama layers only.
-        self.plain = not windows and all(layer.plain for layer in weights.layers)
+        # Windows and soft-capped scores run the torch attention (`window_attention`).
+        torch_attention = bool(windows) or config.attn_logit_softcap is not None
+        # The one-call decode loop runs plain Llama layers only (SwiGLU, no window or cap).
+        self.plain = (
+            not torch_attention
+            and config.hidden_act == "silu"
+            and all(layer.plain for layer in weights.layers)
+        )
         # Expert parallel: this rank's share of the MoE layers and their exchange
         # (`expert_parallel.ExpertGroup`); None: every expert here.
         self.experts: ExpertGroup | None = None
@@ -71,9 +80,15 @@ class LlamaModel:
         latent = (
             isinstance(self.attention, LatentAttention) and self.attention.latent_ops is not ops
         )
-        # Windowed attention (`window_attention`, plain torch on any device) and latent
-        # attention on torch ops (`mla`) read lengths back to the host.
-        self.capturable = not latent and not windows
+        # The torch attention (`window_attention`, any device) and latent attention on
+        # torch ops (`mla`) read lengths back to the host.
+        self.capturable = not latent and not torch_attention
+        # Gemma's sqrt(hidden), a float32 scalar in the weights' dtype as transformers has it.
+        self.embedding_scale = (
+            None
+            if config.embedding_scale == 1.0
+            else torch.tensor(config.embedding_scale).to(weights.device, weights.dtype)
+        )
         use_blocks = getattr(ops, "use_source_blocks", None)
         if use_blocks is not None and weights.blocks:
             use_blocks(weights.blocks)
@@ -129,7 +144,7 @@ class LlamaModel:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V to the cache. Reads nothing back to the host."""
         eps = self.config.rms_norm_eps
-        x = self.ops.embedding(batch.token_ids, self.weights.embed)  # [T, H]
+        x = self._embed(batch.token_ids)  # [T, H]
         at_once = (
             self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
         )
@@ -139,14 +154,14 @@ class LlamaModel:
         if idx is not None:
             x, residual = x[idx], residual[idx]
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, eps)
-        return self.ops.linear(h, self.weights.lm_head).float()  # [S, V]
+        return self._logits(h)  # [S, V]
 
     def forward_with_hidden(
         self, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s logits and every token's final normed hidden state [T, H] (what a
         multi-token-prediction layer reads)."""
-        x = self.ops.embedding(batch.token_ids, self.weights.embed)
+        x = self._embed(batch.token_ids)
         at_once = (
             self._decode_layers(x, batch, kv_cache) if batch.decode_only and self.plain else None
         )
@@ -154,7 +169,19 @@ class LlamaModel:
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.weights.norm, self.config.rms_norm_eps)
         idx = batch.logits_indices
         last = h if idx is None else h[idx]
-        return self.ops.linear(last, self.weights.lm_head).float(), h
+        return self._logits(last), h
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.ops.embedding(token_ids, self.weights.embed)  # [T, H]
+        return x if self.embedding_scale is None else x * self.embedding_scale
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[S, V] float32; soft-capped (Gemma 2) in the weights' dtype, as transformers."""
+        logits = self.ops.linear(h, self.weights.lm_head)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def _layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
@@ -187,13 +214,18 @@ class LlamaModel:
         else:
             h, residual = self.ops.fused_add_rms_norm(x, residual, layer.attn_norm, eps)
         x = self.attention.forward(h, layer, batch, k_cache, v_cache, window)
+        if layer.post_attn_norm is not None:
+            x = self.ops.rms_norm(x, layer.post_attn_norm, eps)
         h, residual = self.ops.fused_add_rms_norm(x, residual, layer.ffn_norm, eps)
         if layer.moe is not None:
             assert self.config.moe is not None
             if self.experts is not None:
                 return self.experts.forward(self.ops, self.config.moe, h, layer.moe), residual
             return moe_forward(self.ops, self.config.moe, h, layer.moe), residual
-        return self._swiglu(h, layer), residual
+        out = self._gated_mlp(h, layer)
+        if layer.post_ffn_norm is not None:
+            out = self.ops.rms_norm(out, layer.post_ffn_norm, eps)
+        return out, residual
 
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
@@ -206,10 +238,16 @@ class LlamaModel:
             self.geometry,
         )  # fmt: skip
 
-    def _swiglu(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    def _gated_mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """SwiGLU, or GeGLU (Gemma: gelu_pytorch_tanh(gate) * up, torch on any backend)."""
         assert layer.gate_up is not None and layer.down is not None  # a dense layer
         gate_up = self.ops.linear(h, layer.gate_up)  # [T, 2 I]
-        return self.ops.linear(self.ops.silu_mul(gate_up), layer.down)  # [T, H]
+        if self.config.hidden_act == "silu":
+            act = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        return self.ops.linear(act, layer.down)  # [T, H]
 
 
 def read_config(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:

@@ -10,6 +10,7 @@ import torch
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.models import (
     deepseek_v3,
+    gemma,
     granite_hybrid,
     llama,
     mixtral,
@@ -24,7 +25,7 @@ from spillway.shared.model_files import ModelSource
 
 FAMILIES: dict[str, Family] = {
     model_type: module.FAMILY
-    for module in (llama, qwen3_moe, mixtral, deepseek_v3, granite_hybrid, qwen3_next)
+    for module in (llama, qwen3_moe, mixtral, deepseek_v3, gemma, granite_hybrid, qwen3_next)
     for model_type in module.FAMILY.model_types
 }
 

@@ -1,5 +1,6 @@
-"""Latent (DeepSeek-V3) and windowed (Mistral) attention on the triton backend equal
-transformers too."""
+"""Latent (DeepSeek-V3), windowed (Mistral) and Gemma's attention (windows per layer,
+soft-capped scores, a rope base per layer type) on the triton backend equal transformers
+too."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from tests.unit.worker.test_worker_families import PROMPTS
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "mistral"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "mistral", "gemma2", "gemma3_text"])
 def test_latent_and_windowed_attention_on_the_triton_backend(name, tmp_path, monkeypatch):
     """The Triton kernels (their CPU interpreter here) take power-of-two head widths: the
-    latent's 40 is not, so its attention runs the torch ops; a window runs in torch on any
-    backend. Neither may then be captured in a CUDA graph."""
+    latent's 40 is not, so its attention runs the torch ops; a window, and Gemma 2's
+    soft-capped scores on every step, run in torch on any backend. None may then be
+    captured in a CUDA graph."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     folder = save_tiny_family(tmp_path, name)
     reference = load_reference(folder)

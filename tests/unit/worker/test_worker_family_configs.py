@@ -64,6 +64,34 @@ def test_deepseek_v3_latent_cache_and_grouped_routing():
     assert c.moe.routed_scaling_factor == 2.5  # transformers' default when left out
 
 
+def test_gemma2_takes_transformers_defaults():
+    """A config.json that leaves Gemma 2's keys out: every other layer windowed (4096),
+    soft-caps 50 and 30, the scale 256 ** -0.5, GeGLU, sqrt(hidden) embeddings."""
+    c = config("gemma2", head_dim=16)
+    assert c.layer_windows == (4096, None, 4096, None) and not c.qk_norm
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (50.0, 30.0)
+    assert c.attention_scale == 256**-0.5 and c.embedding_scale == 8.0
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.sandwich_norms
+    assert c.sliding_rope_theta is None
+
+
+def test_gemma3_text_as_the_hub_writes_it():
+    """The pre-5.0 keys (rope_theta, rope_local_base_freq, rope_scaling, the pattern): the
+    full layers at 1e6 and linear 8, the sliding ones at 10000 unscaled, every 6th layer
+    full; q/k norms; no attention soft-cap (transformers' Gemma 3 never applies one)."""
+    c = config(
+        "gemma3_text", num_hidden_layers=6, head_dim=16, sliding_window=512,
+        sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=168,
+        attn_logit_softcapping=50.0, final_logit_softcapping=None,
+    )  # fmt: skip
+    assert c.layer_windows == (512,) * 5 + (None,) and c.qk_norm
+    assert (c.rope_theta, c.sliding_rope_theta) == (1e6, 10000.0)
+    assert c.extra["rope"]["rope_type"] == "linear" and c.extra["rope"]["factor"] == 8.0
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (None, None)
+    assert c.attention_scale == 168**-0.5
+
+
 @pytest.mark.parametrize(
     ("model_type", "changes", "named"),
     [
@@ -79,6 +107,21 @@ def test_deepseek_v3_latent_cache_and_grouped_routing():
         ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
         ("deepseek_v3", {"head_dim": 32, "qk_rope_head_dim": 8}, "head_dim"),
         ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+        ("llama", {"hidden_act": "gelu_pytorch_tanh"}, "gelu_pytorch_tanh"),
+        ("gemma2", {"hidden_activation": "gelu"}, "gelu"),
+        ("gemma2", {"attention_bias": True}, "attention_bias"),
+        ("gemma2", {"sliding_window": None}, "sliding_window"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        (
+            "gemma3_text",
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                }
+            },
+            "sliding layers",
+        ),
     ],
 )
 def test_unservable_options_are_refused_by_name(model_type, changes, named):

@@ -47,7 +47,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=16, v_head_dim=16, head_dim=8, num_key_value_heads=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # Windows of 4 on layer 0 (so they change the outputs), soft-caps that bite, a softmax
+    # scale apart from head_dim's.
+    "gemma2": dict(
+        sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+        query_pre_attn_scalar=24,
+    ),
+    # sliding, full, sliding; the sliding layers at base 100, the full one scaled (linear).
+    "gemma3_text": dict(
+        num_hidden_layers=3, sliding_window=4, sliding_window_pattern=2,
+        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        query_pre_attn_scalar=24,
+    ),
 }  # fmt: skip
+# Families whose norms scale by (1 + w), zero at init: moved like the hybrids' norms.
+ONE_PLUS_NORMS = {"gemma2", "gemma3_text"}
 
 # Hybrid families: recurrent layers (a state per sequence) among attention layers. Kept
 # apart from FAMILIES: the model code runs them, serving refuses them.
@@ -88,7 +102,7 @@ def save_tiny_family(folder: Path, family: str, seed: int = 0, **changes: Any) -
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
                 buffer.normal_(0.0, 0.5)
-        if family in HYBRID_FAMILIES:  # norms start at one (or zero for (1 + w)): move them
+        if family in HYBRID_FAMILIES or family in ONE_PLUS_NORMS:  # norms at one (or zero)
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param) * 0.2)

@@ -1,7 +1,7 @@
 """CPU micro-benchmark of the torch path's choices: `python -m bench.cpu_kernels`.
 
-Times, at a small Llama's sizes (SmolLM2-135M by default), the forms `kernels.linear` chose
-between for the projections and the decode attention with and without what `TorchOps`
+Times, at a small Llama's sizes (SmolLM2-135M by default), the forms `kernels.cpu.linear` chose
+between for the projections and the decode attention with and without what `CpuOps`
 shares across a step's layers. Every layer gets its own weights (and cache), as in a
 forward, so weights stream from memory instead of sitting in cache. Forms are timed in
 turn, round after round, and the median is reported: these machines are shared and noisy.
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels.cpu_info import cpu_model, has_amx_int8
+from spillway.kernels.cpu.info import cpu_model, has_amx_int8
+from spillway.kernels.cpu.linear import PackedLinear, onednn_packing_available
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.decode_attention import paged_decode_attention_ref
-from spillway.kernels.linear import PackedLinear, onednn_packing_available
-from spillway.kernels.ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from spillway.kernels import cpu_matvec
-    from spillway.kernels.cpu_info import int8_dots
+    from spillway.kernels.cpu import matvec
+    from spillway.kernels.cpu.info import int8_dots
 
     gen = torch.Generator().manual_seed(2)
     sizes = forward_sizes(shape)
@@ -138,16 +138,16 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     for (n, k), kind in zip(sizes, kinds, strict=True):
         qtype = GGMLQuantizationType[kind.upper()]
         raw = quants.quantize((torch.randn(n, k, generator=gen) / k**0.5).numpy(), qtype)
-        blocks.append(cpu_matvec.BlockWeight(torch.from_numpy(np.array(raw)), kind, k))
+        blocks.append(matvec.BlockWeight(torch.from_numpy(np.array(raw)), kind, k))
         dense = np.array(quants.dequantize(raw, qtype), dtype=np.float32)
-        q8.append(cpu_matvec.quantize_q8(torch.from_numpy(dense)))
-    builds = {dot: cpu_matvec.load(dot=dot) for dot in int8_dots()}
+        q8.append(matvec.quantize_q8(torch.from_numpy(dense)))
+    builds = {dot: matvec.load(dot=dot) for dot in int8_dots()}
     kernels = next((k for k in builds.values() if k is not None), None)
     if kernels is None:
         return []
     out: list[Row] = []
     for m in rows:
-        if m > cpu_matvec.MAX_ROWS:
+        if m > matvec.MAX_ROWS:
             continue
         inputs = {k: torch.randn(m, k, generator=gen) for k in (shape.hidden, shape.intermediate)}
 
@@ -164,7 +164,7 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
                 forms[f"blocks x int8 ({dot})"] = run(
                     lambda x, j, k=k: k.linear_blocks_q8(x, blocks[j], None)
                 )
-        if kernels.features & cpu_matvec.HAS_Q8:
+        if kernels.features & matvec.HAS_Q8:
             forms["int8 per row (dense)"] = run(lambda x, j: kernels.linear_q8(x, q8[j], None))
         results = {name: fn() for name, fn in forms.items()}
         first = next(iter(results.values()))
@@ -177,12 +177,12 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
 def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     """All projections of one forward in `--quantize int8` above the few-row kernels' rows:
     fbgemm's dynamic int8 linear (per-row activation scales, `Int8Linear` without native
-    kernels) against the native int8 product (`cpu_matmul_q8`, once per 8-bit dot product
+    kernels) against the native int8 product (`kernels.cpu.matmul_q8`, once per 8-bit dot product
     this CPU runs, and on AMX's tiles where it has them). Differences are against float32
     (oneDNN)."""
-    from spillway.kernels import cpu_matmul_q8
-    from spillway.kernels.cpu_info import int8_dots
-    from spillway.kernels.linear import Int8Linear, int8_available
+    from spillway.kernels.cpu import matmul_q8
+    from spillway.kernels.cpu.info import int8_dots
+    from spillway.kernels.cpu.linear import Int8Linear, int8_available
 
     gen = torch.Generator().manual_seed(3)
     weights = forward_weights(shape, gen)
@@ -191,10 +191,10 @@ def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     if int8_available():
         projections["int8 fbgemm"] = Int8Linear()
     for dot in int8_dots():
-        kernels = cpu_matmul_q8.load(dot=dot, amx=False)
+        kernels = matmul_q8.load(dot=dot, amx=False)
         if kernels is not None:
             projections[f"int8 native ({dot})"] = Int8Linear(matmul=kernels)
-    tiles = cpu_matmul_q8.load()  # AMX's tile unit where this CPU, compiler and Linux allow
+    tiles = matmul_q8.load()  # AMX's tile unit where this CPU, compiler and Linux allow
     if tiles is not None and tiles.amx:
         projections["int8 native (amx)"] = Int8Linear(matmul=tiles)
     out: list[Row] = []
@@ -230,7 +230,7 @@ def bench_decode_attention(shape: Shape, batch: int, context: int, rounds: int) 
     lens = torch.tensor([context + r % 7 for r in range(batch)], dtype=torch.int32)
     q = torch.randn(batch, shape.q_heads, d, generator=gen)
     scale = d**-0.5
-    ops = TorchOps()
+    ops = CpuOps()
 
     def stateless() -> list[torch.Tensor]:
         return [paged_decode_attention_ref(q, k, v, tables, lens, scale) for k, v in caches]
@@ -238,7 +238,7 @@ def bench_decode_attention(shape: Shape, batch: int, context: int, rounds: int) 
     def shared() -> list[torch.Tensor]:
         return [ops.paged_decode_attention(q, k, v, tables, lens, scale) for k, v in caches]
 
-    forms = {"per-layer gather": stateless, "TorchOps (shared per step)": shared}
+    forms = {"per-layer gather": stateless, "CpuOps (shared per step)": shared}
     with torch.inference_mode():
         results = {name: fn() for name, fn in forms.items()}
         timed = _median_ms(forms, rounds)

@@ -5,7 +5,7 @@ prefill and greedy decode speed of each, interleaved, and whether their tokens a
                                       [--new 64] [--layer-loop]
 
 "blocks": the exact CPU mode's weights (`loader.load_model`, keep_quantized): the file's
-blocks alone, many-row products dequantizing tiles (`kernels.quantized_weight`).
+blocks alone, many-row products dequantizing tiles (`kernels.cpu.quantized_weight`).
 "float32": the same file dequantized at load (keep_quantized off), as the exact mode held
 it before: oneDNN's packed copies for many rows, the Q4_1 / Q8_0 blocks beside for few.
 With several `--model`s (files of one model's shapes in different types, e.g. Q4_K and
@@ -13,7 +13,7 @@ Q4_1), each runs kept in its blocks, interleaved with the others, and the first 
 float32; ratios are against the first file's blocks and its float32. `--layer-loop` adds
 each file's blocks once more with every decode step through the layer-by-layer loop (what
 a step takes where the one-call native loop declines it).
-Both run `ModelRunner` with `TorchOps` in this process, warmed up, one sequence: a
+Both run `ModelRunner` with `CpuOps` in this process, warmed up, one sequence: a
 `--prompt`-token prefill in one step, then `--new` decode steps; medians of `--rounds`,
 in wall time and in this process's CPU time (steadier on a shared machine, where wall
 time mostly measures the neighbours), on `--threads` threads (default: one per core).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
 from spillway.services.worker.loader import load_model
 from spillway.services.worker.models.llama import LlamaModel
@@ -45,7 +45,7 @@ def runner_for(model: str, keep_quantized: bool, tokens: int, one_call: bool = T
     config, weights = load_model(
         source, torch.device("cpu"), torch.float32, keep_quantized=keep_quantized
     )
-    ops = TorchOps()
+    ops = CpuOps()
     if not one_call:
         ops._decode_layers = None  # every decode step through the layer-by-layer loop
     llama = LlamaModel(config, weights, ops)

@@ -3,7 +3,7 @@
     python -m bench.moe_experts [--threads 2] [--repeats 20] [--dtype float32] [--stat min]
 
 For T in {1, 4, 64, 512} tokens and two layer shapes (E=8 experts / top-2 and E=64 / top-8,
-at small widths), prints the median milliseconds of `TorchOps.fused_experts` (ours),
+at small widths), prints the median milliseconds of `CpuOps.fused_experts` (ours),
 `kernels.moe.fused_experts_ref`, and transformers' `Qwen3MoeExperts` run by its eager loop
 and by its `grouped_mm` implementation, then the ratios of each to ours (> 1: ours is
 faster). Routing is random top-k over softmaxed scores, fresh per shape. The candidates
@@ -21,8 +21,8 @@ from functools import partial
 
 import torch
 
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.moe import fused_experts_ref
-from spillway.kernels.ops import TorchOps
 
 TOKENS = (1, 4, 64, 512)
 # (experts, top-k, hidden, expert intermediate)
@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    ops = TorchOps()
+    ops = CpuOps()
     print(f"{args.threads} threads, {args.dtype}, {args.stat} of {args.repeats} (ms)")
     header = (
         f"{'E/K':>5} {'H/I':>9} {'T':>4} {'ours':>8} {'ref':>8} {'tf eager':>9} {'tf grouped':>11}"

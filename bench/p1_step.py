@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from spillway.kernels.ops import QUANTIZATIONS, TorchOps
+from spillway.kernels.cpu.ops import QUANTIZATIONS, CpuOps
 from spillway.services.cli.bench.machine import matmul_gflops
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
 from spillway.services.worker.models.llama import LlamaModel
@@ -79,7 +79,7 @@ def _linear_label(names: dict[int, str]) -> Callable:
 
 
 def instrument(
-    ops: TorchOps, model: LlamaModel, clock: Callable[[], float] = time.perf_counter
+    ops: CpuOps, model: LlamaModel, clock: Callable[[], float] = time.perf_counter
 ) -> Timings:
     timings = Timings(clock)
     names = {id(model.weights.lm_head): "lm_head"}
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     threads = configure_threads(torch.device("cpu"), args.threads)
     config = load_model_config(resolve_model(args.model))
     weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
-    ops = TorchOps(quantize=args.quantize, amx=not args.no_amx)
+    ops = CpuOps(quantize=args.quantize, amx=not args.no_amx)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
     timings = instrument(ops, model, CLOCKS[args.clock])

@@ -1,6 +1,6 @@
 """A step's sampling over [S, V] float32 logits on the CPU, torch's argmax and race noise
-against the native argmax (`kernels.cpu_argmax`), then with the native race uniforms too
-(`kernels.cpu_noise`), in the same run:
+against the native argmax (`kernels.cpu.argmax`), then with the native race uniforms too
+(`kernels.cpu.noise`), in the same run:
 
     python -m bench.sampling [--rows 1,16,64] [--vocab 49152] [--reps 30] [--threads N]
 
@@ -60,12 +60,12 @@ def main() -> int:
     apply_openmp_environment(load_settings())
     import torch
 
-    from spillway.kernels import cpu_argmax, cpu_noise
+    from spillway.kernels.cpu import argmax, noise
     from spillway.services.worker.sampler import sample, torch_argmax
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    native, uniforms = cpu_argmax.load(), cpu_noise.load()
+    native, uniforms = argmax.load(), noise.load()
     if native is None or uniforms is None:
         print("no native argmax here (no C compiler): nothing to compare")
         return 1

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
 from spillway.services.worker.models.registry import load_model_config
 from spillway.shared.model_files import resolve_model
@@ -65,7 +65,7 @@ def ours(c, eps: float, w: Mamba2Weights, h: torch.Tensor) -> torch.Tensor:
     ssm = torch.zeros(rows, c.mamba_heads, c.mamba_head_dim, c.mamba_state)
     qs = (torch.arange(rows + 1) * length).to(torch.int32)
     y = mamba2_mixer(
-        TorchOps(native=None), c, eps, h.reshape(-1, hidden), w, conv, ssm, qs,
+        CpuOps(native=None), c, eps, h.reshape(-1, hidden), w, conv, ssm, qs,
         torch.arange(rows), length,
     )  # fmt: skip
     return y.view(rows, length, hidden)

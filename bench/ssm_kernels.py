@@ -8,8 +8,8 @@ mixer: conv over 3328 channels, 48 heads x 64 x state 128; Qwen3-Next's gated De
 over 8192 channels, 16 key / 32 value heads of 128 x 128; `--heads-div` divides the head
 counts and channels), prints the milliseconds of each step by
 
-  ours      `TorchOps` with the rows in one run of slots (the pool's rows as a view)
-  gather    `TorchOps` with the rows in every other slot (gathered and scattered back)
+  ours      `CpuOps` with the rows in one run of slots (the pool's rows as a view)
+  gather    `CpuOps` with the rows in every other slot (gathered and scattered back)
   ref       the `kernels.ssm_reference` reference (transformers' computation, by slot)
   hf        transformers' own torch function on the same states, handed over as a batch
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from bench.moe_experts import time_ms
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.ssm_reference import (
     causal_conv1d_update_ref,
     gated_delta_rule_step_ref,
@@ -50,7 +50,7 @@ def _slots(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def conv_candidates(rows: int, channels: int) -> dict[str, Callable[[], object]]:
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_update
 
-    ops = TorchOps()
+    ops = CpuOps()
     run, scattered = _slots(rows)
     x = torch.randn(rows, channels)
     weight, bias = torch.randn(channels, 4), torch.randn(channels)
@@ -69,7 +69,7 @@ def mamba_candidates(rows: int, h: int, p: int, g: int, n: int) -> dict[str, Cal
         mamba2_selective_state_update,
     )
 
-    ops = TorchOps()
+    ops = CpuOps()
     run, scattered = _slots(rows)
     pool = torch.randn(2 * rows, h, p, n)
     states = pool[:rows].clone()
@@ -105,7 +105,7 @@ def delta_candidates(rows: int, hk: int, hv: int, dim: int) -> dict[str, Callabl
         torch_recurrent_gated_delta_rule,
     )
 
-    ops = TorchOps()
+    ops = CpuOps()
     run, scattered = _slots(rows)
     q, k, v = torch.randn(rows, hk, dim), torch.randn(rows, hk, dim), torch.randn(rows, hv, dim)
     g, beta = -torch.rand(rows, hv), torch.rand(rows, hv)

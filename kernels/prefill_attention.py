@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from spillway.kernels._contract import check_out, check_paged_kv
 from spillway.kernels._jit import cdiv, jit
 from spillway.kernels._tl import tl
-from spillway.kernels.decode_attention import GatherBuffers, attend_tile, decode_gather, gather_kv
+from spillway.kernels.decode_attention import (
+    GatherBuffers,
+    attend_tile,
+    decode_gather,
+    gather_kv,
+    paged_decode_attention,
+)
 
 LOG2E = math.log2(math.e)
 
@@ -179,6 +185,32 @@ def paged_prefill_attention(
         num_stages=2 if wide else 1,
     )
     return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """A mixed step's attention (prefill, extend and decode rows) in Triton: [T, Hq, D].
+
+    Decode rows take the decode kernel and longer rows this one; each skips the other's rows
+    on the device, so no lengths are read back. `max_query_len` sizes this one's grid.
+    """
+    args = (q, k_cache, v_cache, block_tables, context_lens)
+    if q.shape[0] == block_tables.shape[0]:  # q_len >= 1 everywhere: all decode rows
+        return paged_decode_attention(*args, scale, out=out)
+    out = paged_decode_attention(*args, scale, out=out, query_start=query_start)
+    return paged_prefill_attention(
+        *args, query_start, scale, out=out, max_query_len=max_query_len, skip_decode_rows=True
+    )
 
 
 def gather_context(

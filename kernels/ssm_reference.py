@@ -16,7 +16,7 @@ Two torch versions of each step:
 * `*_ref`: the transformers computation (the torch fallbacks of `modeling_qwen3_next` and
   `modeling_granitemoehybrid`) run on the states gathered by slot, vectorised over rows,
   then scattered back. This is what the Triton kernels and the CPU path are tested against.
-* `*_cpu`: the path `TorchOps` runs. When the rows' slots are one run base..base+R-1 (the
+* `*_cpu`: the path `CpuOps` runs. When the rows' slots are one run base..base+R-1 (the
   scheduler sorts rows by slot, so a full batch usually is) it works on
   pool[base:base+R], a view, in place; otherwise it gathers and scatters like the
   reference. `PATHS` counts which of the two ran, so callers and tests can see it.

@@ -305,8 +305,18 @@ def test_every_link_and_anchor_resolves(path: Path):
     assert not problems, f"{path.name}:\n" + "\n".join(problems)
 
 
-TOP = ("services/", "shared/", "kernels/", "tests/", "bench/", "infra/", "docs/", "native/")
+TOP = ("services/", "shared/", "kernels/", "tests/", "bench/", "infra/", "docs/", "csrc/")
 EXTENSIONS = (".py", ".c", ".h", ".sh", ".yaml", ".yml", ".toml", ".conf")
+# Folders a path in a document may start below.
+PATH_BASES = (
+    "",
+    "kernels/",
+    "kernels/cpu/",
+    "infra/",
+    "infra/k8s/",
+    "services/",
+    "services/worker/",
+)
 # Names of files a user or a run makes, not in the repository.
 NOT_IN_REPO = {"config.json", "tokenizer.json", "tokenizer_config.json", "nats.conf"}
 
@@ -329,10 +339,7 @@ def path_exists(token: str) -> bool:
     rel, names = repository_files()
     if "/" not in token:
         return token in names
-    for base in ("", "kernels/", "infra/", "infra/k8s/", "services/", "services/worker/"):
-        if base + token in rel or base + token + "/" in rel:
-            return True
-    return False
+    return any(base + token in rel or base + token + "/" in rel for base in PATH_BASES)
 
 
 def named_paths(text: str) -> Iterator[tuple[int, str]]:

@@ -27,7 +27,7 @@ def test_the_install_holds_every_module_and_the_native_sources(installed: Path):
     want = {
         f"{folder}/{p.relative_to(ROOT / folder)}"
         for folder in FOLDERS
-        for pattern in ("*.py", "native/*.c", "native/*.h")
+        for pattern in ("*.py", "csrc/*.c", "csrc/*.h")
         for p in (ROOT / folder).rglob(pattern)
         if "__pycache__" not in p.parts
     }

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spillway.kernels.cpu_info import cpu_flags
-from spillway.kernels.cpu_matvec import BLOCK_CODES, INTEGER_BLOCK_TYPES, BlockWeight
-from spillway.kernels.quantized_weight import QuantizedWeight, Weight, dequantize
+from spillway.kernels.cpu.info import cpu_flags
+from spillway.kernels.cpu.matvec import BLOCK_CODES, INTEGER_BLOCK_TYPES, BlockWeight
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight, Weight, dequantize
 from spillway.services.worker.layers.moe_weights import read_moe_weights
 from spillway.services.worker.models.family import Family
 from spillway.services.worker.models.registry import family_for, load_model_config
@@ -169,7 +169,7 @@ def _gguf_tensors(
 ) -> tuple[dict[str, Weight], dict[str, BlockWeight]]:
     """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
     stored in a format both native few-row block kernels read
-    (`cpu_matvec.INTEGER_BLOCK_TYPES`), permuted
+    (`kernels.cpu.matvec.INTEGER_BLOCK_TYPES`), permuted
     alike. q/k rows are un-permuted where the architecture's converter permuted them; q/k/v
     biases of an architecture without them are left out, as transformers leaves them. With
     only_blocks, a matrix in any block format (F16 and BF16 too: 16 bits a value) stays

@@ -13,7 +13,7 @@ in. The integers, and so the uniforms, are identical on any device (tests check 
 against the published function in plain Python integers); no generator state is involved.
 Distinct keys XOR the same distinct codes, so two rows hash disjoint inputs (but for a
 vanishing few) and their noise is unrelated. On the CPU the worker makes the same uniforms
-in native code (`kernels.cpu_noise`, one pass instead of a dozen [S, V] int32 ones).
+in native code (`kernels.cpu.noise`, one pass instead of a dozen [S, V] int32 ones).
 
 The exponential race (argmax probs / e, e ~ Exp(1)) and the Gumbel trick (argmax logits -
 log e) both take e = -log(u); log may differ in the last bit between CPU and CUDA math
@@ -99,7 +99,7 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 # (keys [S] int32, V) -> [S, V] float32: `uniform_noise`'s values, by torch or natively on the
-# CPU (`kernels.cpu_noise`, a fraction of the time: torch runs a dozen [S, V] int32 passes).
+# CPU (`kernels.cpu.noise`, a fraction of the time: torch runs a dozen [S, V] int32 passes).
 Uniforms = Callable[[torch.Tensor, int], torch.Tensor]
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
 from spillway.services.worker.loader import load_model
 from spillway.services.worker.models.llama import LlamaModel
@@ -43,7 +43,7 @@ def perplexities(
     for mode in modes:
         quantize = mode.removesuffix(_KV_SUFFIX)
         kv_dtype = torch.bfloat16 if mode.endswith(_KV_SUFFIX) else None
-        model = LlamaModel(config, weights, TorchOps(quantize=quantize))
+        model = LlamaModel(config, weights, CpuOps(quantize=quantize))
         out[mode] = perplexity(model, token_ids, kv_dtype=kv_dtype)
     return out
 

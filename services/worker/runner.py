@@ -41,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps, select_ops
 from spillway.services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
 from spillway.services.worker.draft_model import DraftModelDrafter
@@ -172,10 +173,11 @@ class ModelRunner:
         # argmax keeps an index per compared value, its uniforms take a dozen int32 passes
         # over a step's [S, V]: several times slower).
         ops = getattr(model, "ops", None)
-        for name in ("argmax", "uniforms"):
-            native = getattr(ops, name, None)
-            if native is not None:
-                setattr(self.sampling, name, native)
+        if isinstance(ops, CpuAbilities):
+            if ops.argmax is not None:
+                self.sampling.argmax = ops.argmax
+            if ops.uniforms is not None:
+                self.sampling.uniforms = ops.uniforms
         self.timer = timer
         self.wall_clock_ns = wall_clock_ns
         self.kv_transfer = kv_transfer  # None: no spill store (spills fail, loads lose)

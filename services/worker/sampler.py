@@ -23,7 +23,7 @@ from spillway.shared.protocol import SampledLogprobs, SamplingParams, TokenLogpr
 MIN_TEMPERATURE = 1e-5
 MaskFn = Callable[[torch.Tensor], None]  # sets disallowed logits [S, V] to -inf, in place
 # [S, V] -> [S] int64, exactly torch.argmax(dim=-1) (first index of the maximum, first NaN):
-# the worker passes the native CPU one (`kernels.cpu_argmax`), many times faster.
+# the worker passes the native CPU one (`kernels.cpu.argmax`), many times faster.
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spillway.kernels.cpu_matvec import BlockWeight
-from spillway.kernels.quantized_weight import QuantizedWeight, Weight
+from spillway.kernels.cpu.matvec import BlockWeight
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight, Weight
 from spillway.services.worker.layers.mla import MLAWeights
 from spillway.services.worker.layers.moe import MoEWeights
 

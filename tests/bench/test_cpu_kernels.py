@@ -14,7 +14,7 @@ def test_cpu_bench_forms_agree_at_toy_sizes(capsys) -> None:
     rows += cpu_kernels.bench_decode_attention(shape, batch=3, context=20, rounds=1)
     forms = {(r.name, r.form) for r in rows}
     assert ("linear", "mm(W, x^T)^T") in forms
-    assert ("decode_attention", "TorchOps (shared per step)") in forms
+    assert ("decode_attention", "CpuOps (shared per step)") in forms
     for row in rows:
         assert row.ms > 0 and row.max_abs_diff < 1e-4, row
     assert "decode_attention" in cpu_kernels.format_rows(rows)
@@ -27,7 +27,7 @@ def test_cpu_bench_main_prints_a_table(capsys) -> None:
 
 
 def test_int8_rows_forms_are_near_float32_at_toy_sizes() -> None:
-    from spillway.kernels.linear import int8_available
+    from spillway.kernels.cpu.linear import int8_available
 
     shape = cpu_kernels.Shape(
         layers=1, hidden=64, intermediate=128, q_heads=4, kv_heads=2, head_dim=16, vocab=112

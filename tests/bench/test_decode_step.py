@@ -12,7 +12,7 @@ import torch
 import bench.kernels
 from bench import decode_step
 from bench.decode_step import SMALL_CONFIG, StepSetup, kv_bytes, weight_bytes_read
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 
 TINY = dataclasses.replace(
     SMALL_CONFIG, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -40,7 +40,7 @@ def test_the_section_checks_our_step_against_transformers(monkeypatch, one_call_
     monkeypatch.setattr(
         decode_step, "device_memory", lambda device: decode_step.HEADROOM_BYTES + big - 1
     )
-    rows = decode_step.bench_decode_step(torch.device("cpu"), TorchOps(), copy_gbps=None)
+    rows = decode_step.bench_decode_step(torch.device("cpu"), CpuOps(), copy_gbps=None)
     assert [r.shape for r in rows] == [
         "tiny B=3 ctx=40 float32 eager",
         "tiny B=2 ctx=70 float32 eager",

@@ -37,9 +37,9 @@ def test_bench_checks_every_kernel_and_writes_json(tmp_path, monkeypatch) -> Non
 
 def test_bench_flags_a_wrong_result(monkeypatch) -> None:
     from bench import kernels as kernel_bench
-    from spillway.kernels.ops import TorchOps
+    from spillway.kernels.cpu.ops import CpuOps
 
-    class OffByOne(TorchOps):
+    class OffByOne(CpuOps):
         def fused_add_rms_norm(self, x, residual, weight, eps, *, out=None):
             normed, residual = super().fused_add_rms_norm(x, residual, weight, eps, out=out)
             return normed + 1, residual

@@ -6,7 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spillway.kernels.cpu import native as native_module
+
 
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> native_module.NativeKernels:
+    """The native paged attention, built here (a C compiler is part of the test set-up)."""
+    kernels = native_module.load(tmp_path_factory.mktemp("native"))
+    assert kernels is not None, "the native kernels did not build (is a C compiler installed?)"
+    return kernels

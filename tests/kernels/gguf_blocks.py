@@ -8,7 +8,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from spillway.kernels.cpu_matvec import BLOCK_SHAPES, HALF_TYPES, BlockWeight
+from spillway.kernels.cpu.matvec import BLOCK_SHAPES, HALF_TYPES, BlockWeight
 
 # Byte offsets of each format's f16 scales in its block (d, and m / dmin where it has one).
 SCALE_OFFSETS = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spillway.kernels.cpu.ops import CpuOps, LastDerived
 from spillway.kernels.decode_attention import paged_decode_attention_ref
-from spillway.kernels.ops import LastDerived, TorchOps
 from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.paged_cases import dense_attention, make_paged_batch
 
@@ -63,7 +63,7 @@ def test_torch_ops_paged_attention_matches_dense(q_lens: list[int]) -> None:
         q_lens, [3, 33, 20], q_heads=6, kv_heads=2, head_dim=32, block_size=16, seed=3
     )
     out = torch.full_like(batch.q, float("nan"))
-    returned = TorchOps().paged_attention(
+    returned = CpuOps().paged_attention(
         batch.q,
         batch.k_cache,
         batch.v_cache,
@@ -81,7 +81,7 @@ def test_torch_ops_matches_dense_in_bfloat16() -> None:
     batch = make_paged_batch(
         [4, 1], [10, 30], q_heads=6, kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16
     )
-    out = TorchOps().paged_attention(
+    out = CpuOps().paged_attention(
         batch.q,
         batch.k_cache,
         batch.v_cache,
@@ -117,7 +117,7 @@ def test_padded_prefill_matches_dense(group: int) -> None:
     prefill = torch.tensor([t for t in range(23) if t != 18])  # every token but the decode row's
     torch.testing.assert_close(out[prefill].double(), ref[prefill], rtol=0, atol=2e-6)
     assert out[18].isnan().all()  # rows not asked for are left alone
-    whole = TorchOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
+    whole = CpuOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
     torch.testing.assert_close(whole.double(), ref, rtol=0, atol=2e-6)
 
 
@@ -131,17 +131,17 @@ def test_padded_prefill_declines_rows_of_very_different_lengths() -> None:
         batch.q, *args, batch.query_start, SCALE, out=out, rows=[0, 1]
     )
     assert out.isnan().all()
-    whole = TorchOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
+    whole = CpuOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
     torch.testing.assert_close(whole.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
 
 
 def test_torch_ops_decode_follows_tables_rewritten_in_place() -> None:
-    # One TorchOps serves layer after layer and step after step: what it derives from the
+    # One CpuOps serves layer after layer and step after step: what it derives from the
     # block tables must follow their contents, even when a caller rewrites the same tensors.
     shape = dict(q_heads=6, kv_heads=2, head_dim=32, block_size=16)
     first = make_paged_batch([1, 1, 1], [20, 7, 33], seed=1, **shape)
     second = make_paged_batch([1, 1, 1], [21, 8, 34], seed=2, **shape)
-    ops = TorchOps()
+    ops = CpuOps()
     tables, lens = first.block_tables.clone(), first.context_lens.clone()
     for batch in (first, first, second):  # two layers of one step, then the next step
         tables.copy_(batch.block_tables)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from spillway.kernels import cpu_matvec
-from spillway.kernels.cpu_matvec import HAS_BLOCKS, HAS_F32, MAX_BLOCK_ROWS, MatvecKernels
+from spillway.kernels.cpu import matvec as matvec_module
+from spillway.kernels.cpu.matvec import HAS_BLOCKS, HAS_F32, MAX_BLOCK_ROWS, MatvecKernels
 from tests.kernels.gguf_blocks import block_weight, random_blocks, reference
+from tests.kernels.native_paths import avx2_matvec
 
 BLOCKS = ["q4_0", "q5_0", "q4_k", "q5_k", "q6_k"]
 HALVES = ["f16", "bf16"]
@@ -23,7 +24,7 @@ HALF_SHAPES = [(131, 77), (4 * 33, 512), (67, 1001), (5, 3)]
 
 @pytest.fixture(scope="module")
 def matvec(tmp_path_factory) -> MatvecKernels:
-    kernels = cpu_matvec.load(tmp_path_factory.mktemp("matvec"))
+    kernels = matvec_module.load(tmp_path_factory.mktemp("matvec"))
     if kernels is None or not kernels.features & HAS_BLOCKS or not kernels.features & HAS_F32:
         pytest.skip("block or float32 kernel not built (needs AVX2, FMA and F16C)")
     return kernels
@@ -93,17 +94,7 @@ def random_halves_all(rng: np.random.Generator) -> np.ndarray:
 def test_an_avx2_build_gives_its_float32_kernels_outputs(tmp_path):
     """The 8-lane loops of a CPU without AVX-512 (each block dequantized, then summed as
     that build's linear_f32 sums), built and run here."""
-    from spillway.kernels import cpu_native
-    from spillway.kernels.cpu_info import cpu_flags
-
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX2, FMA and F16C")
-    flags = cpu_native.compile_flags()  # AVX2 + FMA + F16C, no AVX-512
-    assert not any(f.startswith("-mavx512") for f in flags)
-    library = cpu_native.build(cpu_matvec.SOURCE, flags, tmp_path)
-    if library is None:
-        pytest.skip("no C compiler here")
-    avx2 = MatvecKernels(library)
+    avx2 = avx2_matvec(tmp_path)
     for i, kind in enumerate(BLOCKS + HALVES):
         n, k = BLOCK_SHAPES[1] if kind in BLOCKS else HALF_SHAPES[0]
         _check(avx2, kind, n, k, seed=i)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import cpu_argmax
+from spillway.kernels.cpu import argmax as argmax_module
 from tests.kernels.native_paths import isa_kernel
 
 NAN, INF = float("nan"), float("inf")
@@ -14,12 +14,12 @@ NAN, INF = float("nan"), float("inf")
 WIDTHS = [1, 7, 16, 33, 64, 100, 255, 256, 257, 1000, 49152]
 
 
-@pytest.fixture(scope="module", params=list(cpu_argmax.ISAS))
-def argmax(request, tmp_path_factory) -> cpu_argmax.NativeArgmax:
-    return isa_kernel(cpu_argmax, request.param, tmp_path_factory)
+@pytest.fixture(scope="module", params=list(argmax_module.ISAS))
+def argmax(request, tmp_path_factory) -> argmax_module.NativeArgmax:
+    return isa_kernel(argmax_module, request.param, tmp_path_factory)
 
 
-def _same(argmax: cpu_argmax.NativeArgmax, logits: torch.Tensor) -> None:
+def _same(argmax: argmax_module.NativeArgmax, logits: torch.Tensor) -> None:
     got = argmax(logits)
     assert got.dtype == torch.int64 and got.shape == logits.shape[:1]
     assert torch.equal(got, logits.argmax(dim=-1))
@@ -69,4 +69,4 @@ def test_rows_of_a_wider_tensor_and_other_layouts(argmax):
     _same(argmax, wide.t())  # not unit stride along the row: torch's own argmax
     _same(argmax, wide.double())
     _same(argmax, torch.empty(0, 3000))
-    assert not cpu_argmax.fits(wide.t()) and not cpu_argmax.fits(torch.empty(4, 0))
+    assert not argmax_module.fits(wide.t()) and not argmax_module.fits(torch.empty(4, 0))

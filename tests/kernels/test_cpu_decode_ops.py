@@ -6,21 +6,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels import cpu_decode_ops
+from spillway.kernels.cpu import decode_ops
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.kv_store import store_kv_ref
-from spillway.kernels.ops import TorchOps
 from spillway.kernels.rmsnorm import fused_add_rms_norm_ref
 from spillway.kernels.rotary import rope_cache, rotary_ref
+from tests.kernels.native_paths import built
 
 EPS = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> cpu_decode_ops.DecodeOps:
-    kernels = cpu_decode_ops.load(tmp_path_factory.mktemp("decode_ops"))
-    if kernels is None:
-        pytest.skip("no C compiler here")
-    return kernels
+def ops(tmp_path_factory) -> decode_ops.DecodeOps:
+    return built(decode_ops.load(tmp_path_factory.mktemp("decode_ops")))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 300])  # 300: split over threads
@@ -85,7 +83,7 @@ def test_silu_mul_matches_float64(ops, rows):
 
 
 def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkeypatch):
-    torch_ops = TorchOps(native_dir=tmp_path)
+    torch_ops = CpuOps(native_dir=tmp_path)
     if torch_ops.decode_ops is None:
         pytest.skip("no C compiler here")
     torch_path: list[str] = []
@@ -95,7 +93,7 @@ def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkey
             torch_path.append(name)
             return fn(*args, **kwargs)
 
-        monkeypatch.setattr(f"spillway.kernels.ops.{name}", wrapper)
+        monkeypatch.setattr(f"spillway.kernels.cpu.ops.{name}", wrapper)
 
     counted("fused_add_rms_norm_ref", fused_add_rms_norm_ref)
     counted("store_kv_ref", store_kv_ref)
@@ -121,7 +119,7 @@ def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkey
 
 
 def test_the_int8_mode_takes_the_native_path_at_any_row_count(tmp_path, monkeypatch):
-    int8_ops = TorchOps(native_dir=tmp_path, quantize="int8")
+    int8_ops = CpuOps(native_dir=tmp_path, quantize="int8")
     if int8_ops.decode_ops is None:
         pytest.skip("no C compiler here")
     torch_path: list[str] = []
@@ -130,7 +128,7 @@ def test_the_int8_mode_takes_the_native_path_at_any_row_count(tmp_path, monkeypa
         torch_path.append("fused_add_rms_norm_ref")
         return fused_add_rms_norm_ref(*args, **kwargs)
 
-    monkeypatch.setattr("spillway.kernels.ops.fused_add_rms_norm_ref", counted)
+    monkeypatch.setattr("spillway.kernels.cpu.ops.fused_add_rms_norm_ref", counted)
     g = torch.Generator().manual_seed(6)
     rows = 19
     x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)

@@ -7,18 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import cpu_matmul_q8, cpu_matvec, cpu_native
-from spillway.kernels.cpu_info import INT8_DOTS, has_amx_int8, int8_dots
-from spillway.kernels.cpu_matvec import MAX_ROWS, Q8_BLOCK, quantize_q8
-from spillway.kernels.linear import Int8Linear, int8_available
+from spillway.kernels.cpu import matmul_q8, native
+from spillway.kernels.cpu import matvec as matvec_module
+from spillway.kernels.cpu.info import INT8_DOTS, has_amx_int8, int8_dots
+from spillway.kernels.cpu.linear import Int8Linear, int8_available
+from spillway.kernels.cpu.matvec import MAX_ROWS, Q8_BLOCK, quantize_q8
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict[str, cpu_matmul_q8.MatmulQ8Kernels]:
+def builds(tmp_path_factory) -> dict[str, matmul_q8.MatmulQ8Kernels]:
     """The kernel built with each 8-bit dot product this CPU runs (the best one first),
     without the AMX tile path."""
     folder = tmp_path_factory.mktemp("matmul_q8")
-    found = {dot: cpu_matmul_q8.load(folder, dot, amx=False) for dot in int8_dots()}
+    found = {dot: matmul_q8.load(folder, dot, amx=False) for dot in int8_dots()}
     found = {dot: k for dot, k in found.items() if k is not None and k.int8_dot == dot}
     if not found:
         pytest.skip("no compiler or no AVX2 here: the native int8 product is not built")
@@ -27,13 +28,13 @@ def builds(tmp_path_factory) -> dict[str, cpu_matmul_q8.MatmulQ8Kernels]:
 
 
 @pytest.fixture(scope="module")
-def tiles(builds, tmp_path_factory) -> cpu_matmul_q8.MatmulQ8Kernels:
+def tiles(builds, tmp_path_factory) -> matmul_q8.MatmulQ8Kernels:
     """The kernel with its AMX tile path, where this CPU, compiler and Linux allow it."""
     if not has_amx_int8():
         pytest.skip("this CPU has no AMX int8 (or no AVX-512 VNNI beside it)")
-    if not cpu_native.compiler_accepts(*cpu_matmul_q8.AMX_FLAGS):
+    if not native.compiler_accepts(*matmul_q8.AMX_FLAGS):
         pytest.skip("this C compiler does not know -mamx-tile -mamx-int8")
-    kernels = cpu_matmul_q8.load(tmp_path_factory.mktemp("matmul_q8_amx"))
+    kernels = matmul_q8.load(tmp_path_factory.mktemp("matmul_q8_amx"))
     assert kernels is not None and kernels.int8_dot == "avx512_vnni"
     if not kernels.amx:
         pytest.skip("Linux did not grant the AMX tile state (a kernel before 5.16?)")
@@ -46,7 +47,7 @@ AMX_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (80, 192)]
 
 
 @pytest.fixture(scope="module")
-def amx_weights() -> tuple[int, list[tuple[cpu_matmul_q8.PackedQ8, torch.Tensor]]]:
+def amx_weights() -> tuple[int, list[tuple[matmul_q8.PackedQ8, torch.Tensor]]]:
     """Fresh weights of AMX_SHAPES (quantized and packed once for every row count), with
     their seed."""
     seed = torch.seed()
@@ -54,7 +55,7 @@ def amx_weights() -> tuple[int, list[tuple[cpu_matmul_q8.PackedQ8, torch.Tensor]
     weights = []
     for n, k in AMX_SHAPES:
         q8 = quantize_q8(torch.randn(n, k, generator=g) * 0.05)
-        weights.append((cpu_matmul_q8.pack(q8), q8.q.double() * q8.scales.double()[:, None]))
+        weights.append((matmul_q8.pack(q8), q8.q.double() * q8.scales.double()[:, None]))
     return seed, weights
 
 
@@ -86,7 +87,7 @@ def test_amx_tiles_give_the_vnni_outputs_to_the_bit(builds, tiles, amx_weights, 
 def test_amx_tiles_give_the_vnni_outputs_at_the_lm_head(builds, tiles):
     """SmolLM2's lm_head (49152 outputs): many group pairs split over the threads."""
     g = torch.Generator().manual_seed(7)
-    packed = cpu_matmul_q8.pack(quantize_q8(torch.randn(49152, 576, generator=g) * 0.05))
+    packed = matmul_q8.pack(quantize_q8(torch.randn(49152, 576, generator=g) * 0.05))
     for rows in (17, 64):
         x = torch.randn(rows, 576, generator=g)
         want = builds["avx512_vnni"].linear(x, packed, None)
@@ -99,7 +100,7 @@ def test_amx_needs_the_cpu_flags_and_is_built_only_when_asked():
     assert has_amx_int8(frozenset(base | amx | {"avx512_vnni"}))
     assert not has_amx_int8(frozenset(base | {"avx512_vnni", "amx_tile"}))
     assert not has_amx_int8(frozenset(base | amx))  # no AVX-512 VNNI for the epilogue
-    assert not set(cpu_matmul_q8.AMX_FLAGS) & set(cpu_matmul_q8.compile_flags(amx=False))
+    assert not set(matmul_q8.AMX_FLAGS) & set(matmul_q8.compile_flags(amx=False))
 
 
 def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ def test_rows_are_the_float64_product_of_their_quantized_operands(builds, dot, r
     x[-1, 64:128] = 0.0  # an all-zero block
     bias = torch.randn(n, generator=g)
     q8 = quantize_q8(w)
-    packed = cpu_matmul_q8.pack(q8)
+    packed = matmul_q8.pack(q8)
     assert builds[dot].fits(x, packed, bias)
     got = builds[dot].linear(x, packed, bias).double()
     dense = q8.q.double() * q8.scales.double()[:, None]
@@ -149,33 +150,33 @@ def test_every_dot_product_gives_the_same_outputs(builds):
         pytest.skip("this CPU runs one 8-bit dot product only")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(7, 576, generator=g)
-    packed = cpu_matmul_q8.pack(quantize_q8(torch.randn(96, 576, generator=g)))
+    packed = matmul_q8.pack(quantize_q8(torch.randn(96, 576, generator=g)))
     outs = [k.linear(x, packed, None) for k in builds.values()]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_pack_lays_out_sixteen_outputs_four_values_at_a_time():
     q8 = quantize_q8(torch.randn(32, 128))
-    packed = cpu_matmul_q8.pack(q8)
+    packed = matmul_q8.pack(q8)
     assert packed.shape == (32, 128)
     # group 1, values 4..7: outputs 16..31 side by side
     assert torch.equal(packed.packed[1, 1], q8.q[16:32, 4:8])
     sums = q8.q[16:32, 64:128].sum(dim=1, dtype=torch.int32)
     assert torch.equal(packed.neg[1, 1], -128 * sums)
-    assert cpu_matmul_q8.packable((32, 128))
-    assert not cpu_matmul_q8.packable((24, 128))  # N % 16
-    assert not cpu_matmul_q8.packable((32, 96))  # K % 64
+    assert matmul_q8.packable((32, 128))
+    assert not matmul_q8.packable((24, 128))  # N % 16
+    assert not matmul_q8.packable((32, 96))  # K % 64
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
 def test_int8_linear_sends_batches_to_the_native_product(builds, tmp_path):
     matmul = next(iter(builds.values()))
-    matvec = cpu_matvec.load(tmp_path)
+    matvec = matvec_module.load(tmp_path)
     int8 = Int8Linear(matvec=matvec, matmul=matmul)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(64, 128, generator=g), torch.randn(64, generator=g)
     x = torch.randn(MAX_ROWS + 3, 128, generator=g)
-    packed = cpu_matmul_q8.pack(quantize_q8(w))
+    packed = matmul_q8.pack(quantize_q8(w))
     assert torch.equal(int8(x, w, b), matmul.linear(x, packed, b))
     assert len(int8) == 0  # nothing packed for fbgemm
     if matvec is not None:  # a few rows stream the weight instead
@@ -189,8 +190,8 @@ def test_int8_linear_sends_batches_to_the_native_product(builds, tmp_path):
 
 
 def test_serving_takes_the_kernel_only_where_it_beats_fbgemm(tmp_path):
-    from spillway.kernels.cpu_info import int8_dot
+    from spillway.kernels.cpu.info import int8_dot
 
-    kernels = cpu_matmul_q8.load_faster(tmp_path)
-    fast = int8_dot() in cpu_matmul_q8.FASTER_THAN_FBGEMM
-    assert (kernels is not None) == (fast and cpu_matmul_q8.load(tmp_path) is not None)
+    kernels = matmul_q8.load_faster(tmp_path)
+    fast = int8_dot() in matmul_q8.FASTER_THAN_FBGEMM
+    assert (kernels is not None) == (fast and matmul_q8.load(tmp_path) is not None)

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import cpu_matvec
-from spillway.kernels.cpu_info import INT8_DOTS, int8_dot, int8_dots
-from spillway.kernels.cpu_matvec import (
+from spillway.kernels.cpu import matvec as matvec_module
+from spillway.kernels.cpu.info import INT8_DOTS, int8_dot, int8_dots
+from spillway.kernels.cpu.linear import (
+    Int8Linear,
+    PackedLinear,
+    int8_available,
+    onednn_packing_available,
+)
+from spillway.kernels.cpu.matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
     HAS_F32,
@@ -19,20 +25,13 @@ from spillway.kernels.cpu_matvec import (
     IntegerBlocks,
     quantize_q8,
 )
-from spillway.kernels.linear import (
-    Int8Linear,
-    PackedLinear,
-    int8_available,
-    onednn_packing_available,
-)
+from tests.kernels.native_paths import avx2_matvec, built
 
 
 @pytest.fixture(scope="module")
-def matvec(tmp_path_factory) -> cpu_matvec.MatvecKernels:
-    kernels = cpu_matvec.load(tmp_path_factory.mktemp("matvec"))
-    if kernels is None:
-        pytest.skip("no compiler or no AVX2 here: the native projections are not built")
-    return kernels
+def matvec(tmp_path_factory) -> matvec_module.MatvecKernels:
+    kernels = matvec_module.load(tmp_path_factory.mktemp("matvec"))
+    return built(kernels, "no compiler or no AVX2 here: the native projections are not built")
 
 
 def _problem(rows: int, n: int, k: int, seed: int):
@@ -125,7 +124,7 @@ def test_int8_linear_sends_few_rows_to_the_native_kernel(matvec):
 def test_tune_keeps_the_faster_threading_choice(matvec):
     import time
 
-    from spillway.kernels.cpu_matvec import PARALLEL_MIN_BYTES_CHOICES
+    from spillway.kernels.cpu.matvec import PARALLEL_MIN_BYTES_CHOICES
 
     for fast in PARALLEL_MIN_BYTES_CHOICES:
         seen = []
@@ -189,17 +188,7 @@ def test_blocks_equal_the_float32_kernel_on_fresh_weights(matvec, kind, k):
 def test_an_avx2_build_reads_blocks_as_its_float32_kernel(tmp_path):
     """The 8-lane loops a CPU without AVX-512 runs, built and run here: the same bits as
     that build's float32 kernel."""
-    from spillway.kernels import cpu_native
-    from spillway.kernels.cpu_info import cpu_flags
-
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX2, FMA and F16C")
-    flags = cpu_native.compile_flags()  # AVX2 + FMA + F16C, no AVX-512
-    assert not any(f.startswith("-mavx512") for f in flags)
-    library = cpu_native.build(cpu_matvec.SOURCE, flags, tmp_path)
-    if library is None:
-        pytest.skip("no C compiler here")
-    avx2 = cpu_matvec.MatvecKernels(library)
+    avx2 = avx2_matvec(tmp_path)
     g = torch.Generator().manual_seed(4)
     for kind in ("q4_1", "q8_0"):
         blocks, dense = _quantized_blocks(kind, 4 * 65, 40 * 32, g)
@@ -224,10 +213,10 @@ def test_blocks_refuse_what_they_do_not_read(matvec):
 
 
 @pytest.fixture(scope="module")
-def dot_builds(tmp_path_factory) -> dict[str, cpu_matvec.MatvecKernels]:
+def dot_builds(tmp_path_factory) -> dict[str, matvec_module.MatvecKernels]:
     """The kernels built with each 8-bit dot product this CPU runs (the best one first)."""
     folder = tmp_path_factory.mktemp("dots")
-    builds = {dot: cpu_matvec.load(folder, dot) for dot in int8_dots()}
+    builds = {dot: matvec_module.load(folder, dot) for dot in int8_dots()}
     return {dot: k for dot, k in builds.items() if k is not None and k.int8_dot == dot}
 
 
@@ -305,7 +294,7 @@ def test_int8_linear_reads_the_files_blocks_with_integer_products(matvec):
     int8(x, dense)  # more rows than the native kernels take: fbgemm
     assert len(int8) == 1
     other = torch.randn(96, 128, generator=g)  # no blocks: the int8 kernel
-    assert isinstance(int8.few_row_form(x[:1], other, None), cpu_matvec.Q8Weight)
+    assert isinstance(int8.few_row_form(x[:1], other, None), matvec_module.Q8Weight)
 
 
 def test_the_best_dot_product_a_cpu_has_is_chosen():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import cpu_noise
+from spillway.kernels.cpu import noise
 from spillway.services.worker.noise import as_int32, exponential_noise, noise_keys, uniform_noise
 from tests.kernels.native_paths import isa_kernel
 
@@ -14,9 +14,9 @@ from tests.kernels.native_paths import isa_kernel
 WIDTHS = [1, 7, 16, 17, 1000, 8191, 8193, 49152, 151936]
 
 
-@pytest.fixture(scope="module", params=list(cpu_noise.ISAS))
-def uniforms(request, tmp_path_factory) -> cpu_noise.NativeUniforms:
-    return isa_kernel(cpu_noise, request.param, tmp_path_factory)
+@pytest.fixture(scope="module", params=list(noise.ISAS))
+def uniforms(request, tmp_path_factory) -> noise.NativeUniforms:
+    return isa_kernel(noise, request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

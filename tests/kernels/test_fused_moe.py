@@ -68,17 +68,13 @@ def test_default_blocks_and_widths_off_the_tile_grid(device) -> None:
     _check(x, *_weights(torch.float32, device, h=40, i=24), ids, weights)
 
 
-def test_triton_ops_runs_the_kernel(device, monkeypatch) -> None:
-    import spillway.kernels.fused_moe as fused_moe
-
-    calls = []
-    original = fused_moe.fused_experts
-    monkeypatch.setattr(fused_moe, "fused_experts", lambda *a: calls.append(1) or original(*a))
+def test_triton_ops_runs_the_kernel(device) -> None:
+    ops = TritonOps()
+    assert ops.fused_experts is fused_experts  # the kernel's launcher itself
     ids, weights = _routing(_random_ids(3, 2), device)
     x = torch.randn(3, H).to(device)
     w_gate_up, w_down = _weights(torch.float32, device)
-    out = TritonOps().fused_experts(x, w_gate_up, w_down, ids, weights)
-    assert calls == [1]
+    out = ops.fused_experts(x, w_gate_up, w_down, ids, weights)
     ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
 

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from spillway.kernels import linear as linear_module
-from spillway.kernels.linear import (
+from spillway.kernels.cpu import linear as linear_module
+from spillway.kernels.cpu.linear import (
     CPU_TRANSPOSED_BELOW,
     FORMS,
     ONEDNN,

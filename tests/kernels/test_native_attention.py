@@ -6,18 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import cpu_native
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu import native as native_module
+from spillway.kernels.cpu.ops import CpuOps
 from tests.kernels.paged_cases import dense_attention, make_paged_batch, nan_like
 
 SCALE = 0.125
-
-
-@pytest.fixture(scope="module")
-def native(tmp_path_factory) -> cpu_native.NativeKernels:
-    kernels = cpu_native.load(tmp_path_factory.mktemp("native"))
-    assert kernels is not None, "the native kernels did not build (is a C compiler installed?)"
-    return kernels
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 have unrolled copies
@@ -54,7 +47,7 @@ def test_torch_ops_decode_takes_the_native_path_and_agrees_with_the_gather(nativ
         [1] * 6, [1, 17, 33, 5, 80, 16], q_heads=9, kv_heads=3, head_dim=64, block_size=16
     )
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, SCALE)
-    ops, plain = TorchOps(native=native), TorchOps(native=None)
+    ops, plain = CpuOps(native=native), CpuOps(native=None)
     fast = ops.paged_decode_attention(*args)
     torch.testing.assert_close(fast, plain.paged_decode_attention(*args), rtol=0, atol=1e-6)
     torch.testing.assert_close(fast.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
@@ -68,13 +61,13 @@ def test_torch_ops_mixed_batches_take_the_native_path(native, monkeypatch) -> No
     def no_gather(*args, **kwargs):
         raise AssertionError("a float32 cache's prefill rows went through the gather")
 
-    monkeypatch.setattr("spillway.kernels.ops.padded_prefill_attention", no_gather)
-    monkeypatch.setattr("spillway.kernels.ops.paged_prefill_attention_ref", no_gather)
+    monkeypatch.setattr("spillway.kernels.cpu.ops.padded_prefill_attention", no_gather)
+    monkeypatch.setattr("spillway.kernels.cpu.ops.paged_prefill_attention_ref", no_gather)
     # prompts, a decode row, an extend past a cached prefix; unowned slots hold NaN
     batch = make_paged_batch(
         [12, 1, 9, 40], [12, 40, 45, 40], q_heads=9, kv_heads=3, head_dim=64, block_size=16
     )
-    out = TorchOps(native=native).paged_attention(
+    out = CpuOps(native=native).paged_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
         batch.query_start, SCALE,
     )  # fmt: skip
@@ -82,9 +75,9 @@ def test_torch_ops_mixed_batches_take_the_native_path(native, monkeypatch) -> No
 
 
 def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
-    assert cpu_native.load(tmp_path / "no-compiler") is None
-    ops = TorchOps(native_dir=tmp_path / "no-compiler")
+    monkeypatch.setattr(native_module.shutil, "which", lambda name: None)
+    assert native_module.load(tmp_path / "no-compiler") is None
+    ops = CpuOps(native_dir=tmp_path / "no-compiler")
     assert ops.native is None
     batch = make_paged_batch([1, 1], [3, 20], q_heads=4, kv_heads=2, head_dim=32, block_size=16)
     out = ops.paged_decode_attention(
@@ -94,9 +87,9 @@ def test_without_a_compiler_the_torch_path_serves(tmp_path, monkeypatch) -> None
 
 
 def test_a_build_is_kept_per_source_and_cpu(tmp_path) -> None:
-    assert cpu_native.load(tmp_path) is not None
+    assert native_module.load(tmp_path) is not None
     (library,) = (tmp_path / "native").glob("*/libspillway_native.so")
     built = library.stat().st_mtime_ns
-    cpu_native._loaded.clear()  # a new process: finds the library, builds nothing
-    assert cpu_native.load(tmp_path) is not None
+    native_module._loaded.clear()  # a new process: finds the library, builds nothing
+    assert native_module.load(tmp_path) is not None
     assert library.stat().st_mtime_ns == built

@@ -10,34 +10,28 @@ import dataclasses
 import pytest
 import torch
 
-from spillway.kernels import cpu_decode_ops, cpu_native
+from spillway.kernels.cpu import decode_ops
+from spillway.kernels.cpu import native as native_module
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.kv_store import store_kv_ref
-from spillway.kernels.ops import TorchOps
 from tests.kernels.paged_cases import PagedBatch, dense_attention, make_paged_batch, nan_like
 
 SCALE = 0.125
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> cpu_native.NativeKernels:
-    kernels = cpu_native.load(tmp_path_factory.mktemp("native"))
-    assert kernels is not None, "the native kernels did not build (is a C compiler installed?)"
-    return kernels
-
-
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory) -> cpu_native.NativeKernels:
+def portable(tmp_path_factory) -> native_module.NativeKernels:
     """The same source built without AVX-512: the loops a CPU without it runs."""
-    library = cpu_native.build(
-        cpu_native.SOURCE, cpu_native.compile_flags(), tmp_path_factory.mktemp("portable")
+    library = native_module.build(
+        native_module.SOURCE, native_module.compile_flags(), tmp_path_factory.mktemp("portable")
     )
     assert library is not None, "the native kernels did not build (is a C compiler installed?)"
-    return cpu_native.NativeKernels(library)
+    return native_module.NativeKernels(library)
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> cpu_decode_ops.DecodeOps:
-    kernels = cpu_decode_ops.load(tmp_path_factory.mktemp("decode_ops"))
+def ops(tmp_path_factory) -> decode_ops.DecodeOps:
+    kernels = decode_ops.load(tmp_path_factory.mktemp("decode_ops"))
     assert kernels is not None, "the native operations did not build (is a C compiler installed?)"
     return kernels
 
@@ -92,7 +86,7 @@ def test_the_portable_loops_read_a_bf16_cache_too(portable, head_dim):
 
 
 def test_decode_and_mixed_steps_equal_the_torch_path(native, monkeypatch):
-    ops, plain = TorchOps(native=native), TorchOps(native=None)
+    ops, plain = CpuOps(native=native), CpuOps(native=None)
     decode = bf16_batch(
         make_paged_batch(
             [1] * 6, [1, 17, 33, 5, 80, 16], q_heads=9, kv_heads=3, head_dim=64, block_size=16,
@@ -117,8 +111,8 @@ def test_decode_and_mixed_steps_equal_the_torch_path(native, monkeypatch):
     def no_gather(*a, **k):
         raise AssertionError("a bfloat16 cache's prefill rows went through the gather")
 
-    monkeypatch.setattr("spillway.kernels.ops.padded_prefill_attention", no_gather)
-    monkeypatch.setattr("spillway.kernels.ops.paged_prefill_attention_ref", no_gather)
+    monkeypatch.setattr("spillway.kernels.cpu.ops.padded_prefill_attention", no_gather)
+    monkeypatch.setattr("spillway.kernels.cpu.ops.paged_prefill_attention_ref", no_gather)
     got = ops.paged_attention(*args, SCALE)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     torch.testing.assert_close(got.double(), dense_attention(mixed, SCALE), rtol=0, atol=2e-6)
@@ -161,13 +155,13 @@ def test_kv_store_rounds_to_bf16_as_torch_does(ops, tokens):
 
 
 def test_torch_ops_store_into_a_bf16_cache_natively(ops, tmp_path, monkeypatch):
-    torch_ops = TorchOps(native_dir=tmp_path)
+    torch_ops = CpuOps(native_dir=tmp_path)
     assert torch_ops.decode_ops is not None
 
     def counted(*a, **kw):
         raise AssertionError("the torch store ran for a bfloat16 cache")
 
-    monkeypatch.setattr("spillway.kernels.ops.store_kv_ref", counted)
+    monkeypatch.setattr("spillway.kernels.cpu.ops.store_kv_ref", counted)
     k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     cache_k, cache_v = (torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16) for _ in range(2))
     torch_ops.store_kv(k, v, cache_k, cache_v, torch.tensor([0, 3, 9, 15, 2]))

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spillway.kernels.ops import TorchOps, TritonOps, select_ops
+from spillway.kernels.cpu.ops import CpuOps
+from spillway.kernels.ops import TritonOps, select_ops
 from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 SCALE = 0.125
@@ -18,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_select_ops_picks_torch_off_cuda() -> None:
-    assert isinstance(select_ops("auto", "cpu"), TorchOps)
-    assert isinstance(select_ops("torch", torch.device("cpu")), TorchOps)
+    assert isinstance(select_ops("auto", "cpu"), CpuOps)
+    assert isinstance(select_ops("torch", torch.device("cpu")), CpuOps)
     assert select_ops().name == "torch"
 
 
@@ -73,10 +74,10 @@ def test_triton_and_torch_backends_agree(device: torch.device, q_lens: list[int]
     new_k = torch.randn((starts[-1], 2, 32), generator=gen).to(device)
     new_v = torch.randn((starts[-1], 2, 32), generator=gen).to(device)
 
-    ref = _step(TorchOps(), batch, new_k, new_v, slots_t, None)
+    ref = _step(CpuOps(), batch, new_k, new_v, slots_t, None)
     out = _step(TritonOps(), batch, new_k, new_v, slots_t, nan_like(batch.q))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    stale = _step(TorchOps(), batch, new_k[:0], new_v[:0], slots_t[:0], None)
+    stale = _step(CpuOps(), batch, new_k[:0], new_v[:0], slots_t[:0], None)
     assert not torch.allclose(stale, ref), "the stored tokens must change the result"
 
 
@@ -85,7 +86,7 @@ def test_decode_fast_path_agrees(device: torch.device) -> None:
         [1, 1], [70, 5], q_heads=6, kv_heads=2, head_dim=32, block_size=32, device=device
     )
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, SCALE)
-    ref = TorchOps().paged_decode_attention(*args)
+    ref = CpuOps().paged_decode_attention(*args)
     out = TritonOps().paged_decode_attention(*args, out=nan_like(batch.q), max_context_len=70)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -97,7 +98,7 @@ def test_norm_and_rotary_methods_agree(device: torch.device) -> None:
     x = torch.randn((3, 48), generator=gen).to(device)
     residual = torch.randn((3, 48), generator=gen).to(device)
     weight = torch.randn(48, generator=gen).to(device)
-    torch_ops, triton_ops = TorchOps(), TritonOps()
+    torch_ops, triton_ops = CpuOps(), TritonOps()
     torch.testing.assert_close(
         triton_ops.rms_norm(x, weight, 1e-6), torch_ops.rms_norm(x, weight, 1e-6)
     )

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from spillway.kernels import cpu_matvec
-from spillway.kernels.cpu_matvec import (
+from spillway.kernels.cpu import matvec as matvec_module
+from spillway.kernels.cpu.linear import PackedLinear
+from spillway.kernels.cpu.matvec import (
     BLOCK_CODES,
     BLOCK_SHAPES,
     BLOCK_TYPES,
@@ -19,24 +20,22 @@ from spillway.kernels.cpu_matvec import (
     MAX_ROWS,
     BlockWeight,
 )
-from spillway.kernels.linear import PackedLinear
-from spillway.kernels.quantized_weight import (
+from spillway.kernels.cpu.quantized_weight import (
     QuantizedWeight,
     TiledProduct,
     dequantize,
     embedding,
 )
 from tests.kernels.gguf_blocks import block_weight, random_blocks, reference
+from tests.kernels.native_paths import built, matvec_built
 
 KINDS = sorted(BLOCK_CODES)
 
 
 @pytest.fixture(scope="module")
-def matvec(tmp_path_factory) -> cpu_matvec.MatvecKernels:
-    kernels = cpu_matvec.load(tmp_path_factory.mktemp("matvec"))
-    if kernels is None:
-        pytest.skip("no compiler or no AVX2 here: the native kernels are not built")
-    return kernels
+def matvec(tmp_path_factory) -> matvec_module.MatvecKernels:
+    kernels = matvec_module.load(tmp_path_factory.mktemp("matvec"))
+    return built(kernels, "no compiler or no AVX2 here: the native kernels are not built")
 
 
 def test_block_shapes_are_gguf_pys():
@@ -152,9 +151,9 @@ def test_each_segment_of_several_formats_takes_the_fused_kernel_where_it_reads_i
         pytest.skip("float32 kernel not built")
     weight, dense = _mixed(np.random.default_rng(5), 512)
     calls = []
-    real = cpu_matvec.MatvecKernels.linear_blocks
+    real = matvec_module.MatvecKernels.linear_blocks
     monkeypatch.setattr(
-        cpu_matvec.MatvecKernels,
+        matvec_module.MatvecKernels,
         "linear_blocks",
         lambda self, x, w, b: calls.append(w.kind) or real(self, x, w, b),
     )
@@ -197,14 +196,11 @@ def test_segments_of_different_widths_or_unknown_formats_are_refused():
 def test_a_build_without_vector_instructions_dequantizes_the_same(tmp_path):
     """The plain C loops (Q4_1 and Q8_0 otherwise take the AVX2 conversion of the fused
     kernels), built and run here: gguf-py's values to the bit for every format."""
-    from spillway.kernels import cpu_native
+    from spillway.kernels.cpu import native as native_module
 
-    flags = [f for f in cpu_native.compile_flags() if not f.startswith("-m")]
-    library = cpu_native.build(cpu_matvec.SOURCE, flags, tmp_path)
-    if library is None:
-        pytest.skip("no C compiler here")
-    plain = cpu_matvec.MatvecKernels(library)
-    assert plain.features == cpu_matvec.HAS_DEQUANT  # nothing else without vector units
+    flags = [f for f in native_module.compile_flags() if not f.startswith("-m")]
+    plain = matvec_built(flags, tmp_path)
+    assert plain.features == matvec_module.HAS_DEQUANT  # nothing else without vector units
     rng = np.random.default_rng(7)
     for kind in KINDS:
         data = random_blocks(rng, 70, 512, kind)

@@ -1,5 +1,5 @@
 """The recurrent decode steps' torch references against transformers' own functions, and the
-CPU path (`TorchOps`) against the references."""
+CPU path (`CpuOps`) against the references."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
 from spillway.kernels import ssm_reference
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.ssm_reference import (
     causal_conv1d_update_ref,
     gated_delta_rule_step_ref,
@@ -111,7 +111,7 @@ def test_cpu_conv_matches_reference(layout: str) -> None:
     before = pool.clone()
     got: list[torch.Tensor] = []
     paths = _paths_after(
-        lambda: got.append(TorchOps().causal_conv1d_update(x, pool, weight, bias, slots))
+        lambda: got.append(CpuOps().causal_conv1d_update(x, pool, weight, bias, slots))
     )
     assert paths == {"view" if layout == "contiguous" else "gather": 1}
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
@@ -130,7 +130,7 @@ def test_cpu_ssm_matches_reference(layout: str, with_z: bool) -> None:
     before = pool.clone()
     got: list[torch.Tensor] = []
     paths = _paths_after(
-        lambda: got.append(TorchOps().selective_state_update(pool, x, dt, a, b, c, slots, **kw))
+        lambda: got.append(CpuOps().selective_state_update(pool, x, dt, a, b, c, slots, **kw))
     )
     assert paths == {"view" if layout == "contiguous" else "gather": 1}
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
@@ -149,7 +149,7 @@ def test_cpu_delta_matches_reference(layout: str, l2norm: bool) -> None:
     before = pool.clone()
     got: list[torch.Tensor] = []
     paths = _paths_after(
-        lambda: got.append(TorchOps().gated_delta_rule_step(q, k, v, g, beta, pool, slots, **kw))
+        lambda: got.append(CpuOps().gated_delta_rule_step(q, k, v, g, beta, pool, slots, **kw))
     )
     assert paths == {"view" if layout == "contiguous" else "gather": 1}
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
@@ -162,7 +162,7 @@ def test_cpu_path_in_bfloat16_keeps_a_float32_state() -> None:
     pool, x, dt, a, b, c, d, _, z = ssm_case(len(slots), 4, 8, 1, 16, torch.bfloat16)
     ref_pool = pool.clone()
     expected = selective_state_update_ref(ref_pool, x, dt, a, b, c, slots, D=d, z=z)
-    out = TorchOps().selective_state_update(pool, x, dt, a, b, c, slots, D=d, z=z)
+    out = CpuOps().selective_state_update(pool, x, dt, a, b, c, slots, D=d, z=z)
     assert out.dtype == torch.bfloat16 and pool.dtype == F32
     torch.testing.assert_close(out, expected, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(pool, ref_pool, rtol=2e-2, atol=2e-2)
@@ -172,12 +172,12 @@ def test_a_step_of_padding_rows_only_changes_nothing() -> None:
     slots = torch.full((3,), -1, dtype=torch.int64)
     x, pool, weight, bias = conv_case(3, 8, 4, F32)
     before = pool.clone()
-    out = TorchOps().causal_conv1d_update(x, pool, weight, bias, slots)
+    out = CpuOps().causal_conv1d_update(x, pool, weight, bias, slots)
     assert torch.equal(pool, before) and not out.any()
 
 
 def test_bad_inputs_get_clear_errors() -> None:
-    ops = TorchOps()
+    ops = CpuOps()
     x, pool, weight, bias = conv_case(2, 8, 4, F32)
     with pytest.raises(AssertionError, match="outside a pool"):
         ops.causal_conv1d_update(x, pool, weight, bias, torch.tensor([0, NUM_SLOTS]))
@@ -205,7 +205,7 @@ def test_a_pool_that_is_not_contiguous_takes_the_gather_path() -> None:
     expected = gated_delta_rule_step_ref(q, k, v, g, beta, pool, slots)
     got: list[torch.Tensor] = []
     paths = _paths_after(
-        lambda: got.append(TorchOps().gated_delta_rule_step(q, k, v, g, beta, view, slots))
+        lambda: got.append(CpuOps().gated_delta_rule_step(q, k, v, g, beta, view, slots))
     )
     assert paths == {"gather": 1}
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)

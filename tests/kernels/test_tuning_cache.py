@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.kernels import cpu_matvec, tuning_cache
+from spillway.kernels.cpu import matvec, tuning_cache
+from tests.kernels.native_paths import built
 
 
 @pytest.fixture
 def kernels(tmp_path_factory):
-    loaded = cpu_matvec.load(tmp_path_factory.mktemp("matvec"))
-    if loaded is None:
-        pytest.skip("no C compiler here, or this CPU has none of the few-row kernels' paths")
-    return loaded
+    loaded = matvec.load(tmp_path_factory.mktemp("matvec"))
+    return built(loaded, "no C compiler here, or this CPU has none of the few-row kernels' paths")
 
 
 def test_a_decision_is_timed_once_and_read_back(kernels, tmp_path):
@@ -24,8 +23,8 @@ def test_a_decision_is_timed_once_and_read_back(kernels, tmp_path):
         calls.append(kernels.parallel_min_bytes)
 
     first = kernels.tune(run, rounds=2, workload=["none", "(576, 576)"])
-    assert first in cpu_matvec.PARALLEL_MIN_BYTES_CHOICES
-    assert len(calls) == 2 * len(cpu_matvec.PARALLEL_MIN_BYTES_CHOICES)
+    assert first in matvec.PARALLEL_MIN_BYTES_CHOICES
+    assert len(calls) == 2 * len(matvec.PARALLEL_MIN_BYTES_CHOICES)
     files = list((tmp_path / "tuning").glob("matvec-threads-*.json"))
     assert len(files) == 1
     # Another start (a fresh choice set first) takes the stored decision without timing.

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spillway.kernels.cpu_info import cpu_flags, cpu_model
+from spillway.kernels.cpu.info import cpu_flags, cpu_model
 
 # Flags that change which CPU kernels can run (AVX-512, bfloat16 / int8 dot products, AMX).
 FLAGS_OF_INTEREST = (

@@ -21,8 +21,7 @@ from typing import Protocol
 
 import torch
 
-from spillway.kernels.ops import KernelOps
-from spillway.kernels.quantized_weight import Weight
+from spillway.kernels.ops import KernelOps, Weight
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.layers.rope import rope_tables
 from spillway.services.worker.layers.window_attention import windowed_paged_attention

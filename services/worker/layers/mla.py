@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from spillway.kernels.ops import KernelOps, TorchOps
-from spillway.kernels.quantized_weight import Weight
+from spillway.kernels.cpu.ops import CpuOps
+from spillway.kernels.ops import KernelOps, Weight
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.layers.attention import paged_attend
 from spillway.services.worker.layers.rope import rope_tables, yarn_mscale
@@ -118,11 +118,12 @@ class LatentAttention:
             # DeepSeek's softmax scale takes YaRN's magnitude correction squared.
             self.scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
         # The Triton kernels take power-of-two head widths; a latent's (kv_lora_rank + rope
-        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the plain torch ops,
-        # which read lengths back to the host: no decode CUDA graphs for such a model.
+        # dim: 576 for DeepSeek-V3) seldom is. Its attention then runs the CPU backend's plain
+        # torch path (any device runs it), which reads lengths back to the host: no decode
+        # CUDA graphs for such a model.
         width = config.head_dim
         self.latent_ops: KernelOps = (
-            TorchOps(native=None) if ops.name != "torch" and width & (width - 1) else ops
+            CpuOps(native=None) if ops.name != "torch" and width & (width - 1) else ops
         )
 
     def forward(

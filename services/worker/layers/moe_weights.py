@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spillway.kernels.quantized_weight import Weight
+from spillway.kernels.cpu.quantized_weight import Weight
 from spillway.services.worker.layers.moe import MoEWeights
 from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS
 from spillway.shared.model_config import ModelConfig

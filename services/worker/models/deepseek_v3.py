@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spillway.kernels.quantized_weight import Weight, dequantize
+from spillway.kernels.cpu.quantized_weight import Weight, dequantize
 from spillway.services.worker.layers.mla import MLAWeights, q_width
 from spillway.services.worker.layers.moe_weights import ExpertLayout
 from spillway.services.worker.models.family import Family, refuse_options

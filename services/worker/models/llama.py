@@ -25,7 +25,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels.cpu_decode_layers import Geometry, LayerTensors
+from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors
+from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.forward_batch import ForwardBatch
@@ -38,7 +39,7 @@ from spillway.services.worker.weights import LayerWeights, ModelWeights
 from spillway.shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
-# Rows of warm_up's second pass: more than the few-row kernels take (cpu_matvec.MAX_ROWS).
+# Rows of warm_up's second pass: more than the few-row kernels take (kernels.cpu.matvec.MAX_ROWS).
 WARM_UP_ROWS = 8
 
 
@@ -89,9 +90,11 @@ class LlamaModel:
             if config.embedding_scale == 1.0
             else torch.tensor(config.embedding_scale).to(weights.device, weights.dtype)
         )
-        use_blocks = getattr(ops, "use_source_blocks", None)
-        if use_blocks is not None and weights.blocks:
-            use_blocks(weights.blocks)
+        # What only the CPU backend does (tuning, the file's blocks, verify rows): None here
+        # on any other backend.
+        self.cpu_ops = ops if isinstance(ops, CpuAbilities) else None
+        if self.cpu_ops is not None and weights.blocks:
+            self.cpu_ops.use_source_blocks(weights.blocks)
 
     @property
     def device(self) -> torch.device:
@@ -115,30 +118,28 @@ class LlamaModel:
                 for rows in (1, WARM_UP_ROWS):
                     x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
                     self.ops.linear(x, weight)
-        tune = getattr(self.ops, "tune_few_rows", None)
-        if tune is not None and self.device.type == "cpu":
-            choice = tune(projections)
-            if choice is not None:
-                log.info("few-row projections: one thread below %d KiB of weights", choice >> 10)
-        forms = getattr(self.ops, "tune_many_rows", None)
-        if forms is not None and self.device.type == "cpu":
-            chosen = forms(projections)
-            if chosen:
-                log.info("many-row projections: %s", ", ".join(
-                    f"{'x'.join(map(str, shape))} {form}" for shape, form in chosen.items()
-                ))  # fmt: skip
+        if self.cpu_ops is None or self.device.type != "cpu":
+            return
+        choice = self.cpu_ops.tune_few_rows(projections)
+        if choice is not None:
+            log.info("few-row projections: one thread below %d KiB of weights", choice >> 10)
+        chosen = self.cpu_ops.tune_many_rows(projections)
+        if chosen:
+            log.info("many-row projections: %s", ", ".join(
+                f"{'x'.join(map(str, shape))} {form}" for shape, form in chosen.items()
+            ))  # fmt: skip
 
     def verify_rows(self) -> int | None:
         """Positions of one sequence a decode step computes each as a step of that token
         alone would (the native few-row path, weights read once for all): a speculative
         verify of more may round differently. None: no such bound here."""
-        rows = getattr(self.ops, "verify_rows", None)
-        if rows is None or not self.plain or self.device.type != "cpu":
+        if self.cpu_ops is None or not self.plain or self.device.type != "cpu":
             return None
         w = self.weights
         layers = [(x.qkv, x.o, x.gate_up, x.down) for x in w.layers]
+        projections = [t for group in layers for t in group if t is not None] + [w.lm_head]
         with torch.inference_mode():
-            return rows([t for group in layers for t in group if t is not None] + [w.lm_head])
+            return self.cpu_ops.verify_rows(projections)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is

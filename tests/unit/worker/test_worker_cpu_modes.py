@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from spillway.kernels.linear import FORMS
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.linear import FORMS
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker import loader
 from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.quality import perplexity
@@ -43,7 +43,7 @@ def test_perplexity_equals_transformers_on_the_same_weights(runner, tiny_llama_d
 def test_int8_projections_change_outputs_a_little(runner):
     exact = perplexity(runner.model, TEXT)
     m = runner.model
-    quantized = LlamaModel(m.config, m.weights, TorchOps(quantize="int8"))
+    quantized = LlamaModel(m.config, m.weights, CpuOps(quantize="int8"))
     got = perplexity(quantized, TEXT)
     assert got != exact and abs(got / exact - 1) < 0.25
     with pytest.raises(ValueError, match="perplexity needs at least two tokens"):
@@ -52,7 +52,7 @@ def test_int8_projections_change_outputs_a_little(runner):
 
 def test_warm_up_makes_the_int8_many_row_forms_too(runner):
     m = runner.model
-    ops = TorchOps(quantize="int8")
+    ops = CpuOps(quantize="int8")
     LlamaModel(m.config, m.weights, ops).warm_up()
     projections = 4 * m.config.num_layers + 1  # qkv, o, gate_up, down; the lm_head
     linear = ops._linear
@@ -63,7 +63,7 @@ def test_warm_up_makes_the_int8_many_row_forms_too(runner):
 
 def test_warm_up_keeps_one_many_row_form_per_exact_projection(runner):
     m = runner.model
-    ops = TorchOps()
+    ops = CpuOps()
     LlamaModel(m.config, m.weights, ops).warm_up()
     w = m.weights
     projections = [p for x in w.layers for p in (x.qkv, x.o, x.gate_up, x.down)] + [w.lm_head]

@@ -1,4 +1,4 @@
-"""The one-call layer loop of few-row decode steps (`kernels.cpu_decode_layers`) against the
+"""The one-call layer loop of few-row decode steps (`kernels.cpu.decode_layers`) against the
 layer-by-layer loop over the same native kernels: the same logits and caches to the bit."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from spillway.kernels import cpu_matvec
-from spillway.kernels.cpu_decode_layers import Geometry
-from spillway.kernels.cpu_matvec import BlockWeight
-from spillway.kernels.ops import TorchOps
-from spillway.kernels.quantized_weight import QuantizedWeight
+from spillway.kernels.cpu import matvec
+from spillway.kernels.cpu.decode_layers import Geometry
+from spillway.kernels.cpu.matvec import BlockWeight
+from spillway.kernels.cpu.ops import CpuOps
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 from spillway.services.worker.kv_cache import KVCache
 from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.runner import ModelRunner
@@ -74,7 +74,7 @@ def block_weights(weights):
 def _runner(
     weights, quantize: str, at_once: bool, kv_dtype: torch.dtype = torch.float32
 ) -> ModelRunner:
-    ops = TorchOps(quantize=quantize)
+    ops = CpuOps(quantize=quantize)
     if ops._decode_layers is None:
         pytest.skip("native kernels not built here (no compiler or no AVX2)")
     if not at_once:
@@ -118,7 +118,7 @@ def _steps(runner: ModelRunner, rows: int) -> tuple[list[list[int]], torch.Tenso
 
 
 @pytest.mark.parametrize("quantize", ["none", "int8"])
-@pytest.mark.parametrize("rows", [1, cpu_matvec.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, matvec.MAX_ROWS])
 def test_one_call_equals_the_layer_loop_to_the_bit(weights, quantize, rows, monkeypatch):
     loop = _runner(weights, quantize, at_once=False)
     once = _runner(weights, quantize, at_once=True)
@@ -148,8 +148,8 @@ def test_a_bf16_cache_one_call_equals_the_layer_loop_to_the_bit(weights, quantiz
     monkeypatch.setattr(
         once.model.ops._decode_layers, "run", lambda *a: calls.append(1) or real(*a)
     )
-    want_tokens, want_logits = _steps(loop, cpu_matvec.MAX_ROWS)
-    got_tokens, got_logits = _steps(once, cpu_matvec.MAX_ROWS)
+    want_tokens, want_logits = _steps(loop, matvec.MAX_ROWS)
+    got_tokens, got_logits = _steps(once, matvec.MAX_ROWS)
     assert calls and len(calls) >= 5  # every decode step went through it
     assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
     for a, b in zip(
@@ -157,20 +157,20 @@ def test_a_bf16_cache_one_call_equals_the_layer_loop_to_the_bit(weights, quantiz
     ):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
     # Against a float32 cache: close, yet not the same numbers (the cache did round).
-    _, exact_logits = _steps(_runner(weights, quantize, at_once=True), cpu_matvec.MAX_ROWS)
+    _, exact_logits = _steps(_runner(weights, quantize, at_once=True), matvec.MAX_ROWS)
     error = float((got_logits - exact_logits).norm() / exact_logits.norm())
     assert 0 < error < 5e-2, error  # int8 activations amplify a change: 2.5% seen
 
 
 def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, monkeypatch):
-    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+    if not matvec.load().features & matvec.HAS_BLOCKS:
         pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
     dense = copy.copy(block_weights)
     dense.blocks = []  # the same float32 values, read as float32
     read = []
-    real = cpu_matvec.MatvecKernels.linear_blocks
+    real = matvec.MatvecKernels.linear_blocks
     monkeypatch.setattr(
-        cpu_matvec.MatvecKernels, "linear_blocks", lambda *a: read.append(1) or real(*a)
+        matvec.MatvecKernels, "linear_blocks", lambda *a: read.append(1) or real(*a)
     )
     want_tokens, want_logits = _steps(_runner(dense, "none", at_once=False), 2)
     assert not read
@@ -209,11 +209,11 @@ def segment_weights(weights):
     return w
 
 
-@pytest.mark.parametrize("rows", [1, cpu_matvec.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, matvec.MAX_ROWS])
 def test_a_projection_of_several_block_formats_goes_through_the_one_call_loop(
     segment_weights, rows, monkeypatch
 ):
-    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+    if not matvec.load().features & matvec.HAS_BLOCKS:
         pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
     once = _runner(segment_weights, "none", at_once=True)
     taken = []
@@ -237,7 +237,7 @@ def test_more_rows_than_the_native_path_takes_loop_in_python(weights, monkeypatc
     monkeypatch.setattr(
         once.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
     )
-    _steps(once, cpu_matvec.MAX_ROWS + 1)
+    _steps(once, matvec.MAX_ROWS + 1)
     assert taken and all(r is None for r in taken)  # asked, declined, and the loop served
 
 
@@ -259,12 +259,12 @@ def test_a_bad_position_or_slot_raises_as_the_layer_loop_does(weights, position,
 def test_int8_reads_the_model_files_blocks_with_integer_products(block_weights, monkeypatch):
     """--quantize int8 on a model with blocks: the one-call loop reads every projection's
     blocks with integer products, equal to the layer loop's calls to the bit."""
-    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS_Q8:
+    if not matvec.load().features & matvec.HAS_BLOCKS_Q8:
         pytest.skip("integer block kernel not built (needs AVX2, FMA and F16C)")
     read = []
-    real = cpu_matvec.MatvecKernels.linear_blocks_q8
+    real = matvec.MatvecKernels.linear_blocks_q8
     monkeypatch.setattr(
-        cpu_matvec.MatvecKernels, "linear_blocks_q8", lambda *a: read.append(1) or real(*a)
+        matvec.MatvecKernels, "linear_blocks_q8", lambda *a: read.append(1) or real(*a)
     )
     loop_tokens, loop_logits = _steps(_runner(block_weights, "int8", at_once=False), 2)
     assert read  # the layer loop read the blocks (and the lm_head's)
@@ -298,8 +298,8 @@ def _verify_logits(runner: ModelRunner, tokens: list[int], at_once: bool) -> tor
 
 @pytest.mark.parametrize(
     ("quantize", "rows"),
-    [("none", 2), ("none", cpu_matvec.MAX_ROWS + 1), ("none", cpu_matvec.MAX_BLOCK_ROWS),
-     ("int8", cpu_matvec.MAX_ROWS)],
+    [("none", 2), ("none", matvec.MAX_ROWS + 1), ("none", matvec.MAX_BLOCK_ROWS),
+     ("int8", matvec.MAX_ROWS)],
 )  # fmt: skip
 def test_a_verify_step_equals_one_token_steps_to_the_bit(
     block_weights, quantize, rows, monkeypatch
@@ -308,8 +308,8 @@ def test_a_verify_step_equals_one_token_steps_to_the_bit(
     (each weight block read once for all of them, up to MAX_BLOCK_ROWS in float32), and
     each position's logits are those of a step of that token alone: greedy outputs with
     drafts are the ones without."""
-    feature = cpu_matvec.HAS_BLOCKS if quantize == "none" else cpu_matvec.HAS_BLOCKS_Q8
-    if not cpu_matvec.load().features & feature:
+    feature = matvec.HAS_BLOCKS if quantize == "none" else matvec.HAS_BLOCKS_Q8
+    if not matvec.load().features & feature:
         pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
     tokens = [(5 * i + 17) % 256 for i in range(rows)]
     single = _verify_logits(_runner(block_weights, quantize, at_once=True), tokens, False)
@@ -328,9 +328,9 @@ def test_a_verify_step_equals_one_token_steps_to_the_bit(
 def test_the_worker_says_how_many_positions_it_verifies_exactly(weights, block_weights):
     """What `WorkerInfo.max_verify_tokens` reports: the rows of the native one-call path
     (more in float32 over the file's blocks, whose kernel converts each block once)."""
-    if not cpu_matvec.load().features & cpu_matvec.HAS_BLOCKS:
+    if not matvec.load().features & matvec.HAS_BLOCKS:
         pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
-    assert _runner(block_weights, "none", True).max_verify_tokens == cpu_matvec.MAX_BLOCK_ROWS
-    assert _runner(block_weights, "int8", True).max_verify_tokens == cpu_matvec.MAX_ROWS
-    assert _runner(weights, "none", True).max_verify_tokens == cpu_matvec.MAX_ROWS
+    assert _runner(block_weights, "none", True).max_verify_tokens == matvec.MAX_BLOCK_ROWS
+    assert _runner(block_weights, "int8", True).max_verify_tokens == matvec.MAX_ROWS
+    assert _runner(weights, "none", True).max_verify_tokens == matvec.MAX_ROWS
     assert _runner(weights, "none", False).max_verify_tokens == 0  # no native path: no bound

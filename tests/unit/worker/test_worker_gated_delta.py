@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spillway.kernels import ssm_reference
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.layers import delta_scan, gated_delta
 from spillway.services.worker.layers.gated_delta import (
     GatedDeltaWeights,
@@ -67,7 +67,7 @@ def _step(ops, config, w, pool, rows: list[torch.Tensor], slots, fresh) -> torch
 
 def _run(config, layer, seqs: list[torch.Tensor], slots: list[int], pool=None):
     """Prefill in two chunks, then decode one token at a time: every token's output."""
-    ops = TorchOps(native=None)
+    ops = CpuOps(native=None)
     w = _weights(layer)
     pool = pool or _pool(config, 8)
     prompt = [s.shape[0] - DECODE_STEPS for s in seqs]
@@ -146,7 +146,7 @@ def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
     monkeypatch.setattr(delta_scan, "use_kernel", lambda t: kernel)
     config, layer = qwen3_next
     w = _weights(layer)
-    ops = TorchOps(native=None)
+    ops = CpuOps(native=None)
     gen = torch.Generator().manual_seed(5)
     rows = [torch.randn(n, config.hidden_size, generator=gen) for n in (1, 7, 3)]
     slots = torch.tensor([5, 1, 3])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from spillway.kernels.quantized_weight import QuantizedWeight
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 from spillway.services.worker.loader import GGUF_TENSOR_TYPES
 from spillway.services.worker.runner import load_runner
 from spillway.services.worker.weights import ModelWeights

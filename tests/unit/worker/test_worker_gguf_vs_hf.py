@@ -108,7 +108,7 @@ def test_projections_and_embedding_are_kept_only_in_the_files_blocks(runner, hf_
     """No float32 copy of a block-typed weight after load: every projection and the tied
     embedding is the file's blocks (rows permuted and fused as transformers' weights
     are), and they dequantize to transformers' weights of the same file bit for bit."""
-    from spillway.kernels.quantized_weight import QuantizedWeight, dequantize
+    from spillway.kernels.cpu.quantized_weight import QuantizedWeight, dequantize
 
     w, c = runner.model.weights, runner.model.config
     assert w.lm_head is w.embed

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spillway.kernels import ssm_reference
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
 from spillway.services.worker.models.hybrid import HybridModel
@@ -40,7 +40,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
     config = load_model_config(resolve_model(str(folder)))
     assert config.moe is not None
     assert all(config.moe.sparse_layers) == (request.param != "qwen3_next_dense")
-    model = load_hybrid_model(folder, config, TorchOps(native=None))
+    model = load_hybrid_model(folder, config, CpuOps(native=None))
     return model, load_reference(folder)
 
 
@@ -140,7 +140,7 @@ def test_granite_without_rope_equals_transformers(tmp_path) -> None:
     )
     config = load_model_config(resolve_model(str(folder)))
     assert config.hybrid is not None and not config.hybrid.rope
-    model, ref = load_hybrid_model(folder, config, TorchOps(native=None)), load_reference(folder)
+    model, ref = load_hybrid_model(folder, config, CpuOps(native=None)), load_reference(folder)
     kv = KVCache(model.config, 64, BS, torch.float32, torch.device("cpu"))
     rows = [(p, 0) for p in PROMPTS]
     with torch.inference_mode():

@@ -8,7 +8,7 @@ import torch
 
 from bench.ssd_scan import weights
 from spillway.kernels import ssm_reference
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.layers import mamba2, ssd_scan
 from spillway.services.worker.layers.mamba2 import mamba2_dims, mamba2_mixer
 from spillway.services.worker.models.registry import load_model_config
@@ -54,7 +54,7 @@ def _step(ops, config, w, pool, rows: list[torch.Tensor], slots, fresh):
 
 def _run(config, layer, seqs: list[torch.Tensor], slots: list[int], pool=None):
     """Prefill in two chunks, then decode one token at a time: every token's output."""
-    ops = TorchOps(native=None)
+    ops = CpuOps(native=None)
     w = weights(layer)
     pool = pool or _pool(config.hybrid, 8)
     prompt = [s.shape[0] - DECODE_STEPS for s in seqs]
@@ -145,7 +145,7 @@ def test_the_chunked_scan_equals_the_step_kernels_and_snapshots_the_same_states(
     config, layer = granite
     c = config.hybrid
     w = weights(layer)
-    ops = TorchOps(native=None)
+    ops = CpuOps(native=None)
     gen = torch.Generator().manual_seed(5)
     rows = [torch.randn(n, config.hidden_size, generator=gen) for n in (1, 6, 3)]
     slots = torch.tensor([5, 1, 3])

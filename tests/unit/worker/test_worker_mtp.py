@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels.ops import TorchOps
+from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
 from spillway.services.worker.loader import load_model
@@ -108,7 +108,7 @@ def test_mtp_layer_over_the_paged_cache_equals_transformers(mtp_dir):
         resolve_model(str(folder)), torch.device("cpu"), torch.float32, mtp=True
     )
     assert weights.mtp is not None
-    model = LlamaModel(config, weights, TorchOps(native=None))
+    model = LlamaModel(config, weights, CpuOps(native=None))
     num_blocks = (len(PROMPT) + BLOCK - 1) // BLOCK
     cache = MtpCache(KVCache(config, num_blocks, BLOCK, torch.float32, torch.device("cpu")))
     next_tokens = torch.tensor(PROMPT[1:])

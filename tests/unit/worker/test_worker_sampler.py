@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import cpu_argmax, cpu_noise
+from spillway.kernels.cpu import argmax as argmax_module
+from spillway.kernels.cpu import noise
 from spillway.services.worker import sampler
 from spillway.services.worker.sampler import RowSampling, filtered_probs, process_logits, sample
 from spillway.shared.protocol import SamplingParams
+from tests.kernels.native_paths import built
 
 VOCAB = 1000
 
@@ -180,11 +182,8 @@ def test_top_p_widens_its_candidates_step_by_step_as_a_full_sort_would(monkeypat
 
 
 @pytest.fixture(scope="module")
-def native_argmax(tmp_path_factory) -> cpu_argmax.NativeArgmax:
-    kernel = cpu_argmax.load(tmp_path_factory.mktemp("argmax"))
-    if kernel is None:
-        pytest.skip("no C compiler here")
-    return kernel
+def native_argmax(tmp_path_factory) -> argmax_module.NativeArgmax:
+    return built(argmax_module.load(tmp_path_factory.mktemp("argmax")))
 
 
 def test_plain_greedy_rows_take_one_argmax_of_the_logits_themselves():
@@ -247,11 +246,8 @@ def test_the_native_argmax_samples_every_kind_of_row_as_torch_does(native_argmax
 
 
 @pytest.fixture(scope="module")
-def native_uniforms(tmp_path_factory) -> cpu_noise.NativeUniforms:
-    kernel = cpu_noise.load(tmp_path_factory.mktemp("noise"))
-    if kernel is None:
-        pytest.skip("no C compiler here")
-    return kernel
+def native_uniforms(tmp_path_factory) -> noise.NativeUniforms:
+    return built(noise.load(tmp_path_factory.mktemp("noise")))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

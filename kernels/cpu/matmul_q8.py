@@ -1,15 +1,15 @@
-"""Native int8 products of many rows (`native/matmul_q8.c`), for `--quantize int8` at batch.
+"""Native int8 products of many rows (`csrc/matmul_q8.c`), for `--quantize int8` at batch.
 
-At one to four rows the int8 mode streams weights (`kernels.cpu_matvec`); above that it went
+At one to four rows the int8 mode streams weights (`kernels.cpu.matvec`); above that it went
 to fbgemm's dynamic int8 linear, which quantizes x with one scale per call (per row after
-`Int8Linear`'s division) in 7 bits. `linear_q8_rows` is `cpu_matvec.linear_q8`'s arithmetic
+`Int8Linear`'s division) in 7 bits. `linear_q8_rows` is `matvec.linear_q8`'s arithmetic
 for any number of rows: int8 weights with one scale per output row, x quantized here per
 block of 64 values in 8 bits, products summed as int32 with VNNI's dpbusd, on weights packed
 once so that each instruction gives 16 outputs' sums (matmul_q8.c says how). Its outputs are
 the same to the bit on every 8-bit dot product a CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2).
 
 Where the CPU has AMX int8 tiles (and the compiler knows them, and Linux grants the tile
-state), 16 rows and more run on the tile unit (`native/matmul_q8_amx.h`): the packed layout
+state), 16 rows and more run on the tile unit (`csrc/matmul_q8_amx.h`): the packed layout
 is AMX's B tile as it is, the int32 block sums are the same integers and the float steps
 the same, so the outputs are the VNNI path's to the bit.
 
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels import cpu_native
-from spillway.kernels.cpu_info import has_amx_int8
-from spillway.kernels.cpu_matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
-from spillway.kernels.cpu_matvec import compile_flags as matvec_flags
+from spillway.kernels.cpu import native
+from spillway.kernels.cpu.info import has_amx_int8
+from spillway.kernels.cpu.matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
+from spillway.kernels.cpu.matvec import compile_flags as matvec_flags
 
-SOURCE = Path(__file__).with_name("native") / "matmul_q8.c"
+SOURCE = Path(__file__).with_name("csrc") / "matmul_q8.c"
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 # Outputs per packed group (COLS in matmul_q8.c): N must be a multiple of it.
 GROUP = 16
@@ -81,7 +81,7 @@ def pack(weight: Q8Weight) -> PackedQ8:
 class MatmulQ8Kernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         library.matmul_q8_dot.restype = ctypes.c_int
-        # The instruction the integer products use (a name of cpu_info.INT8_DOTS).
+        # The instruction the integer products use (a name of info.INT8_DOTS).
         self.int8_dot = INT8_DOT_CODES.get(int(library.matmul_q8_dot()))
         library.matmul_q8_amx.restype = ctypes.c_int
         library.matmul_q8_amx_init.restype = ctypes.c_int
@@ -129,18 +129,18 @@ class MatmulQ8Kernels:
 
 
 def compile_flags(dot: str | None = None, amx: bool = True) -> list[str]:
-    """`cpu_matvec`'s flags for `dot`, and AMX's where asked for, this CPU has AMX int8, the
+    """`matvec`'s flags for `dot`, and AMX's where asked for, this CPU has AMX int8, the
     dot product is AVX-512 VNNI (the tile path's epilogue and tail) and the compiler knows
     them."""
     flags = matvec_flags(dot)
     wide = "-mavx512vnni" in flags
-    if amx and wide and has_amx_int8() and cpu_native.compiler_accepts(*AMX_FLAGS):
+    if amx and wide and has_amx_int8() and native.compiler_accepts(*AMX_FLAGS):
         flags += AMX_FLAGS
     return flags
 
 
 def load(
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR,
+    cache_dir: str | Path = native.DEFAULT_CACHE_DIR,
     dot: str | None = None,
     amx: bool = True,
 ) -> MatmulQ8Kernels | None:
@@ -148,7 +148,7 @@ def load(
     this CPU has) and, unless `amx` is False, the AMX tile path where this CPU, compiler and
     kernel allow it (`MatmulQ8Kernels.amx`); None where it cannot be built here or this CPU
     lacks AVX2 and FMA."""
-    library = cpu_native.build(SOURCE, compile_flags(dot, amx), cache_dir)
+    library = native.build(SOURCE, compile_flags(dot, amx), cache_dir)
     if library is None:
         return None
     kernels = MatmulQ8Kernels(library)
@@ -156,7 +156,7 @@ def load(
 
 
 def load_faster(
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, amx: bool = True
+    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, amx: bool = True
 ) -> MatmulQ8Kernels | None:
     """The kernel where this CPU's best dot product makes it faster than fbgemm
     (FASTER_THAN_FBGEMM), else None."""

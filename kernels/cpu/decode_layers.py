@@ -1,4 +1,4 @@
-"""Every decoder layer of a few-row decode step in one native call (`native/decode_layers.c`).
+"""Every decoder layer of a few-row decode step in one native call (`csrc/decode_layers.c`).
 
 A batch-1 step of SmolLM2-135M makes some 330 calls from Python into the native kernels
 (121 projections, 60 norms, 30 each of rotary, KV store, attention and SwiGLU gate), each
@@ -8,14 +8,14 @@ one C loop, in the same order on the same buffers, so the results are the per-ca
 to the bit (the tests hold them equal).
 
 `DecodeLayers.run` takes a step only when every piece would have gone native call by
-call: at most `cpu_matvec.MAX_ROWS` rows of one token each, float32 activations, a float32
+call: at most `matvec.MAX_ROWS` rows of one token each, float32 activations, a float32
 or bfloat16 cache (the KV store and attention of that kind are handed in),
 and every projection's weight in the form the native few-row kernel takes (float32 or the
 model file's blocks of its values, or row segments of blocks of several formats; under
 `--quantize int8` the file's blocks read with integer products, or int8); otherwise it
 returns None and the caller loops in Python.
 Where every projection reads the file's blocks as float32 it takes up to
-`cpu_matvec.MAX_BLOCK_ROWS` rows (a speculative verify's positions): each row's results
+`matvec.MAX_BLOCK_ROWS` rows (a speculative verify's positions): each row's results
 are then those of a one-row step to the bit, as every kernel here computes a row alone.
 """
 
@@ -29,19 +29,26 @@ from typing import Protocol
 
 import torch
 
-from spillway.kernels import cpu_matvec, cpu_native
-from spillway.kernels.cpu_decode_ops import DecodeOps
-from spillway.kernels.cpu_matvec import (
+from spillway.kernels.cpu.decode_ops import DecodeOps
+from spillway.kernels.cpu.matvec import (
     BLOCK_TYPES,
+    MAX_BLOCK_ROWS,
+    MAX_ROWS,
     BlockWeight,
     IntegerBlocks,
     MatvecKernels,
     Q8Weight,
 )
-from spillway.kernels.cpu_native import NativeKernels
-from spillway.kernels.quantized_weight import QuantizedWeight
+from spillway.kernels.cpu.native import (
+    CACHE_DTYPES,
+    DEFAULT_CACHE_DIR,
+    NativeKernels,
+    build,
+    compile_flags,
+)
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 
-SOURCE = Path(__file__).with_name("native") / "decode_layers.c"
+SOURCE = Path(__file__).with_name("csrc") / "decode_layers.c"
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # decode_layers' return code // -100 -> what failed, raised as the per-call path raises it
 _FAILURES: dict[int, tuple[type[Exception], str]] = {
@@ -100,7 +107,7 @@ class LayerTensors(Protocol):
 
 
 class FewRowLinear(Protocol):
-    """The projection path (`kernels.linear.PackedLinear` or `Int8Linear`)."""
+    """The projection path (`kernels.cpu.linear.PackedLinear` or `Int8Linear`)."""
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -216,9 +223,9 @@ class DecodeLayers:
     ) -> bool:
         return (
             x.dim() == 2
-            and 0 < x.shape[0] <= max(cpu_matvec.MAX_ROWS, cpu_matvec.MAX_BLOCK_ROWS)
+            and 0 < x.shape[0] <= max(MAX_ROWS, MAX_BLOCK_ROWS)
             and x.dtype == cos_table.dtype == torch.float32
-            and k_cache.dtype in cpu_native.CACHE_DTYPES
+            and k_cache.dtype in CACHE_DTYPES
             and x.is_contiguous()
             and all(t.device.type == "cpu" for t in (x, positions, slots, k_cache))
             and positions.dtype == slots.dtype == torch.int64
@@ -277,7 +284,7 @@ class DecodeLayers:
                 projection, segments = _projection(form, bias)
                 setattr(entry, name, projection)
                 keep += [form, bias, segments]
-        max_rows = cpu_matvec.MAX_BLOCK_ROWS if all_blocks else cpu_matvec.MAX_ROWS
+        max_rows = MAX_BLOCK_ROWS if all_blocks else MAX_ROWS
         self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, max_rows)
         return self._prepared
 
@@ -313,11 +320,11 @@ def load(
     matvec: MatvecKernels | None,
     ops: DecodeOps | None,
     native: NativeKernels | None,
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR,
+    cache_dir: str | Path = DEFAULT_CACHE_DIR,
 ) -> DecodeLayers | None:
     """The one-call layer loop over these kernels; None where any of them, or it, is not
     built here."""
     if matvec is None or ops is None or native is None:
         return None
-    library = cpu_native.build(SOURCE, cpu_native.compile_flags(), cache_dir)
+    library = build(SOURCE, compile_flags(), cache_dir)
     return None if library is None else DecodeLayers(library, matvec, ops, native)

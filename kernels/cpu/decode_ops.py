@@ -1,4 +1,4 @@
-"""The elementwise operations of a step in one native call each (`native/decode_ops.c`):
+"""The elementwise operations of a step in one native call each (`csrc/decode_ops.c`):
 norms, rotary, KV store and the SwiGLU gate.
 
 At one row the torch path dispatches some 25 small operators per layer for these (a few
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels import cpu_matvec, cpu_native
-from spillway.kernels.cpu_native import address_of
+from spillway.kernels.cpu import matvec, native
+from spillway.kernels.cpu.native import address_of
 
-SOURCE = Path(__file__).with_name("native") / "decode_ops.c"
-# The one-call decode loop's row limit (`cpu_decode_layers`); these operations take any.
-MAX_ROWS = cpu_matvec.MAX_ROWS
+SOURCE = Path(__file__).with_name("csrc") / "decode_ops.c"
+# The one-call decode loop's row limit (`decode_layers`); these operations take any.
+MAX_ROWS = matvec.MAX_ROWS
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The cache dtypes `store_kv` writes (from float32 rows).
 STORE_DTYPES = (torch.float32, torch.bfloat16)
@@ -34,7 +34,7 @@ STORE_DTYPES = (torch.float32, torch.bfloat16)
 
 def compile_flags() -> list[str]:
     # Rotary must round like the torch path: no a * b - c * d contracted into one FMA.
-    return [*cpu_matvec.compile_flags(), "-ffp-contract=off"]
+    return [*matvec.compile_flags(), "-ffp-contract=off"]
 
 
 def fits(rows: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -56,7 +56,7 @@ class DecodeOps:
         self._silu_mul = _fn(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
 
     def addresses(self) -> dict[str, int | None]:
-        """The operations' entry points, for native callers (`cpu_decode_layers`)."""
+        """The operations' entry points, for native callers (`decode_layers`)."""
         fns = {
             "add_rms_norm": self._norm,
             "rotary": self._rotary,
@@ -150,7 +150,7 @@ def _fn(fn: ctypes._CFuncPtr, restype: type | None, argtypes: list) -> ctypes._C
     return fn
 
 
-def load(cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR) -> DecodeOps | None:
+def load(cache_dir: str | Path = native.DEFAULT_CACHE_DIR) -> DecodeOps | None:
     """The operations, built on first use; None where they cannot be built here."""
-    library = cpu_native.build(SOURCE, compile_flags(), cache_dir)
+    library = native.build(SOURCE, compile_flags(), cache_dir)
     return None if library is None else DecodeOps(library)

@@ -1,4 +1,4 @@
-"""Each row's argmax over float32 [S, V] CPU logits in native code (`native/argmax.c`):
+"""Each row's argmax over float32 [S, V] CPU logits in native code (`csrc/argmax.c`):
 what greedy sampling and the exponential race take every step.
 
 torch's CPU argmax keeps an index beside every value it compares: measured on the 2-core
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels import cpu_native
-from spillway.kernels.cpu_info import cpu_flags
+from spillway.kernels.cpu import native
+from spillway.kernels.cpu.info import cpu_flags
 
-SOURCE = Path(__file__).with_name("native") / "argmax.c"
+SOURCE = Path(__file__).with_name("csrc") / "argmax.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # The vector paths the source has, best first, and the CPU flags each needs.
 ISAS: dict[str, frozenset[str]] = {
@@ -34,9 +34,9 @@ def best_isa() -> str:
 
 
 def compile_flags(isa: str) -> list[str]:
-    """cpu_native's base flags (AVX2 dropped for the portable build) and the vector
+    """`native.compile_flags()` (AVX2 dropped for the portable build) and the vector
     extension `isa` names."""
-    flags = [f for f in cpu_native.compile_flags() if f not in ("-mavx2", "-mfma", "-mf16c")]
+    flags = [f for f in native.compile_flags() if f not in ("-mavx2", "-mfma", "-mf16c")]
     if isa == "avx512":
         flags += ["-mavx2", "-mfma", "-mavx512f"]
     elif isa == "avx2":
@@ -76,12 +76,12 @@ class NativeArgmax:
 
 
 def load(
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, isa: str | None = None
+    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, isa: str | None = None
 ) -> NativeArgmax | None:
     """The kernel built for `isa` (by default the best this CPU runs) on first use; None
     where it cannot be built here."""
     isa = isa or best_isa()
     if not ISAS[isa] <= cpu_flags():
         raise ValueError(f"this CPU cannot run the {isa} argmax")
-    library = cpu_native.build(SOURCE, compile_flags(isa), cache_dir)
+    library = native.build(SOURCE, compile_flags(isa), cache_dir)
     return None if library is None else NativeArgmax(library, isa)

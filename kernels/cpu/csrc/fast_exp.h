@@ -1,7 +1,7 @@
 /* exp(x) for x <= 0, within 1.5 float ulps (Cephes' expf: x = n ln2 + r with ln2 split
  * in two so that r is exact, e^r by a polynomial, 2^n set in the exponent bits); below
  * -87 it gives e^-87. Unlike libm's expf it vectorizes. Shared by the native kernels
- * (cpu_native.build hashes this folder's headers with each source). */
+ * (native.build hashes this folder's headers with each source). */
 #ifndef SPILLWAY_FAST_EXP_H
 #define SPILLWAY_FAST_EXP_H
 #include <math.h>

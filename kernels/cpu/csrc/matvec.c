@@ -902,7 +902,7 @@ int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int
  * its final addition or subtraction of the minimum, whatever the compiler fuses. Plain C
  * (no vector instructions assumed): a weight kept in blocks is dequantized a tile at a
  * time for many-row products, or a chunk of rows at a time under linear_dequant_f32.
- * Codes: BLOCK_Q4_1, BLOCK_Q8_0 as above, then the rest (DQ_* below; cpu_matvec's
+ * Codes: BLOCK_Q4_1, BLOCK_Q8_0 as above, then the rest (DQ_* below; matvec's
  * BLOCK_CODES mirrors them). */
 enum { DQ_Q4_1 = 0, DQ_Q8_0 = 1, DQ_Q4_0 = 2, DQ_Q5_0 = 3, DQ_Q5_1 = 4, DQ_Q4_K = 5,
        DQ_Q5_K = 6, DQ_Q6_K = 7, DQ_F16 = 8, DQ_BF16 = 9 };

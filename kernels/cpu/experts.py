@@ -1,4 +1,4 @@
-"""The experts of a MoE layer on the CPU (`TorchOps.fused_experts`; shapes in `kernels.moe`).
+"""The experts of a MoE layer on the CPU (`CpuOps.fused_experts`; shapes in `kernels.moe`).
 
 The (token, k) pairs are sorted by expert once and every row they need is gathered once;
 then each projection is one pass over the active experts, one product per expert written
@@ -8,7 +8,7 @@ multiplied into its rows (down is linear, so that equals scaling its output). A 
 index_add sums each token's K rows in float32.
 
 Per-expert products of a few rows (every decode step of a few sequences) go to the native
-kernels of `kernels.cpu_matvec`, which stream an expert's weight at memory speed; a single
+kernels of `kernels.cpu.matvec`, which stream an expert's weight at memory speed; a single
 token skips the sort (its K experts are distinct) and sums its K rows directly. Per-call
 overhead matters here, since a 64-expert layer runs up to 128 small products a step.
 
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels._contract import check_experts
-from spillway.kernels.cpu_matvec import MAX_ROWS, MatvecKernels
+from spillway.kernels.cpu.matvec import MAX_ROWS, MatvecKernels
+from spillway.kernels.moe import fused_experts_ref
 
 # Active experts from which a step's products go through one grouped_mm (when no native
 # few-row kernel fits them all): below it the Python loop costs less than grouped_mm's set-up.
@@ -32,7 +33,8 @@ GROUPED_FROM = 16
 
 
 class CpuExperts:
-    """`fused_experts` for CPU tensors; `matvec` the native few-row kernels, if built."""
+    """`fused_experts` (the CPU backend's): CPU tensors as above, others through the
+    reference; `matvec` the native few-row kernels, if built."""
 
     def __init__(self, matvec: MatvecKernels | None = None) -> None:
         self.matvec = matvec
@@ -47,6 +49,8 @@ class CpuExperts:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
         num_experts, inter = check_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         t, h = x.shape
         k = topk_ids.shape[1]

@@ -1,4 +1,4 @@
-"""Native projections for a few rows (`native/matvec.c`), the batch-1 decode step's weights
+"""Native projections for a few rows (`csrc/matvec.c`), the batch-1 decode step's weights
 streamed at memory speed.
 
 A decode step of one sequence is 121 matrix-vector products, and at one row oneDNN's packed
@@ -36,7 +36,7 @@ ahead: on the 2-core Xeon, one thread, CPU time, 11.8 -> 9.0 ms (matvec.c says h
 `linear_blocks_q8` reads the same blocks with integer products against x quantized per
 block of 32 (llama.cpp's Q8_1), for `--quantize int8`: VNNI's dpbusd where the CPU has it
 (AVX-512 VNNI, or AVX-VNNI), else AVX2's maddubs, the same integers either way
-(`cpu_info.int8_dot` picks; `load(dot=...)` builds another for tests and benchmarks).
+(`info.int8_dot` picks; `load(dot=...)` builds another for tests and benchmarks).
 Measured on a loaded 2-core EPYC with AVX-512 VNNI, all 121 projections at one row: 4.8 ms
 against 5.8 for `linear_blocks` and 7.3 for `linear_q8`.
 
@@ -46,7 +46,7 @@ values to the bit) into a per-thread buffer and summed by `linear_f32`'s own loo
 its outputs are that kernel's on the float32 weight. `dequantize` also serves the
 many-row products of weights kept in blocks (`quantized_weight`).
 
-The library is built like `cpu_native`'s (cached per source and flags), with AVX-512 flags
+The library is built like `native`'s (cached per source and flags), with AVX-512 flags
 where this CPU has them and AVX2 + FMA otherwise; `features` says which kernels it holds,
 and callers keep oneDNN and fbgemm for anything else.
 """
@@ -62,11 +62,11 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels import cpu_native, tuning_cache
-from spillway.kernels.cpu_info import cpu_flags, cpu_model, int8_dot
-from spillway.kernels.cpu_native import address_of
+from spillway.kernels.cpu import native, tuning_cache
+from spillway.kernels.cpu.info import cpu_flags, cpu_model, int8_dot
+from spillway.kernels.cpu.native import address_of
 
-SOURCE = Path(__file__).with_name("native") / "matvec.c"
+SOURCE = Path(__file__).with_name("csrc") / "matvec.c"
 HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT = 1, 2, 4, 8, 16
 # matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
 INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
@@ -111,9 +111,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def compile_flags(dot: str | None = None) -> list[str]:
-    """cpu_native's flags, AVX-512 where this CPU has it, and the 8-bit dot product `dot`
-    (a name of `cpu_info.INT8_DOTS` this CPU runs; by default the best it has)."""
-    flags = cpu_native.compile_flags()
+    """`native.compile_flags()`, AVX-512 where this CPU has it, and the 8-bit dot product `dot`
+    (a name of `info.INT8_DOTS` this CPU runs; by default the best it has)."""
+    flags = native.compile_flags()
     have = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl"} <= have:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
@@ -183,7 +183,7 @@ class MatvecKernels:
         library.matvec_features.restype = ctypes.c_int
         self.features = int(library.matvec_features())
         library.matvec_int8_dot.restype = ctypes.c_int
-        # The instruction the integer block products use (a name of cpu_info.INT8_DOTS).
+        # The instruction the integer block products use (a name of info.INT8_DOTS).
         self.int8_dot = INT8_DOT_CODES.get(int(library.matvec_int8_dot()))
         f32 = library.linear_f32
         f32.restype = None
@@ -236,7 +236,7 @@ class MatvecKernels:
         return self.parallel_min_bytes
 
     def addresses(self) -> dict[str, int | None]:
-        """The kernels' entry points, for native callers (`cpu_decode_layers`)."""
+        """The kernels' entry points, for native callers (`decode_layers`)."""
         return {
             "linear_f32": address_of(self._f32),
             "linear_q8": address_of(self._q8),
@@ -396,15 +396,15 @@ class MatvecKernels:
 
 
 def load(
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, dot: str | None = None
+    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, dot: str | None = None
 ) -> MatvecKernels | None:
     """The kernels, built on first use (with the 8-bit dot product `dot`, by default the
     best this CPU has); None where they cannot be built here or this CPU has none of their
     fast paths."""
     flags = compile_flags(dot)
-    library = cpu_native.build(SOURCE, flags, cache_dir)
+    library = native.build(SOURCE, flags, cache_dir)
     if library is None:
         return None
-    kernels = MatvecKernels(library, cache_dir, cpu_native.build_key(SOURCE, flags))
+    kernels = MatvecKernels(library, cache_dir, native.build_key(SOURCE, flags))
     # The dequantizer is plain C, built anywhere: the fast paths decide.
     return kernels if kernels.features & ~HAS_DEQUANT else None

@@ -1,4 +1,4 @@
-"""The sampling race's uniforms over [S, V] in native code (`native/noise.c`), for CPU
+"""The sampling race's uniforms over [S, V] in native code (`csrc/noise.c`), for CPU
 logits: the same integers and float32 values as `services.worker.noise.uniform_noise`.
 
 torch makes them in a dozen int32 passes over [S, V] (fresh tensors, shifts, masks,
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels import cpu_argmax, cpu_native
-from spillway.kernels.cpu_info import cpu_flags
+from spillway.kernels.cpu import argmax, native
+from spillway.kernels.cpu.info import cpu_flags
 
-SOURCE = Path(__file__).with_name("native") / "noise.c"
+SOURCE = Path(__file__).with_name("csrc") / "noise.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # The same vector extensions as the argmax: the loop is plain C that the compiler
 # vectorises for whichever it is given.
-ISAS = cpu_argmax.ISAS
+ISAS = argmax.ISAS
 
 
 class NativeUniforms:
@@ -47,12 +47,12 @@ class NativeUniforms:
 
 
 def load(
-    cache_dir: str | Path = cpu_native.DEFAULT_CACHE_DIR, isa: str | None = None
+    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, isa: str | None = None
 ) -> NativeUniforms | None:
     """The kernel built for `isa` (by default the best this CPU runs) on first use; None
     where it cannot be built here."""
-    isa = isa or cpu_argmax.best_isa()
+    isa = isa or argmax.best_isa()
     if not ISAS[isa] <= cpu_flags():
         raise ValueError(f"this CPU cannot run the {isa} uniforms")
-    library = cpu_native.build(SOURCE, cpu_argmax.compile_flags(isa), cache_dir)
+    library = native.build(SOURCE, argmax.compile_flags(isa), cache_dir)
     return None if library is None else NativeUniforms(library, isa)

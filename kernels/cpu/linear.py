@@ -30,7 +30,7 @@ more memory than the packing alone).
 
 `linear` is the stateless fallback (and the CUDA path); `PackedLinear` holds the packed
 weights for one model. Products of a few rows (decode steps of a few sequences) go to the
-native kernels of `kernels.cpu_matvec` where they are built: they stream the weights
+native kernels of `kernels.cpu.matvec` where they are built: they stream the weights
 faster than oneDNN and fbgemm do at that size.
 """
 
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels import tuning_cache
-from spillway.kernels.cpu_info import cpu_model
-from spillway.kernels.cpu_matmul_q8 import MatmulQ8Kernels, PackedQ8, pack, packable
-from spillway.kernels.cpu_matvec import (
+from spillway.kernels.cpu import tuning_cache
+from spillway.kernels.cpu.info import cpu_model
+from spillway.kernels.cpu.matmul_q8 import MatmulQ8Kernels, PackedQ8, pack, packable
+from spillway.kernels.cpu.matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
     BlockWeight,
@@ -59,7 +59,7 @@ from spillway.kernels.cpu_matvec import (
     Q8Weight,
     quantize_q8,
 )
-from spillway.kernels.quantized_weight import QuantizedWeight, TiledProduct, Weight
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight, TiledProduct, Weight
 
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
@@ -157,7 +157,7 @@ class PackedLinear:
 
     def use_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
         """Few-row products with these weights read their blocks instead (same results:
-        `cpu_matvec.linear_blocks` equals `linear_f32` on the float32 weight to the bit)."""
+        `matvec.linear_blocks` equals `linear_f32` on the float32 weight to the bit)."""
         for weight, blocks in pairs:
             self._blocks[id(weight)] = (weakref.ref(weight), blocks)
 
@@ -228,7 +228,7 @@ class PackedLinear:
         first request), the other form's are dropped. The largest shapes go first, and no
         shape is timed once `budget_s` have passed (those keep ONEDNN). With `cache_dir`
         each shape's choice is kept there per CPU, torch build, thread count and workload
-        (`kernels.tuning_cache`), and later starts take it without timing. Returns shape ->
+        (`kernels.cpu.tuning_cache`), and later starts take it without timing. Returns shape ->
         form for the shapes timed or taken from the cache."""
         if not (self.enabled and self.tunes_forms):
             return {}
@@ -338,7 +338,7 @@ class PackedLinear:
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
-        # A weight in blocks takes more rows (`cpu_matvec.MAX_BLOCK_ROWS`) than a float32 one.
+        # A weight in blocks takes more rows (`matvec.MAX_BLOCK_ROWS`) than a float32 one.
         return (
             self.matvec.fits_f32(x, weight, bias)
             or self._source_blocks(x, weight, bias) is not None
@@ -405,7 +405,7 @@ class Int8Linear(PackedLinear):
     int8 kernel, which quantizes activations per block of 64 values (an outlier costs only
     its own block).
 
-    More rows go to `matmul` where given (`kernels.cpu_matmul_q8`; `TorchOps` gives it where
+    More rows go to `matmul` where given (`kernels.cpu.matmul_q8`; `CpuOps` gives it where
     the CPU has AVX-512 VNNI): the same int8 arithmetic as the few-row int8 kernel (weights
     per output row, activations per block of 64 in 8 bits), faster than fbgemm at every
     batch measured and closer to float32 than its 7-bit per-row activations (perplexity of
@@ -486,7 +486,7 @@ class Int8Linear(PackedLinear):
 
 
 def _pack_rows(weight: torch.Tensor) -> PackedQ8 | None:
-    """The weight in int8 packed for `cpu_matmul_q8`; None for a shape it does not take."""
+    """The weight in int8 packed for `matmul_q8`; None for a shape it does not take."""
     return pack(quantize_q8(weight)) if packable(tuple(weight.shape)) else None
 
 

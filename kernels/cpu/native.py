@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled from C on first use and called through ctypes.
 
 What torch cannot express without copying (attention that reads the paged KV cache in
-place) lives in `native/*.c`: plain C with OpenMP loops, no torch headers, so it builds in
+place) lives in `csrc/*.c`: plain C with OpenMP loops, no torch headers, so it builds in
 about a second with the system's C compiler. The library is cached per source and CPU
 (`cache_dir/native/<hash>/`); where no compiler is found or the build fails, `load()`
 returns None and callers keep the torch path.
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels.cpu_info import cpu_flags
+from spillway.kernels.cpu.info import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 DEFAULT_CACHE_DIR = Path("~/.cache/spillway")
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -91,7 +91,7 @@ class NativeKernels:
         }
 
     def addresses(self) -> dict[str, int | None]:
-        """The kernels' entry points, for native callers (`cpu_decode_layers`)."""
+        """The kernels' entry points, for native callers (`decode_layers`)."""
         return {
             "attention": address_of(self._paged_attention[torch.float32]),
             "attention_bf16": address_of(self._paged_attention[torch.bfloat16]),

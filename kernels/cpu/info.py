@@ -58,7 +58,7 @@ def int8_dot(flags: frozenset[str] | None = None) -> str | None:
 
 
 # AMX's tile unit with its int8 products (Sapphire Rapids and later Xeons): the many-row int8
-# product runs on it where Linux also grants the tile state (`cpu_matmul_q8`).
+# product runs on it where Linux also grants the tile state (`matmul_q8`).
 AMX_INT8 = frozenset({"amx_tile", "amx_int8"})
 
 

@@ -4,7 +4,7 @@ products and lookups that read it without a float32 copy in memory.
 The exact CPU mode computes from a GGUF file's values, which are the blocks' dequantization
 (gguf-py's `dequantize`, what transformers loads). Dequantized at load, a Q4 file costs 8x
 its size; kept as blocks, about its size. Every use turns blocks into float32 only where
-it is needed, exactly as gguf-py does (`cpu_matvec.MatvecKernels.dequantize`, or gguf-py
+it is needed, exactly as gguf-py does (`matvec.MatvecKernels.dequantize`, or gguf-py
 itself where the native kernels are not built):
 
 - a few rows (decode): the fused native kernel for Q4_1 / Q8_0 (`linear_blocks`), or
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels.cpu_matvec import BLOCK_CODES, BlockWeight, MatvecKernels
+from spillway.kernels.cpu.matvec import BLOCK_CODES, BlockWeight, MatvecKernels
 
 # Float32 bytes of one tile of a many-row product: small against the weights (the memory
 # bound is 1.3x the file), large enough that BLAS runs at its speed on each tile.

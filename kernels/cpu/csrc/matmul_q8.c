@@ -5,7 +5,7 @@
  *
  *   y[i, j] = sw[j] * sum over blocks b of sx[i, b] * sum_{k in b}(qx[i, k] qw[j, k]) + bias[j]
  *
- * W comes packed (`pack` in cpu_matmul_q8.py): groups of 16 output rows, and within a group
+ * W comes packed (`pack` in matmul_q8.py): groups of 16 output rows, and within a group
  * for each 4 consecutive k the 16 rows' 4 bytes side by side, so that one 64-byte load holds
  * 16 outputs x 4 products. One input row's 4 bytes broadcast to every lane then give 16
  * outputs' partial sums per instruction (AVX-512 VNNI's dpbusd: 64 products into 16 int32

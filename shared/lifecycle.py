@@ -16,9 +16,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from spillway.shared.health import READINESS, keep_health_file
+from spillway.shared.malloc_heap import trim_every
 from spillway.shared.memory_report import report_memory
 
 READY_MARK = "ready"
+# How often every service gives malloc's free pages back (shared/malloc_heap.py).
+HEAP_TRIM_S = 60.0
 
 
 def announce_ready(service: str, detail: str = "") -> None:
@@ -70,6 +73,7 @@ def run_service(
             )
         if memory_report_s:
             side.append(asyncio.create_task(report_memory(memory_report_s), name="memory"))
+        side.append(asyncio.create_task(trim_every(HEAP_TRIM_S), name="heap-trim"))
         try:
             await main(stop)
         finally:

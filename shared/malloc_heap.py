@@ -5,13 +5,15 @@ larger buffer (a bus message's bytes, a JSON body, a list's table) comes from ma
 such buffers come and go on several threads, glibc keeps the freed memory in its heaps
 instead of handing it back, and the RSS climbs with no live object behind it. The heap's
 figures tell that apart from a leak: memory in use flat, memory free in the heap growing.
-`trim` asks malloc to give free pages back (`malloc_trim(0)`), which it does only when asked.
+`trim` asks malloc to give free pages back (`malloc_trim(0)`), which it does only when asked;
+every service does so once a minute (`trim_every`, started by shared/lifecycle.py).
 
 Elsewhere than glibc (musl, macOS) both answer None: nothing to read, nothing done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 from dataclasses import dataclass
@@ -60,3 +62,14 @@ def trim() -> bool:
     """Gives malloc's free pages back to the system; True when some were."""
     libc = _libc()
     return libc is not None and bool(libc.malloc_trim(0))
+
+
+async def trim_every(every_s: float) -> None:
+    """Gives malloc's free pages back every `every_s` seconds until cancelled: a service
+    that runs for days otherwise keeps the high-water mark of every burst in its RSS. A
+    trim with little to give back takes well under a millisecond."""
+    if _libc() is None:
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        trim()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import sys
 
 import pytest
 
-from spillway.shared.malloc_heap import heap_figures, trim
+from spillway.shared.malloc_heap import heap_figures, trim, trim_every
 
 pytestmark = pytest.mark.skipif(
     heap_figures() is None, reason="not glibc: malloc's figures are not readable"
@@ -33,3 +34,14 @@ def test_in_use_follows_live_buffers_and_free_memory_stays_until_trimmed() -> No
     assert freed is not None and freed.free - held.free >= (COUNT - 1) * CHUNK * 0.9
     assert trim() or sys.platform != "linux"
     libc.free(keep_last)
+
+
+async def test_the_heap_is_trimmed_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr("spillway.shared.malloc_heap.trim", lambda: calls.append(1) or True)
+    task = asyncio.create_task(trim_every(0.01))
+    async with asyncio.timeout(10):
+        while len(calls) < 3:
+            await asyncio.sleep(0.01)
+    task.cancel()
+    assert len(calls) >= 3

@@ -116,7 +116,7 @@ def holders(objects: list[object], type_name: str) -> list[str]:
     found = [o for o in objects if _type_name(o) == type_name][-HOLDER_SAMPLES:]
     chains = []
     for o in found:
-        chains.append(" <- ".join(_referrer_chain(o, objects)))
+        chains.append(" <- ".join(_referrer_chain(o, objects, found)))
     return chains
 
 
@@ -149,15 +149,17 @@ def grown_containers(
     return grown[:TOP_CONTAINERS]
 
 
-def _referrer_chain(o: object, objects: list[object]) -> list[str]:
+def _referrer_chain(o: object, *ours: list[object]) -> list[str]:
+    """`o`'s type and its first referrer's, three steps up; `ours` are the report's own
+    lists, which refer to it too and hold nothing."""
     chain = [_type_name(o)]
     refs: list[object] = []
     for _ in range(3):
-        seen = refs  # this walk's own list of referrers is no holder
+        mine = (*ours, refs)  # this walk's own list of referrers is no holder either
         refs = [
             r
             for r in gc.get_referrers(o)
-            if r is not objects and r is not seen and not isinstance(r, FrameType)
+            if not any(r is m for m in mine) and not isinstance(r, FrameType)
         ]
         if not refs:
             break

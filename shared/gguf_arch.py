@@ -12,9 +12,11 @@ transformers reads such a file back). A file that names itself `mistral` is read
 Llama's layout with `mistral.attention.sliding_window` honoured; transformers cannot load
 such a file, so it is held against transformers' Mistral on the same weights.
 
-Gemma 2 and 3 files are read as llama.cpp reads them (`model_config.gemma_from_gguf`):
-transformers' GGUF loader reads fewer of their keys and takes its config defaults for the
-rest, which agree with every real checkpoint's values but in the places it names.
+A family whose file holds options beyond a row's reads them itself: Gemma 2 and 3 files
+are read as llama.cpp reads them (`read_gguf` in services/worker/models/gemma.py, over
+`ModelConfig.extra["gguf_keys"]`): transformers' GGUF loader reads fewer of their keys and
+takes its config defaults for the rest, which agree with every real checkpoint's values
+but in the places it names.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                  moe=False, head_dim_key="attention.key_length"),
         GGUFArch("qwen3moe", "qwen3_moe", permuted_qk=False, qk_norm=True, qkv_bias=False,
                  moe=True, head_dim_key="attention.key_length"),
-        # Gemma's decoder (`model_config.gemma_from_gguf` reads the rest of its keys);
+        # Gemma's decoder (the worker's models/gemma.py reads the rest of its keys);
         # llama.cpp stores its norms as 1 + w.
         GGUFArch("gemma2", "gemma2", permuted_qk=False, qk_norm=False, qkv_bias=False,
                  moe=False, head_dim_key="attention.key_length"),

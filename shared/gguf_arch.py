@@ -34,11 +34,10 @@ class GGUFArch:
     permuted_qk: bool
     qk_norm: bool  # attn_q_norm / attn_k_norm: an RMSNorm over each head (Qwen3)
     qkv_bias: bool  # attn_q/k/v.bias (Qwen2), found in the weights
-    moe: bool  # every layer's feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS)
+    # Every layer's feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS), read by the
+    # family's read_gguf (services/worker/models/qwen3_moe.py).
+    moe: bool
     head_dim_key: str  # the key holding the head width (default: hidden / heads)
-    # The router's top-k weights renormalised to sum to one. Qwen3-MoE's config leaves it
-    # False, but llama.cpp always renormalises and transformers' GGUF loader sets it True.
-    norm_topk_prob: bool = True
     # The key of a sliding attention window transformers applies, None where it reads
     # none (llama.cpp writes none for these families): full attention on every layer.
     sliding_window_key: str | None = None
@@ -76,7 +75,7 @@ GGUF_EXPERT_TENSORS = {
     "up": "ffn_up_exps.weight",
     "down": "ffn_down_exps.weight",
 }
-# The expert counts and width (each under the architecture's prefix).
+# The expert counts and width (each under the architecture's prefix; the family reads them).
 EXPERT_COUNT, EXPERT_USED_COUNT, EXPERT_WIDTH = (
     "expert_count",
     "expert_used_count",

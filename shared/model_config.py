@@ -159,12 +159,7 @@ def _from_gguf(path: Path) -> ModelConfig:
     them (shared/gguf_arch.py says what differs between architectures). The keys under
     that prefix are kept as `extra["gguf_keys"]` (the prefix left out) for the worker's
     family module to read its options from."""
-    from spillway.shared.gguf_arch import (
-        EXPERT_COUNT,
-        EXPERT_USED_COUNT,
-        EXPERT_WIDTH,
-        gguf_architecture,
-    )
+    from spillway.shared.gguf_arch import gguf_architecture
 
     f = gguf_fields(path)
     arch = gguf_architecture(f)
@@ -179,15 +174,6 @@ def _from_gguf(path: Path) -> ModelConfig:
     layers = int(a("block_count"))
     head_dim = int(a(arch.head_dim_key, hidden // heads))
     window = a(arch.sliding_window_key) if arch.sliding_window_key else None
-    moe = None
-    if arch.moe:
-        moe = MoEConfig(
-            num_experts=int(a(EXPERT_COUNT)),
-            top_k=int(a(EXPERT_USED_COUNT)),
-            intermediate_size=int(a(EXPERT_WIDTH)),
-            sparse_layers=(True,) * layers,
-            norm_topk_prob=arch.norm_topk_prob,
-        )
     eos = f.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch.model_type,
@@ -208,7 +194,6 @@ def _from_gguf(path: Path) -> ModelConfig:
         extra={"chat_template": f.get("tokenizer.chat_template"), "gguf_keys": keys},
         qk_norm=arch.qk_norm,
         layer_windows=(int(window),) * layers if window else (),
-        moe=moe,
     )
 
 

@@ -12,9 +12,11 @@ transformers reads such a file back). A file that names itself `mistral` is read
 Llama's layout with `mistral.attention.sliding_window` honoured; transformers cannot load
 such a file, so it is held against transformers' Mistral on the same weights.
 
-Gemma 2 and 3 files are read as llama.cpp reads them (`model_config.gemma_from_gguf`):
-transformers' GGUF loader reads fewer of their keys and takes its config defaults for the
-rest, which agree with every real checkpoint's values but in the places it names.
+A family whose file holds options beyond a row's reads them itself: Gemma 2 and 3 files
+are read as llama.cpp reads them (`read_gguf` in services/worker/models/gemma.py, over
+`ModelConfig.extra["gguf_keys"]`): transformers' GGUF loader reads fewer of their keys and
+takes its config defaults for the rest, which agree with every real checkpoint's values
+but in the places it names.
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ class GGUFArch:
     permuted_qk: bool
     qk_norm: bool  # attn_q_norm / attn_k_norm: an RMSNorm over each head (Qwen3)
     qkv_bias: bool  # attn_q/k/v.bias (Qwen2), found in the weights
-    moe: bool  # every layer's feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS)
+    # Every layer's feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS), read by the
+    # family's read_gguf (services/worker/models/qwen3_moe.py).
+    moe: bool
     head_dim_key: str  # the key holding the head width (default: hidden / heads)
-    # The router's top-k weights renormalised to sum to one. Qwen3-MoE's config leaves it
-    # False, but llama.cpp always renormalises and transformers' GGUF loader sets it True.
-    norm_topk_prob: bool = True
     # The key of a sliding attention window transformers applies, None where it reads
     # none (llama.cpp writes none for these families): full attention on every layer.
     sliding_window_key: str | None = None
@@ -57,7 +58,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                  moe=False, head_dim_key="attention.key_length"),
         GGUFArch("qwen3moe", "qwen3_moe", permuted_qk=False, qk_norm=True, qkv_bias=False,
                  moe=True, head_dim_key="attention.key_length"),
-        # Gemma's decoder (`model_config.gemma_from_gguf` reads the rest of its keys);
+        # Gemma's decoder (the worker's models/gemma.py reads the rest of its keys);
         # llama.cpp stores its norms as 1 + w.
         GGUFArch("gemma2", "gemma2", permuted_qk=False, qk_norm=False, qkv_bias=False,
                  moe=False, head_dim_key="attention.key_length"),
@@ -74,7 +75,7 @@ GGUF_EXPERT_TENSORS = {
     "up": "ffn_up_exps.weight",
     "down": "ffn_down_exps.weight",
 }
-# The expert counts and width (each under the architecture's prefix).
+# The expert counts and width (each under the architecture's prefix; the family reads them).
 EXPERT_COUNT, EXPERT_USED_COUNT, EXPERT_WIDTH = (
     "expert_count",
     "expert_used_count",

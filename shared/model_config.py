@@ -3,17 +3,17 @@
 
 `load_base_config` reads what every family shares (shapes, context length, special
 tokens, rope): the gateway needs no more. The family options (MoE, latent attention,
-recurrent layers, windows) are typed here, since `spillway up`'s start-up checks read
-them too, and read from config.json by the worker's family modules
-(`services/worker/models/`), which get the file as `extra["hf_config"]`. A GGUF file's
-come whole from the table of shared/gguf_arch.py. Needs neither torch nor the weights.
+recurrent layers, windows, Gemma's decoder) are typed here, since `spillway up`'s
+start-up checks read them too, and read by the worker's family modules
+(`services/worker/models/`): from config.json, which they get as `extra["hf_config"]`, or
+from a GGUF file's keys under its architecture's prefix, `extra["gguf_keys"]` (what the
+table of shared/gguf_arch.py does not say). Needs neither torch nor the weights.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +52,14 @@ class ModelConfig:
     # Multi-token-prediction layers after the decoder layers (DeepSeek-V3's
     # num_nextn_predict_layers): each predicts one token further ahead (`mtp`).
     num_mtp_layers: int = 0
-    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
+    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU),
+    # set by the family module, which refuses any other its config names.
     hidden_act: str = "silu"
-    # Gemma 2 / 3's decoder (`gemma_options`; the defaults are Llama's): the embeddings
-    # times embedding_scale; an RMSNorm on the attention's and the MLP's outputs too, before
-    # each residual add; the softmax scale (None: head_dim ** -0.5); attention scores and
-    # the final logits soft-capped, x -> cap * tanh(x / cap); and the windowed layers'
-    # rotary at a base of their own, unscaled (Gemma 3's local base).
+    # Gemma 2 / 3's decoder (set by services/worker/models/gemma.py; the defaults are
+    # Llama's): the embeddings times embedding_scale; an RMSNorm on the attention's and the
+    # MLP's outputs too, before each residual add; the softmax scale (None: head_dim **
+    # -0.5); attention scores and the final logits soft-capped, x -> cap * tanh(x / cap);
+    # and the windowed layers' rotary at a base of their own, unscaled (Gemma 3's local base).
     embedding_scale: float = 1.0
     sandwich_norms: bool = False
     attention_scale: float | None = None
@@ -155,36 +156,26 @@ def gguf_fields(path: Path) -> dict[str, Any]:
 
 def _from_gguf(path: Path) -> ModelConfig:
     """The hyperparameters under the file's architecture prefix, read as transformers reads
-    them (shared/gguf_arch.py says what differs between architectures)."""
-    from spillway.shared.gguf_arch import (
-        EXPERT_COUNT,
-        EXPERT_USED_COUNT,
-        EXPERT_WIDTH,
-        gguf_architecture,
-    )
+    them (shared/gguf_arch.py says what differs between architectures). The keys under
+    that prefix are kept as `extra["gguf_keys"]` (the prefix left out) for the worker's
+    family module to read its options from."""
+    from spillway.shared.gguf_arch import gguf_architecture
 
     f = gguf_fields(path)
     arch = gguf_architecture(f)
+    prefix = f"{arch.name}."
+    keys = {k.removeprefix(prefix): v for k, v in f.items() if k.startswith(prefix)}
 
     def a(name: str, default: Any = None) -> Any:
-        return f.get(f"{arch.name}.{name}", default)
+        return keys.get(name, default)
 
     hidden = int(a("embedding_length"))
     heads = int(a("attention.head_count"))
     layers = int(a("block_count"))
     head_dim = int(a(arch.head_dim_key, hidden // heads))
     window = a(arch.sliding_window_key) if arch.sliding_window_key else None
-    moe = None
-    if arch.moe:
-        moe = MoEConfig(
-            num_experts=int(a(EXPERT_COUNT)),
-            top_k=int(a(EXPERT_USED_COUNT)),
-            intermediate_size=int(a(EXPERT_WIDTH)),
-            sparse_layers=(True,) * layers,
-            norm_topk_prob=arch.norm_topk_prob,
-        )
     eos = f.get("tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
+    return ModelConfig(
         architecture=arch.model_type,
         num_layers=layers,
         hidden_size=hidden,
@@ -200,12 +191,10 @@ def _from_gguf(path: Path) -> ModelConfig:
         tie_word_embeddings=True,
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
-        extra={"chat_template": f.get("tokenizer.chat_template")},
+        extra={"chat_template": f.get("tokenizer.chat_template"), "gguf_keys": keys},
         qk_norm=arch.qk_norm,
         layer_windows=(int(window),) * layers if window else (),
-        moe=moe,
     )
-    return gemma_from_gguf(a, config) if arch.model_type in GEMMA_TYPES else config
 
 
 def _gguf_vocab_size(path: Path) -> int:
@@ -243,7 +232,9 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
     from `extra["hf_config"]`). Options no family serves exactly are refused by name."""
     arch = cfg.get("model_type", "llama")
     prefix = None
-    if arch == "gemma3":  # an image-text checkpoint: its language model is served
+    # Gemma 3's image-text checkpoint: its language model is served, and read here since
+    # its context length, vocabulary and EOS ids (what the gateway reads) are text_config's.
+    if arch == "gemma3":
         cfg, prefix, arch = gemma3_text_config(cfg), "language_model.", "gemma3_text"
     _refuse_unsupported_options(arch, cfg)
     eos = list(_as_ids(cfg.get("eos_token_id")))
@@ -267,7 +258,6 @@ def _from_hf_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         extra={"rope": rope, "hf_config": cfg, "weights_prefix": prefix},
-        hidden_act=mlp_activation(cfg),
     )
 
 
@@ -296,39 +286,14 @@ def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refuse_unsupported_options(arch: str, cfg: dict[str, Any]) -> None:
-    """The options no family serves (each family refuses its own: `attention_bias`,
-    `partial_rotary_factor` and the rest, in the worker's models/)."""
-    act = mlp_activation(cfg)
-    if act not in ACTIVATIONS:
-        supported = ", ".join(ACTIVATIONS)
-        raise ValueError(f"{arch}: unsupported hidden_act {act!r} (supported: {supported})")
-    rope = rope_parameters(cfg)
-    kind = rope["rope_type"]
-    if kind not in ROPE_SCALING_KINDS:
-        supported = ", ".join(ROPE_SCALING_KINDS)
-        raise ValueError(f"{arch}: unsupported rope scaling {kind!r} (supported: {supported})")
-    missing = [k for k in _ROPE_KEYS.get(kind, ()) if rope.get(k) is None]
-    if missing:
-        raise ValueError(f"{arch}: rope scaling {kind!r} lacks {', '.join(missing)}")
+    """The options no family serves (each family refuses its own, and the MLP
+    activations it does not run: `refuse_options` in the worker's models/family.py)."""
+    refuse_rope(arch, rope_parameters(cfg))
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: unsupported mlp_bias=True")
     if cfg.get("quantization_config"):
         kind = cfg["quantization_config"].get("quant_method", "?")
         raise ValueError(f"{arch}: unsupported quantization_config ({kind})")
-
-
-# The gated MLP's activations served (each family refuses those its MLP does not run).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# The Gemma families (`services/worker/models/gemma.py`), by model_type.
-GEMMA_TYPES = ("gemma2", "gemma3_text")
-
-
-def mlp_activation(cfg: dict[str, Any]) -> str:
-    """The gated MLP's activation as transformers reads it: Gemma's hidden_activation,
-    every other family's hidden_act."""
-    if cfg.get("model_type") in GEMMA_TYPES:
-        return str(cfg.get("hidden_activation", "gelu_pytorch_tanh"))
-    return str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu")))
 
 
 # The rope scaling kinds served exactly (services/worker/layers/rope.py), and the keys each needs.
@@ -340,15 +305,27 @@ _ROPE_KEYS = {
 }
 
 
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+def refuse_rope(arch: str, rope: dict[str, Any]) -> None:
+    """ValueError naming a rope scaling kind not served, or the keys it lacks (`rope`: as
+    `rope_parameters` resolves it)."""
+    kind = rope["rope_type"]
+    if kind not in ROPE_SCALING_KINDS:
+        supported = ", ".join(ROPE_SCALING_KINDS)
+        raise ValueError(f"{arch}: unsupported rope scaling {kind!r} (supported: {supported})")
+    missing = [k for k in _ROPE_KEYS.get(kind, ()) if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"{arch}: rope scaling {kind!r} lacks {', '.join(missing)}")
+
+
+def rope_parameters(cfg: dict[str, Any], rope: dict[str, Any] | None = None) -> dict[str, Any]:
     """The rope parameters as transformers resolves them: the legacy rope_scaling merged
-    with rope_parameters, rope_type named, and for scaled kinds the pretraining context
+    with rope_parameters (or `rope`, where a family keeps its own elsewhere: Gemma 3's
+    full-attention layers'), rope_type named, and for scaled kinds the pretraining context
     (a top-level original_max_position_embeddings first, else the config's context)."""
-    per_type = layer_type_ropes(cfg)
-    if per_type is not None:  # Gemma 3: the full-attention layers' rope is the model's
-        rope = per_type["full_attention"]
-    else:
+    if rope is None:
         rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    else:
+        rope = dict(rope)
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     if rope["rope_type"] in ("llama3", "yarn"):
         context = int(cfg.get("max_position_embeddings", 2048))
@@ -359,87 +336,3 @@ def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
         if rope["rope_type"] == "yarn" and rope.get("factor") is None:
             rope["factor"] = context / rope["original_max_position_embeddings"]
     return rope
-
-
-def layer_type_ropes(cfg: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-    """Gemma 3's rope per layer type, as its config resolves it (transformers 5's nested
-    rope_parameters, or the older rope_scaling, rope_theta and rope_local_base_freq): the
-    full-attention layers' (rope_scaling over it, base 1e6 by default) and the sliding
-    layers' (base 10000 by default). None for a model with one rope."""
-    if cfg.get("model_type") != "gemma3_text":
-        return None
-    nested = cfg.get("rope_parameters") or {}
-    full = {**(nested.get("full_attention") or {}), **(cfg.get("rope_scaling") or {})}
-    full.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
-    sliding = dict(nested.get("sliding_attention") or {})
-    sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
-    return {"full_attention": full, "sliding_attention": sliding}
-
-
-def gemma_options(
-    base: ModelConfig,
-    sliding: Sequence[bool],
-    window: int,
-    query_pre_attn_scalar: float,
-    attn_softcap: float | None,
-    final_softcap: float | None,
-    sliding_rope_theta: float | None,
-) -> ModelConfig:
-    """Gemma 2 / 3's decoder over the shared fields, read from config.json
-    (`services/worker/models/gemma.py`) or a GGUF file (`gemma_from_gguf`): GeGLU,
-    embeddings times sqrt(hidden), the sandwich norms, the softmax scale
-    query_pre_attn_scalar ** -0.5, the window on the layers `sliding` marks (those rotate
-    at sliding_rope_theta where given: Gemma 3), soft-caps (Gemma 2) and Gemma 3's q/k
-    norms. Every RMSNorm of these families scales by (1 + w): the loader stores it so."""
-    return replace(
-        base,
-        hidden_act="gelu_pytorch_tanh",
-        embedding_scale=base.hidden_size**0.5,
-        sandwich_norms=True,
-        qk_norm=base.architecture == "gemma3_text",
-        attention_scale=query_pre_attn_scalar**-0.5,
-        attn_logit_softcap=attn_softcap,
-        final_logit_softcap=final_softcap,
-        layer_windows=tuple(window if s else None for s in sliding),
-        sliding_rope_theta=sliding_rope_theta,
-    )
-
-
-def gemma_from_gguf(key: Callable[..., Any], base: ModelConfig) -> ModelConfig:
-    """Gemma 2 / 3 as llama.cpp reads their files (`key(name, default)`: the file's key
-    under the architecture's prefix): windows on all layers but every 2nd (Gemma 2) or
-    6th (Gemma 3), `attention.sliding_window` wide (Gemma 2: 4096 if absent);
-    Gemma 2's soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`: 50 and 30 if
-    absent); Gemma 3's sliding layers at rope base 10000 (`rope.freq_base_swa` if
-    present), unscaled, its full layers scaled as `rope.scaling.type` / `.factor` say;
-    the softmax scale (hidden / heads) ** -0.5 for the 27B models (46 and 62 blocks),
-    head_dim ** -0.5 for the others: their query_pre_attn_scalar.
-
-    transformers' GGUF loader reads none of these keys but the window: it takes Gemma's
-    config defaults (the values above for every real checkpoint), the scale 256 ** -0.5
-    (wrong for the 27B models) and no rope scaling (wrong for Gemma 3 4B and up, whose
-    files say linear 8): files that hold such values are held against transformers'
-    Gemma on the same weights instead (tests/unit/worker/test_worker_gemma.py)."""
-    gemma2 = base.architecture == "gemma2"
-    window = key("attention.sliding_window", 4096 if gemma2 else None)
-    if window is None:
-        raise ValueError(f"{base.architecture}: the file has no attention.sliding_window")
-    every = 2 if gemma2 else 6
-    wide = base.num_layers == (46 if gemma2 else 62)
-    scalar = base.hidden_size // base.num_heads if wide else base.head_dim
-    kind = str(key("rope.scaling.type", "none"))
-    if kind not in ("none", "linear"):
-        raise ValueError(f"{base.architecture}: unsupported rope.scaling.type {kind!r}")
-    factor = float(key("rope.scaling.factor", 1.0))
-    if kind == "linear" and factor != 1.0:
-        scaled = {"rope_type": "linear", "factor": factor}
-        base = replace(base, extra={**base.extra, "rope": scaled})
-    return gemma_options(
-        base,
-        sliding=[(i + 1) % every != 0 for i in range(base.num_layers)],
-        window=int(window),
-        query_pre_attn_scalar=scalar,
-        attn_softcap=float(key("attn_logit_softcapping", 50.0)) if gemma2 else None,
-        final_softcap=float(key("final_logit_softcapping", 30.0)) if gemma2 else None,
-        sliding_rope_theta=None if gemma2 else float(key("rope.freq_base_swa", 10000.0)),
-    )

@@ -1,7 +1,7 @@
 """Qwen3-MoE: Qwen3's attention (q/k norms, optional windows) with a MoE feed-forward on
 the layers decoder_sparse_step and mlp_only_layers leave sparse (`layers.moe`, softmax
-routing). The Llama decoder runs it; this module reads its config and says where its
-experts lie."""
+routing). The Llama decoder runs it; this module reads its config (or a GGUF file's expert
+keys) and says where its experts lie."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from spillway.services.worker.layers.moe_weights import ExpertLayout
-from spillway.services.worker.models.family import Family, refuse_options
+from spillway.services.worker.models.family import Family, GGUFKey, refuse_options
+from spillway.shared.gguf_arch import EXPERT_COUNT, EXPERT_USED_COUNT, EXPERT_WIDTH
 from spillway.shared.model_config import ModelConfig, MoEConfig
 
 
@@ -42,9 +43,25 @@ def sparse_moe_config(cfg: dict[str, Any], norm_topk_default: bool) -> MoEConfig
     )
 
 
+def read_gguf(key: GGUFKey, base: ModelConfig) -> ModelConfig:
+    """The experts of a `qwen3moe` file, on every layer: their count, top-k and width from
+    the file's keys. The top-k weights are renormalised to sum to one: Qwen3-MoE's config
+    leaves norm_topk_prob False, but llama.cpp always renormalises and transformers' GGUF
+    loader sets it True."""
+    moe = MoEConfig(
+        num_experts=int(key(EXPERT_COUNT, None)),
+        top_k=int(key(EXPERT_USED_COUNT, None)),
+        intermediate_size=int(key(EXPERT_WIDTH, None)),
+        sparse_layers=(True,) * base.num_layers,
+        norm_topk_prob=True,
+    )
+    return replace(base, moe=moe)
+
+
 FAMILY = Family(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     read_config=read_config,
+    read_gguf=read_gguf,
     experts=ExpertLayout("mlp"),
 )

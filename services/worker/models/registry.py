@@ -17,7 +17,7 @@ from spillway.services.worker.models import (
     qwen3_moe,
     qwen3_next,
 )
-from spillway.services.worker.models.family import Family
+from spillway.services.worker.models.family import Family, mlp_activation, refuse_activation
 from spillway.services.worker.models.hybrid import HybridModel
 from spillway.services.worker.models.hybrid import load_hybrid_model as _load_hybrid
 from spillway.shared.model_config import ModelConfig, load_base_config
@@ -43,8 +43,8 @@ def family_for(model_type: str) -> Family:
 def load_model_config(source: ModelSource) -> ModelConfig:
     """The model's config with its family's options: the fields every family shares
     (`shared.model_config`, which the gateway reads too), then the family's own from
-    config.json. A GGUF file's come whole from shared/gguf_arch.py's table. ValueError
-    naming a model_type or an option that cannot be served exactly."""
+    config.json or a GGUF file's keys (`with_family_options`). ValueError naming a
+    model_type or an option that cannot be served exactly."""
     return with_family_options(load_base_config(source))
 
 
@@ -55,9 +55,20 @@ def check_servable(source: ModelSource) -> None:
 
 
 def with_family_options(base: ModelConfig) -> ModelConfig:
-    family = family_for(base.architecture)
+    """`base` with its family's options: read from config.json (`extra["hf_config"]`) by
+    the family's read_config, or from a GGUF file's keys under its architecture's prefix
+    (`extra["gguf_keys"]`) by its read_gguf where it has one."""
     cfg = base.extra.get("hf_config")
-    return base if cfg is None else family.read_config(cfg, base)
+    if cfg is not None and base.architecture not in FAMILIES:
+        # A config.json's activation no family runs is named before its model_type.
+        refuse_activation(base.architecture, mlp_activation(cfg))
+    family = family_for(base.architecture)
+    if cfg is not None:
+        return family.read_config(cfg, base)
+    keys = base.extra.get("gguf_keys")
+    if keys is not None and family.read_gguf is not None:
+        return family.read_gguf(keys.get, base)
+    return base
 
 
 def load_hybrid_model(

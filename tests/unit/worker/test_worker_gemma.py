@@ -101,10 +101,10 @@ def test_the_27b_models_scale_attention_by_the_width_over_heads(tmp_path, arch, 
     path = write_header_only(tmp_path / f"{arch}.gguf", arch, **keys)
     if arch == "gemma3":
         with pytest.raises(ValueError, match=r"no attention\.sliding_window"):
-            load_base_config(resolve_model(str(path)))
+            load_model_config(resolve_model(str(path)))
         keys["attention.sliding_window"] = 1024
         path = write_header_only(tmp_path / f"{arch}-window.gguf", arch, **keys)
-    config = load_base_config(resolve_model(str(path)))
+    config = load_model_config(resolve_model(str(path)))
     assert config.attention_scale == scalar**-0.5
     if arch == "gemma2":
         assert config.layer_windows[:2] == (4096, None)

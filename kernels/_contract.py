@@ -82,7 +82,11 @@ def check_experts(
     assert topk_weights.shape == topk_ids.shape, "topk_weights and topk_ids differ in shape"
     assert topk_weights.dtype == torch.float32, "topk_weights must be float32"
     for name, w in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        assert w.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+        # (experts kept in a model file's blocks, `cpu.quantized_weight.QuantizedExperts`,
+        # have no strides: their rows are whole blocks)
+        assert not isinstance(w, torch.Tensor) or w.stride(-1) == 1, (
+            f"{name} must be contiguous in its last dim"
+        )
     check_same_device(x, w_gate_up, w_down, topk_ids, topk_weights)
     if not x.is_cuda and topk_ids.numel():
         # a free check off the GPU (there it would wait for the device)

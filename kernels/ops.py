@@ -55,7 +55,7 @@ from spillway.kernels._jit import interpreting
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors
 from spillway.kernels.cpu.native import DEFAULT_CACHE_DIR
 from spillway.kernels.cpu.ops import CpuOps
-from spillway.kernels.cpu.quantized_weight import Weight
+from spillway.kernels.cpu.quantized_weight import ExpertWeights, Weight
 from spillway.kernels.silu_mul import silu_mul_ref
 
 
@@ -159,12 +159,13 @@ class KernelOps(Protocol):
     def fused_experts(
         self,
         x: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: ExpertWeights,
+        w_down: ExpertWeights,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """A MoE layer's experts (`kernels.moe` states the shapes)."""
+        """A MoE layer's experts (`kernels.moe` states the shapes); kept in a model file's
+        blocks on the CPU alone (`cpu.quantized_weight.QuantizedExperts`)."""
         ...
 
     def causal_conv1d_update(
@@ -311,5 +312,6 @@ def _triton_importable() -> bool:
     return True
 
 
-# `Weight` too: the forms a projection weight takes (`cpu.quantized_weight`).
-__all__ = ["KernelOps", "TritonOps", "Weight", "select_ops"]
+# `Weight` and `ExpertWeights` too: the forms a projection's and a MoE layer's experts'
+# weights take (`cpu.quantized_weight`).
+__all__ = ["ExpertWeights", "KernelOps", "TritonOps", "Weight", "select_ops"]

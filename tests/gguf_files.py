@@ -1,6 +1,7 @@
 """Tiny GGUF files for tests: random llama models with one tensor type for every
-projection (`write_tiny_llama`), and tiny random transformers models of each architecture
-we load, written as llama.cpp's converter writes them (`write_tiny_gguf`).
+projection (`write_tiny_llama`; `write_tiny_qwen3moe` the same with stacked experts in
+place of each layer's MLP), and tiny random transformers models of each architecture we
+load, written as llama.cpp's converter writes them (`write_tiny_gguf`).
 
 The llama files' projection weights are stored in `tensor_type`: through gguf-py's
 quantizers where it has one, else (the K-quants, which gguf-py only dequantizes) as random
@@ -28,6 +29,8 @@ _K_SCALE_OFFSETS = {
     GGMLQuantizationType.Q2_K: (80, 82),  # a type spillway refuses: for that test
 }
 TINY = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512, "vocab": 512}
+# A Qwen3-MoE's: `experts` stacked experts of width `ffn` a layer, `used` of them a token.
+TINY_MOE = {**TINY, "experts": 8, "used": 2}
 
 
 def random_blocks(
@@ -75,40 +78,63 @@ Q4_K_M = {
 }
 
 
-def write_tiny_llama(
-    path: Path,
-    kind: GGMLQuantizationType | dict[str, GGMLQuantizationType],
-    seed: int = 0,
-    shape: dict[str, int] = TINY,
-) -> Path:
+Mix = GGMLQuantizationType | dict[str, GGMLQuantizationType]
+
+
+def type_of(mix: Mix, name: str) -> GGMLQuantizationType:
+    """The type a mix (one type, or name part -> type as Q4_K_M above) gives a tensor."""
+    if not isinstance(mix, dict):
+        return mix
+    found = [k for part, k in mix.items() if part and f"{part}." in name]
+    return found[0] if found else mix[""]
+
+
+def write_tiny_llama(path: Path, kind: Mix, seed: int = 0, shape: dict[str, int] = TINY) -> Path:
     """A llama GGUF (TINY's shapes unless `shape` says) with every projection in `kind`,
     or per tensor as a mix like Q4_K_M says (name part -> type, "" for the rest)."""
+    return _write_random(path, "llama", kind, seed, shape)
+
+
+def write_tiny_qwen3moe(
+    path: Path, kind: Mix, seed: int = 0, shape: dict[str, int] = TINY_MOE
+) -> Path:
+    """A qwen3moe GGUF as `write_tiny_llama` writes a llama (q/k norms; every layer's MLP
+    `experts` stacked experts, gate/up/down each [E, rows, cols], the router F32)."""
+    return _write_random(path, "qwen3moe", kind, seed, shape)
+
+
+def _write_random(path: Path, arch: str, kind: Mix, seed: int, t: dict[str, int]) -> Path:
     rng = np.random.default_rng(seed)
-    t = shape
-    mix = kind if isinstance(kind, dict) else {"": kind}
+    moe = arch == "qwen3moe"
     head_dim = t["hidden"] // t["heads"]
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(t["layers"])
     writer.add_context_length(256)
     writer.add_embedding_length(t["hidden"])
     writer.add_feed_forward_length(t["ffn"])
     writer.add_head_count(t["heads"])
     writer.add_head_count_kv(t["kv_heads"])
-    writer.add_rope_dimension_count(head_dim)
+    if moe:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_count(t["experts"])
+        writer.add_expert_used_count(t["used"])
+        writer.add_expert_feed_forward_length(t["ffn"])
+    else:
+        writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(t["vocab"])
     _add_tokenizer(writer, t["vocab"])
 
-    def matrix(name: str, rows: int, cols: int) -> None:
-        found = [k for part, k in mix.items() if part and f"{part}." in name]
-        this = found[0] if found else mix[""]
-        data = random_blocks(rng, rows, cols, this)
+    def matrix(name: str, rows: int, cols: int, experts: int = 0) -> None:
+        this = type_of(kind, name)
+        data = random_blocks(rng, max(experts, 1) * rows, cols, this)
         raw = None if data.dtype != np.uint8 else this
-        writer.add_tensor(name, data, raw_dtype=raw)
+        writer.add_tensor(name, data.reshape(experts, rows, -1) if experts else data, raw_dtype=raw)
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, rng.uniform(0.8, 1.2, t["hidden"]).astype(np.float32))
+    def norm(name: str, size: int = t["hidden"]) -> None:
+        writer.add_tensor(name, rng.uniform(0.8, 1.2, size).astype(np.float32))
 
     matrix("token_embd.weight", t["vocab"], t["hidden"])
     for i in range(t["layers"]):
@@ -118,6 +144,15 @@ def write_tiny_llama(
         matrix(f"blk.{i}.attn_v.weight", t["kv_heads"] * head_dim, t["hidden"])
         matrix(f"blk.{i}.attn_output.weight", t["hidden"], t["heads"] * head_dim)
         norm(f"blk.{i}.ffn_norm.weight")
+        if moe:
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+            router = rng.normal(0.0, 0.5, (t["experts"], t["hidden"])).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+            for part, rows, cols in (("gate", t["ffn"], t["hidden"]), ("up", t["ffn"], t["hidden"]),
+                                     ("down", t["hidden"], t["ffn"])):  # fmt: skip
+                matrix(f"blk.{i}.ffn_{part}_exps.weight", rows, cols, t["experts"])
+            continue
         matrix(f"blk.{i}.ffn_gate.weight", t["ffn"], t["hidden"])
         matrix(f"blk.{i}.ffn_up.weight", t["ffn"], t["hidden"])
         matrix(f"blk.{i}.ffn_down.weight", t["hidden"], t["ffn"])
@@ -202,7 +237,7 @@ def _permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 def write_tiny_gguf(
     path: Path,
     family: str,
-    kind: GGMLQuantizationType,
+    kind: Mix,
     seed: int = 0,
     arch: str | None = None,
     **changes: Any,
@@ -210,16 +245,18 @@ def write_tiny_gguf(
     """`tiny_transformers_model(family, seed, **changes)` as a GGUF file: names, metadata
     and q/k rows as llama.cpp's converter writes them, every 2-D weight (and the stacked
     experts) but
-    the router in `kind`, norms, biases and the router in F32. `kind` is quantized with
-    gguf-py's quantizers; a K-quant, which it has none for, is random blocks as
-    `random_blocks` draws them (the model 256 wide: a K-quant block spans 256 values).
+    the router in `kind` (or per tensor as a mix says: `type_of`), norms, biases and the
+    router in F32. `kind` is quantized with gguf-py's quantizers; a K-quant, which it has
+    none for, is random blocks as `random_blocks` draws them (the model 256 wide: a K-quant
+    block spans 256 values).
     Gemma's norms are written as 1 + w, its window and (Gemma 2) soft-caps as llama.cpp's
     converter writes them."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = arch or FAMILIES[family][0]
     layout = "llama" if arch == "mistral" else arch  # a `mistral` file: Llama's tensors
-    k_quant = kind in _K_SCALE_OFFSETS
+    kinds = set(kind.values()) if isinstance(kind, dict) else {kind}
+    k_quant = any(k in _K_SCALE_OFFSETS for k in kinds)
     model = tiny_transformers_model(family, seed, hidden=256 if k_quant else 128, **changes)
     rng = np.random.default_rng(seed)
     c = model.config
@@ -256,7 +293,8 @@ def write_tiny_gguf(
     model_arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == layout)
     names = get_tensor_name_map(model_arch, c.num_hidden_layers)
 
-    def add(name: str, data: np.ndarray, stored: GGMLQuantizationType) -> None:
+    def add(name: str, data: np.ndarray, stored: Mix) -> None:
+        stored = type_of(stored, name)
         if stored == GGMLQuantizationType.F32:
             writer.add_tensor(name, data)
         elif stored == GGMLQuantizationType.F16:

@@ -16,6 +16,15 @@ With 16 or more active experts, one of them with more rows than the native kerne
 each projection is one `grouped_mm` instead (a loop in C++ over the same per-expert
 products). Timed against the reference and transformers' experts by
 `python -m bench.moe_experts` (figures in docs/measurements/).
+
+Experts kept in the model file's blocks (`QuantizedExperts`, the exact mode from a GGUF
+file) are multiplied expert by expert as the dense projections' blocks are
+(`PackedLinear` on expert e's `QuantizedWeight`): a few rows through the fused native
+block kernel (`linear_blocks`, or `linear_dequant` for a format it does not read), whose
+outputs are `linear_f32`'s on the dequantized weight to the bit, so the float32 experts'
+few-row products; more rows a tile of the expert's rows dequantized at a time, then the
+same float32 product as a float32 expert's. No grouped_mm for them: it wants float32
+weights.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels._contract import check_experts
+from spillway.kernels.cpu.linear import PackedLinear
 from spillway.kernels.cpu.matvec import MAX_ROWS, MatvecKernels
+from spillway.kernels.cpu.quantized_weight import ExpertWeights, QuantizedExperts
 from spillway.kernels.moe import fused_experts_ref
 
 # Active experts from which a step's products go through one grouped_mm (when no native
@@ -34,22 +45,28 @@ GROUPED_FROM = 16
 
 class CpuExperts:
     """`fused_experts` (the CPU backend's): CPU tensors as above, others through the
-    reference; `matvec` the native few-row kernels, if built."""
+    reference; `matvec` the native few-row kernels, if built; `linear` the projections'
+    (`CpuOps`'s), which multiplies experts kept in blocks (by default one of its own on
+    `matvec`)."""
 
-    def __init__(self, matvec: MatvecKernels | None = None) -> None:
+    def __init__(
+        self, matvec: MatvecKernels | None = None, linear: PackedLinear | None = None
+    ) -> None:
         self.matvec = matvec
         self.grouped_mm = hasattr(F, "grouped_mm")
         self.grouped_from = GROUPED_FROM
+        self.linear = PackedLinear(enabled=False, matvec=matvec) if linear is None else linear
 
     def __call__(
         self,
         x: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: ExpertWeights,
+        w_down: ExpertWeights,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
         if x.device.type != "cpu":
+            assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
             return fused_experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights)
         num_experts, inter = check_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         t, h = x.shape
@@ -77,8 +94,9 @@ class CpuExperts:
             pair_weights = topk_weights.reshape(-1).index_select(0, order)
 
         sizes = [end - start for _, start, end in groups]
-        grouped = counts is not None and self._grouped(groups, sizes)
+        grouped = counts is not None and self._grouped(groups, sizes, w_gate_up, w_down)
         if grouped:
+            assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
             # one group per expert, empty ones included (the C++ loop skips them for free)
             offsets = counts.cumsum(0, dtype=torch.int32)
             gate_up = F.grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
@@ -101,12 +119,20 @@ class CpuExperts:
         out.index_add_(0, tokens, down if down.dtype == torch.float32 else down.float())
         return out.to(x.dtype)
 
-    def _grouped(self, groups: list[tuple[int, int, int]], sizes: list[int]) -> bool:
+    def _grouped(
+        self,
+        groups: list[tuple[int, int, int]],
+        sizes: list[int],
+        w_gate_up: ExpertWeights,
+        w_down: ExpertWeights,
+    ) -> bool:
         """Many experts with more rows than the native kernels take: one grouped product
         (a loop in C++) instead of a Python call per expert, whose overhead (~10-30 us)
-        is then a good part of the work."""
+        is then a good part of the work. Float weights only."""
         return (
             self.grouped_mm
+            and isinstance(w_gate_up, torch.Tensor)
+            and isinstance(w_down, torch.Tensor)
             and len(groups) >= self.grouped_from
             and (self.matvec is None or max(sizes) > MAX_ROWS)
         )
@@ -116,11 +142,14 @@ class CpuExperts:
         groups: list[tuple[int, int, int]],
         sizes: list[int],
         rows: torch.Tensor,
-        weights: torch.Tensor,
+        weights: ExpertWeights,
         out: torch.Tensor,
     ) -> None:
         """out[group] <- rows[group] weights[expert]^T for each group, one call each."""
         for (e, _, _), r, o in zip(groups, rows.split(sizes), out.split(sizes), strict=True):
+            if isinstance(weights, QuantizedExperts):  # the expert's blocks, as a projection's
+                o.copy_(self.linear(r, weights.experts[e]))
+                continue
             w = weights[e]
             if (
                 r.shape[0] <= MAX_ROWS

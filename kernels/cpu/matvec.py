@@ -85,7 +85,7 @@ BLOCK_SHAPES = {
 # matvec_blocks_more.h, the codes of BLOCK_CODES), and those `linear_blocks_q8` reads.
 BLOCK_TYPES = {
     kind: BLOCK_CODES[kind]
-    for kind in ("q4_1", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "f16", "bf16")
+    for kind in ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16")
 }
 INTEGER_BLOCK_TYPES = frozenset({"q4_1", "q8_0"})
 # 16-bit float types: any K and N (linear_f32's loops); the block types want N % 4 == 0.

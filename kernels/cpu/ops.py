@@ -183,8 +183,8 @@ class CpuOps(CpuAbilities):
             Int8Linear(matvec=few_rows, matmul=matmul) if int8 else PackedLinear(matvec=few_rows)
         )
         # A MoE layer's experts: sorted by expert, few-row products through the native
-        # kernels (`experts`).
-        self.fused_experts = CpuExperts(few_rows)
+        # kernels (`experts`); experts kept in blocks through the projections' own.
+        self.fused_experts = CpuExperts(few_rows, self._linear)
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()

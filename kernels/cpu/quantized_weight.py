@@ -17,12 +17,17 @@ itself where the native kernels are not built):
 A fused projection (q/k/v, gate/up) whose parts the file holds in different formats (a
 Q4_K_M file keeps some attn_v in Q6_K beside Q4_K q and k) is one weight of several row
 segments, each in its own format.
+
+A MoE layer's stacked experts ([E, N, K]: GGUF's ffn_gate_exps / ffn_up_exps, gate and up
+joined, and ffn_down_exps) are a `QuantizedExperts`: the same row segments with an expert
+axis in front, expert e a `QuantizedWeight` of views into them, which the CPU experts
+(`kernels.cpu.experts`) multiply as any projection's weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -90,7 +95,77 @@ class QuantizedWeight:
         return QuantizedWeight(tuple(parts))
 
 
+@dataclass(frozen=True, eq=False)
+class QuantizedExperts:
+    """Stacked expert weights [E, N, K] (`kernels.moe`'s w_gate_up or w_down) as row
+    segments of the model file's blocks, each [E, rows, row bytes] of one format (in row
+    order: gate's then up's, where the file holds them in different formats)."""
+
+    segments: tuple[tuple[str, torch.Tensor], ...]  # (format, [E, rows, row bytes] uint8)
+    in_features: int
+    # Expert e's weight [N, K]: views into the segments, made once.
+    experts: tuple[QuantizedWeight, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ValueError("quantized experts need at least one block segment")
+        counts = {data.shape[0] for _, data in self.segments}
+        if len(counts) != 1 or any(data.dim() != 3 for _, data in self.segments):
+            raise ValueError("every segment of quantized experts is [E, rows, row bytes]")
+        per_expert = tuple(
+            QuantizedWeight(
+                tuple(BlockWeight(data[e], kind, self.in_features) for kind, data in self.segments)
+            )
+            for e in range(counts.pop())
+        )
+        object.__setattr__(self, "experts", per_expert)
+
+    @property
+    def shape(self) -> torch.Size:
+        rows = sum(data.shape[1] for _, data in self.segments)
+        return torch.Size((len(self.experts), rows, self.in_features))
+
+    # What its values are: the float32 experts it stands for, on the CPU.
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def dim(self) -> int:
+        return 3
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.numel() for _, data in self.segments)
+
+    def __getitem__(self, experts: slice) -> QuantizedExperts:
+        """Those experts alone (views), as a tensor's [lo:hi] (expert parallelism's share)."""
+        segments = tuple((kind, data[experts]) for kind, data in self.segments)
+        return QuantizedExperts(segments, self.in_features)
+
+    def clone(self) -> QuantizedExperts:
+        """A copy of its own (a slice's copy no longer holds the whole layer's bytes)."""
+        segments = tuple((kind, data.clone()) for kind, data in self.segments)
+        return QuantizedExperts(segments, self.in_features)
+
+    @staticmethod
+    def cat(stacks: Sequence[QuantizedExperts]) -> QuantizedExperts:
+        """Each expert's rows stacked as torch.cat(dim=1) stacks them (gate's, then up's);
+        neighbouring segments of one format become one, as `QuantizedWeight.cat` joins them."""
+        segments: list[tuple[str, torch.Tensor]] = []
+        for kind, data in (s for stack in stacks for s in stack.segments):
+            if segments and segments[-1][0] == kind:
+                segments[-1] = (kind, torch.cat([segments[-1][1], data], dim=1))
+            else:
+                segments.append((kind, data))
+        return QuantizedExperts(tuple(segments), stacks[0].in_features)
+
+
 Weight = torch.Tensor | QuantizedWeight
+# A MoE layer's stacked experts: a float tensor, or (the exact CPU mode from a GGUF file)
+# the file's blocks.
+ExpertWeights = torch.Tensor | QuantizedExperts
 
 
 def dequantize_rows(
@@ -113,9 +188,15 @@ def dequantize_rows(
     return out
 
 
-def dequantize(weight: QuantizedWeight, matvec: MatvecKernels | None = None) -> torch.Tensor:
+def dequantize(
+    weight: QuantizedWeight | QuantizedExperts, matvec: MatvecKernels | None = None
+) -> torch.Tensor:
     """The whole float32 weight (for paths that have no block form: tests, CUDA)."""
     out = torch.empty(weight.shape, dtype=torch.float32)
+    if isinstance(weight, QuantizedExperts):
+        for e, expert in enumerate(weight.experts):
+            out[e] = dequantize(expert, matvec)
+        return out
     for start, part in weight.segments():
         rows = part.data.shape[0]
         dequantize_rows(part, 0, rows, out[start : start + rows], matvec)

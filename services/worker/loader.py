@@ -20,7 +20,12 @@ import torch
 
 from spillway.kernels.cpu.info import cpu_flags
 from spillway.kernels.cpu.matvec import BLOCK_CODES, INTEGER_BLOCK_TYPES, BlockWeight
-from spillway.kernels.cpu.quantized_weight import QuantizedWeight, Weight, dequantize
+from spillway.kernels.cpu.quantized_weight import (
+    QuantizedExperts,
+    QuantizedWeight,
+    Weight,
+    dequantize,
+)
 from spillway.services.worker.layers.moe_weights import read_moe_weights
 from spillway.services.worker.models.family import Family
 from spillway.services.worker.models.registry import family_for, load_model_config
@@ -98,9 +103,10 @@ def load_model(
     (with `mtp`, its multi-token-prediction layer too: Hugging Face folders only).
 
     From a GGUF file in the exact mode (CPU, float32) with `keep_quantized`, the
-    projections and the embedding stay in the file's blocks (`QuantizedWeight`): memory
-    about the file's size. Without it (`--quantize int8`, whose many-row products quantize
-    float32 weights) they load dequantized, the blocks kept beside for few-row steps."""
+    projections, the embedding and a MoE layer's stacked experts stay in the file's blocks
+    (`QuantizedWeight`, `QuantizedExperts`): memory about the file's size. Without it
+    (`--quantize int8`, whose many-row products quantize float32 weights) they load
+    dequantized, the blocks kept beside for few-row steps."""
     if source.kind == "synthetic":
         from spillway.services.worker.synthetic import synthetic_weights
 
@@ -166,19 +172,20 @@ def release_freed_memory() -> None:
 
 def _gguf_tensors(
     reader: GGUFFile, config: ModelConfig, keep_blocks: bool, only_blocks: bool = False
-) -> tuple[dict[str, Weight], dict[str, BlockWeight]]:
+) -> tuple[dict[str, Weight | QuantizedExperts], dict[str, BlockWeight]]:
     """Every tensor dequantized to float32 and, with keep_blocks, the block rows of those
     stored in a format both native few-row block kernels read
     (`kernels.cpu.matvec.INTEGER_BLOCK_TYPES`), permuted
     alike. q/k rows are un-permuted where the architecture's converter permuted them; q/k/v
     biases of an architecture without them are left out, as transformers leaves them. With
     only_blocks, a matrix in any block format (F16 and BF16 too: 16 bits a value) stays
-    in its blocks alone (a `QuantizedWeight`), never dequantized here."""
+    in its blocks alone (a `QuantizedWeight`), never dequantized here, and so do a MoE
+    layer's stacked experts ([E, rows, row bytes]: a `QuantizedExperts`)."""
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize as gguf_dequantize
 
     arch = gguf_architecture(reader.fields)
-    out: dict[str, Weight] = {}
+    out: dict[str, Weight | QuantizedExperts] = {}
     blocks: dict[str, BlockWeight] = {}
     check_tensor_types(reader)
     for tensor in reader.tensors:
@@ -191,14 +198,21 @@ def _gguf_tensors(
         kind = tensor.tensor_type.name.lower()
         raw = stored if blocked and keep_blocks else None
         quantized = only_blocks and raw is not None and kind in BLOCK_CODES
+        # [E, rows, row bytes]: a MoE layer's stacked experts
+        experts = only_blocks and stored.ndim == 3 and stored.dtype == np.uint8
+        experts = experts and kind in BLOCK_CODES
         # dequantize gives the numpy (torch) order: GGUF's `ne` shape reversed.
-        data = None if quantized else gguf_dequantize(tensor.data, tensor.tensor_type)
+        data = None if quantized or experts else gguf_dequantize(tensor.data, tensor.tensor_type)
         for part, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
             if arch.permuted_qk and part in tensor.name:
                 data = None if data is None else _unpermute_rope_rows(data, heads)
                 raw = None if raw is None else _unpermute_rope_rows(raw, heads)
         values, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
         width = stored.shape[-1] // block_bytes * values  # a row's values
+        if experts:
+            stack = torch.from_numpy(np.array(stored, dtype=np.uint8))  # a copy, as below
+            out[tensor.name] = QuantizedExperts(((kind, stack),), width)
+            continue
         # Beside a float32 copy (keep_blocks without only_blocks), only the formats both
         # few-row block kernels read, float32 and integer: the float32 weights' own
         # kernels serve the rest.
@@ -312,7 +326,7 @@ GGUF_NAMES = TensorNames(
 
 
 def _assemble(
-    tensors: dict[str, Weight],
+    tensors: dict[str, Weight | QuantizedExperts],
     names: TensorNames,
     config: ModelConfig,
     family: Family,
@@ -324,7 +338,8 @@ def _assemble(
     """The model's weights; with `mtp`, its first multi-token-prediction layer too (left
     out otherwise: DeepSeek-V3's is a whole MoE layer). Weights kept in blocks
     (`QuantizedWeight`) stay so where they are projections or the embedding, fused as
-    the float32 ones would be; anywhere else they are dequantized."""
+    the float32 ones would be, and stacked experts (`QuantizedExperts`) where they are a
+    MoE layer's; anywhere else they are dequantized."""
     raw_blocks = raw_blocks or {}
     blocks: list[tuple[torch.Tensor, BlockWeight]] = []
 
@@ -336,19 +351,24 @@ def _assemble(
             kind = found[0].kind  # type: ignore[union-attr]
             blocks.append((weight, BlockWeight(data, kind, weight.shape[1])))
 
-    def pop(name: str) -> Weight:
+    def pop(name: str) -> Weight | QuantizedExperts:
         if name not in tensors:
             raise KeyError(f"weight {name!r} missing from the model files")
         return tensors.pop(name)
 
-    def take_weight(name: str, alone: bool = True) -> Weight:
+    def take_blocks(name: str, alone: bool = True) -> Weight | QuantizedExperts:
+        """The weight as the source holds it: blocks kept as they are."""
         found = pop(name)
-        if isinstance(found, QuantizedWeight):
+        if isinstance(found, QuantizedWeight | QuantizedExperts):
             return found
         weight = found.to(device=device, dtype=dtype)
         if alone:
             keep_blocks(weight, (name,))
         return weight
+
+    def take_weight(name: str, alone: bool = True) -> Weight:
+        weight = take_blocks(name, alone)
+        return _as_tensor(weight).to(dtype) if isinstance(weight, QuantizedExperts) else weight
 
     def take(name: str) -> torch.Tensor:
         weight = take_weight(name)
@@ -403,7 +423,9 @@ def _assemble(
             k_norm=take_norm(n("k_norm")) if config.qk_norm else None,
             post_attn_norm=take_norm(n("post_attn_norm")) if sandwich else None,
             post_ffn_norm=take_norm(n("post_ffn_norm")) if sandwich else None,
-            moe=read_moe_weights(tensors, config, i, take, experts) if sparse else None,
+            moe=read_moe_weights(tensors, config, i, take, experts, take_blocks)
+            if sparse
+            else None,
             mla=mla[1] if mla else None,
         )
 
@@ -432,7 +454,7 @@ def _assemble(
     return weights
 
 
-def _as_tensor(weight: Weight) -> torch.Tensor:
+def _as_tensor(weight: Weight | QuantizedExperts) -> torch.Tensor:
     """A weight as a float32 tensor (dequantized where it is kept in blocks)."""
     return weight if isinstance(weight, torch.Tensor) else dequantize(weight)
 

@@ -2,7 +2,8 @@
 q/k/v fused into one projection and gate/up into another, in the Hugging Face layout.
 
 A projection or the embedding is a float32 tensor, or, in the exact CPU mode from a GGUF
-file, a `QuantizedWeight`: the file's blocks alone, the values they dequantize to exactly."""
+file, a `QuantizedWeight`: the file's blocks alone, the values they dequantize to exactly; so
+are a MoE layer's stacked experts there (`QuantizedExperts`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from spillway.kernels.cpu.matvec import BlockWeight
-from spillway.kernels.cpu.quantized_weight import QuantizedWeight, Weight
+from spillway.kernels.cpu.quantized_weight import QuantizedExperts, QuantizedWeight, Weight
 from spillway.services.worker.layers.mla import MLAWeights
 from spillway.services.worker.layers.moe import MoEWeights
 
@@ -89,7 +90,7 @@ class ModelWeights:
             for part in (layer.moe, layer.mla):
                 if part is not None:
                     tensors += [getattr(part, f.name) for f in dataclasses.fields(part)]
-        quantized = {id(t): t for t in tensors if isinstance(t, QuantizedWeight)}
+        quantized = {id(t): t for t in tensors if isinstance(t, QuantizedWeight | QuantizedExperts)}
         plain = [t for t in tensors if isinstance(t, torch.Tensor)]
         unique = {t.data_ptr(): t for t in plain}
         return sum(t.numel() * t.element_size() for t in unique.values()) + sum(

@@ -1,5 +1,5 @@
 """The fused few-row kernel (`linear_blocks`) on the block formats beyond Q4_1 / Q8_0
-(Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) and on F16 / BF16 weights: fresh random weights, several
+(Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and on F16 / BF16 weights: fresh random weights, several
 shapes, the float32 kernel's outputs on gguf-py's dequantized weight to the bit, in the
 AVX-512 build and in an AVX2 one."""
 
@@ -14,7 +14,7 @@ from spillway.kernels.cpu.matvec import HAS_BLOCKS, HAS_F32, MAX_BLOCK_ROWS, Mat
 from tests.kernels.gguf_blocks import block_weight, random_blocks, reference
 from tests.kernels.native_paths import avx2_matvec
 
-BLOCKS = ["q4_0", "q5_0", "q4_k", "q5_k", "q6_k"]
+BLOCKS = ["q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
 HALVES = ["f16", "bf16"]
 # (N, K): N past one chunk of 64 and an odd count of four-row groups; K of one block, of
 # several, and (16-bit types) odd, shorter than a vector, not a multiple of 16.

@@ -137,8 +137,9 @@ def test_a_weight_of_several_fused_formats_is_its_own_few_row_form(matvec):
     linear = PackedLinear(matvec=matvec)
     assert linear.few_row_form(torch.zeros(1, 256), weight, None) is weight
     assert linear.few_row_form(torch.zeros(1, 256, dtype=torch.bfloat16), weight, None) is None
-    q5_1 = block_weight(random_blocks(np.random.default_rng(3), 8, 256, "q5_1"), "q5_1", 256)
-    unfused = QuantizedWeight.cat([weight, QuantizedWeight((q5_1,))])  # no fused Q5_1 kernel
+    # six Q5_1 rows: the fused kernel takes output rows four at a time
+    q5_1 = block_weight(random_blocks(np.random.default_rng(3), 6, 256, "q5_1"), "q5_1", 256)
+    unfused = QuantizedWeight.cat([weight, QuantizedWeight((q5_1,))])
     assert linear.few_row_form(torch.zeros(1, 256), unfused, None) is None
 
 

@@ -1,6 +1,5 @@
-/* One-row projections of the GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q4_K, Q5_K,
- * Q6_K),
- * for linear_blocks_f32 (included by matvec.c, inside its AVX2 + FMA + F16C section).
+/* One-row projections of the GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q5_1, Q4_K,
+ * Q5_K, Q6_K), for linear_blocks_f32 (included by matvec.c, inside its AVX2 + FMA + F16C section).
  *
  * Each weight is made in registers exactly as gguf-py's dequantize makes it: an f16 scale
  * times a 6- or 8-bit sub-block scale, times a quantized value of at most 6 bits, is exact
@@ -12,12 +11,12 @@
  * dequantized weight to the bit, at the blocks' 0.56 (Q4_K) to 0.82 (Q6_K) bytes a weight.
  *
  * With AVX-512 the 4-bit types pick their weights from a 16-entry table per sub-block
- * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_K
- * from a 32-entry one (vpermt2ps, 5 bits); Q6_K's 16 weights of one scale are the scale
+ * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_0,
+ * Q5_1 and Q5_K from a 32-entry one (vpermt2ps, 5 bits); Q6_K's 16 weights of one scale are the scale
  * times the converted values. Without AVX-512 a block is dequantized by dq_block_values
  * into a buffer on the stack and summed from there (the same values and order). */
 
-enum { BLOCK_Q4_0 = 2, BLOCK_Q5_0 = 3, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
+enum { BLOCK_Q4_0 = 2, BLOCK_Q5_0 = 3, BLOCK_Q5_1 = 4, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
 
 static void dq_block_values(const uint8_t *blk, int type, float *out);
 
@@ -26,6 +25,7 @@ static inline int more_block(int type, int64_t *values, int64_t *bytes) {
     switch (type) {
     case BLOCK_Q4_0: *values = 32, *bytes = 18; return 1;
     case BLOCK_Q5_0: *values = 32, *bytes = 22; return 1;
+    case BLOCK_Q5_1: *values = 32, *bytes = 24; return 1;
     case BLOCK_Q4_K: *values = 256, *bytes = 144; return 1;
     case BLOCK_Q5_K: *values = 256, *bytes = 176; return 1;
     case BLOCK_Q6_K: *values = 256, *bytes = 210; return 1;
@@ -226,16 +226,15 @@ static inline __m512 q4_0_block(const float *a, const uint8_t *blk, __m512 c) {
     return ACC_FMA(a + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut), c);
 }
 
-/* Q5_0: w = d (q - 16), q the low nibble plus bit j of qh as its fifth bit (llama.cpp's
- * layout: weights 0..15 the low nibbles, 16..31 the high ones), picked from a 32-entry
- * table (vpermt2ps: bit 4 of the index chooses the upper half, d (0..15)). A real
- * Q4_K_M file of a model whose width is no multiple of 256 holds mostly Q5_0. */
-static inline __m512 q5_0_block(const float *a, const uint8_t *blk, __m512 c) {
-    const __m512 d = _mm512_set1_ps(half_to_float(blk));
-    const __m512 lo = _mm512_mul_ps(d, iota16(-16.0f)), hi = _mm512_mul_ps(d, iota16(0.0f));
+/* The 32 weights of a 5-bit block (Q5_0, Q5_1) from its 32-entry table lo (q 0..15), hi
+ * (q 16..31): q the low nibble plus bit j of qh as its fifth bit (llama.cpp's layout:
+ * weights 0..15 the low nibbles, 16..31 the high ones), picked with vpermt2ps (bit 4 of
+ * the index chooses hi). */
+static inline __m512 q5_block(const float *a, const uint8_t *qh_at, const uint8_t *qs,
+                              __m512 lo, __m512 hi, __m512 c) {
     uint32_t qh;
-    memcpy(&qh, blk + 2, sizeof qh);
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6)));
+    memcpy(&qh, qh_at, sizeof qh);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
     const __m512i i0 = _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(15)),
                                        _mm512_maskz_set1_epi32((__mmask16)(qh & 0xFFFF), 16));
     const __m512i i1 = _mm512_or_si512(_mm512_srli_epi32(q, 4),
@@ -244,10 +243,31 @@ static inline __m512 q5_0_block(const float *a, const uint8_t *blk, __m512 c) {
     return ACC_FMA(a + 16, _mm512_permutex2var_ps(lo, i1, hi), c);
 }
 
+/* Q5_0: f16 d, qh, 16 bytes of nibbles; w = d (q - 16), exact in float32. A real Q4_K_M
+ * file of a model whose width is no multiple of 256 holds mostly Q5_0. */
+static inline __m512 q5_0_block(const float *a, const uint8_t *blk, __m512 c) {
+    const __m512 d = _mm512_set1_ps(half_to_float(blk));
+    const __m512 lo = _mm512_mul_ps(d, iota16(-16.0f)), hi = _mm512_mul_ps(d, iota16(0.0f));
+    return q5_block(a, blk + 2, blk + 6, lo, hi, c);
+}
+
+/* Q5_1: f16 d, f16 m, qh, 16 bytes of nibbles; w = d q + m, the table made as Q4_1's
+ * (fma(d, q, m): d q is exact, so each weight rounds once, as gguf-py's d * q + m). */
+static inline __m512 q5_1_block(const float *a, const uint8_t *blk, __m512 c) {
+    uint32_t dm; /* d and m converted together */
+    memcpy(&dm, blk, sizeof dm);
+    const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+    const __m512 d = _mm512_broadcastss_ps(dmf), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dmf));
+    const __m512 lo = _mm512_fmadd_ps(d, iota16(0.0f), m);
+    const __m512 hi = _mm512_fmadd_ps(d, iota16(16.0f), m);
+    return q5_block(a, blk + 4, blk + 8, lo, hi, c);
+}
+
 /* One block of one output row into its accumulator. */
 static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type, __m512 c) {
     switch (type) {
     case BLOCK_Q5_0: return q5_0_block(a, blk, c);
+    case BLOCK_Q5_1: return q5_1_block(a, blk, c);
     case BLOCK_Q4_K: return q4_k_block(a, blk, c);
     case BLOCK_Q5_K: return q5_k_block(a, blk, c);
     case BLOCK_Q6_K: return q6_k_block(a, blk, c);
@@ -264,7 +284,7 @@ static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type
 static inline __m256 more_block_dot(const float *a, const uint8_t *blk, int type, __m256 c) {
     float v[256] __attribute__((aligned(32)));
     dq_block_values(blk, type, v);
-    const int values = type == BLOCK_Q4_0 || type == BLOCK_Q5_0 ? 32 : 256;
+    const int values = type == BLOCK_Q4_0 || type == BLOCK_Q5_0 || type == BLOCK_Q5_1 ? 32 : 256;
     for (int i = 0; i < values; i += 8) c = ACC_FMA(a + i, _mm256_load_ps(v + i), c);
     return c;
 }
@@ -297,6 +317,7 @@ static void dot4_more(const float *restrict a, const uint8_t *restrict w, int64_
     case BLOCK_Q5_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_K, out); break;
     case BLOCK_Q6_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q6_K, out); break;
     case BLOCK_Q5_0: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_0, out); break;
+    case BLOCK_Q5_1: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_1, out); break;
     default: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q4_0, out); break;
     }
 }

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels.ops import KernelOps
+from spillway.kernels.ops import ExpertWeights, KernelOps
 from spillway.services.worker.layers.routing import grouped_sigmoid_topk, softmax_topk
 from spillway.shared.model_config import MoEConfig
 
@@ -20,8 +20,9 @@ from spillway.shared.model_config import MoEConfig
 @dataclass
 class MoEWeights:
     router: torch.Tensor  # [E, H] float32
-    w_gate_up: torch.Tensor  # [E, 2 I, H]: each expert's gate rows, then its up rows
-    w_down: torch.Tensor  # [E, H, I]
+    # The experts: float tensors, or (the exact CPU mode from a GGUF file) the file's blocks.
+    w_gate_up: ExpertWeights  # [E, 2 I, H]: each expert's gate rows, then its up rows
+    w_down: ExpertWeights  # [E, H, I]
     correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek-V3)
     shared_gate_up: torch.Tensor | None = None  # [2 Is, H]: the shared experts, fused
     shared_down: torch.Tensor | None = None  # [H, Is]

@@ -1,6 +1,7 @@
 """A MoE layer's router and experts, read from a checkpoint's tensors into `MoEWeights`:
 a Hugging Face checkpoint's per-expert or fused layout (each family says where its MoE
-block lies and what it calls an expert's projections), or GGUF's stacked experts."""
+block lies and what it calls an expert's projections), or GGUF's stacked experts (kept in
+the file's blocks where the loader keeps them: `QuantizedExperts`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from spillway.kernels.cpu.quantized_weight import Weight
+from spillway.kernels.cpu.quantized_weight import (
+    ExpertWeights,
+    QuantizedExperts,
+    Weight,
+    dequantize,
+)
 from spillway.services.worker.layers.moe import MoEWeights
 from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS
 from spillway.shared.model_config import ModelConfig
@@ -25,23 +31,29 @@ class ExpertLayout:
 
 
 def read_moe_weights(
-    tensors: dict[str, Weight],
+    tensors: dict[str, Weight | QuantizedExperts],
     config: ModelConfig,
     layer: int,
     take: Callable[..., torch.Tensor],
     layout: ExpertLayout | None,
+    take_experts: Callable[[str], ExpertWeights] | None = None,
 ) -> MoEWeights:
     """Layer `layer`'s router and experts, the experts stacked as `ops.fused_experts`
     takes them. Also reads the fused per-layer form (experts.gate_up_proj [E, 2 I, H],
     experts.down_proj [E, H, I]) that newer exports use, and GGUF's stacked experts
-    (gate and up apart, joined here as transformers joins them)."""
+    (gate and up apart, joined here as transformers joins them), through `take_experts`
+    where given: those it hands back in blocks (`QuantizedExperts`) stay in them."""
     moe = config.moe
     assert moe is not None
     if layout is None:  # GGUF's names
         g = {role: f"blk.{layer}.{name}" for role, name in GGUF_EXPERT_TENSORS.items()}
         router = take(g["router"]).float()  # routing runs in float32 (moe.py)
-        w_gate_up = torch.cat([take(g["gate"]), take(g["up"])], dim=1).contiguous()
-        w_down = take(g["down"])
+        take_stacked = take_experts or take
+        gates, ups, w_down = (take_stacked(g[p]) for p in ("gate", "up", "down"))
+        if isinstance(gates, QuantizedExperts) and isinstance(ups, QuantizedExperts):
+            w_gate_up: ExpertWeights = QuantizedExperts.cat([gates, ups])
+        else:
+            w_gate_up = torch.cat([dense(gates), dense(ups)], dim=1).contiguous()
         weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
         return checked_moe(weights, config, layer)
     block, (gate, up, down) = layout.block, layout.projections
@@ -72,6 +84,11 @@ def read_moe_weights(
         ).contiguous()
         weights.shared_down = take(f"{shared}.down_proj.weight")
     return weights
+
+
+def dense(weights: ExpertWeights) -> torch.Tensor:
+    """Stacked experts as a float32 tensor (dequantized where kept in blocks)."""
+    return weights if isinstance(weights, torch.Tensor) else dequantize(weights)
 
 
 def checked_moe(weights: MoEWeights, config: ModelConfig, layer: int) -> MoEWeights:

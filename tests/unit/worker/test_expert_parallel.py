@@ -156,6 +156,27 @@ def test_expert_and_token_ranges():
     assert [token_range(1, r, 2) for r in range(2)] == [(0, 1), (1, 1)]
 
 
+def test_a_rank_keeps_its_share_of_experts_kept_in_blocks():
+    """A GGUF MoE layer's experts as the exact CPU mode keeps them (`QuantizedExperts`):
+    each rank keeps its range of experts, in bytes of its own."""
+    from types import SimpleNamespace
+
+    from spillway.kernels.cpu.quantized_weight import QuantizedExperts
+    from spillway.services.worker.layers.moe import MoEWeights
+
+    def stack(rows: int, cols: int) -> QuantizedExperts:  # Q8_0: 34 bytes a block of 32
+        data = torch.arange(8 * rows * cols // 32 * 34).to(torch.uint8).view(8, rows, -1)
+        return QuantizedExperts((("q8_0", data),), cols)
+
+    full = MoEWeights(router=torch.zeros(8, 64), w_gate_up=stack(64, 64), w_down=stack(64, 32))
+    layer = SimpleNamespace(moe=MoEWeights(full.router, full.w_gate_up, full.w_down))
+    ExpertGroup(1, 4).shard([layer])
+    for got, whole in ((layer.moe.w_gate_up, full.w_gate_up), (layer.moe.w_down, full.w_down)):
+        assert isinstance(got, QuantizedExperts) and got.shape[0] == 2
+        assert torch.equal(got.segments[0][1], whole.segments[0][1][2:4])
+        assert got.segments[0][1].untyped_storage().nbytes() == got.nbytes
+
+
 def test_unknown_exchange_is_refused():
     with pytest.raises(ValueError, match="unknown expert exchange"):
         ExpertGroup(0, 2, "broadcast")  # type: ignore[arg-type]

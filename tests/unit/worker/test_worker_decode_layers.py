@@ -187,6 +187,20 @@ def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, mo
     assert torch.equal(loop_logits, want_logits)
 
 
+def _steps_at_once(
+    runner: ModelRunner, rows: int, monkeypatch
+) -> tuple[list[list[int]], torch.Tensor]:
+    """`_steps`, every decode step checked to run as one native call (none declined)."""
+    taken = []
+    real = runner.model.ops._decode_layers.run
+    monkeypatch.setattr(
+        runner.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
+    )
+    out = _steps(runner, rows)
+    assert len(taken) >= 5 and all(r is not None for r in taken)  # none declined
+    return out
+
+
 @pytest.fixture(scope="module")
 def segment_weights(weights):
     """The model as a GGUF file keeps it in memory: every projection in its blocks, the
@@ -216,13 +230,7 @@ def test_a_projection_of_several_block_formats_goes_through_the_one_call_loop(
     if not matvec.load().features & matvec.HAS_BLOCKS:
         pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
     once = _runner(segment_weights, "none", at_once=True)
-    taken = []
-    real = once.model.ops._decode_layers.run
-    monkeypatch.setattr(
-        once.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
-    )
-    once_tokens, once_logits = _steps(once, rows)
-    assert len(taken) >= 5 and all(r is not None for r in taken)  # none declined
+    once_tokens, once_logits = _steps_at_once(once, rows, monkeypatch)
     for layer in once.model.ops._decode_layers._prepared.array:
         assert layer.qkv.num_segments == 2 and not layer.o.num_segments
     loop_tokens, loop_logits = _steps(_runner(segment_weights, "none", at_once=False), rows)
@@ -334,3 +342,30 @@ def test_the_worker_says_how_many_positions_it_verifies_exactly(weights, block_w
     assert _runner(block_weights, "int8", True).max_verify_tokens == matvec.MAX_ROWS
     assert _runner(weights, "none", True).max_verify_tokens == matvec.MAX_ROWS
     assert _runner(weights, "none", False).max_verify_tokens == 0  # no native path: no bound
+
+
+@pytest.mark.parametrize("rows", [1, matvec.MAX_ROWS])
+def test_a_q5_1_file_s_decode_steps_go_through_the_one_call_loop(tmp_path, rows, monkeypatch):
+    """A GGUF file in Q5_1 (its projections kept in blocks: the fused kernel reads Q5_1):
+    every decode step runs as one native call over the blocks, the layer loop's tokens
+    and logits to the bit."""
+    from gguf.constants import GGMLQuantizationType
+
+    from spillway.services.worker.runner import load_runner
+    from spillway.shared.config import load_settings
+    from tests.gguf_files import write_tiny_llama
+
+    if not matvec.load().features & matvec.HAS_BLOCKS:
+        pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
+    path = write_tiny_llama(tmp_path / "tiny-Q5_1.gguf", GGMLQuantizationType.Q5_1)
+    settings = load_settings(model=str(path), kv_blocks=16, device="cpu", dtype="float32")
+    once, loop = load_runner(settings)[0], load_runner(settings)[0]
+    if once.model.ops._decode_layers is None:
+        pytest.skip("native kernels not built here (no compiler or no AVX2)")
+    loop.model.ops._decode_layers = None
+    once_tokens, once_logits = _steps_at_once(once, rows, monkeypatch)
+    for layer in once.model.ops._decode_layers._prepared.array:
+        assert all(getattr(layer, p).blocks for p in ("qkv", "o", "gate_up", "down"))
+    assert {p.kind for p in once.model.weights.layers[0].qkv.parts} == {"q5_1"}
+    loop_tokens, loop_logits = _steps(loop, rows)
+    assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)

@@ -1,7 +1,7 @@
 """GGUF files of every architecture we load, written from tiny random transformers models
 as llama.cpp's converter writes them: greedy outputs token by token against transformers
 loading the same file (`gguf_file=`), several prompts of different lengths in one batch;
-other architectures refused by name."""
+a MoE file's experts kept in its blocks; other architectures refused by name."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from spillway.kernels.cpu.quantized_weight import QuantizedExperts
 from spillway.services.cli.up import StartupError, check_servable_model
 from spillway.services.worker.models.registry import check_servable, load_model_config
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.runner import ModelRunner, load_runner
 from spillway.shared.config import Settings, load_settings
 from spillway.shared.gguf_arch import GGUF_ARCHITECTURES
+from spillway.shared.gguf_file import parse_gguf
 from spillway.shared.model_files import resolve_model
 from tests.gguf_files import FAMILIES, write_header_only, write_tiny_gguf
 from tests.unit.worker.plans import generate
@@ -33,6 +35,15 @@ MIN_GAP = 1e-4
 KINDS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K"]
 # Mistral's weights drawn apart from Llama's (the same draw would repeat its file).
 SEEDS = {"mistral": 1}
+# More MoE files: gguf-py's Q5_1, and a mix as llama.cpp's Q4_K_M writes a MoE model's
+# (down in Q6_K), with up in Q8_0 beside a Q4_K gate (an expert's gate/up of two formats).
+Q = GGMLQuantizationType
+MOE_MIXES = {
+    "Q5_1": Q.Q5_1,
+    "Q4_K_M": {"": Q.Q4_K, "ffn_up_exps": Q.Q8_0, "ffn_down_exps": Q.Q6_K, "attn_v": Q.Q6_K},
+}
+# A model's weights in memory over its file's tensor bytes, at most (the issue's bound).
+MEMORY_OVER_FILE = 1.3
 
 
 def _transformers_greedy(path: Path) -> tuple[list[list[int]], float, str]:
@@ -68,6 +79,19 @@ def test_batched_greedy_output_equals_transformers_on_the_same_gguf(tmp_path, fa
         GGMLQuantizationType[kind],
         seed=SEEDS.get(family, 0),
     )
+    runner = _greedy_equals_transformers(path, family)
+    if family == "qwen3moe":
+        _assert_experts_in_blocks(runner, path)
+
+
+@pytest.mark.parametrize("mix", list(MOE_MIXES))
+def test_a_moe_file_s_experts_compute_from_its_blocks(tmp_path, mix):
+    path = write_tiny_gguf(tmp_path / f"tiny-qwen3moe-{mix}.gguf", "qwen3moe", MOE_MIXES[mix])
+    _assert_experts_in_blocks(_greedy_equals_transformers(path, "qwen3moe"), path)
+
+
+def _greedy_equals_transformers(path: Path, family: str) -> ModelRunner:
+    """Our greedy tokens (exact mode) are transformers' on the same file; the runner."""
     expected, gap, model_type = _transformers_greedy(path)
     assert gap > MIN_GAP, gap
     assert all(len(e) == NEW_TOKENS for e in expected)
@@ -77,6 +101,29 @@ def test_batched_greedy_output_equals_transformers_on_the_same_gguf(tmp_path, fa
     runner = load_runner(settings)[0]
     got = generate(runner, PROMPTS, max_new_tokens=NEW_TOKENS, chunk=3, start_steps=START_STEPS)
     assert got == expected
+    return runner
+
+
+def _assert_experts_in_blocks(runner: ModelRunner, path: Path) -> None:
+    """Every MoE layer's experts are the file's blocks in the file's formats (float32
+    tensors only from an F32 file), and the weights take at most MEMORY_OVER_FILE times
+    the file's tensor bytes."""
+    tensors = parse_gguf(path).tensors
+    types = {t.name: t.tensor_type.name.lower() for t in tensors}
+    weights = runner.model.weights
+    for i, layer in enumerate(weights.layers):
+        assert layer.moe is not None
+        parts = {p: types[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")}
+        if parts["gate"] == "f32":
+            assert isinstance(layer.moe.w_gate_up, torch.Tensor)
+            continue
+        gate_up, down = layer.moe.w_gate_up, layer.moe.w_down
+        assert isinstance(gate_up, QuantizedExperts) and isinstance(down, QuantizedExperts)
+        kinds = [parts["gate"]] + ([parts["up"]] if parts["up"] != parts["gate"] else [])
+        assert [kind for kind, _ in gate_up.segments] == kinds
+        assert [kind for kind, _ in down.segments] == [parts["down"]]
+    file_bytes = sum(t.data.nbytes for t in tensors)
+    assert weights.num_bytes() <= MEMORY_OVER_FILE * file_bytes, (weights.num_bytes(), file_bytes)
 
 
 def test_the_config_reads_each_architecture_s_own_keys(tmp_path):

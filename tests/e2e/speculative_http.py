@@ -7,11 +7,7 @@ import concurrent.futures as cf
 
 import httpx
 
-
-def greedy_body(prompt: list[int], max_tokens: int) -> dict:
-    """A greedy completion that returns its tokens as ids (in its logprobs)."""
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+from tests.e2e.greedy_http import tokens_of
 
 
 def post_all(url: str, bodies: list[dict]) -> tuple[list[httpx.Response], str]:
@@ -23,8 +19,7 @@ def post_all(url: str, bodies: list[dict]) -> tuple[list[httpx.Response], str]:
 
 
 def token_ids(reply: httpx.Response) -> list[int]:
-    choice = reply.json()["choices"][0]
-    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    return tokens_of(reply.json())
 
 
 def metric_total(metrics: str, prefix: str) -> float:

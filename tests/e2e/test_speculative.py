@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from spillway.services.cli.launcher import System
-from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
+from tests.e2e.greedy_http import greedy_body
+from tests.e2e.speculative_http import metric_total, post_all, token_ids
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from spillway.services.cli.launcher import System
-from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
+from tests.e2e.greedy_http import greedy_body
+from tests.e2e.speculative_http import metric_total, post_all, token_ids
 from tests.unit.worker.tiny_families import load_reference, reference_greedy
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 

@@ -86,20 +86,16 @@ class SchedulerStatsCollector(Collector):
             up.add_metric([sid], 1.0 if answered else 0.0)
         yield up
         each = sorted(self.stats.items())
-        for name, doc, value in (
-            ("spillway_workers", "Workers registered with the scheduler", _num_workers),
-            ("spillway_requests_running", "Requests in the running batch", _num_running),
-            ("spillway_requests_waiting", "Requests waiting for admission", _num_waiting),
+        yield from _per_scheduler(GaugeMetricFamily, each, (
+            ("spillway_workers", "Workers registered with the scheduler", "num_workers"),
+            ("spillway_requests_running", "Requests in the running batch", "num_running"),
+            ("spillway_requests_waiting", "Requests waiting for admission", "num_waiting"),
             ("spillway_requests_swapped", "Requests whose KV waits in the spill store",
-             _num_swapped),
-            ("spillway_kv_cache_usage_ratio", "Fraction of KV blocks in use", _kv_usage),
+             "num_swapped"),
+            ("spillway_kv_cache_usage_ratio", "Fraction of KV blocks in use", "kv_usage"),
             ("spillway_prefix_cache_blocks", "KV blocks kept by the prefix cache",
-             _cached_blocks),
-        ):  # fmt: skip
-            family = _labelled(GaugeMetricFamily, name, doc)
-            for sid, stats in each:
-                family.add_metric([sid], value(stats))
-            yield family
+             "num_cached_blocks"),
+        ))  # fmt: skip
         preemptions = _labelled(
             CounterMetricFamily,
             "spillway_preemptions",
@@ -111,21 +107,17 @@ class SchedulerStatsCollector(Collector):
             for mode in sorted(set(PREEMPTION_MODES) | set(stats.preemptions)):
                 preemptions.add_metric([mode, sid], stats.preemptions.get(mode, 0))
         yield preemptions
-        for name, doc, value in (
+        yield from _per_scheduler(CounterMetricFamily, each, (
             ("spillway_spill_failures", "Spills the store did not take (each victim was "
-             "recomputed instead)", _spill_failures),
-            ("spillway_swap_ins", "Spilled requests brought back to run", _swap_ins),
+             "recomputed instead)", "spill_failures"),
+            ("spillway_swap_ins", "Spilled requests brought back to run", "swap_ins"),
             ("spillway_migrations", "Requests moved to another worker when theirs was lost "
-             "or drained", _migrations),
+             "or drained", "migrations"),
             ("spillway_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-             _hit_tokens),
+             "prefix_cache_hit_tokens"),
             ("spillway_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             _query_tokens),
-        ):  # fmt: skip
-            counter = _labelled(CounterMetricFamily, name, doc)
-            for sid, stats in each:
-                counter.add_metric([sid], value(stats))
-            yield counter
+             "prefix_cache_query_tokens"),
+        ))  # fmt: skip
         yield from _worker_metrics(each)
         yield from _phase_histograms(each)
         yield from _spec_decode_metrics(each)
@@ -133,48 +125,18 @@ class SchedulerStatsCollector(Collector):
         yield from _spill_store_metrics(store)
 
 
-def _num_workers(s: SchedulerStats) -> float:
-    return s.num_workers
-
-
-def _num_running(s: SchedulerStats) -> float:
-    return s.num_running
-
-
-def _num_waiting(s: SchedulerStats) -> float:
-    return s.num_waiting
-
-
-def _num_swapped(s: SchedulerStats) -> float:
-    return s.num_swapped
-
-
-def _kv_usage(s: SchedulerStats) -> float:
-    return s.kv_usage
-
-
-def _cached_blocks(s: SchedulerStats) -> float:
-    return s.num_cached_blocks
-
-
-def _spill_failures(s: SchedulerStats) -> float:
-    return s.spill_failures
-
-
-def _swap_ins(s: SchedulerStats) -> float:
-    return s.swap_ins
-
-
-def _migrations(s: SchedulerStats) -> float:
-    return s.migrations
-
-
-def _hit_tokens(s: SchedulerStats) -> float:
-    return s.prefix_cache_hit_tokens
-
-
-def _query_tokens(s: SchedulerStats) -> float:
-    return s.prefix_cache_query_tokens
+def _per_scheduler(
+    kind: type[_Family],
+    each: Sequence[tuple[str, SchedulerStats]],
+    rows: Sequence[tuple[str, str, str]],
+) -> Iterator[Metric]:
+    """A family of `kind` for each (name, doc, SchedulerStats field) row, with one series
+    per scheduler: that field of its stats."""
+    for name, doc, field in rows:
+        family = _labelled(kind, name, doc)
+        for sid, stats in each:
+            family.add_metric([sid], getattr(stats, field))
+        yield family
 
 
 def _labelled(kind: type[_Family], name: str, doc: str, *more: str) -> _Family:
@@ -382,23 +344,18 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerStatsCollector()
         self.registry.register(self.scheduler)
-        self.ttft = Histogram(
+        self.ttft = self._latency(
             "spillway_time_to_first_token_seconds",
             "Time from arrival to the first generated token",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            TTFT_BUCKETS,
         )
-        self.itl = Histogram(
-            "spillway_inter_token_latency_seconds",
-            "Time between generated tokens",
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
+        self.itl = self._latency(
+            "spillway_inter_token_latency_seconds", "Time between generated tokens", ITL_BUCKETS
         )
-        self.e2e = Histogram(
+        self.e2e = self._latency(
             "spillway_e2e_request_latency_seconds",
             "Time from arrival to the last token",
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
+            E2E_BUCKETS,
         )
         self.prompt_tokens = Counter(
             "spillway_prompt_tokens", "Prompt tokens submitted", registry=self.registry
@@ -416,6 +373,9 @@ class GatewayMetrics:
         self.registry.register(
             VllmAliases([*aliased, self.prompt_tokens, self.generation_tokens], model_name)
         )
+
+    def _latency(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, doc, buckets=buckets, registry=self.registry)
 
     def on_tokens(self, timer: TokenTimer, count: int, now: float) -> None:
         ttft, gaps = timer.on_tokens(count, now)

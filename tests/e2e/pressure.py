@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway.services.cli.launcher import ServiceGroup, wait_until
+from spillway.services.cli.launcher import ServiceGroup, System, wait_until
 
 TIE_MARGIN = 1e-3
 # Every scheduler in these tests checks its block manager's invariants after every tick.
@@ -127,6 +128,16 @@ def metrics(url: str) -> dict[str, float]:
 
 def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=10).json()
+
+
+@contextlib.contextmanager
+def with_workers(system: System, n: int) -> Iterator[System]:
+    """`system` once its `n` workers have registered; stopped with SIGTERM on leaving."""
+    try:
+        assert wait_until(lambda: health(system.url)["workers"] == n, 120), system.tail()
+        yield system
+    finally:
+        system.stop(signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -17,9 +17,9 @@ from spillway.services.cli.launcher import System, wait_until
 from tests.e2e.pressure import (
     assert_same_greedy,
     generate_all,
-    health,
     metrics,
     stream_generate,
+    with_workers,
 )
 
 NEW_TOKENS = 400  # long enough to be in flight when the rank dies
@@ -69,11 +69,8 @@ def two_groups(tiny_moe_dir, nats_url, redis_url):
             "SPILLWAY_DRAIN_TIMEOUT_S": "2",
         },
     )  # fmt: skip
-    try:
-        assert wait_until(lambda: health(system.url)["workers"] == 2, 120), system.tail()
+    with with_workers(system, 2):
         yield system
-    finally:
-        system.stop(signal.SIGTERM)
 
 
 def ranks(system: System) -> dict[tuple[str, int], int]:

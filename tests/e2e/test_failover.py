@@ -20,6 +20,7 @@ from tests.e2e.pressure import (
     health,
     metrics,
     stream_generate,
+    with_workers,
 )
 
 pytestmark = pytest.mark.slow
@@ -45,11 +46,8 @@ def two_workers(long_tiny_model_dir, nats_url, redis_url):
         # The killed worker is restarted (as a new worker) only after its requests moved.
         env={"SPILLWAY_RESTART_BACKOFF_S": "5", "SPILLWAY_DEBUG_INVARIANTS": "1"},
     )  # fmt: skip
-    try:
-        assert wait_until(lambda: health(system.url)["workers"] == 2, 120), system.tail()
+    with with_workers(system, 2):
         yield system
-    finally:
-        system.stop(signal.SIGTERM)
 
 
 def per_worker(samples: dict[str, float], name: str) -> dict[str, float]:

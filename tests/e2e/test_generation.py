@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from tests.e2e.greedy_http import greedy_body, tokens_of
+
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 48
@@ -79,24 +81,10 @@ def _reference_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]
 
 
 def _complete(client, prompt: list[int]) -> dict:
-    r = client.post(
-        "/v1/completions",
-        json={
-            "model": "SmolLM2-135M-Instruct",
-            "prompt": prompt,
-            "max_tokens": NEW_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        },
-    )
+    body = {"model": "SmolLM2-135M-Instruct", **greedy_body(prompt, NEW_TOKENS)}
+    r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _token_ids(body: dict) -> list[int]:
-    return [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
 
 
 def test_concurrent_greedy_generations_equal_transformers(
@@ -110,7 +98,7 @@ def test_concurrent_greedy_generations_equal_transformers(
 
     near_ties = 0
     for prompt, body in zip(prompts, bodies, strict=True):
-        got = _token_ids(body)
+        got = tokens_of(body)
         assert body["usage"]["prompt_tokens"] == len(prompt)
         assert body["usage"]["completion_tokens"] == NEW_TOKENS == len(got)
         want, gaps = _reference_greedy(reference_model, prompt)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 from gguf.constants import GGMLQuantizationType
 
 from spillway.services.cli.launcher import System
+from tests.e2e.greedy_http import complete_greedy, tokens_of
 from tests.gguf_files import write_tiny_gguf
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 120, 33, 8], [1, 200], [250, 3, 3]]
@@ -60,31 +60,11 @@ def _transformers_greedy(path) -> list[list[int]]:
     return out
 
 
-def _complete(url: str, prompt: list[int] | str) -> dict:
-    with httpx.Client(base_url=url, timeout=120) as c:
-        r = c.post(
-            "/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": NEW_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 0,
-                "return_tokens_as_token_ids": True,
-            },
-        )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _tokens(body: dict) -> list[int]:
-    return [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
-
-
 def test_concurrent_requests_equal_transformers_on_the_same_file(moe_system, moe_file):
     want = _transformers_greedy(moe_file)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = [_tokens(b) for b in pool.map(lambda p: _complete(moe_system.url, p), PROMPTS)]
+        bodies = pool.map(lambda p: complete_greedy(moe_system.url, p, NEW_TOKENS), PROMPTS)
+        got = [tokens_of(b) for b in bodies]
     assert got == want
 
 
@@ -92,7 +72,7 @@ def test_a_text_prompt_goes_through_the_file_s_tokenizer(moe_system, moe_file):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(moe_file.parent, gguf_file=moe_file.name)
-    body = _complete(moe_system.url, "hello world")
+    body = complete_greedy(moe_system.url, "hello world", NEW_TOKENS)
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode("hello world"))
     assert body["usage"]["completion_tokens"] == NEW_TOKENS
-    assert len(_tokens(body)) == NEW_TOKENS
+    assert len(tokens_of(body)) == NEW_TOKENS

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from spillway.services.cli.launcher import wait_until
+from tests.metric_names import CONTRACT_NAMES, bare
 
 pytestmark = pytest.mark.slow
 
@@ -95,21 +96,8 @@ def test_health_is_ok_with_a_worker(client):
 def test_metrics_exports_the_contract_names(client):
     client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
     text = client.get("/metrics").text
-    for name in (
-        "spillway_time_to_first_token_seconds_bucket",
-        "spillway_inter_token_latency_seconds_bucket",
-        "spillway_e2e_request_latency_seconds_bucket",
-        "spillway_requests_running",
-        "spillway_requests_waiting",
-        "spillway_kv_cache_usage_ratio",
-        "spillway_preemptions_total",
-        "spillway_prefix_cache_hits_total",
-        "spillway_prefix_cache_queries_total",
-        "spillway_prompt_tokens_total",
-        "spillway_generation_tokens_total",
-        "spillway_requests_finished_total",
-    ):
-        assert name in text, name
+    for name in CONTRACT_NAMES:
+        assert bare(name) in text, name
     assert _metric(client, "spillway_generation_tokens_total") >= 3
     assert re.search(r'spillway_requests_finished_total\{finish_reason="length"\} [1-9]', text)
 

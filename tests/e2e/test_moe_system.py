@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from spillway.services.cli.launcher import System
+from tests.e2e.greedy_http import complete_greedy, tokens_of
 from tests.unit.worker.tiny_families import load_reference, reference_greedy, save_tiny_family
 
 pytestmark = pytest.mark.slow
@@ -43,21 +44,7 @@ def moe_system(nats_url, redis_url, moe_dir):
 
 
 def _complete(url: str, prompt: list[int]) -> list[int]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        r = c.post(
-            "/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": NEW_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 0,
-                "return_tokens_as_token_ids": True,
-            },
-        )
-    assert r.status_code == 200, r.text
-    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
-    return [int(t.removeprefix("token_id:")) for t in tokens]
+    return tokens_of(complete_greedy(url, prompt, NEW_TOKENS, timeout=60))
 
 
 def test_concurrent_requests_equal_transformers(moe_system, moe_dir):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from spillway.services.cli.launcher import System
-from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
+from tests.e2e import speculative_http as spec_http
+from tests.e2e.greedy_http import greedy_body
 
 pytestmark = pytest.mark.slow
 
@@ -86,32 +87,20 @@ def test_concurrent_greedy_requests_equal_transformers(spec_system, model_dir, r
     texts = [REPEATS, "def add(a, b):\n    return a + b\n" * 2, "Hello there", REPEATS[:60]]
     prompts = [tok(t).input_ids for t in texts]
     lengths = [64, 37, 23, 50]  # max_tokens: some land inside a row's drafts
-    wants = []
-    for prompt, n in zip(prompts, lengths, strict=True):
-        want, gap = _greedy(model, prompt, n)
-        assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
-        wants.append(want)
+    wants = spec_http.clear_greedy(_greedy, model, prompts, lengths)
     # A stop string taken from the middle of the first output: the text ends before it.
     first_text = tok.decode(wants[0], skip_special_tokens=True)
     stop = first_text[len(first_text) // 2 : len(first_text) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
     bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
-    bodies.append({"prompt": prompts[0], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
-                   "stop": [stop]})  # fmt: skip
-    replies, metrics = post_all(spec_system.url, bodies)
-    for r in replies:
-        assert r.status_code == 200, r.text
+    bodies.append(spec_http.stop_body(prompts[0], 64, stop))
+    replies, metrics = spec_http.post_checked(spec_system.url, bodies, wants, first_text, stop)
     for r, want in zip(replies, wants, strict=False):
-        assert token_ids(r) == want
         assert r.json()["choices"][0]["finish_reason"] == "length"
         assert r.json()["usage"]["completion_tokens"] == len(want)
-    stopped = replies[-1].json()["choices"][0]
-    assert stopped["finish_reason"] == "stop"
-    assert stopped["text"] == first_text[: first_text.index(stop)]
 
-    drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
-    accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")
+    drafted, accepted = spec_http.drafted_and_accepted(metrics)
     per_position = 'spillway_spec_decode_accepted_tokens_per_position_total{position="0",'
-    first = metric_total(metrics, per_position)
+    first = spec_http.metric_total(metrics, per_position)
     assert drafted > 0 and 0 < accepted <= drafted
     assert first > 0

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from spillway.services.cli.launcher import System
-from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
+from tests.e2e import speculative_http as spec_http
+from tests.e2e.greedy_http import greedy_body
 from tests.e2e.test_speculative import REPEATS, _greedy, _save_sharp_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -43,27 +44,14 @@ def test_the_model_as_its_own_draft_end_to_end(draft_system, model_dir, referenc
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [reference_tokenizer(t).input_ids for t in (REPEATS, "Hello there")]
     lengths = [40, 27]
-    wants = []
-    for prompt, n in zip(prompts, lengths, strict=True):
-        want, gap = _greedy(model, prompt, n)
-        assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
-        wants.append(want)
+    wants = spec_http.clear_greedy(_greedy, model, prompts, lengths)
     bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
     # A stop string from the middle of the first output: the text ends before it, though
     # the row that produced it may have verified drafts past it.
     first_text = reference_tokenizer.decode(wants[0], skip_special_tokens=True)
     stop = first_text[len(first_text) // 2 : len(first_text) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
-    bodies.append({"prompt": prompts[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-                   "stop": [stop]})  # fmt: skip
-    replies, metrics = post_all(draft_system.url, bodies)
-    for r, want in zip(replies, wants, strict=False):
-        assert r.status_code == 200, r.text
-        assert token_ids(r) == want
-    stopped = replies[-1].json()["choices"][0]
-    assert stopped["finish_reason"] == "stop"
-    assert stopped["text"] == first_text[: first_text.index(stop)]
-
-    drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
-    accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")
+    bodies.append(spec_http.stop_body(prompts[0], 40, stop))
+    _, metrics = spec_http.post_checked(draft_system.url, bodies, wants, first_text, stop)
+    drafted, accepted = spec_http.drafted_and_accepted(metrics)
     assert drafted > 0 and accepted == drafted

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from spillway.services.cli.launcher import System
-from tests.e2e.speculative_http import greedy_body, metric_total, post_all, token_ids
+from tests.e2e import speculative_http as spec_http
+from tests.e2e.greedy_http import greedy_body
 from tests.unit.worker.tiny_families import load_reference, reference_greedy
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 
@@ -47,11 +48,7 @@ def test_greedy_requests_equal_transformers_with_mtp_drafts(
     model = load_reference(model_dir)
     prompts = [reference_tokenizer(t).input_ids for t in ("Hello there", "one two three four")]
     lengths = [24, 31]
-    wants = []
-    for prompt, n in zip(prompts, lengths, strict=True):
-        want, gap = reference_greedy(model, prompt, n)
-        assert gap > 1e-3, "the tiny model's greedy choice is a near tie"
-        wants.append(want)
+    wants = spec_http.clear_greedy(reference_greedy, model, prompts, lengths)
     bodies = [greedy_body(p, n) for p, n in zip(prompts, lengths, strict=True)]
     # A stop string from the middle of the second output: the text ends before it, though
     # the row that produced it may have verified drafts past it.
@@ -59,16 +56,7 @@ def test_greedy_requests_equal_transformers_with_mtp_drafts(
     stop = next(
         text[i : i + 3] for i in range(len(text) // 2, len(text)) if text[i : i + 3].strip()
     )
-    bodies.append({"prompt": prompts[1], "max_tokens": lengths[1], "temperature": 0,
-                   "ignore_eos": True, "stop": [stop]})  # fmt: skip
-    replies, metrics = post_all(mtp_system.url, bodies)
-    for r, want in zip(replies, wants, strict=False):
-        assert r.status_code == 200, r.text
-        assert token_ids(r) == want
-    stopped = replies[-1].json()["choices"][0]
-    assert stopped["finish_reason"] == "stop"
-    assert stopped["text"] == text[: text.index(stop)]
-
-    drafted = metric_total(metrics, "spillway_spec_decode_draft_tokens_total{")
-    accepted = metric_total(metrics, "spillway_spec_decode_accepted_tokens_total{")
+    bodies.append(spec_http.stop_body(prompts[1], lengths[1], stop))
+    _, metrics = spec_http.post_checked(mtp_system.url, bodies, wants, text, stop)
+    drafted, accepted = spec_http.drafted_and_accepted(metrics)
     assert drafted > 0 and 0 < accepted <= drafted

@@ -24,6 +24,7 @@ from spillway.services.cli.launcher import SPILLWAY, pid_alive, wait_until
 from spillway.services.cli.trace.spans import spans_from_otlp_lines
 from spillway.shared.protocol import SpillDrop, SpillRecord, SpillRef, encode
 from spillway.shared.spill_keys import SpillKeys
+from tests.e2e.greedy_http import greedy_body, tokens_of
 from tests.e2e.keys import TINY_API_KEY
 
 AUTH = {"Authorization": f"Bearer {TINY_API_KEY}"}
@@ -41,20 +42,10 @@ def test_hf_folder_generates_the_same_tokens_as_transformers(tiny_system, tiny_m
     with torch.inference_mode():
         want = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :]
     with httpx.Client(base_url=tiny_system.url, timeout=60, headers=AUTH) as c:
-        r = c.post(
-            "/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": 20,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 0,
-                "return_tokens_as_token_ids": True,
-            },
-        )
+        r = c.post("/v1/completions", json=greedy_body(prompt, 20))
         assert r.status_code == 200, r.text
         models = c.get("/v1/models").json()
-    got = [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    got = tokens_of(r.json())
     assert got == want.tolist()
     assert [m["id"] for m in models["data"]] == [tiny_model_dir.name]
 

@@ -69,6 +69,9 @@ def drive(
     return served
 
 
+Execute = Callable[[StepPlan], StepResult]
+
+
 def serve(
     runner: ModelRunner,
     config: SchedulerConfig,
@@ -77,10 +80,13 @@ def serve(
     max_tokens: int,
     requests: list[dict] | None = None,
     spill_to: str | None = None,
+    execute: Execute | None = None,
+    driver: Callable[[SchedulerCore, Execute, list[str]], Served] = drive,
 ) -> tuple[Served, SchedulerCore]:
     """Serves `prompts` (request i: "r<i>", seed 100 + i, ignoring EOS, with `requests[i]`'s
-    fields) on a fresh core driving `runner`; with `spill_to` (a Redis URL) preemption
-    spills there. Every block is free and nothing swapped at the end."""
+    fields) on a fresh core driving `runner` (through `execute` where given, in its place)
+    the way `driver` drives it; with `spill_to` (a Redis URL) preemption spills there.
+    Every block is free and nothing swapped at the end."""
     if spill_to is not None:
         config = replace(config, preemption_mode="spill", spill_store=True)
         store = connect_kv_store(spill_to, 2.0)
@@ -103,6 +109,6 @@ def serve(
             )
         )
         assert error is None
-    served = drive(core, runner.execute, [f"r{i}" for i in range(len(prompts))])
+    served = driver(core, execute or runner.execute, [f"r{i}" for i in range(len(prompts))])
     assert core.kv_usage == 0.0 and core.num_swapped == 0
     return served, core

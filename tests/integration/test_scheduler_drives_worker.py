@@ -5,19 +5,14 @@ are without pressure (greedy and seeded)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
-from dataclasses import replace
 
 import pytest
 
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import SchedulerCore
-from spillway.services.worker.info import worker_info
-from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
-from spillway.shared.clock import FakeClock
-from spillway.shared.protocol import RequestDelta, SamplingParams, SubmitRequest
-from spillway.shared.spill_keys import SpillKeys
+from spillway.shared.protocol import SamplingParams
+from tests.integration.in_process import Execute, Served, serve
 from tests.unit.worker.tiny_llama import save_tiny_llama, tiny_runner
 
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(6)]
@@ -29,6 +24,22 @@ def model_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
+def _plan_by_plan(core: SchedulerCore, execute: Execute, request_ids: list[str]) -> Served:
+    """Each plan's result applied before the next plan is made, until every request ended
+    (at its length); the core's bookkeeping checked after every tick."""
+    served = Served({r: [] for r in request_ids})
+    for _ in range(2000):
+        plan = core.schedule()
+        if plan is not None:
+            served.take(core.update_from_output(plan, execute(plan)))
+        served.take(core.end_tick())
+        core.check_integrity()
+        if len(served.finished) == len(request_ids):
+            break
+    assert {d.finish_reason for d in served.finished.values()} == {"length"}
+    return served
+
+
 def _serve_all(
     model_dir, kv_blocks: int, sampling: SamplingParams, spill_to: str | None = None
 ) -> tuple[dict, SchedulerCore]:
@@ -36,46 +47,10 @@ def _serve_all(
     the runner itself and swapped in, instead of recomputed."""
     runner = tiny_runner(model_dir, kv_blocks=kv_blocks)
     config = SchedulerConfig(max_batch=6, max_num_batched_tokens=24)
-    if spill_to is not None:
-        config = replace(config, preemption_mode="spill", spill_store=True)
-        store = connect_kv_store(spill_to, 2.0)
-        runner.kv_transfer = KVTransfer(store, SpillKeys(uuid.uuid4().hex[:8]), runner.kv_cache)
-    core = SchedulerCore(FakeClock(), config)
-    core.attach_worker(worker_info("w", "tiny", runner))
-    if spill_to is not None:
-        core.spill_store_reported(True, 1 << 40)
-    for i, prompt in enumerate(PROMPTS):
-        error = core.add_request(
-            SubmitRequest(
-                request_id=f"r{i}",
-                gateway_id="g",
-                prompt_token_ids=prompt,
-                sampling=sampling.model_copy(update={"seed": 100 + i}),
-                max_tokens=NEW_TOKENS,
-                ignore_eos=True,
-            )
-        )
-        assert error is None
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    finished: dict[str, RequestDelta] = {}
-
-    def take(deltas: list[RequestDelta]) -> None:
-        for d in deltas:
-            outputs[d.request_id] += d.token_ids
-            if d.finish_reason is not None:
-                finished[d.request_id] = d
-
-    for _ in range(2000):
-        plan = core.schedule()
-        if plan is not None:
-            take(core.update_from_output(plan, runner.execute(plan)))
-        take(core.end_tick())
-        core.check_integrity()
-        if len(finished) == len(PROMPTS):
-            break
-    assert {d.finish_reason for d in finished.values()} == {"length"}
-    assert core.kv_usage == 0.0 and core.num_swapped == 0
-    return outputs, core
+    served, core = serve(
+        runner, config, PROMPTS, sampling, NEW_TOKENS, spill_to=spill_to, driver=_plan_by_plan
+    )
+    return served.outputs, core
 
 
 def memo_roomy(model_dir) -> Callable[[SamplingParams], tuple[dict, SchedulerCore]]:

@@ -7,25 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.services.scheduler.config import SchedulerConfig
-from spillway.services.scheduler.core import SchedulerCore
-from spillway.services.worker.info import worker_info
-from spillway.services.worker.runner import load_runner
-from spillway.shared.clock import FakeClock
-from spillway.shared.config import load_settings
-from spillway.shared.protocol import SamplingParams, SubmitRequest
-from tests.integration.in_process import drive
+from spillway.shared.protocol import SamplingParams
+from tests.integration.in_process import serve
+from tests.integration.spec_rig import PROMPTS, K, spec_config, spec_runner
 from tests.unit.worker.tiny_families import save_tiny_family
 from tests.unit.worker.tiny_llama import save_tiny_llama
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12] * 3,
-    [(7 * j) % 200 + 3 for j in range(13)],
-    [40, 41, 42, 40, 41, 43],
-    [(3 * j * j + 1) % 240 + 3 for j in range(19)],
-]
 NEW_TOKENS = 20
-K = 3
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +28,12 @@ def other_dir(tmp_path_factory):
 
 
 def _serve(model_dir, speculative: str, draft_model=None, kv_blocks: int = 64):
-    settings = load_settings(
-        model=str(model_dir), kv_blocks=kv_blocks, device="cpu", dtype="float32",
-        speculative=speculative, num_speculative_tokens=K, block_size=4,
+    runner = spec_runner(
+        model_dir, speculative, kv_blocks,
         draft_model=None if draft_model is None else str(draft_model),
     )  # fmt: skip
-    runner, _ = load_runner(settings)
-    config = SchedulerConfig(
-        max_batch=4, max_num_batched_tokens=32, speculative=speculative,  # type: ignore[arg-type]
-        num_speculative_tokens=K, spec_draft_cost=0.1,
-    )  # fmt: skip
-    core = SchedulerCore(FakeClock(), config)
-    core.attach_worker(worker_info("w", "tiny", runner))
-    for i, prompt in enumerate(PROMPTS):
-        error = core.add_request(
-            SubmitRequest(
-                request_id=f"r{i}", gateway_id="g", prompt_token_ids=prompt,
-                sampling=SamplingParams(temperature=0.0), max_tokens=NEW_TOKENS,
-                ignore_eos=True,
-            )
-        )  # fmt: skip
-        assert error is None
-    served = drive(core, runner.execute, [f"r{i}" for i in range(len(PROMPTS))])
-    assert core.kv_usage == 0.0
+    greedy = SamplingParams(temperature=0.0)
+    served, core = serve(runner, spec_config(speculative), PROMPTS, greedy, NEW_TOKENS)
     return served.outputs, core
 
 

@@ -15,24 +15,16 @@ from pathlib import Path
 import pytest
 
 from spillway.services.gateway.structured_output import GrammarBuilder
-from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import SchedulerCore
-from spillway.services.worker.runner import ModelRunner, load_runner
-from spillway.shared.config import load_settings
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.protocol import RequestDelta, SamplingParams
 from tests.integration.in_process import serve
+from tests.integration.spec_rig import PROMPTS, spec_config, spec_runner
 from tests.unit.worker.think_llama import save_think_llama
 from tests.unit.worker.tiny_llama import save_tiny_llama
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12] * 3,
-    [(7 * j) % 200 + 3 for j in range(13)],
-    [40, 41, 42, 40, 41, 43],
-    [(3 * j * j + 1) % 240 + 3 for j in range(19)],
-]
 NEW_TOKENS = 20
-K = 3
 GREEDY = SamplingParams(temperature=0.0)
 # Seeded draws spread enough that drafts (the drafter's greedy picks) sometimes fall.
 SEEDED = SamplingParams(temperature=0.7, top_p=0.95)
@@ -48,12 +40,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _runner(model_dir: Path, speculative: str, kv_blocks: int) -> ModelRunner:
-    settings = load_settings(
-        model=str(model_dir), kv_blocks=kv_blocks, device="cpu", dtype="float32",
-        speculative=speculative, num_speculative_tokens=K, block_size=4,
-        draft_model=str(model_dir) if speculative == "draft" else None,
-    )  # fmt: skip
-    runner, _ = load_runner(settings)
+    draft_model = str(model_dir) if speculative == "draft" else None
+    runner = spec_runner(model_dir, speculative, kv_blocks, draft_model=draft_model)
     if runner.sampling.engine is not None:
         runner.sampling.engine.wait_ready()
     return runner
@@ -69,10 +57,7 @@ def _serve(
     prompts: list[list[int]] = PROMPTS,
 ) -> tuple[dict[str, list[int]], dict[str, RequestDelta], dict[str, list], SchedulerCore]:
     runner = _runner(model_dir, speculative, kv_blocks)
-    config = SchedulerConfig(
-        max_batch=4, max_num_batched_tokens=32, speculative=speculative,  # type: ignore[arg-type]
-        num_speculative_tokens=K, spec_draft_cost=0.1,
-    )  # fmt: skip
+    config = spec_config(speculative)
     served, core = serve(runner, config, prompts, sampling, NEW_TOKENS, requests, spill_to)
     return served.outputs, served.finished, served.logprobs, core
 

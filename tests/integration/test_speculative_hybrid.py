@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.services.scheduler.config import SchedulerConfig
-from spillway.services.worker.runner import load_runner
-from spillway.shared.config import load_settings
 from spillway.shared.protocol import SamplingParams
 from tests.integration.in_process import serve
-from tests.unit.worker.tiny_families import (
-    load_reference,
-    reference_greedy,
-    save_repetitive_family,
-)
+from tests.integration.spec_rig import spec_config, spec_runner, transformers_greedy
+from tests.unit.worker.tiny_families import save_repetitive_family
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 12] * 3,
@@ -27,7 +21,7 @@ PROMPTS = [
     [(3 * j * j + 1) % 240 + 3 for j in range(19)],
 ]
 NEW_TOKENS = 32
-K = 3
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
@@ -37,27 +31,13 @@ def family_dir(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def want(family_dir) -> dict[str, list[int]]:
-    reference = load_reference(family_dir)
-    out = {}
-    for i, prompt in enumerate(PROMPTS):
-        tokens, gap = reference_greedy(reference, prompt, NEW_TOKENS)
-        assert gap > 1e-3  # clear greedy choices: equality is meaningful
-        out[f"r{i}"] = tokens
-    return out
+    return transformers_greedy(family_dir, PROMPTS, NEW_TOKENS)
 
 
 def _serve(family_dir, speculative: str, kv_blocks: int = 64, spill_to: str | None = None):
-    settings = load_settings(
-        model=str(family_dir), kv_blocks=kv_blocks, block_size=4, state_slots=4,
-        device="cpu", dtype="float32", speculative=speculative, num_speculative_tokens=K,
-    )  # fmt: skip
-    runner, _ = load_runner(settings)
-    config = SchedulerConfig(
-        max_batch=4, max_num_batched_tokens=24, speculative=speculative,  # type: ignore[arg-type]
-        num_speculative_tokens=K, spec_draft_cost=0.1,
-    )  # fmt: skip
-    greedy = SamplingParams(temperature=0.0)
-    served, core = serve(runner, config, PROMPTS, greedy, NEW_TOKENS, spill_to=spill_to)
+    runner = spec_runner(family_dir, speculative, kv_blocks, state_slots=4)
+    config = spec_config(speculative, max_num_batched_tokens=24)
+    served, core = serve(runner, config, PROMPTS, GREEDY, NEW_TOKENS, spill_to=spill_to)
     return served.outputs, core
 
 
@@ -89,18 +69,10 @@ def test_a_draft_model_beside_a_hybrid_model_equals_transformers(
     # at full strength): some drafts stand, most fall.
     folder = tmp_path_factory.mktemp("draft")
     draft = save_repetitive_family(folder, "qwen3", seed=7, quiet=1.0)
-    settings = load_settings(
-        model=str(family_dir), kv_blocks=64, block_size=4, state_slots=4, device="cpu",
-        dtype="float32", speculative="draft", draft_model=str(draft),
-        num_speculative_tokens=K,
-    )  # fmt: skip
-    runner, _ = load_runner(settings)
+    runner = spec_runner(family_dir, "draft", 64, state_slots=4, draft_model=str(draft))
     assert runner.draft is not None and runner.draft_states is not None
-    config = SchedulerConfig(
-        max_batch=4, max_num_batched_tokens=24, speculative="draft",
-        num_speculative_tokens=K, spec_draft_cost=0.1,
-    )  # fmt: skip
-    served, core = serve(runner, config, PROMPTS, SamplingParams(temperature=0.0), NEW_TOKENS)
+    config = spec_config("draft", max_num_batched_tokens=24)
+    served, core = serve(runner, config, PROMPTS, GREEDY, NEW_TOKENS)
     assert served.outputs == want
     assert core.spec is not None
     totals = core.spec.totals

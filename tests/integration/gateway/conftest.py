@@ -4,7 +4,9 @@ on the real NATS server, in a namespace of their own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from unittest import mock
 
@@ -71,6 +73,26 @@ def gateway_settings(nats_url: str, namespace: str, **overrides) -> Settings:
     )
 
 
+@contextlib.asynccontextmanager
+async def serving_on_a_double(
+    nats_url: str, tokenizer: ModelTokenizer, prefix: str, **overrides
+) -> AsyncIterator[tuple[RunningGateway, SchedulerDouble]]:
+    """A gateway (`gateway_settings` with `overrides`) and the scheduler double it serves
+    with, in a namespace of their own (`prefix` and a random tail); on leaving, the gateway
+    shuts down, then the double closes."""
+    namespace = f"{prefix}{uuid.uuid4().hex[:8]}"
+    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "double"), tokenizer)
+    await double.start()
+    try:
+        gateway = await start_serving(gateway_settings(nats_url, namespace, **overrides))
+        try:
+            yield gateway, double
+        finally:
+            await gateway.shutdown()
+    finally:
+        await double.close()
+
+
 @dataclass
 class System:
     gateway: RunningGateway
@@ -85,11 +107,8 @@ class System:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def system(nats_url, served_tokenizer):
-    namespace = f"gw{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "double"), served_tokenizer)
-    await double.start()
-    gateway = await start_serving(gateway_settings(nats_url, namespace))
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-        yield System(gateway, double, namespace, client)
-    await gateway.shutdown()
-    await double.close()
+    async with (
+        serving_on_a_double(nats_url, served_tokenizer, "gw") as (gateway, double),
+        httpx.AsyncClient(base_url=gateway.url, timeout=30) as client,
+    ):
+        yield System(gateway, double, gateway.settings.namespace, client)

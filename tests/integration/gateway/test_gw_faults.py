@@ -15,7 +15,11 @@ from spillway.shared.bus import Bus
 from spillway.shared.protocol import DeltaBatch, RequestDelta
 from spillway.shared.subjects import gateway_deltas
 from tests.clients import END_S, nats_stream, sse_events, stream_finish, stream_text
-from tests.integration.gateway.conftest import gateway_settings, start_serving
+from tests.integration.gateway.conftest import (
+    gateway_settings,
+    serving_on_a_double,
+    start_serving,
+)
 from tests.integration.gateway.scheduler_double import REPLY_TEXT, SchedulerDouble
 
 COMP = "/v1/completions"
@@ -97,9 +101,7 @@ async def test_scheduler_lost_mid_run_resumes_or_replays_every_request(nats_url,
         # Requests with output resumed on the live scheduler after what they had sent:
         # their text is the undisturbed one, whole, nothing repeated or missing.
         whole = _long_text(a)
-        stream = results["http stream with output"]
-        assert stream[-1] == "[DONE]" and stream_text(stream) == whole
-        assert stream_finish(stream) == "length"
+        _assert_whole(results["http stream with output"], a)
         plain = results["http with output"]
         assert plain.status_code == 200, plain.text
         assert plain.json()["choices"][0]["text"] == whole
@@ -139,144 +141,128 @@ async def test_scheduler_lost_mid_run_resumes_or_replays_every_request(nats_url,
             await double.close()
 
 
+async def _long_stream(client: httpx.AsyncClient, prompt: str) -> asyncio.Future[list[str]]:
+    """A streamed "LONG" request of LONG_TOKENS tokens, once its first text has come."""
+    first = asyncio.Event()
+    body = {"prompt": prompt, "max_tokens": LONG_TOKENS}
+    stream = asyncio.ensure_future(sse_events(client, COMP, body, first))
+    await _until(first.is_set)
+    return stream
+
+
+def _assert_whole(events: list[str], double: SchedulerDouble) -> None:
+    """The stream ended with the undisturbed text, whole: nothing missing, nothing repeated."""
+    assert events[-1] == "[DONE]" and stream_text(events) == _long_text(double)
+    assert stream_finish(events) == "length"
+
+
 async def test_a_scheduler_restarted_under_its_own_id_takes_the_stream_back(
     nats_url, served_tokenizer
 ):
-    namespace = f"reboot{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
-    await double.start()
-    gateway = await start_serving(gateway_settings(nats_url, namespace))
-    try:
+    async with serving_on_a_double(nats_url, served_tokenizer, "reboot") as (gateway, double):
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-            first = asyncio.Event()
-            body = {"prompt": "LONG reboot", "max_tokens": LONG_TOKENS}
-            stream = asyncio.ensure_future(sse_events(client, COMP, body, first))
-            await _until(first.is_set)
+            stream = await _long_stream(client, "LONG reboot")
             double.restart()
             events = await asyncio.wait_for(stream, END_S)
-        assert events[-1] == "[DONE]" and stream_text(events) == _long_text(double)
-        assert stream_finish(events) == "length"
+        _assert_whole(events, double)
         assert [s.output_token_ids != [] for s in double.submit_of("LONG reboot")] == [False, True]
-    finally:
-        await gateway.shutdown()
-        await double.close()
 
 
 async def test_news_lost_on_the_bus_resumes_the_stream_whole_from_what_the_client_has(
     nats_url, served_tokenizer
 ):
-    namespace = f"gap{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
-    await double.start()
-    gateway = await start_serving(gateway_settings(nats_url, namespace))
-    try:
+    async with serving_on_a_double(nats_url, served_tokenizer, "gap") as (gateway, double):
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-            first = asyncio.Event()
-            body = {"prompt": "LONG gap", "max_tokens": LONG_TOKENS}
-            stream = asyncio.ensure_future(sse_events(client, COMP, body, first))
-            await _until(first.is_set)
+            stream = await _long_stream(client, "LONG gap")
             double.lose_deltas = 2  # two tokens never reach the gateway; later ones do
             events = await asyncio.wait_for(stream, END_S)
-        # Nothing missing, nothing repeated: the gap was seen, and the stream went on from
-        # the tokens the client had.
-        assert events[-1] == "[DONE]" and stream_text(events) == _long_text(double)
-        assert stream_finish(events) == "length"
+        # The gap was seen, and the stream went on from the tokens the client had.
+        _assert_whole(events, double)
         submits = double.submit_of("LONG gap")
         assert [s.output_token_ids != [] for s in submits] == [False, True]
         assert submits[0].request_id in double.aborted
-    finally:
-        await gateway.shutdown()
-        await double.close()
 
 
 async def test_deltas_from_strangers_are_ignored_and_bad_ones_end_the_request(
     nats_url, served_tokenizer
 ):
-    namespace = f"forge{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
-    await double.start()
-    gateway = await start_serving(gateway_settings(nats_url, namespace))
-    stranger = await Bus.connect(nats_url, namespace, "stranger", sender="evil")
-    impostor = await Bus.connect(nats_url, namespace, "impostor", sender=double.scheduler_id)
-    subject = gateway_deltas(gateway.settings.service_id or "")
+    async with serving_on_a_double(nats_url, served_tokenizer, "forge") as (gateway, double):
+        namespace = gateway.settings.namespace
+        stranger = await Bus.connect(nats_url, namespace, "stranger", sender="evil")
+        impostor = await Bus.connect(nats_url, namespace, "impostor", sender=double.scheduler_id)
+        subject = gateway_deltas(gateway.settings.service_id or "")
 
-    async def forge(bus: Bus, marker: str, **fields) -> None:
-        rid = double.submit_of(marker)[-1].request_id
-        await bus.publish(subject, DeltaBatch(deltas=[RequestDelta(request_id=rid, **fields)]))
+        async def forge(bus: Bus, marker: str, **fields) -> None:
+            rid = double.submit_of(marker)[-1].request_id
+            deltas = [RequestDelta(request_id=rid, **fields)]
+            await bus.publish(subject, DeltaBatch(deltas=deltas))
 
-    try:
-        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-            # A stranger's news (say, an end) is dropped: the stream goes on.
-            stream = asyncio.ensure_future(
-                sse_events(client, COMP, {"prompt": "STALL forged", "max_tokens": 50})
-            )
-            await _until(lambda: double.submit_of("STALL forged"))
-            await forge(stranger, "STALL forged", token_ids=[42], finish_reason="stop")
-            await asyncio.sleep(0.3)
-            assert not stream.done()
-            # Its own scheduler's broken news (ids outside the vocabulary): a clear error.
-            await forge(impostor, "STALL forged", token_ids=[10**9])
-            events = await asyncio.wait_for(stream, END_S)
-            assert events[-1] == "[DONE]"
-            error = json.loads(events[-2])["error"]
-            assert error["code"] == "bad_upstream_message"
-            assert await double.wait_aborted(double.submit_of("STALL forged")[-1].request_id)
+        try:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+                # A stranger's news (say, an end) is dropped: the stream goes on.
+                stream = asyncio.ensure_future(
+                    sse_events(client, COMP, {"prompt": "STALL forged", "max_tokens": 50})
+                )
+                await _until(lambda: double.submit_of("STALL forged"))
+                await forge(stranger, "STALL forged", token_ids=[42], finish_reason="stop")
+                await asyncio.sleep(0.3)
+                assert not stream.done()
+                # Its own scheduler's broken news (ids outside the vocabulary): a clear error.
+                await forge(impostor, "STALL forged", token_ids=[10**9])
+                events = await asyncio.wait_for(stream, END_S)
+                assert events[-1] == "[DONE]"
+                error = json.loads(events[-2])["error"]
+                assert error["code"] == "bad_upstream_message"
+                assert await double.wait_aborted(double.submit_of("STALL forged")[-1].request_id)
 
-            # A scheduler sending more than asked (it ran twice): cut at max_tokens.
-            plain = asyncio.ensure_future(
-                client.post(COMP, json={"prompt": "STALL twice", "max_tokens": 3})
-            )
-            await _until(lambda: double.submit_of("STALL twice"))
-            ids = double.reply_ids
-            await forge(impostor, "STALL twice", token_ids=[ids[0], ids[0], ids[1], ids[1]])
-            r = await asyncio.wait_for(plain, END_S)
-            assert r.status_code == 200
-            body = r.json()
-            assert body["usage"]["completion_tokens"] == 3
-            assert body["choices"][0]["finish_reason"] == "length"
-            # The gateway goes on serving.
-            ok = await client.post(COMP, json={"prompt": "fine", "max_tokens": 4})
-            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-    finally:
-        for bus in (stranger, impostor):
-            await bus.close()
-        await gateway.shutdown()
-        await double.close()
+                # A scheduler sending more than asked (it ran twice): cut at max_tokens.
+                plain = asyncio.ensure_future(
+                    client.post(COMP, json={"prompt": "STALL twice", "max_tokens": 3})
+                )
+                await _until(lambda: double.submit_of("STALL twice"))
+                ids = double.reply_ids
+                await forge(impostor, "STALL twice", token_ids=[ids[0], ids[0], ids[1], ids[1]])
+                r = await asyncio.wait_for(plain, END_S)
+                assert r.status_code == 200
+                body = r.json()
+                assert body["usage"]["completion_tokens"] == 3
+                assert body["choices"][0]["finish_reason"] == "length"
+                # The gateway goes on serving.
+                ok = await client.post(COMP, json={"prompt": "fine", "max_tokens": 4})
+                assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        finally:
+            for bus in (stranger, impostor):
+                await bus.close()
 
 
 async def test_stop_drains_with_503_then_aborts_what_runs(nats_url, served_tokenizer):
-    namespace = f"drain{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
-    await double.start()
-    gateway = await start_serving(gateway_settings(nats_url, namespace, drain_timeout_s=1.0))
-    nc = await nats.connect(nats_url)
-    try:
-        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-            first = [asyncio.Event(), asyncio.Event()]
-            body = {"prompt": "LONG drain", "max_tokens": 5000}
-            http = asyncio.ensure_future(sse_events(client, COMP, body, first[0]))
-            over_nats = asyncio.ensure_future(
-                nats_stream(nc, f"{namespace}.llm.generate", body, first[1])
-            )
-            await _until(lambda: all(e.is_set() for e in first))
-            gateway.stop.set()
-            await _until(lambda: not gateway.task.done())
-            refused = await client.post(COMP, json={"prompt": "late", "max_tokens": 2})
-            assert refused.status_code == 503
-            assert refused.headers["retry-after"] == "1"
-            assert refused.json()["error"]["code"] == "shutting_down"
-            health = await client.get("/health")
-            assert health.status_code == 503 and health.json()["status"] == "draining"
-            events = await asyncio.wait_for(http, END_S)
-            msgs = await asyncio.wait_for(over_nats, END_S)
-        assert events[-1] == "[DONE]"
-        finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]]
-        assert finishes[-1] == "abort"
-        last = json.loads(msgs[-1].data)
-        assert msgs[-1].headers["Spillway-Done"] == "1"
-        assert last["choices"][0]["finish_reason"] == "abort"
-        await asyncio.wait_for(gateway.task, END_S)
-    finally:
-        await nc.close()
-        gateway.stop.set()
-        await double.close()
+    serving = serving_on_a_double(nats_url, served_tokenizer, "drain", drain_timeout_s=1.0)
+    async with serving as (gateway, _):
+        generate = f"{gateway.settings.namespace}.llm.generate"
+        nc = await nats.connect(nats_url)
+        try:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+                first = [asyncio.Event(), asyncio.Event()]
+                body = {"prompt": "LONG drain", "max_tokens": 5000}
+                http = asyncio.ensure_future(sse_events(client, COMP, body, first[0]))
+                over_nats = asyncio.ensure_future(nats_stream(nc, generate, body, first[1]))
+                await _until(lambda: all(e.is_set() for e in first))
+                gateway.stop.set()
+                await _until(lambda: not gateway.task.done())
+                refused = await client.post(COMP, json={"prompt": "late", "max_tokens": 2})
+                assert refused.status_code == 503
+                assert refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "shutting_down"
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json()["status"] == "draining"
+                events = await asyncio.wait_for(http, END_S)
+                msgs = await asyncio.wait_for(over_nats, END_S)
+            assert events[-1] == "[DONE]"
+            finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]]
+            assert finishes[-1] == "abort"
+            last = json.loads(msgs[-1].data)
+            assert msgs[-1].headers["Spillway-Done"] == "1"
+            assert last["choices"][0]["finish_reason"] == "abort"
+            await asyncio.wait_for(gateway.task, END_S)
+        finally:
+            await nc.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import uuid
 from unittest import mock
 
 import httpx
@@ -16,9 +15,7 @@ import pytest
 import pytest_asyncio
 
 from spillway.services.gateway.validation import RequestPreparer
-from spillway.shared.bus import Bus
-from tests.integration.gateway.conftest import gateway_settings, start_serving
-from tests.integration.gateway.scheduler_double import SchedulerDouble
+from tests.integration.gateway.conftest import serving_on_a_double
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -32,20 +29,19 @@ CLIENT_TIMEOUT_S = 0.5
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def strict(nats_url, served_tokenizer):
     """A gateway with a 64 KiB body limit and a half-second client timeout."""
-    namespace = f"hostile{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "d"), served_tokenizer)
-    await double.start()
-    settings = gateway_settings(
-        nats_url, namespace, max_request_bytes=LIMIT, http_client_timeout_s=CLIENT_TIMEOUT_S
+    serving = serving_on_a_double(
+        nats_url,
+        served_tokenizer,
+        "hostile",
+        max_request_bytes=LIMIT,
+        http_client_timeout_s=CLIENT_TIMEOUT_S,
     )
-    gateway = await start_serving(settings)
-    nc = await nats.connect(nats_url)
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-        await _until_healthy(client)
-        yield client, nc, namespace, double
-    await nc.close()
-    await gateway.shutdown()
-    await double.close()
+    async with serving as (gateway, double):
+        nc = await nats.connect(nats_url)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            await _until_healthy(client)
+            yield client, nc, gateway.settings.namespace, double
+        await nc.close()
 
 
 async def _until_healthy(client: httpx.AsyncClient) -> None:

@@ -10,9 +10,11 @@ import httpx
 import pytest
 
 from spillway.services.gateway.service import serve
-from spillway.shared.bus import Bus
-from tests.integration.gateway.conftest import gateway_settings, start_serving
-from tests.integration.gateway.scheduler_double import SchedulerDouble
+from tests.integration.gateway.conftest import (
+    gateway_settings,
+    serving_on_a_double,
+    start_serving,
+)
 
 COMP = "/v1/completions"
 
@@ -68,11 +70,7 @@ async def test_api_key_guards_v1_routes_only(nats_url):
 
 
 async def test_stop_lets_a_running_request_finish(nats_url, served_tokenizer):
-    namespace = f"drain{uuid.uuid4().hex[:6]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "double"), served_tokenizer)
-    await double.start()
-    gateway = await start_serving(gateway_settings(nats_url, namespace))
-    try:
+    async with serving_on_a_double(nats_url, served_tokenizer, "drain") as (gateway, double):
         async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
             running = asyncio.ensure_future(
                 client.post(COMP, json={"prompt": "LONG drain", "max_tokens": 60})
@@ -85,6 +83,3 @@ async def test_stop_lets_a_running_request_finish(nats_url, served_tokenizer):
         assert r.json()["choices"][0]["finish_reason"] == "length"
         assert r.json()["usage"]["completion_tokens"] == 60
         await asyncio.wait_for(gateway.task, 30)
-    finally:
-        gateway.stop.set()
-        await double.close()

@@ -4,16 +4,12 @@ NATS server): --served-model-name, --max-model-len, --chat-template, --allowed-o
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway.shared.bus import Bus
-from tests.integration.gateway.conftest import gateway_settings, start_serving
-from tests.integration.gateway.scheduler_double import SchedulerDouble
+from tests.integration.gateway.conftest import serving_on_a_double
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,22 +26,20 @@ MSG = [{"role": "user", "content": "Say something."}]
 async def gateway(nats_url, served_tokenizer, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
-    namespace = f"gw{uuid.uuid4().hex[:8]}"
-    double = SchedulerDouble(await Bus.connect(nats_url, namespace, "double"), served_tokenizer)
-    await double.start()
-    settings = gateway_settings(
+    serving = serving_on_a_double(
         nats_url,
-        namespace,
+        served_tokenizer,
+        "gw",
         served_model_name=NAMES,
         max_model_len=64,
         chat_template=str(template),
         allowed_origins=[ORIGIN],
     )
-    running = await start_serving(settings)
-    async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+    async with (
+        serving as (running, double),
+        httpx.AsyncClient(base_url=running.url, timeout=30) as client,
+    ):
         yield client, double
-    await running.shutdown()
-    await double.close()
 
 
 async def test_models_lists_every_served_name_with_the_cap(gateway):

@@ -35,27 +35,31 @@ from spillway.shared.subjects import (
 )
 
 
-async def _start(settings):
+@contextlib.asynccontextmanager
+async def _serving(settings):
+    """The spill store's `serve()` running until the block ends (then told to stop)."""
     stop = asyncio.Event()
     task = asyncio.create_task(serve(settings, stop))
-    return stop, task
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 @contextlib.asynccontextmanager
 async def _running_store(nats_url: str, redis_url: str, namespace: str, **settings):
     """A spill store serving `namespace`, a bus client and a Redis client beside it."""
-    stop, task = await _start(
-        load_settings(nats_url=nats_url, redis_url=redis_url, namespace=namespace, **settings)
-    )
     bus = await Bus.connect(nats_url, namespace, "test")
     store = aioredis.from_url(redis_url)
     try:
-        await _stats(bus)
-        yield bus, store, SpillKeys(namespace)
+        async with _serving(
+            load_settings(nats_url=nats_url, redis_url=redis_url, namespace=namespace, **settings)
+        ):
+            await _stats(bus)
+            yield bus, store, SpillKeys(namespace)
     finally:
         await store.aclose()
-        stop.set()
-        await task
         await bus.close()
 
 
@@ -196,38 +200,30 @@ async def test_prefix_tier_lookups_count_leading_hits_and_the_tier_keeps_its_cap
 async def test_a_restarted_store_knows_what_it_holds(nats_url, redis_url):
     settings = load_settings(nats_url=nats_url, redis_url=redis_url, namespace="sp6")
     bus = await Bus.connect(nats_url, "sp6", "test")
-    stop, task = await _start(settings)
     try:
-        await _stats(bus)
-        await bus.publish(SPILL_RECORDED, SpillRecord(
-            seq_id="z", spill_id=2, worker_id="w", num_bytes=700, num_keys=1))  # fmt: skip
-        await _until(bus, lambda s: s.num_sequences == 1)
+        async with _serving(settings):
+            await _stats(bus)
+            await bus.publish(SPILL_RECORDED, SpillRecord(
+                seq_id="z", spill_id=2, worker_id="w", num_bytes=700, num_keys=1))  # fmt: skip
+            await _until(bus, lambda s: s.num_sequences == 1)
+        async with _serving(settings):
+            stats = await _until(bus, lambda s: s.num_sequences == 1)
+            assert stats.sequences == {"z:2": 700}
     finally:
-        stop.set()
-        await task
-    stop, task = await _start(settings)
-    try:
-        stats = await _until(bus, lambda s: s.num_sequences == 1)
-        assert stats.sequences == {"z:2": 700}
-    finally:
-        stop.set()
-        await task
         await bus.close()
 
 
 async def test_redis_going_away_is_reported_not_fatal(nats_url):
     redis = start_redis()
     settings = load_settings(nats_url=nats_url, redis_url=redis.url, namespace="sp3")
-    stop, task = await _start(settings)
     client = await Bus.connect(nats_url, "sp3", "test")
     try:
-        assert (await _stats(client)).redis_ok
-        redis.stop()
-        stats = await client.request(SPILL_STATS, StatsRequest(), SpillStats, timeout=10)
-        assert stats.redis_ok is False
+        async with _serving(settings):
+            assert (await _stats(client)).redis_ok
+            redis.stop()
+            stats = await client.request(SPILL_STATS, StatsRequest(), SpillStats, timeout=10)
+            assert stats.redis_ok is False
     finally:
-        stop.set()
-        await task
         await client.close()
 
 

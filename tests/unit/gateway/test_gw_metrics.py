@@ -8,22 +8,7 @@ from spillway.services.gateway.metrics import GatewayMetrics, TokenTimer, spill_
 from spillway.services.scheduler.phase_stats import PhaseStats
 from spillway.services.scheduler.preemption import spill_status
 from spillway.shared.protocol import SchedulerLease, SchedulerStats, SpillStats, WorkerLoad
-
-CONTRACT_NAMES = [
-    "spillway_time_to_first_token_seconds_bucket",
-    "spillway_inter_token_latency_seconds_bucket",
-    "spillway_e2e_request_latency_seconds_bucket",
-    "spillway_requests_running",
-    "spillway_requests_waiting",
-    "spillway_kv_cache_usage_ratio",
-    'spillway_preemptions_total{mode="spill"}',
-    'spillway_preemptions_total{mode="recompute"}',
-    "spillway_prefix_cache_hits_total",
-    "spillway_prefix_cache_queries_total",
-    "spillway_prompt_tokens_total",
-    "spillway_generation_tokens_total",
-    "spillway_requests_finished_total",
-]
+from tests.metric_names import CONTRACT_NAMES
 
 
 def test_first_token_then_gaps_spread_over_a_delta():

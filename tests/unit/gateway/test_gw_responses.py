@@ -128,16 +128,23 @@ def logprob_deltas(tokenizer, text: str, k: int) -> tuple[list[int], list[Reques
     return ids, deltas
 
 
+def applied(tokenizer, deltas, options: OutputOptions, end: str | None = None) -> ChoiceOutput:
+    """A choice with every delta applied, then ended for `end` where given."""
+    output = ChoiceOutput(0, tokenizer, options)
+    for d in deltas:
+        output.apply(d)
+    if end is not None:
+        output.end(end)
+    return output
+
+
 def meta(kind, want_logprobs=False):
     return ResponseMeta(id="x-1", created=123, model="m", kind=kind, want_logprobs=want_logprobs)
 
 
 def test_chat_logprobs_have_openai_shape(tokenizer):
     ids, deltas = logprob_deltas(tokenizer, "Hi 🎉", k=2)
-    output = ChoiceOutput(0, tokenizer, OutputOptions(logprobs=2))
-    for d in deltas:
-        output.apply(d)
-    output.end("stop")
+    output = applied(tokenizer, deltas, OutputOptions(logprobs=2), "stop")
     body = completion_body(meta("chat", True), [output], Usage(3, len(ids)))
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == len(ids)
@@ -152,10 +159,7 @@ def test_chat_logprobs_have_openai_shape(tokenizer):
 
 def test_completion_logprobs_have_legacy_shape_and_text_offsets(tokenizer):
     _, deltas = logprob_deltas(tokenizer, "ab cd ef", k=1)
-    output = ChoiceOutput(0, tokenizer, OutputOptions(logprobs=1))
-    for d in deltas:
-        output.apply(d)
-    output.end("length")
+    output = applied(tokenizer, deltas, OutputOptions(logprobs=1), "length")
     lp = completion_body(meta("completion", True), [output], Usage(1, 3))["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert "".join(lp["tokens"]) == "ab cd ef"
@@ -168,9 +172,7 @@ def test_completion_logprobs_have_legacy_shape_and_text_offsets(tokenizer):
 
 def test_tokens_as_ids_spelling(tokenizer):
     ids, deltas = logprob_deltas(tokenizer, "hello world", k=1)
-    output = ChoiceOutput(0, tokenizer, OutputOptions(logprobs=0, tokens_as_ids=True))
-    for d in deltas:
-        output.apply(d)
+    output = applied(tokenizer, deltas, OutputOptions(logprobs=0, tokens_as_ids=True))
     assert [i.token for i in output.logprobs] == [f"token_id:{t}" for t in ids]
 
 

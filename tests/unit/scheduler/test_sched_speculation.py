@@ -119,6 +119,18 @@ def _step(core: SchedulerCore, plan: StepPlan, token: int, *extra: int) -> list[
     return [t for d in core.update_from_output(plan, result) for t in d.token_ids]
 
 
+def _after_prefill(core: SchedulerCore, **fields) -> StepPlan:
+    """The plan after r's prefill (submitted with `fields`; the worker sampled 12): the
+    first whose row may carry drafts."""
+    _submit(core, **fields)
+    plan = core.schedule()
+    assert plan is not None
+    _step(core, plan, 12)
+    plan = core.schedule()
+    assert plan is not None
+    return plan
+
+
 def test_a_verified_row_appends_what_stood_and_releases_rejected_blocks():
     core = _core()
     _submit(core, max_tokens=50)
@@ -147,12 +159,8 @@ def test_a_verified_row_appends_what_stood_and_releases_rejected_blocks():
 
 def test_rejected_drafts_blocks_go_back_and_the_worker_cuts_its_table():
     core = _core()
-    _submit(core, max_tokens=50)
-    plan = core.schedule()
-    assert plan is not None
-    _step(core, plan, 12)
-    plan = core.schedule()
-    assert plan is not None and plan.rows[0].num_draft_tokens == 3
+    plan = _after_prefill(core, max_tokens=50)
+    assert plan.rows[0].num_draft_tokens == 3
     seq = core.sequence("r")
     assert seq is not None
     held = list(seq.block_ids)
@@ -168,23 +176,15 @@ def test_rejected_drafts_blocks_go_back_and_the_worker_cuts_its_table():
 
 def test_drafts_stop_at_max_tokens_and_a_stop_token_inside_them_ends_the_output():
     core = _core()
-    _submit(core, max_tokens=3)
-    plan = core.schedule()
-    assert plan is not None
-    _step(core, plan, 12)
-    plan = core.schedule()
-    assert plan is not None and plan.rows[0].num_draft_tokens == 1  # 1 + 1 + 1 = 3 tokens
+    plan = _after_prefill(core, max_tokens=3)
+    assert plan.rows[0].num_draft_tokens == 1  # 1 + 1 + 1 = 3 tokens
     assert _step(core, plan, 13, 55) == [13, 55]
     seq = core.sequence("r")
     assert seq is not None and seq.finish_reason == "length"
 
     core = _core()
-    _submit(core, max_tokens=50, stop_token_ids=[10])
-    plan = core.schedule()
-    assert plan is not None
-    _step(core, plan, 12)
-    plan = core.schedule()
-    assert plan is not None and plan.rows[0].num_draft_tokens == 3
+    plan = _after_prefill(core, max_tokens=50, stop_token_ids=[10])
+    assert plan.rows[0].num_draft_tokens == 3
     # The worker emits 13 10 11 12 (three drafts stood) but 10 is a stop token.
     assert _step(core, plan, 13, 10, 11, 12) == [13, 10]
     seq = core.sequence("r")
@@ -197,12 +197,8 @@ def test_drafts_stop_at_max_tokens_and_a_stop_token_inside_them_ends_the_output(
 
 def test_a_speculating_sequence_runs_no_row_ahead_of_its_verify():
     core = _core(run_ahead=True)
-    _submit(core, max_tokens=50)
-    plan = core.schedule()
-    assert plan is not None
-    _step(core, plan, 12)
-    plan = core.schedule()
-    assert plan is not None and plan.rows[0].num_draft_tokens
+    plan = _after_prefill(core, max_tokens=50)
+    assert plan.rows[0].num_draft_tokens
     assert core.can_schedule() and core.schedule() is None  # waits for the verify
 
 
@@ -269,12 +265,7 @@ def test_drafts_shrink_to_the_blocks_that_can_be_had():
     config = SchedulerConfig(speculative="ngram", num_speculative_tokens=4)
     core = SchedulerCore(FakeClock(), config)
     core.attach_worker(worker_info(num_kv_blocks=3, block_size=4))  # 12 slots in all
-    _submit(core, max_tokens=50)
-    plan = core.schedule()
-    assert plan is not None
-    _step(core, plan, 12)
-    plan = core.schedule()
-    assert plan is not None
+    plan = _after_prefill(core, max_tokens=50)
     # 11 tokens in 3 blocks, the row's token at position 10: room for one draft only.
     assert plan.rows[0].num_draft_tokens == 1
     assert sum(core.stats.preemptions.values()) == 0
@@ -288,12 +279,8 @@ def test_drafts_stop_at_the_positions_a_worker_verifies_exactly():
     core = SchedulerCore(FakeClock(), config)
     info = worker_info(num_kv_blocks=16, block_size=4).model_copy(update={"max_verify_tokens": 3})
     core.attach_worker(info)
-    _submit(core, max_tokens=50)
-    plan = core.schedule()
-    assert plan is not None
-    _step(core, plan, 12)
-    plan = core.schedule()
-    assert plan is not None and plan.rows[0].num_draft_tokens == 2
+    plan = _after_prefill(core, max_tokens=50)
+    assert plan.rows[0].num_draft_tokens == 2
 
 
 def test_mtp_drafts_come_from_the_step_result_and_only_while_fresh():

@@ -14,12 +14,20 @@ from spillway.shared.telemetry import Telemetry
 from tests.unit.scheduler.harness import FakeWorker, LaneDriver, make_core, submit_request, tick
 
 
-def _traced_run(exporting: bool):
+def _recorded(
+    exporting: bool = True, model: str = "m", **kwargs
+) -> tuple[Telemetry, InMemorySpanExporter, SpanObserver]:
+    """The scheduler's telemetry (`exporting` or not) with every finished span kept in an
+    in-memory exporter, and a span observer on a fake clock serving `model`."""
     tel = Telemetry("scheduler", None)
     tel.exporting = exporting
     exporter = InMemorySpanExporter()
     tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
-    observer = SpanObserver(tel, FakeClock(100.0), lambda: "test-model")
+    return tel, exporter, SpanObserver(tel, FakeClock(100.0), lambda: model, **kwargs)
+
+
+def _traced_run(exporting: bool):
+    tel, exporter, observer = _recorded(exporting, "test-model")
     core, _ = make_core(observer=observer, max_num_batched_tokens=4)
     worker = FakeWorker(block_size=4)
     with tel.tracer.start_as_current_span("gateway.request") as parent:
@@ -78,12 +86,8 @@ def test_while_exporting_rows_carry_their_step_span_as_traceparent():
 
 
 def test_every_end_of_tick_phase_gets_a_span_in_the_seed_order_and_a_histogram():
-    tel = Telemetry("scheduler", None)
-    tel.exporting = True
-    exporter = InMemorySpanExporter()
-    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
     phases = PhaseStats()
-    observer = SpanObserver(tel, FakeClock(100.0), lambda: "m", on_phase=phases.observe)
+    _, exporter, observer = _recorded(on_phase=phases.observe)
     core, _ = make_core(observer=observer)
     worker = FakeWorker(block_size=4)
     assert core.add_request(submit_request("r", prompt_len=6, max_tokens=2)) is None
@@ -102,11 +106,7 @@ END_OF_TICK = ("deadline_sweep", "drain", "store_finished", "retire", "swap_in",
 
 
 def test_with_steps_running_ahead_every_row_span_ends_and_is_the_workers_parent():
-    tel = Telemetry("scheduler", None)
-    tel.exporting = True
-    exporter = InMemorySpanExporter()
-    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
-    observer = SpanObserver(tel, FakeClock(100.0), lambda: "m")
+    _, exporter, observer = _recorded()
     core, _ = make_core(observer=observer, run_ahead=True)
     worker = FakeWorker(block_size=4)
     for rid in ("a", "b"):
@@ -120,11 +120,7 @@ def test_with_steps_running_ahead_every_row_span_ends_and_is_the_workers_parent(
 
 
 def test_a_spilled_request_gets_its_phases_spill_and_swap_in_in_its_own_trace():
-    tel = Telemetry("scheduler", None)
-    tel.exporting = True
-    exporter = InMemorySpanExporter()
-    tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
-    observer = SpanObserver(tel, FakeClock(100.0), lambda: "m")
+    _, exporter, observer = _recorded()
     core, _ = make_core(
         observer=observer, num_kv_blocks=6, block_size=4, spill_store=True,
         preemption_mode="spill", max_batch=2, prefix_cache=False,

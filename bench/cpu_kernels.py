@@ -145,9 +145,11 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     kernels = next((k for k in builds.values() if k is not None), None)
     if kernels is None:
         return []
+    # The form `Int8Linear` reads them in (interleaved where the 16-row kernel is built).
+    integer = [kernels.integer_form(b).blocks for b in blocks]
     out: list[Row] = []
     for m in rows:
-        if m > matvec.MAX_ROWS:
+        if m > matvec.MAX_BLOCK_ROWS:
             continue
         inputs = {k: torch.randn(m, k, generator=gen) for k in (shape.hidden, shape.intermediate)}
 
@@ -159,12 +161,16 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
         forms = {
             "blocks -> float32 (exact)": run(lambda x, j: kernels.linear_blocks(x, blocks[j], None))
         }
+        if integer[0] is not blocks[0]:
+            forms["interleaved x int8"] = run(
+                lambda x, j: kernels.linear_blocks_q8(x, integer[j], None)
+            )
         for dot, k in builds.items():
-            if k is not None:
+            if k is not None and m <= matvec.MAX_ROWS:
                 forms[f"blocks x int8 ({dot})"] = run(
                     lambda x, j, k=k: k.linear_blocks_q8(x, blocks[j], None)
                 )
-        if kernels.features & matvec.HAS_Q8:
+        if kernels.features & matvec.HAS_Q8 and m <= matvec.MAX_ROWS:
             forms["int8 per row (dense)"] = run(lambda x, j: kernels.linear_q8(x, q8[j], None))
         results = {name: fn() for name, fn in forms.items()}
         first = next(iter(results.values()))

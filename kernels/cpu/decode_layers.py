@@ -32,6 +32,7 @@ import torch
 from spillway.kernels.cpu.decode_ops import DecodeOps
 from spillway.kernels.cpu.matvec import (
     BLOCK_TYPES,
+    INTEGER_CODES,
     MAX_BLOCK_ROWS,
     MAX_ROWS,
     BlockWeight,
@@ -133,7 +134,7 @@ class _Prepared:
     array: ctypes.Array
     keep: list[object]
     inter: int
-    max_rows: int  # MAX_BLOCK_ROWS where every projection reads float32 blocks
+    max_rows: int  # the fewest any projection's form takes (`max_rows`)
 
 
 class DecodeLayers:
@@ -254,7 +255,7 @@ class DecodeLayers:
             return None
         keep: list[object] = []
         array = (_Layer * len(layers))()
-        all_blocks = True
+        rows = MAX_BLOCK_ROWS
         inter = layers[0].down.shape[1]
         for entry, layer, k_cache, v_cache in zip(array, layers, k_caches, v_caches, strict=True):
             caches_fit = all(
@@ -280,13 +281,22 @@ class DecodeLayers:
                 form = linear.few_row_form(probe, weight, bias)
                 if form is None:
                     return None
-                all_blocks = all_blocks and isinstance(form, BlockWeight | QuantizedWeight)
+                rows = min(rows, max_rows(form))
                 projection, segments = _projection(form, bias)
                 setattr(entry, name, projection)
                 keep += [form, bias, segments]
-        max_rows = MAX_BLOCK_ROWS if all_blocks else MAX_ROWS
-        self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, max_rows)
+        self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, rows)
         return self._prepared
+
+
+def max_rows(form: torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight) -> int:
+    """Rows a few-row form takes in one call, each row's outputs its one-row call's: the
+    float32 block kernels and the interleaved integer one take a verify's positions."""
+    if isinstance(form, BlockWeight | QuantizedWeight):
+        return MAX_BLOCK_ROWS
+    if isinstance(form, IntegerBlocks):
+        return form.max_rows
+    return MAX_ROWS
 
 
 def _projection(
@@ -307,12 +317,12 @@ def _projection(
     if isinstance(form, Q8Weight):
         ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
         return _Projection(*ptrs, None, 0, 0, bias_ptr, n, k), None
-    integer = isinstance(form, IntegerBlocks)
     if isinstance(form, IntegerBlocks):
-        form = form.blocks
+        data, kind = form.blocks.data.data_ptr(), INTEGER_CODES[form.blocks.kind]
+        return _Projection(None, None, None, None, data, kind, 1, bias_ptr, n, k), None
     if isinstance(form, BlockWeight):
         data, kind = form.data.data_ptr(), BLOCK_TYPES[form.kind]
-        return _Projection(None, None, None, None, data, kind, int(integer), bias_ptr, n, k), None
+        return _Projection(None, None, None, None, data, kind, 0, bias_ptr, n, k), None
     return _Projection(form.data_ptr(), None, None, None, None, 0, 0, bias_ptr, n, k), None
 
 

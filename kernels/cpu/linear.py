@@ -455,8 +455,9 @@ class Int8Linear(PackedLinear):
         if blocks is None:
             return self._q8.get(weight)
         form = self._integer.get(id(weight))
-        if form is None or form.blocks is not blocks:
-            form = self._integer[id(weight)] = IntegerBlocks(blocks)
+        if form is None or form.source is not blocks:
+            assert self.matvec is not None  # _source_blocks found blocks through it
+            form = self._integer[id(weight)] = self.matvec.integer_form(blocks)
         return form
 
     def _apply_few(

@@ -67,7 +67,7 @@ from spillway.kernels.cpu.info import cpu_flags, cpu_model, int8_dot
 from spillway.kernels.cpu.native import address_of
 
 SOURCE = Path(__file__).with_name("csrc") / "matvec.c"
-HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT = 1, 2, 4, 8, 16
+HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT, HAS_BLOCKS_X16 = 1, 2, 4, 8, 16, 32
 # matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
 INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
 # Every block format `dequantize_rows` and `linear_dequant_f32` read (DQ_* in matvec.c),
@@ -88,6 +88,11 @@ BLOCK_TYPES = {
     for kind in ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16")
 }
 INTEGER_BLOCK_TYPES = frozenset({"q4_1", "q8_0"})
+# The interleaved forms `linear_blocks_q8` reads with AVX-512 VNNI (HAS_BLOCKS_X16): each
+# integer block type's form of 16 output rows a group (`interleave`; matvec.c's layout).
+X16_CODES = {"q4_1x16": 16, "q8_0x16": 17}
+X16_KINDS = {"q4_1": "q4_1x16", "q8_0": "q8_0x16"}
+INTEGER_CODES = {**{kind: BLOCK_CODES[kind] for kind in INTEGER_BLOCK_TYPES}, **X16_CODES}
 # 16-bit float types: any K and N (linear_f32's loops); the block types want N % 4 == 0.
 HALF_TYPES = frozenset({"f16", "bf16"})
 # Activations are quantized per block of this many values (QB in matvec.c).
@@ -108,6 +113,28 @@ MAX_BLOCK_ROWS = 8
 PARALLEL_MIN_BYTES = 1 << 21
 PARALLEL_MIN_BYTES_CHOICES = (1 << 21, 1 << 18)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def interleave(weight: BlockWeight) -> BlockWeight:
+    """Q4_1 or Q8_0 blocks regrouped for `linear_blocks_q8`'s 16-row kernel (the same bytes
+    a weight, moved): per 16 output rows, every block's f16 scales, then its values laid
+    out as VNNI's dpbusd takes them (16 rows x 4 consecutive values a 64-byte vector);
+    Q8_0's values stored plus 128, as u8. matvec.c's BLOCKS_X16 comment has the layout."""
+    n, k = weight.shape
+    nb, groups = k // 32, n // 16
+    assert weight.kind in X16_KINDS and n % 16 == 0 and k % 32 == 0
+    blocks = weight.data.view(groups, 16, nb, -1)  # [G, row, block, bytes]
+    if weight.kind == "q4_1":
+        # scales [G, block, d|m, row, 2 bytes]; nibbles [G, block, vector, row, 4 bytes]
+        scales = blocks[..., :4].reshape(groups, 16, nb, 2, 2).permute(0, 2, 3, 1, 4)
+        values = blocks[..., 4:].reshape(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4)
+    else:
+        scales = blocks[..., :2].permute(0, 2, 1, 3)
+        values = blocks[..., 2:].reshape(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        values = values.bitwise_xor(0x80)  # q + 128 as u8 (two's complement)
+    grouped = torch.cat([scales.reshape(groups, -1), values.reshape(groups, -1)], dim=1)
+    data = grouped.contiguous().view(n, -1)
+    return BlockWeight(data, X16_KINDS[weight.kind], k)
 
 
 def compile_flags(dot: str | None = None) -> list[str]:
@@ -165,13 +192,20 @@ class BlockWeight:
 class IntegerBlocks:
     """A block weight read with integer products: `linear_blocks_q8` quantizes x per block
     of 32 to int8 and sums products as integers (llama.cpp's Q8_1 dots), instead of
-    turning the blocks into float32."""
+    turning the blocks into float32. `blocks` is what the kernel reads: the file's blocks
+    (`source`) or, where the 16-row kernel is built, their interleaved form."""
 
     blocks: BlockWeight
+    source: BlockWeight
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.blocks.shape
+
+    @property
+    def max_rows(self) -> int:
+        """Rows one call takes, each row's outputs those of a call of that row alone."""
+        return MAX_BLOCK_ROWS if self.blocks.kind in X16_CODES else MAX_ROWS
 
 
 class MatvecKernels:
@@ -280,13 +314,31 @@ class MatvecKernels:
         kinds = INTEGER_BLOCK_TYPES if feature == HAS_BLOCKS_Q8 else BLOCK_TYPES
         if weight.kind not in kinds:
             return False
+        rows_fit = self._few_rows(feature, x, bias) or (
+            self._x16(weight) and self._few_rows(HAS_BLOCKS, x, bias)  # up to MAX_BLOCK_ROWS
+        )
         return (
-            self._few_rows(feature, x, bias)
+            rows_fit
             and x.shape[1] == k
             and k % BLOCK_SHAPES[weight.kind][0] == 0
             and (n % 4 == 0 or weight.kind in HALF_TYPES)
             and weight.data.is_contiguous()
         )
+
+    def _x16(self, weight: BlockWeight) -> bool:
+        """Whether `linear_blocks_q8` reads this weight's interleaved form (`interleave`)."""
+        n, k = weight.shape
+        return (
+            self.features & HAS_BLOCKS_X16 != 0
+            and weight.kind in X16_KINDS
+            and n % 16 == 0
+            and k % 32 == 0
+        )
+
+    def integer_form(self, weight: BlockWeight) -> IntegerBlocks:
+        """The form `linear_blocks_q8` reads this weight in: interleaved where the 16-row
+        kernel is built and the shape allows it, else the file's blocks as they are."""
+        return IntegerBlocks(interleave(weight) if self._x16(weight) else weight, weight)
 
     def fits_dequant(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
         """Whether `linear_dequant` takes x against this block weight: a few float32 rows
@@ -331,8 +383,8 @@ class MatvecKernels:
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K], quantized per block of 32 to int8, against a weight in the model file's
-        blocks with integer products (+ b) -> [M, N] float32."""
-        return self._call_blocks(self._blocks_q8, x, weight, bias)
+        blocks, or their interleaved form, with integer products (+ b) -> [M, N] float32."""
+        return self._call_blocks(self._blocks_q8, x, weight, bias, INTEGER_CODES)
 
     def _call_blocks(
         self,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from spillway.kernels import ssm_reference
 from spillway.kernels.cpu import argmax, decode_ops, matmul_q8, matvec, noise
 from spillway.kernels.cpu.argmax import NativeArgmax
-from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors
+from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors, max_rows
 from spillway.kernels.cpu.decode_layers import load as load_decode_layers
 from spillway.kernels.cpu.experts import CpuExperts
 from spillway.kernels.cpu.linear import Int8Linear, PackedLinear
@@ -225,8 +225,7 @@ class CpuOps(CpuAbilities):
         ]
         if any(form is None for form in forms):
             return None
-        blocks = all(isinstance(form, BlockWeight | QuantizedWeight) for form in forms)
-        return matvec.MAX_BLOCK_ROWS if blocks else matvec.MAX_ROWS
+        return min(max_rows(form) for form in forms)
 
     def tune_few_rows(self, projections: Sequence[Weight]) -> int | None:
         few_rows = self._linear.matvec

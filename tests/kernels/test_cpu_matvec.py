@@ -16,6 +16,7 @@ from spillway.kernels.cpu.linear import (
 from spillway.kernels.cpu.matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
+    HAS_BLOCKS_X16,
     HAS_F32,
     HAS_Q8,
     MAX_BLOCK_ROWS,
@@ -233,23 +234,34 @@ def _quantized_blocks(kind: str, n: int, k: int, g: torch.Generator):
 
 @pytest.mark.parametrize("dot", list(INT8_DOTS))
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, MAX_ROWS])
-def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows):
-    """x quantized per block of 32 against the file's blocks, integer products: the float64
-    product of those quantized activations with the dequantized weight, and within the
-    activations' rounding (half a step per value) of the float activations' product."""
+@pytest.mark.parametrize(
+    ("rows", "interleaved"), [(1, False), (MAX_ROWS, False), (1, True), (MAX_BLOCK_ROWS, True)]
+)
+def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows, interleaved):
+    """x quantized per block of 32 against the file's blocks (or their interleaved form,
+    16 rows a group), integer products: the float64 product of those quantized activations
+    with the dequantized weight, and within the activations' rounding (half a step per
+    value) of the float activations' product."""
     if dot not in dot_builds:
         pytest.skip(f"this CPU has no {dot}")
     matvec = dot_builds[dot]
+    if interleaved and not matvec.features & HAS_BLOCKS_X16:
+        pytest.skip("the 16-row integer kernel needs AVX-512 VNNI")
     seed = torch.seed()  # fresh inputs each run; the seed is in any failure's message
     g = torch.Generator().manual_seed(seed)
-    blocks, dense = _quantized_blocks(kind, 4100, 160, g)  # 4100: odd chunk tails
+    n = 4112 if interleaved else 4100  # odd chunk tails (a group of 16, or 4 rows)
+    blocks, dense = _quantized_blocks(kind, n, 160, g)
     x = torch.randn(rows, 160, generator=g)
     x[0, 7] *= 40.0  # an outlier costs its own block's precision only
     x[-1, 32:64] = 0.0  # an all-zero block
-    bias = torch.randn(4100, generator=g)
+    bias = torch.randn(n, generator=g)
     assert matvec.fits_blocks(x, blocks, bias, HAS_BLOCKS_Q8)
-    got = matvec.linear_blocks_q8(x, blocks, bias).double()
+    form = matvec.integer_form(blocks).blocks
+    assert form.kind == (f"{kind}x16" if interleaved else kind)
+    got = matvec.linear_blocks_q8(x, form if interleaved else blocks, bias).double()
+    if interleaved:  # each row's outputs are that row's alone
+        one = torch.cat([matvec.linear_blocks_q8(x[i : i + 1], form, bias) for i in range(rows)])
+        assert torch.equal(one.double(), got)
     # The activations as the kernel rounds them: float32 scale 127 / amax, half to even.
     per_block = x.view(rows, -1, 32)
     amax = per_block.abs().amax(-1, keepdim=True)
@@ -286,10 +298,11 @@ def test_int8_linear_reads_the_files_blocks_with_integer_products(matvec):
     int8 = Int8Linear(matvec=matvec)
     int8.use_blocks([(dense, blocks)])
     form = int8.few_row_form(x[:1], dense, None)
-    assert isinstance(form, IntegerBlocks) and form.blocks is blocks
+    assert isinstance(form, IntegerBlocks) and form.source is blocks
+    assert form.blocks.kind == ("q4_1x16" if matvec.features & HAS_BLOCKS_X16 else "q4_1")
     assert int8.few_row_form(x[:2], dense, None) is form  # one form per weight
     few = int8(x[:2], dense)
-    assert torch.equal(few, matvec.linear_blocks_q8(x[:2], blocks, None))
+    assert torch.equal(few, matvec.linear_blocks_q8(x[:2], form.blocks, None))
     assert len(int8) == 0  # nothing packed for fbgemm
     int8(x, dense)  # more rows than the native kernels take: fbgemm
     assert len(int8) == 1

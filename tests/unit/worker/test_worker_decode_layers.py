@@ -307,7 +307,7 @@ def _verify_logits(runner: ModelRunner, tokens: list[int], at_once: bool) -> tor
 @pytest.mark.parametrize(
     ("quantize", "rows"),
     [("none", 2), ("none", matvec.MAX_ROWS + 1), ("none", matvec.MAX_BLOCK_ROWS),
-     ("int8", matvec.MAX_ROWS)],
+     ("int8", matvec.MAX_ROWS), ("int8", matvec.MAX_BLOCK_ROWS)],
 )  # fmt: skip
 def test_a_verify_step_equals_one_token_steps_to_the_bit(
     block_weights, quantize, rows, monkeypatch
@@ -319,6 +319,8 @@ def test_a_verify_step_equals_one_token_steps_to_the_bit(
     feature = matvec.HAS_BLOCKS if quantize == "none" else matvec.HAS_BLOCKS_Q8
     if not matvec.load().features & feature:
         pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
+    if rows > matvec.MAX_ROWS and quantize == "int8" and not _x16():
+        pytest.skip("the 16-row integer kernel, which takes 8 rows, needs AVX-512 VNNI")
     tokens = [(5 * i + 17) % 256 for i in range(rows)]
     single = _verify_logits(_runner(block_weights, quantize, at_once=True), tokens, False)
     verify = _runner(block_weights, quantize, at_once=True)
@@ -339,7 +341,8 @@ def test_the_worker_says_how_many_positions_it_verifies_exactly(weights, block_w
     if not matvec.load().features & matvec.HAS_BLOCKS:
         pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
     assert _runner(block_weights, "none", True).max_verify_tokens == matvec.MAX_BLOCK_ROWS
-    assert _runner(block_weights, "int8", True).max_verify_tokens == matvec.MAX_ROWS
+    int8_rows = matvec.MAX_BLOCK_ROWS if _x16() else matvec.MAX_ROWS
+    assert _runner(block_weights, "int8", True).max_verify_tokens == int8_rows
     assert _runner(weights, "none", True).max_verify_tokens == matvec.MAX_ROWS
     assert _runner(weights, "none", False).max_verify_tokens == 0  # no native path: no bound
 
@@ -369,3 +372,8 @@ def test_a_q5_1_file_s_decode_steps_go_through_the_one_call_loop(tmp_path, rows,
     assert {p.kind for p in once.model.weights.layers[0].qkv.parts} == {"q5_1"}
     loop_tokens, loop_logits = _steps(loop, rows)
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
+
+
+def _x16() -> bool:
+    """Whether `--quantize int8` reads blocks interleaved for 16 rows (AVX-512 VNNI)."""
+    return bool(matvec.load().features & matvec.HAS_BLOCKS_X16)

@@ -22,6 +22,7 @@ are then those of a one-row step to the bit, as every kernel here computes a row
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from spillway.kernels.cpu.native import (
     compile_flags,
 )
 from spillway.kernels.cpu.quantized_weight import QuantizedWeight
+from spillway.kernels.cpu.step_threads import StepThreads
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_layers.c"
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -68,13 +70,14 @@ class _Kernels(ctypes.Structure):
 
 
 class _Segment(ctypes.Structure):
-    _fields_ = [("blocks", _PTR), ("block_type", _I64), ("n", _I64)]
+    _fields_ = [("blocks", _PTR), ("block_type", _I64), ("n", _I64), ("row_bytes", _I64)]
 
 
 class _Projection(ctypes.Structure):
     _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("blocks", _PTR),
                 ("block_type", _I64), ("integer", _I64), ("bias", _PTR), ("n", _I64),
-                ("k", _I64), ("segments", _PTR), ("num_segments", _I64)]  # fmt: skip
+                ("k", _I64), ("segments", _PTR), ("num_segments", _I64),
+                ("row_bytes", _I64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -87,7 +90,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         *[(n, _I64) for n in ("rows", "hidden", "q_heads", "kv_heads", "head_dim", "inter",
                               "block_size", "num_slots", "max_pos", "bt_stride",
-                              "parallel_min_bytes")],
+                              "parallel_min_bytes", "threads")],
         ("eps", _F32), ("scale", _F32),
         *[(n, _PTR) for n in ("positions", "slots", "query_start", "block_tables",
                               "context_lens", "cos_table", "sin_table", "x", "residual", "h",
@@ -157,6 +160,11 @@ class DecodeLayers:
             for dtype, end in suffix.items()
         }  # fmt: skip
         self._matvec = matvec
+        # Whether a step runs in one parallel region of all threads (decode_layers.c says
+        # why) rather than each projection in its own: chosen by timing (`StepThreads`)
+        # unless set.
+        self.together: bool | None = None
+        self.step_threads = StepThreads()
         # what the kernels above belong to: their libraries stay loaded while this lives
         self._owners = (ops, native)
         self._prepared: _Prepared | None = None
@@ -186,6 +194,10 @@ class DecodeLayers:
         if prepared is None or rows > prepared.max_rows:
             return None
         qkv_width = (g.q_heads + 2 * g.kv_heads) * g.head_dim
+        threads = torch.get_num_threads()
+        together = threads > 1 and (
+            self.step_threads.together(rows) if self.together is None else self.together
+        )
         residual = torch.empty_like(x)
         out = x.clone()
         bufs = [torch.empty(rows, w) for w in (hidden, qkv_width, g.q_heads * g.head_dim)]
@@ -197,17 +209,20 @@ class DecodeLayers:
         step = _Step(
             rows, hidden, g.q_heads, g.kv_heads, g.head_dim, prepared.inter, block_size,
             num_blocks * block_size, cos_table.shape[0], tables.stride(0),
-            self._matvec.parallel_min_bytes, g.eps, g.scale,
+            self._matvec.parallel_min_bytes, threads if together else 1, g.eps, g.scale,
             positions.data_ptr(), slots.data_ptr(), starts.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), out.data_ptr(),
             residual.data_ptr(), *(b.data_ptr() for b in bufs),
         )  # fmt: skip
+        start = time.perf_counter_ns()
         code = self._run(
             ctypes.byref(self._kernels[k_caches[0].dtype]),
             prepared.array,
             len(prepared.array),
             ctypes.byref(step),
         )
+        if threads > 1 and self.together is None:
+            self.step_threads.record(rows, together, time.perf_counter_ns() - start)
         if code != 0:
             error, what = _FAILURES.get(-code // 100, (RuntimeError, "a kernel"))
             raise error(f"native decode layers: {what} ({code})")
@@ -309,7 +324,8 @@ def _projection(
     n, k = form.shape
     if isinstance(form, QuantizedWeight):
         segments = (_Segment * len(form.parts))(*(
-            _Segment(p.data.data_ptr(), BLOCK_TYPES[p.kind], p.shape[0]) for p in form.parts
+            _Segment(p.data.data_ptr(), BLOCK_TYPES[p.kind], p.shape[0], p.data.shape[1])
+            for p in form.parts
         ))  # fmt: skip
         entry = _Projection(None, None, None, None, None, 0, 0, bias_ptr, n, k)
         entry.segments, entry.num_segments = ctypes.addressof(segments), len(segments)
@@ -318,11 +334,15 @@ def _projection(
         ptrs = (None, form.q.data_ptr(), form.scales.data_ptr(), form.block_sums.data_ptr())
         return _Projection(*ptrs, None, 0, 0, bias_ptr, n, k), None
     if isinstance(form, IntegerBlocks):
-        data, kind = form.blocks.data.data_ptr(), INTEGER_CODES[form.blocks.kind]
-        return _Projection(None, None, None, None, data, kind, 1, bias_ptr, n, k), None
+        data, kind = form.blocks.data, INTEGER_CODES[form.blocks.kind]
+        entry = _Projection(None, None, None, None, data.data_ptr(), kind, 1, bias_ptr, n, k)
+        entry.row_bytes = data.shape[1]
+        return entry, None
     if isinstance(form, BlockWeight):
-        data, kind = form.data.data_ptr(), BLOCK_TYPES[form.kind]
-        return _Projection(None, None, None, None, data, kind, 0, bias_ptr, n, k), None
+        data, kind = form.data, BLOCK_TYPES[form.kind]
+        entry = _Projection(None, None, None, None, data.data_ptr(), kind, 0, bias_ptr, n, k)
+        entry.row_bytes = data.shape[1]
+        return entry, None
     return _Projection(form.data_ptr(), None, None, None, None, 0, 0, bias_ptr, n, k), None
 
 

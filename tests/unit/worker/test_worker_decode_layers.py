@@ -72,11 +72,19 @@ def block_weights(weights):
 
 
 def _runner(
-    weights, quantize: str, at_once: bool, kv_dtype: torch.dtype = torch.float32
+    weights,
+    quantize: str,
+    at_once: bool,
+    kv_dtype: torch.dtype = torch.float32,
+    together: bool | None = True,
 ) -> ModelRunner:
+    """A runner whose decode steps take the one-call loop (`at_once`; all threads in one
+    region where `together`, else each projection in its own; None: chosen by timing) or
+    the layer loop."""
     ops = CpuOps(quantize=quantize)
     if ops._decode_layers is None:
         pytest.skip("native kernels not built here (no compiler or no AVX2)")
+    ops._decode_layers.together = together
     if not at_once:
         ops._decode_layers = None
     return ModelRunner(
@@ -117,11 +125,25 @@ def _steps(runner: ModelRunner, rows: int) -> tuple[list[list[int]], torch.Tenso
     return sampled, logits
 
 
+@pytest.fixture
+def two_threads():
+    """Two math threads (CI's cores), so that a step in one region splits its projections."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("together", [True, False, None])
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 @pytest.mark.parametrize("rows", [1, matvec.MAX_ROWS])
-def test_one_call_equals_the_layer_loop_to_the_bit(weights, quantize, rows, monkeypatch):
+def test_one_call_equals_the_layer_loop_to_the_bit(
+    weights, quantize, rows, together, two_threads, monkeypatch
+):
+    """Each output computed as the layer loop computes it, whether the threads share each
+    projection's rows in one region, work per projection, or the step chooses by timing."""
     loop = _runner(weights, quantize, at_once=False)
-    once = _runner(weights, quantize, at_once=True)
+    once = _runner(weights, quantize, at_once=True, together=together)
     calls = []
     real = once.model.ops._decode_layers.run
     monkeypatch.setattr(

@@ -1,0 +1,86 @@
+"""Which way a few-row decode step's threads run: each projection in its own OpenMP region
+(the others asleep in between, as the worker's passive wait policy has them), or the whole
+step in one region whose threads wait for each other spinning (`decode_layers.c`).
+
+On a quiet machine the one region is much faster: measured on a 2-core EPYC (AVX-512 VNNI),
+a SmolLM2-135M `--quantize int8` step at one row took 6.4 ms against 10.4 (per projection,
+the second thread woke for the lm_head alone: waking it for every projection cost more than
+it saved). But a spinning thread waits for every other one at each of some 240 meeting
+points a step, and where another process has taken a thread's core (the services and the
+client share the machine) the step waits for the scheduler to give it back: the same step
+then took 30-150 ms against 10-28. So the choice is made by measuring, per row count: both
+ways are timed at the start, the faster is kept, and the other is tried again now and then
+(after `probe_every` steps, twice as long after each try that lost, up to `longest`), so
+that a machine that becomes busy, or quiet again, changes the choice while a try of the
+slower way costs little. A pure core: the caller times the steps and reports them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Rows:
+    """What is known of steps of one row count."""
+
+    times: dict[bool, deque[int]]
+    interval: int  # steps from one try of the way not chosen to the next
+    until_probe: int
+    probing: int = 0  # steps left of a try of the way not chosen
+
+
+@dataclass
+class StepThreads:
+    """Chooses per step whether to run it together (one region) or per projection."""
+
+    window: int = 8  # the latest timings of each way that the choice reads (medians)
+    probe_every: int = 128  # steps between two tries of the way not chosen
+    longest: int = 4096  # ... at most, however often the tries lost
+    probe_steps: int = 3  # steps a try lasts
+    _rows: dict[int, _Rows] = field(default_factory=dict)
+
+    def together(self, rows: int) -> bool:
+        state = self._state(rows)
+        for way in (True, False):  # each way timed a few times before any choice
+            if len(state.times[way]) < self.probe_steps:
+                return way
+        return self._best(state)  # (a try clears its way's timings: the loop above runs it)
+
+    def record(self, rows: int, together: bool, nanoseconds: int) -> None:
+        """A step of this many rows ran that way in this long."""
+        state = self._state(rows)
+        timing_both = self.chosen(rows) is None  # the start's steps count towards no try
+        state.times[together].append(nanoseconds)
+        if state.probing:
+            state.probing -= 1
+            if not state.probing:  # the try is over: did the way not chosen win?
+                lost = self._best(state) != together
+                state.interval = min(2 * state.interval, self.longest) if lost else self.probe_every
+                state.until_probe = state.interval
+            return
+        if timing_both:
+            return
+        state.until_probe -= 1
+        if state.until_probe <= 0:
+            state.probing = self.probe_steps
+            state.times[not self._best(state)].clear()  # the try is judged on its own
+
+    def chosen(self, rows: int) -> bool | None:
+        """The way steps of this many rows take now (None: still timing both)."""
+        state = self._rows.get(rows)
+        if state is None or any(len(t) < self.probe_steps for t in state.times.values()):
+            return None
+        return self._best(state)
+
+    def _best(self, state: _Rows) -> bool:
+        return statistics.median(state.times[True]) <= statistics.median(state.times[False])
+
+    def _state(self, rows: int) -> _Rows:
+        state = self._rows.get(rows)
+        if state is None:
+            times = {way: deque[int](maxlen=self.window) for way in (True, False)}
+            state = self._rows[rows] = _Rows(times, self.probe_every, self.probe_every)
+        return state

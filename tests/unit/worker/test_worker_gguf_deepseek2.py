@@ -174,3 +174,22 @@ def test_an_unserved_rope_scaling_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"deepseek2: unsupported rope.scaling.type 'longrope'"):
         check_servable(resolve_model(str(path)))
+
+
+def test_the_tokenizer_is_the_file_s_as_transformers_converts_it(tmp_path):
+    """transformers' AutoTokenizer reads no deepseek2 file; the tokenizer converted from
+    its keys encodes and decodes as AutoTokenizer's of a qwen3moe file holding the same
+    tokenizer keys (tests/gguf_files.py writes both alike)."""
+    from transformers import AutoTokenizer
+
+    from spillway.shared.tokenizer_files import load_tokenizer
+    from tests.gguf_files import write_tiny_gguf
+
+    path, _ = write_deepseek2_gguf(tmp_path / "ds2.gguf", Q.F32, True)
+    ours = load_tokenizer(resolve_model(str(path)), tmp_path / "cache")
+    qwen = write_tiny_gguf(tmp_path / "qwen.gguf", "qwen3moe", Q.F32)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=qwen.name)
+    for text in ["hello world", " two  spaces\n\nand lines", "ÿ~! 123"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text) and len(ids) > 2
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids) == text

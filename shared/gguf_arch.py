@@ -16,7 +16,9 @@ A family whose file holds options beyond a row's reads them itself: Gemma 2 and 
 are read as llama.cpp reads them (`read_gguf` in services/worker/models/gemma.py, over
 `ModelConfig.extra["gguf_keys"]`): transformers' GGUF loader reads fewer of their keys and
 takes its config defaults for the rest, which agree with every real checkpoint's values
-but in the places it names.
+but in the places it names. transformers loads no `deepseek2` file at all: those are read
+as llama.cpp's converter writes DeepSeek-V3 (services/worker/models/deepseek_gguf.py) and
+held against transformers' DeepseekV3 on the weights the file dequantizes to.
 """
 
 from __future__ import annotations
@@ -34,13 +36,19 @@ class GGUFArch:
     permuted_qk: bool
     qk_norm: bool  # attn_q_norm / attn_k_norm: an RMSNorm over each head (Qwen3)
     qkv_bias: bool  # attn_q/k/v.bias (Qwen2), found in the weights
-    # Every layer's feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS), read by the
-    # family's read_gguf (services/worker/models/qwen3_moe.py).
+    # The feed-forward is experts (ffn_*_exps, GGUF_EXPERT_TENSORS) on the layers the
+    # family's read_gguf names (services/worker/models/qwen3_moe.py: every layer;
+    # deepseek_gguf.py: those after the leading dense ones).
     moe: bool
     head_dim_key: str  # the key holding the head width (default: hidden / heads)
     # The key of a sliding attention window transformers applies, None where it reads
     # none (llama.cpp writes none for these families): full attention on every layer.
     sliding_window_key: str | None = None
+    # Whether transformers' GGUF loader reads the architecture at all: where it does not
+    # (deepseek2), its tokenizer is built by transformers' generic fast tokenizer from the
+    # file's tokenizer keys (shared/tokenizer_files.py), the model held against
+    # transformers' model of its family on the weights the file dequantizes to.
+    transformers_loads: bool = True
 
 
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
@@ -64,6 +72,12 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                  moe=False, head_dim_key="attention.key_length"),
         GGUFArch("gemma3", "gemma3_text", permuted_qk=False, qk_norm=True, qkv_bias=False,
                  moe=False, head_dim_key="attention.key_length"),
+        # DeepSeek-V2/V3's latent attention and MoE (the worker's models/deepseek_gguf.py
+        # reads its keys and tensors): q/kv rows as Hugging Face's, whose rotary pairs
+        # are adjacent (rope_interleave), as llama.cpp rotates them.
+        GGUFArch("deepseek2", "deepseek_v3", permuted_qk=False, qk_norm=False,
+                 qkv_bias=False, moe=True, head_dim_key="attention.key_length",
+                 transformers_loads=False),
     )
 }  # fmt: skip
 
@@ -74,6 +88,14 @@ GGUF_EXPERT_TENSORS = {
     "gate": "ffn_gate_exps.weight",
     "up": "ffn_up_exps.weight",
     "down": "ffn_down_exps.weight",
+}
+# DeepSeek's (deepseek2): the expert-choosing bias (e_score_correction_bias, [experts]) and
+# the shared experts, one dense MLP (gate and up [width, hidden], down [hidden, width]).
+GGUF_EXPERT_BIAS = "exp_probs_b.bias"
+GGUF_SHARED_EXPERT_TENSORS = {
+    "gate": "ffn_gate_shexp.weight",
+    "up": "ffn_up_shexp.weight",
+    "down": "ffn_down_shexp.weight",
 }
 # The expert counts and width (each under the architecture's prefix; the family reads them).
 EXPERT_COUNT, EXPERT_USED_COUNT, EXPERT_WIDTH = (

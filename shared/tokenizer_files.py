@@ -173,6 +173,21 @@ def cache_key(source: ModelSource) -> str:
     return f"{source.model_id}-{digest.hexdigest()[:16]}"
 
 
+def _gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer of a GGUF file: AutoTokenizer's class for the model it reads
+    the file as, or, for an architecture its GGUF loader does not read (deepseek2), the
+    generic fast tokenizer, built from the file's tokenizer keys by the same converter."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from spillway.shared.gguf_arch import GGUF_ARCHITECTURES
+    from spillway.shared.model_config import gguf_fields
+
+    arch = GGUF_ARCHITECTURES.get(str(gguf_fields(path).get("general.architecture")))
+    if arch is not None and not arch.transformers_loads:
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def convert_tokenizer(source: ModelSource, folder: Path) -> Any:
     """Builds the tokenizer with transformers and saves it into `folder`, atomically (a
     concurrent conversion of the same model just loses the race). Returns transformers'
@@ -185,7 +200,7 @@ def convert_tokenizer(source: ModelSource, folder: Path) -> Any:
             " once; install it (`make install` does) or serve a folder with tokenizer.json"
         ) from e
     if source.kind == "gguf":
-        hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        hf = _gguf_tokenizer(source.path)
     else:
         hf = AutoTokenizer.from_pretrained(str(source.path))
     folder.parent.mkdir(parents=True, exist_ok=True)

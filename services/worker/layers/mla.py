@@ -37,7 +37,7 @@ LATENT_NORM_EPS = 1e-6
 @dataclass
 class MLAWeights:
     q_a_norm: torch.Tensor | None  # [Rq]; None without a low-rank query
-    q_b: torch.Tensor | None  # [Hq * (dn + dr), Rq]
+    q_b: Weight | None  # [Hq * (dn + dr), Rq]
     kv_a_norm: torch.Tensor  # [R]
     w_uk: torch.Tensor  # [Hq, dn, R]: kv_b's key rows, per head
     w_uv: torch.Tensor  # [Hq, dv, R]: kv_b's value rows, per head

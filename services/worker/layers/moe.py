@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels.ops import ExpertWeights, KernelOps
+from spillway.kernels.ops import ExpertWeights, KernelOps, Weight
 from spillway.services.worker.layers.routing import grouped_sigmoid_topk, softmax_topk
 from spillway.shared.model_config import MoEConfig
 
@@ -24,8 +24,9 @@ class MoEWeights:
     w_gate_up: ExpertWeights  # [E, 2 I, H]: each expert's gate rows, then its up rows
     w_down: ExpertWeights  # [E, H, I]
     correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek-V3)
-    shared_gate_up: torch.Tensor | None = None  # [2 Is, H]: the shared experts, fused
-    shared_down: torch.Tensor | None = None  # [H, Is]
+    # The shared experts, fused (kept in a GGUF file's blocks where the experts are).
+    shared_gate_up: Weight | None = None  # [2 Is, H]
+    shared_down: Weight | None = None  # [H, Is]
     # [1, H]: the shared experts' output scaled by sigmoid(h @ shared_gate.T) (Qwen3-Next)
     shared_gate: torch.Tensor | None = None
 

@@ -13,11 +13,13 @@ import torch
 from spillway.kernels.cpu.quantized_weight import (
     ExpertWeights,
     QuantizedExperts,
+    QuantizedWeight,
     Weight,
     dequantize,
 )
 from spillway.services.worker.layers.moe import MoEWeights
-from spillway.shared.gguf_arch import GGUF_EXPERT_TENSORS
+from spillway.shared.gguf_arch import GGUF_EXPERT_BIAS, GGUF_EXPERT_TENSORS
+from spillway.shared.gguf_arch import GGUF_SHARED_EXPERT_TENSORS as GGUF_SHARED
 from spillway.shared.model_config import ModelConfig
 
 
@@ -54,8 +56,17 @@ def read_moe_weights(
             w_gate_up: ExpertWeights = QuantizedExperts.cat([gates, ups])
         else:
             w_gate_up = torch.cat([dense(gates), dense(ups)], dim=1).contiguous()
-        weights = MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down)
-        return checked_moe(weights, config, layer)
+        weights = checked_moe(
+            MoEWeights(router=router, w_gate_up=w_gate_up, w_down=w_down), config, layer
+        )
+        bias = f"blk.{layer}.{GGUF_EXPERT_BIAS}"
+        if moe.has_correction_bias and bias in tensors:  # DeepSeek's; none: no bias
+            weights.correction_bias = take(bias).float()
+        if moe.num_shared_experts:
+            s = {p: projection(take_stacked(f"blk.{layer}.{n}")) for p, n in GGUF_SHARED.items()}
+            weights.shared_gate_up = fused_rows(s["gate"], s["up"])
+            weights.shared_down = s["down"]
+        return weights
     block, (gate, up, down) = layout.block, layout.projections
     prefix = f"model.layers.{layer}.{block}"
     router = take(f"{prefix}.gate.weight").float()
@@ -89,6 +100,20 @@ def read_moe_weights(
 def dense(weights: ExpertWeights) -> torch.Tensor:
     """Stacked experts as a float32 tensor (dequantized where kept in blocks)."""
     return weights if isinstance(weights, torch.Tensor) else dequantize(weights)
+
+
+def projection(weight: ExpertWeights | Weight) -> Weight:
+    """A 2-D weight as the loader handed it (blocks kept), never a stack of experts."""
+    return dequantize(weight) if isinstance(weight, QuantizedExperts) else weight
+
+
+def fused_rows(*parts: Weight) -> Weight:
+    """Rows stacked as torch.cat(dim=0): in the file's blocks where every part is."""
+    blocks = [w for w in parts if isinstance(w, QuantizedWeight)]
+    if len(blocks) == len(parts):
+        return QuantizedWeight.cat(blocks)
+    plain = [w if isinstance(w, torch.Tensor) else dequantize(w) for w in parts]
+    return torch.cat(plain, dim=0).contiguous()
 
 
 def checked_moe(weights: MoEWeights, config: ModelConfig, layer: int) -> MoEWeights:

@@ -2,7 +2,7 @@
 sigmoid grouped routing and shared experts after the first dense layers, and a
 multi-token-prediction layer after the decoder layers (`mtp`). The Llama decoder runs
 it with latent attention in place of grouped-query attention; this module reads its
-checkpoint's attention and MTP layer."""
+checkpoint's attention and MTP layer; `deepseek_gguf` reads a `deepseek2` GGUF file's."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from spillway.kernels.cpu.quantized_weight import Weight, dequantize
 from spillway.services.worker.layers.mla import MLAWeights, q_width
 from spillway.services.worker.layers.moe_weights import ExpertLayout
+from spillway.services.worker.models import deepseek_gguf
 from spillway.services.worker.models.family import Family, refuse_options
 from spillway.services.worker.weights import LayerWeights, ModelWeights, MtpWeights
 from spillway.shared.model_config import MLAConfig, ModelConfig, MoEConfig
@@ -25,9 +26,12 @@ def latent_attention_weights(
     config: ModelConfig,
     layer: int,
     take: Callable[..., torch.Tensor],
-) -> tuple[torch.Tensor, MLAWeights]:
+) -> tuple[Weight, MLAWeights]:
     """Layer `layer`'s fused input projection (q_a or q_proj, then kv_a_proj_with_mqa:
-    both read the normed hidden state) and the rest of its latent attention."""
+    both read the normed hidden state) and the rest of its latent attention (a GGUF
+    file's: `deepseek_gguf`)."""
+    if deepseek_gguf.is_gguf_layer(tensors, layer):
+        return deepseek_gguf.latent_attention_weights(tensors, config, layer, take)
     c = config.mla
     assert c is not None
     p = f"model.layers.{layer}.self_attn"
@@ -132,6 +136,7 @@ FAMILY = Family(
     name="deepseek_v3",
     model_types=("deepseek_v3",),
     read_config=read_config,
+    read_gguf=deepseek_gguf.read_gguf,
     experts=ExpertLayout("mlp"),
     latent_attention_weights=latent_attention_weights,
     mtp_weights=mtp_weights,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from spillway.kernels.cpu.quantized_weight import Weight
 from spillway.services.worker.layers.mla import MLAWeights
 from spillway.services.worker.layers.moe_weights import ExpertLayout
 from spillway.shared.model_config import ModelConfig
@@ -27,10 +28,10 @@ GGUFKey = Callable[[str, Any], Any]
 # a GGUF file's metadata; raises ValueError naming a value the family cannot serve exactly.
 GGUFConfigReader = Callable[[GGUFKey, ModelConfig], ModelConfig]
 # (tensors, config, layer index, take) -> the layer's fused input projection and the rest
-# of its latent attention.
+# of its latent attention (the projection kept in a GGUF file's blocks where it can be).
 LatentReader = Callable[
     [dict[str, Any], ModelConfig, int, Callable[..., torch.Tensor]],
-    tuple[torch.Tensor, MLAWeights],
+    tuple[Weight, MLAWeights],
 ]
 # (tensors, config, layer_weights(i), take, the model's weights) -> its MtpWeights.
 MtpReader = Callable[..., Any]

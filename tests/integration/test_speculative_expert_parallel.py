@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from tests.integration import ep_spec_ranks
 from tests.integration.ep_spec_ranks import GREEDY

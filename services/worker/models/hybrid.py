@@ -7,7 +7,7 @@ shared MLP: Granite 4.0-H (`granite_hybrid`: Mamba2 mixers) and Qwen3-Next
 One forward runs a flat batch (`forward_batch.ForwardBatch`) whose `state_slots` name each row's
 state slot; rows flagged `state_fresh` start from zero, and `state_takes` copy a row's
 states at a block boundary into a snapshot (prefix caching). The model is tested against
-transformers directly and served by `runner.load_hybrid_runner`. It never takes the
+transformers directly and served by `loading.load_runner`. It never takes the
 one-call Llama decode loop (its layers are not plain).
 """
 
@@ -133,6 +133,22 @@ class HybridModel:
         with torch.inference_mode():
             for w in weights:
                 self.ops.linear(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w)
+
+    def num_bytes(self) -> int:
+        """The weights' memory, each tensor once (a tied head is the embedding)."""
+        tensors: dict[int, torch.Tensor] = {}
+        parts: list[object] = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            parts += [layer.attn_norm, layer.ffn_norm, layer.moe, layer.mamba, layer.delta,
+                      layer.attention]  # fmt: skip
+        for part in parts:
+            if part is None:
+                continue
+            values = [part] if isinstance(part, torch.Tensor) else list(vars(part).values())
+            for t in values:
+                if isinstance(t, torch.Tensor):
+                    tensors[t.data_ptr()] = t
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def new_state_pool(self, num_slots: int) -> StatePool:
         return StatePool(state_specs(self.config), num_slots, self.embed.device)

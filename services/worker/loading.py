@@ -26,7 +26,7 @@ import torch
 
 from spillway.kernels.ops import KernelOps, select_ops
 from spillway.services.worker.cuda_graphs import graph_batch_sizes
-from spillway.services.worker.draft_model import DraftModelDrafter
+from spillway.services.worker.draft_model import DraftModelDrafter, DraftModelStates
 from spillway.services.worker.draft_states import DraftStates
 from spillway.services.worker.ep_group import agree_num_blocks, join_group
 from spillway.services.worker.expert_parallel import ExpertGroup
@@ -38,7 +38,7 @@ from spillway.services.worker.kv_cache import (
 )
 from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
 from spillway.services.worker.loader import load_model, resolve_device, resolve_dtype
-from spillway.services.worker.models.hybrid import HybridModel
+from spillway.services.worker.models.hybrid import HybridModel, state_specs
 from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.models.registry import (
     check_servable,
@@ -50,7 +50,7 @@ from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.sampling_state import load_sampling_states
 from spillway.services.worker.state_pool import StatePool
 from spillway.services.worker.threads import configure_threads
-from spillway.services.worker.weights import ModelWeights, MtpWeights
+from spillway.services.worker.weights import MtpWeights
 from spillway.shared.config import Settings
 from spillway.shared.expert_parallel import check_expert_parallel
 from spillway.shared.model_config import ModelConfig
@@ -84,15 +84,19 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     if refusal is not None:
         raise ValueError(refusal)
     check_expert_parallel(settings, model_config, source.model_id)
-    loaded = load_family_model(source, model_config, settings, device, dtype, ops)
+    # --quantize int8 quantizes float32 weights for its many-row products: those load
+    # dequantized; the exact mode keeps a GGUF file's blocks alone.
+    keep_quantized = settings.quantize != "int8"
+    mtp = settings.speculative == "mtp"
+    loaded = load_family_model(source, model_config, device, dtype, ops, mtp, keep_quantized)
     model, config = loaded.model, loaded.model.config
     group = join_group(settings, device) if settings.expert_parallel > 1 else None
     if group is not None:
         group.shard(loaded.expert_layers)
     if config.moe is not None and config.moe.num_experts > 0:
         model.experts = group or ExpertGroup(0, 1)  # counts tokens per expert even alone
-    draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
-    states = StateLayout.of(settings, model)
+    draft = load_draft_model(settings, config, device, dtype, ops) if settings.draft_model else None
+    states = StateLayout.of(settings, model, draft.model if draft else None)
     num_blocks = settings.kv_blocks or num_blocks_for_memory(
         # The MTP layer's cache plane shares the target's blocks: one more layer a block.
         dataclasses.replace(config, num_layers=config.num_layers + 1) if loaded.mtp else config,
@@ -121,7 +125,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
     )
     if states is not None:
         runner.num_state_snapshots = states.num_snapshots
-        if states.num_scratch:
+        if states.num_scratch and runner.target_states is not None:
             runner.draft_states = DraftStates(base=states.num_snapshots, k_max=states.k_max)
     runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
     runner.max_model_len_cap = served_context_length(config.context_length, settings.max_model_len)
@@ -129,7 +133,7 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         cache = MtpCache(kv_cache)
         runner.mtp = MtpDrafter(model, loaded.mtp, cache, settings.num_speculative_tokens)  # type: ignore[arg-type]
     if draft is not None:
-        runner.draft = draft_drafter(settings, draft, ops, runner, kv_dtype)
+        runner.draft = draft_drafter(settings, draft.model, runner, kv_dtype, states)
     start_decode_graphs(runner, settings, device, ops.name, group)
     return runner, source.model_id
 
@@ -147,58 +151,77 @@ class LoadedModel:
 def load_family_model(
     source: ModelSource,
     config: ModelConfig,
-    settings: Settings,
     device: torch.device,
     dtype: torch.dtype,
     ops: KernelOps,
+    mtp: bool = False,
+    keep_quantized: bool = True,
+    max_positions: int | None = None,
 ) -> LoadedModel:
     """The model as its family runs it: a hybrid family's decoder (recurrent layers among
-    attention, from a Hugging Face folder), else the Llama decoder over any source."""
+    attention, from a Hugging Face folder), else the Llama decoder over any source; with
+    `mtp`, its multi-token-prediction layer too. `max_positions`: past the config's (a
+    draft model serving its target's context)."""
     if config.hybrid is not None:
-        hybrid = load_hybrid_model(source.path, config, ops, dtype, device)
-        return LoadedModel(hybrid, None, list(hybrid.layers), hybrid.num_bytes())
-    # --quantize int8 quantizes float32 weights for its many-row products: those load
-    # dequantized; the exact mode keeps a GGUF file's blocks alone.
-    mtp = settings.speculative == "mtp"
-    keep_quantized = settings.quantize != "int8"
+        hybrid = load_hybrid_model(
+            source.path, config, ops, dtype, device, mtp=mtp, max_positions=max_positions
+        )
+        layers: list[Any] = list(hybrid.layers)
+        if hybrid.mtp is not None:
+            layers.append(hybrid.mtp.layer)
+        return LoadedModel(hybrid, hybrid.mtp, layers, hybrid.num_bytes())
     config, weights = load_model(source, device, dtype, mtp=mtp, keep_quantized=keep_quantized)
-    layers: list[Any] = list(weights.layers)
+    layers = list(weights.layers)
     if weights.mtp is not None:
         layers.append(weights.mtp.layer)
-    model = LlamaModel(config, weights, ops)
+    model = LlamaModel(config, weights, ops, max_positions=max_positions)
     return LoadedModel(model, weights.mtp, layers, weights.num_bytes())
 
 
 @dataclass
 class StateLayout:
-    """A model's recurrent states: `num_slots` running sequences (--state-slots, else
-    --max-batch); `num_snapshots` for prefix caching (--state-snapshots, else as many as
-    slots), then `num_scratch` for speculation (the states at each of up to `k_max` draft
-    positions per slot, `draft_states`), all in one snapshot pool."""
+    """The recurrent states of the target and of a draft model, where either keeps them:
+    `num_slots` running sequences (--state-slots, else --max-batch); `num_snapshots` for
+    prefix caching (--state-snapshots, else as many as slots), then `num_scratch` for
+    speculation (the states at each of up to `k_max` draft positions per slot,
+    `draft_states`), all in one snapshot pool. One pool holds both models' layers, the
+    target's first (`target_layers` of them): a slot's spill, snapshot and copy carry
+    both, so the scheduler manages the draft's state as it manages a hybrid target's."""
 
     pool: StatePool
     snapshots: StatePool | None
     num_snapshots: int
     num_scratch: int
     k_max: int
+    target_layers: int
 
     @staticmethod
-    def of(settings: Settings, model: Model) -> StateLayout | None:
-        """None for a model without recurrent state."""
-        if not isinstance(model, HybridModel):
+    def of(settings: Settings, model: Model, draft: Model | None = None) -> StateLayout | None:
+        """None where neither model keeps recurrent state."""
+        target = state_specs(model.config) if isinstance(model, HybridModel) else []
+        drafts = state_specs(draft.config) if isinstance(draft, HybridModel) else []
+        if not target and not drafts:
             return None
         num_slots = settings.state_slots or settings.max_batch
         num_snapshots = num_slots if settings.state_snapshots is None else settings.state_snapshots
         k_max = settings.num_speculative_tokens if settings.speculative != "none" else 0
         num_scratch = DraftStates.count(num_slots, k_max)
         total = num_snapshots + num_scratch
+        specs, device = [*target, *drafts], model.device
         return StateLayout(
-            pool=model.new_state_pool(num_slots),
-            snapshots=model.new_state_pool(total) if total else None,
+            pool=StatePool(specs, num_slots, device),
+            snapshots=StatePool(specs, total, device) if total else None,
             num_snapshots=num_snapshots,
             num_scratch=num_scratch,
             k_max=k_max,
+            target_layers=len(target),
         )
+
+    def draft_views(self) -> tuple[StatePool, StatePool | None]:
+        """The draft model's layers of the pool and of the snapshots."""
+        n = len(self.pool.specs)
+        snapshots = self.snapshots.layers(self.target_layers, n) if self.snapshots else None
+        return self.pool.layers(self.target_layers, n), snapshots
 
     @property
     def num_bytes(self) -> int:
@@ -214,28 +237,35 @@ class StateLayout:
 
 
 def load_draft_model(
-    settings: Settings, target: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[ModelConfig, ModelWeights]:
-    """`--draft-model`'s config and weights; refused unless its vocabulary is the target's
-    and it keeps no recurrent state."""
+    settings: Settings,
+    target: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: KernelOps,
+) -> LoadedModel:
+    """`--draft-model`, as its family runs it (a hybrid one keeps its recurrent state in
+    the target's state slots: `StateLayout`), its positions reaching the target's served
+    context; refused unless its vocabulary is the target's."""
     assert settings.draft_model is not None
     source = resolve_model(settings.draft_model)
     check_servable(source)
-    if load_model_config(source).hybrid is not None:
-        raise ValueError(f"--draft-model {settings.draft_model}: a hybrid model cannot draft")
-    config, weights = load_model(source, device, dtype, keep_quantized=settings.quantize != "int8")
-    if config.vocab_size != target.vocab_size:
+    config = load_model_config(source)
+    if config.vocab_size != target.vocab_size:  # before its weights load
         raise ValueError(
             f"--draft-model {settings.draft_model}: vocabulary of {config.vocab_size} tokens,"
             f" the model's has {target.vocab_size} (the draft needs the same tokenizer)"
         )
-    return config, weights
+    context = served_context_length(target.context_length, settings.max_model_len)
+    keep_quantized = settings.quantize != "int8"
+    return load_family_model(
+        source, config, device, dtype, ops, keep_quantized=keep_quantized, max_positions=context
+    )
 
 
 def draft_share(
     settings: Settings,
     config: ModelConfig,
-    draft: tuple[ModelConfig, ModelWeights] | None,
+    draft: LoadedModel | None,
     num_blocks: int,
     kv_dtype: torch.dtype,
 ) -> int:
@@ -243,23 +273,30 @@ def draft_share(
     if draft is None or settings.kv_blocks:
         return num_blocks
     own = block_bytes(config, settings.block_size, kv_dtype)
-    other = block_bytes(draft[0], settings.block_size, kv_dtype)
+    other = block_bytes(draft.model.config, settings.block_size, kv_dtype)
     return max(1, num_blocks * own // (own + other))
 
 
 def draft_drafter(
     settings: Settings,
-    draft: tuple[ModelConfig, ModelWeights],
-    ops: KernelOps,
+    model: Model,
     runner: ModelRunner,
     kv_dtype: torch.dtype,
+    states: StateLayout | None,
 ) -> DraftModelDrafter:
-    """The draft model over a cache of its own under the target's block ids."""
+    """The draft model over a cache of its own under the target's block ids (and, for a
+    hybrid draft, its layers of the state pool)."""
     cache = runner.kv_cache
-    model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
     device = cache.k[0].device
-    own = KVCache(draft[0], cache.num_blocks, settings.block_size, kv_dtype, device)
-    return DraftModelDrafter(model, own, settings.num_speculative_tokens)
+    own = KVCache(model.config, cache.num_blocks, settings.block_size, kv_dtype, device)
+    k = settings.num_speculative_tokens
+    if not isinstance(model, HybridModel):
+        return DraftModelDrafter(model, own, k)
+    assert states is not None and states.num_scratch  # a draft model speculates
+    pool, snapshots = states.draft_views()
+    assert snapshots is not None
+    kept = DraftModelStates(pool, snapshots, base=states.num_snapshots, stride=states.k_max)
+    return DraftModelDrafter(model, own, k, kept)
 
 
 def start_decode_graphs(

@@ -18,7 +18,9 @@ brought in is reported lost and its row skipped; the scheduler recomputes it.
 Run-ahead rows (`feed_last`) take the token this runner sampled last for their sequence.
 
 A hybrid model (recurrent layers beside attention) keeps each running sequence's state in
-the slot of the state pool the scheduler named (`NewSequence.state_slot`). The runner
+the slot of the state pool the scheduler named (`NewSequence.state_slot`); so does a
+hybrid draft model, its layers after the target's in the same pool (a dense target with
+a hybrid draft keeps state slots for the draft alone). The runner
 remembers, per slot, whose state it holds and after how many tokens: a row starting at 0
 zeroes its slot, any other row must continue exactly that state, or the sequence is
 reported lost (a failed or voided step may have moved it) and the scheduler recomputes
@@ -136,9 +138,18 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        # A hybrid model's recurrent states, and per slot (sequence, tokens consumed).
+        # The recurrent states (a hybrid target's, a hybrid draft's after them), and per
+        # slot (sequence, tokens consumed): every model's state in a slot stands there.
         self.state_pool = state_pool
         self.state_tokens: dict[int, tuple[str, int]] = {}
+        # The target's own layers of the pool and the snapshots (None: a dense target).
+        self.target_states: StatePool | None = None
+        self.target_snapshots: StatePool | None = None
+        if state_pool is not None and isinstance(model, HybridModel):
+            n = len(model.layers)
+            self.target_states = state_pool.layers(0, n)
+            if state_snapshots is not None:
+                self.target_snapshots = state_snapshots.layers(0, n)
         # Snapshots of states at block boundaries (prefix caching); the scheduler names the
         # first num_state_snapshots of them, the rest keep states at draft positions.
         self.state_snapshots = state_snapshots
@@ -195,7 +206,7 @@ class ModelRunner:
     @property
     def max_verify_tokens(self) -> int:
         """Positions one verifying row may hold (`WorkerInfo.max_verify_tokens`; 0: any)."""
-        if self.state_pool is not None or not isinstance(self.model, LlamaModel):
+        if not isinstance(self.model, LlamaModel):
             return 0
         return self.model.verify_rows() or 0
 
@@ -586,13 +597,13 @@ class ModelRunner:
     def _settle_states(self, rows: Sequence[StepRow], accepted: Sequence[int]) -> None:
         """A hybrid model: each row with drafts gets the state after its accepted ones
         (`accepted`: per sampling row)."""
-        assert self.draft_states is not None and self.state_pool is not None
-        assert self.state_snapshots is not None
+        assert self.draft_states is not None and self.target_states is not None
+        assert self.target_snapshots is not None
         stood = [n for n, row in zip(accepted, (r for r in rows if r.sample), strict=True)
                  if row.num_draft_tokens]  # fmt: skip
         slots = [self.sequences[row.seq_id].state_slot or 0 for row in rows]
         with torch.inference_mode():
-            self.draft_states.settle(self.state_pool, self.state_snapshots, rows, slots, stood)
+            self.draft_states.settle(self.target_states, self.target_snapshots, rows, slots, stood)
 
     def _held_positions(self, seq_id: str) -> int:
         """Positions the sequence's blocks hold (within the model's length)."""
@@ -648,7 +659,13 @@ class ModelRunner:
         """The step's logits, and with an MTP drafter every token's hidden state too."""
         if self.mtp is None:
             return self.logits(batch), None
-        return self.model.forward_with_hidden(batch.to(self.model.device), self.kv_cache)
+        batch = batch.to(self.model.device)
+        if self.target_states is not None:
+            assert isinstance(self.model, HybridModel)
+            return self.model.forward_with_hidden(
+                batch, self.kv_cache, self.target_states, self.target_snapshots
+            )
+        return self.model.forward_with_hidden(batch, self.kv_cache)
 
     def _mtp_drafts(
         self, rows: Sequence[StepRow], hidden: torch.Tensor, emitted: Sequence[Sequence[int]]
@@ -669,12 +686,12 @@ class ModelRunner:
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,
         on the device. An all-decode batch replays a CUDA graph when one holds it."""
-        if self.state_pool is not None:
+        if self.target_states is not None:
             assert isinstance(self.model, HybridModel)
             with torch.inference_mode():
                 return self.model.forward(
-                    batch.to(self.model.device), self.kv_cache, self.state_pool,
-                    self.state_snapshots,
+                    batch.to(self.model.device), self.kv_cache, self.target_states,
+                    self.target_snapshots,
                 )  # fmt: skip
         if self.graphs is None or not self.graphs.covers(batch):
             with torch.inference_mode():
@@ -699,7 +716,7 @@ class ModelRunner:
         `speculative.as_decode_rows`). A decode batch is valid until the next call: the
         next decode batch of its shape is written into its tensors."""
         # A hybrid model's rows run whole: their recurrent state passes token to token.
-        if self.state_pool is None and any(row.num_draft_tokens for row in rows):
+        if self.target_states is None and any(row.num_draft_tokens for row in rows):
             rows = as_decode_rows(rows)
         if all(row.feed_last or len(row.token_ids) == 1 for row in rows):
             return self._decode_batch(rows)
@@ -807,7 +824,7 @@ class ModelRunner:
             return kept.batch
         kept = _KeptDecodeBatch.build(shape, wide, narrow)
         kept.batch.max_context_len = max(positions) + 1
-        if self.state_pool is not None:  # a hybrid model's batch has more fields
+        if self.target_states is not None:  # a hybrid model's batch has more fields
             return dataclasses.replace(kept.batch, **self._state_fields(rows))
         self._decode_kept = kept
         return kept.batch

@@ -34,7 +34,7 @@ from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, m
 from spillway.services.worker.layers.moe import MoEWeights, moe_forward
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.services.worker.tensor_files import safetensors_tensors
-from spillway.services.worker.weights import LayerWeights
+from spillway.services.worker.weights import LayerWeights, MtpWeights
 from spillway.shared.model_config import ModelConfig
 
 
@@ -107,6 +107,8 @@ class HybridModel:
         # The routed experts through an expert-parallel group (which also counts each
         # expert's tokens), else in this process.
         self.experts: ExpertGroup | None = None
+        # The multi-token-prediction layer, loaded only for `--speculative mtp`.
+        self.mtp: MtpWeights | None = None
 
     # No decode CUDA graphs: the recurrent layers' prefill loop reads lengths on the host.
     capturable = False
@@ -163,6 +165,54 @@ class HybridModel:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V, updates the rows' states and copies them into
         `snapshots` where `batch.state_takes` says."""
+        x = self._layers(batch, kv_cache, pool, snapshots)
+        idx = batch.logits_indices
+        if idx is not None:
+            x = x[idx]
+        return self._logits(self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps))
+
+    def forward_with_hidden(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        pool: StatePool,
+        snapshots: StatePool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and every token's final normed hidden state [T, H] (what a
+        multi-token-prediction layer reads)."""
+        x = self._layers(batch, kv_cache, pool, snapshots)
+        h = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+        idx = batch.logits_indices
+        return self._logits(h if idx is None else h[idx]), h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(h, self.lm_head).float() / self.hybrid.logits_scaling
+
+    def mtp_layer(
+        self,
+        x: torch.Tensor,  # [T, H]
+        layer: HybridLayer,  # an attention layer
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One attention layer with its feed-forward, outside the stack (a multi-token-
+        prediction layer, Qwen3-Next's): its output with the residual added."""
+        assert layer.attention is not None
+        eps, scale = self.config.rms_norm_eps, self.hybrid.residual_multiplier
+        h = self.ops.rms_norm(x, layer.attn_norm, eps)
+        x = x + self.attention.forward(h, layer.attention, batch, k_cache, v_cache) * scale
+        h = self.ops.rms_norm(x, layer.ffn_norm, eps)
+        return x + self._feed_forward(h, layer.moe) * scale
+
+    def _layers(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        pool: StatePool,
+        snapshots: StatePool | None,
+    ) -> torch.Tensor:
+        """The residual stream [T, H] after the last layer (before the final norm)."""
         c, h_cfg, ops = self.config, self.hybrid, self.ops
         eps = c.rms_norm_eps
         slots = batch.state_slots
@@ -200,11 +250,7 @@ class HybridModel:
             x = x + out * h_cfg.residual_multiplier
             h = ops.rms_norm(x, layer.ffn_norm, eps)
             x = x + self._feed_forward(h, layer.moe) * h_cfg.residual_multiplier
-        idx = batch.logits_indices
-        if idx is not None:
-            x = x[idx]
-        logits = ops.linear(ops.rms_norm(x, self.norm, eps), self.lm_head).float()
-        return logits / h_cfg.logits_scaling
+        return x
 
     def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         moe = self.config.moe
@@ -223,6 +269,12 @@ def _is_projection(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1
 
 
+# (tensors, config, dtype, the model's embedding, its head) -> the MTP layer's MtpWeights.
+MtpReader = Callable[
+    [dict[str, torch.Tensor], ModelConfig, torch.dtype, torch.Tensor, torch.Tensor], MtpWeights
+]
+
+
 def load_hybrid_model(
     folder: Path,
     config: ModelConfig,
@@ -231,9 +283,13 @@ def load_hybrid_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     one_plus_norm: bool = False,
+    read_mtp: MtpReader | None = None,
+    max_positions: int | None = None,
 ) -> HybridModel:
     """A hybrid model from a Hugging Face folder, its layers read by its family's
-    `read_layers` (`models.registry.load_hybrid_model` picks it)."""
+    `read_layers` (`models.registry.load_hybrid_model` picks it); with `read_mtp`, its
+    multi-token-prediction layer too. `max_positions`: past the config's (a draft model
+    serving its target's context)."""
     tensors = {name: t.to(device) for name, t in safetensors_tensors(folder).items()}
     layers = read_layers(tensors, config, dtype)
     embed = tensors.pop("model.embed_tokens.weight").to(dtype)
@@ -243,4 +299,7 @@ def load_hybrid_model(
     if one_plus_norm:  # (1 + w), as its layers' norms
         norm = 1.0 + norm
     norm = norm.to(dtype)
-    return HybridModel(config, embed, layers, norm, lm_head, ops)
+    model = HybridModel(config, embed, layers, norm, lm_head, ops, max_positions)
+    if read_mtp is not None:
+        model.mtp = read_mtp(tensors, config, dtype, embed, lm_head)
+    return model

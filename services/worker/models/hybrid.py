@@ -13,6 +13,7 @@ one-call Llama decode loop (its layers are not plain).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.services.worker.tensor_files import safetensors_tensors
 from spillway.services.worker.weights import LayerWeights, MtpWeights
 from spillway.shared.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -302,4 +305,7 @@ def load_hybrid_model(
     model = HybridModel(config, embed, layers, norm, lm_head, ops, max_positions)
     if read_mtp is not None:
         model.mtp = read_mtp(tensors, config, dtype, embed, lm_head)
+    leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:  # an MTP module unless asked for (`--speculative mtp`)
+        log.warning("ignored %d unused tensors, e.g. %s", len(leftover), leftover[:3])
     return model

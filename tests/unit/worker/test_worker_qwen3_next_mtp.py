@@ -68,12 +68,17 @@ def _reference(folder, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return hidden, logits
 
 
-def test_the_mtp_module_loads_only_when_asked(mtp_dir):
+def test_the_mtp_module_loads_only_when_asked(mtp_dir, caplog):
     config = load_model_config(resolve_model(str(mtp_dir)))
     assert config.num_mtp_layers == 1
     ops = CpuOps(native=None)
-    assert load_hybrid_model(mtp_dir, config, ops).mtp is None
-    model = load_hybrid_model(mtp_dir, config, ops, mtp=True)
+    with caplog.at_level("WARNING", logger="spillway.services.worker.models.hybrid"):
+        assert load_hybrid_model(mtp_dir, config, ops).mtp is None
+    assert "ignored 19 unused tensors, e.g. ['mtp." in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spillway.services.worker.models.hybrid"):
+        model = load_hybrid_model(mtp_dir, config, ops, mtp=True)
+    assert "ignored" not in caplog.text
     assert model.mtp is not None
     layer = model.mtp.layer
     assert layer.attention is not None and layer.moe.router.shape[0] == 4  # MoE, attention

@@ -144,7 +144,7 @@ def main() -> int:
     # Before torch loads (the worker's way): OpenMP reads its wait policy once, and
     # spinning threads on a busy 2-core machine lose most of their speed.
     apply_openmp_environment(load_settings())
-    from spillway.services.worker.runner import load_runner
+    from spillway.services.worker.loading import load_runner
 
     settings = load_settings(model=args.model, device="cpu", quantize=args.quantize or None)
     runner, model_id = load_runner(settings)

@@ -80,7 +80,7 @@ def batch(rows: int, length: int, context: int, block_size: int, seed: int):
 def rank_main(
     rank: int, size: int, url: str, folder: str, repeat: int, out: str, redis_url: str, kv_mb: int
 ) -> None:
-    from spillway.services.worker.runner import load_runner
+    from spillway.services.worker.loading import load_runner
     from spillway.shared.config import load_settings
 
     torch.set_num_threads(1)

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from spillway.kernels import ssm_reference
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.loading import load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 

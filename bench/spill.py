@@ -47,7 +47,7 @@ def per_sequence(model: str, redis_url: str, lengths: list[int], repeats: int) -
     import torch
 
     from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
-    from spillway.services.worker.runner import load_runner
+    from spillway.services.worker.loading import load_runner
     from spillway.shared.config import load_settings
     from spillway.shared.protocol import (
         KVRestore,

@@ -170,7 +170,7 @@ def worker_pieces(quantize: str, reps: int) -> dict[str, Timing]:
     import torch
 
     from spillway.services.worker.info import worker_info
-    from spillway.services.worker.runner import load_runner
+    from spillway.services.worker.loading import load_runner
     from spillway.shared.config import load_settings
 
     settings = load_settings(device="cpu", quantize=quantize)

@@ -1,30 +1,37 @@
-"""Multi-token prediction: DeepSeek-V3's MTP layer, the model's own drafter.
+"""Multi-token prediction: the model's own MTP layer drafts (DeepSeek-V3's, and
+Qwen3-Next's beside its recurrent layers).
 
 The layer at position p reads the target's final (normed) hidden state at p, the one that
 predicted token p + 1, with the embedding of token p + 1, and predicts token p + 2:
 
-    e = enorm(embed(t[p + 1]))          zero at p = 0, as the layer was trained
-    x = eh_proj([e; hnorm(hidden[p])])
+    e = enorm(embed(t[p + 1]))          DeepSeek-V3: zero at p = 0, as the layer was trained
+    x = eh_proj([e; hnorm(hidden[p])])  Qwen3-Next: pre_fc_norm_embedding, _hidden, fc
     x = decoder_layer(x)                its own KV at position p, in its own cache plane
-    logits = head(norm(x))
+    logits = head(norm(x))              Qwen3-Next: the model's head
+
+The decoder layer is the model's own kind (`LlamaModel.mtp_layer`, `HybridModel.mtp_layer`:
+an attention layer, no recurrent state), so drafting leaves a hybrid model's states
+alone: its state after the accepted drafts is kept as for any drafts (`draft_states`).
 
 Its cache is one layer's plane (`MtpCache`), addressed by the target's block ids and
 slots: its blocks are allocated and freed with the target's, so the scheduler owns them
 as it owns the target's. Chained for k > 1, the layer's own output (before its norm) and
-its greedy token go back in at position p + 1.
+its greedy token go back in at position p + 1 (the output after its norm for Qwen3-Next).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from spillway.kernels.ops import KernelOps
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache
-from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.weights import MtpWeights
+from spillway.shared.model_config import ModelConfig
 from spillway.shared.protocol import StepRow
 
 
@@ -39,8 +46,23 @@ class MtpCache(KVCache):
         self.v = self.k if target.planes == 1 else [torch.zeros_like(target.k[0])]
 
 
+class MtpModel(Protocol):
+    """The target as an MTP layer needs it: its kernels, config and device, and a way to
+    run one of its decoder layers outside the stack."""
+
+    ops: KernelOps
+    config: ModelConfig
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def mtp_layer(
+        self, x: torch.Tensor, layer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 def mtp_forward(
-    model: LlamaModel,
+    model: MtpModel,
     weights: MtpWeights,
     hidden: torch.Tensor,  # [T, H]: the target's final normed hidden state at each position
     next_tokens: torch.Tensor,  # [T] int64: the token after each position
@@ -48,21 +70,22 @@ def mtp_forward(
     cache: MtpCache,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [S, V] float32 of the batch's sampling positions, or of every position when
-    batch.logits_indices is None; the layer's output [T, H], the next link's hidden)."""
+    batch.logits_indices is None; the hidden state [S, H] a next link reads at each)."""
     ops, eps = model.ops, model.config.rms_norm_eps
     embeds = F.embedding(next_tokens, weights.embed)
-    embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
+    if weights.zero_first_embedding:
+        embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
     joined = torch.cat(
         [ops.rms_norm(embeds, weights.enorm, eps), ops.rms_norm(hidden, weights.hnorm, eps)],
         dim=-1,
     )
     x = ops.linear(joined, weights.eh_proj)  # [T, H]
-    x, residual = model.decoder_layer(x, None, weights.layer, batch, cache.k[0], cache.v[0])
-    out = x + residual
+    out = model.mtp_layer(x, weights.layer, batch, cache.k[0], cache.v[0])
     idx = batch.logits_indices
     last = out if idx is None else out[idx]
-    logits = ops.linear(ops.rms_norm(last, weights.norm, eps), weights.head).float()
-    return logits, out
+    normed = ops.rms_norm(last, weights.norm, eps)
+    logits = ops.linear(normed, weights.head).float()
+    return logits, normed if weights.chain_normed else last
 
 
 class MtpDrafter:
@@ -77,7 +100,7 @@ class MtpDrafter:
     target confirms the position). Drafts never change an output, only how many stand.
     """
 
-    def __init__(self, model: LlamaModel, weights: MtpWeights, cache: MtpCache, k: int) -> None:
+    def __init__(self, model: MtpModel, weights: MtpWeights, cache: MtpCache, k: int) -> None:
         self.model, self.weights, self.cache, self.k = model, weights, cache, k
 
     def propose(
@@ -115,17 +138,17 @@ class MtpDrafter:
         logits, out = mtp_forward(
             self.model, self.weights, hidden[index], batch.token_ids, batch, self.cache
         )
-        # Every sampling row has a link (its first position at least is confirmed).
+        # Every sampling row has a link (its first position at least is confirmed), whose
+        # last position is its logits row.
         tips = logits.argmax(-1).tolist()
-        ends = (batch.query_start[1:].long() - 1).tolist()
         drafts: list[list[int]] = []
         # Per sampling row still drafting: (its drafts' index, sequence, next position,
         # the layer's output at the position before).
         live: list[tuple[int, str, int, torch.Tensor]] = []
-        for link, end in zip(links, ends, strict=True):
+        for link in links:
             if link.sample:
                 live.append((len(drafts), link.seq_id, link.start_pos + len(link.token_ids),
-                             out[end]))  # fmt: skip
+                             out[len(drafts)]))  # fmt: skip
                 drafts.append([tips[len(drafts)]])
         for _ in range(self.k - 1):
             live = [x for x in live if x[2] < held_positions(x[1])]

@@ -18,7 +18,9 @@ brought in is reported lost and its row skipped; the scheduler recomputes it.
 Run-ahead rows (`feed_last`) take the token this runner sampled last for their sequence.
 
 A hybrid model (recurrent layers beside attention) keeps each running sequence's state in
-the slot of the state pool the scheduler named (`NewSequence.state_slot`). The runner
+the slot of the state pool the scheduler named (`NewSequence.state_slot`); so does a
+hybrid draft model, its layers after the target's in the same pool (a dense target with
+a hybrid draft keeps state slots for the draft alone). The runner
 remembers, per slot, whose state it holds and after how many tokens: a row starting at 0
 zeroes its slot, any other row must continue exactly that state, or the sequence is
 reported lost (a failed or voided step may have moved it) and the scheduler recomputes
@@ -42,46 +44,29 @@ import numpy as np
 import torch
 
 from spillway.kernels.cpu.ops import CpuAbilities
-from spillway.kernels.ops import KernelOps, select_ops
-from spillway.services.worker.cuda_graphs import Capture, DecodeGraphs, graph_batch_sizes
+from spillway.services.worker.cuda_graphs import Capture, DecodeGraphs
 from spillway.services.worker.draft_model import DraftModelDrafter
 from spillway.services.worker.draft_states import DraftStates
-from spillway.services.worker.ep_group import agree_num_blocks, join_group
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import (
     KVCache,
-    block_bytes,
     block_table_tensor,
     blocks_needed,
-    num_blocks_for_memory,
-    resolve_kv_dtype,
     slot_mapping_tensor,
 )
-from spillway.services.worker.kv_transfer import KVTransfer, TransferCounters, connect_kv_store
-from spillway.services.worker.loader import load_model, resolve_device, resolve_dtype
+from spillway.services.worker.kv_transfer import KVTransfer, TransferCounters
 from spillway.services.worker.models.hybrid import HybridModel
 from spillway.services.worker.models.llama import LlamaModel
-from spillway.services.worker.models.registry import (
-    check_servable,
-    load_hybrid_model,
-    load_model_config,
-)
-from spillway.services.worker.mtp import MtpCache, MtpDrafter
-from spillway.services.worker.sampling_state import SamplingStates, load_sampling_states
+from spillway.services.worker.mtp import MtpDrafter
+from spillway.services.worker.sampling_state import SamplingStates
 from spillway.services.worker.speculative import (
     as_decode_rows,
     extra_logprobs,
     row_drafts,
     verify_drafts,
 )
-from spillway.services.worker.state_pool import StatePool, slot_bytes
-from spillway.services.worker.threads import configure_threads
-from spillway.services.worker.weights import ModelWeights
-from spillway.shared.config import Settings
-from spillway.shared.expert_parallel import check_expert_parallel
-from spillway.shared.model_config import ModelConfig
-from spillway.shared.model_files import ModelSource, resolve_model, weights_fingerprint
+from spillway.services.worker.state_pool import StatePool
 from spillway.shared.protocol import (
     OUT_OF_MEMORY_CODE,
     ErrorInfo,
@@ -94,9 +79,6 @@ from spillway.shared.protocol import (
     StepResult,
     StepRow,
 )
-from spillway.shared.serving import served_context_length
-from spillway.shared.speculative import speculation_refusal
-from spillway.shared.spill_keys import SpillKeys
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +138,18 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        # A hybrid model's recurrent states, and per slot (sequence, tokens consumed).
+        # The recurrent states (a hybrid target's, a hybrid draft's after them), and per
+        # slot (sequence, tokens consumed): every model's state in a slot stands there.
         self.state_pool = state_pool
         self.state_tokens: dict[int, tuple[str, int]] = {}
+        # The target's own layers of the pool and the snapshots (None: a dense target).
+        self.target_states: StatePool | None = None
+        self.target_snapshots: StatePool | None = None
+        if state_pool is not None and isinstance(model, HybridModel):
+            n = len(model.layers)
+            self.target_states = state_pool.layers(0, n)
+            if state_snapshots is not None:
+                self.target_snapshots = state_snapshots.layers(0, n)
         # Snapshots of states at block boundaries (prefix caching); the scheduler names the
         # first num_state_snapshots of them, the rest keep states at draft positions.
         self.state_snapshots = state_snapshots
@@ -215,7 +206,7 @@ class ModelRunner:
     @property
     def max_verify_tokens(self) -> int:
         """Positions one verifying row may hold (`WorkerInfo.max_verify_tokens`; 0: any)."""
-        if self.state_pool is not None or not isinstance(self.model, LlamaModel):
+        if not isinstance(self.model, LlamaModel):
             return 0
         return self.model.verify_rows() or 0
 
@@ -606,13 +597,13 @@ class ModelRunner:
     def _settle_states(self, rows: Sequence[StepRow], accepted: Sequence[int]) -> None:
         """A hybrid model: each row with drafts gets the state after its accepted ones
         (`accepted`: per sampling row)."""
-        assert self.draft_states is not None and self.state_pool is not None
-        assert self.state_snapshots is not None
+        assert self.draft_states is not None and self.target_states is not None
+        assert self.target_snapshots is not None
         stood = [n for n, row in zip(accepted, (r for r in rows if r.sample), strict=True)
                  if row.num_draft_tokens]  # fmt: skip
         slots = [self.sequences[row.seq_id].state_slot or 0 for row in rows]
         with torch.inference_mode():
-            self.draft_states.settle(self.state_pool, self.state_snapshots, rows, slots, stood)
+            self.draft_states.settle(self.target_states, self.target_snapshots, rows, slots, stood)
 
     def _held_positions(self, seq_id: str) -> int:
         """Positions the sequence's blocks hold (within the model's length)."""
@@ -668,7 +659,13 @@ class ModelRunner:
         """The step's logits, and with an MTP drafter every token's hidden state too."""
         if self.mtp is None:
             return self.logits(batch), None
-        return self.model.forward_with_hidden(batch.to(self.model.device), self.kv_cache)
+        batch = batch.to(self.model.device)
+        if self.target_states is not None:
+            assert isinstance(self.model, HybridModel)
+            return self.model.forward_with_hidden(
+                batch, self.kv_cache, self.target_states, self.target_snapshots
+            )
+        return self.model.forward_with_hidden(batch, self.kv_cache)
 
     def _mtp_drafts(
         self, rows: Sequence[StepRow], hidden: torch.Tensor, emitted: Sequence[Sequence[int]]
@@ -689,12 +686,12 @@ class ModelRunner:
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a host batch (from `host_batch`): logits [S, V] float32 of its sampling rows,
         on the device. An all-decode batch replays a CUDA graph when one holds it."""
-        if self.state_pool is not None:
+        if self.target_states is not None:
             assert isinstance(self.model, HybridModel)
             with torch.inference_mode():
                 return self.model.forward(
-                    batch.to(self.model.device), self.kv_cache, self.state_pool,
-                    self.state_snapshots,
+                    batch.to(self.model.device), self.kv_cache, self.target_states,
+                    self.target_snapshots,
                 )  # fmt: skip
         if self.graphs is None or not self.graphs.covers(batch):
             with torch.inference_mode():
@@ -719,7 +716,7 @@ class ModelRunner:
         `speculative.as_decode_rows`). A decode batch is valid until the next call: the
         next decode batch of its shape is written into its tensors."""
         # A hybrid model's rows run whole: their recurrent state passes token to token.
-        if self.state_pool is None and any(row.num_draft_tokens for row in rows):
+        if self.target_states is None and any(row.num_draft_tokens for row in rows):
             rows = as_decode_rows(rows)
         if all(row.feed_last or len(row.token_ids) == 1 for row in rows):
             return self._decode_batch(rows)
@@ -827,7 +824,7 @@ class ModelRunner:
             return kept.batch
         kept = _KeptDecodeBatch.build(shape, wide, narrow)
         kept.batch.max_context_len = max(positions) + 1
-        if self.state_pool is not None:  # a hybrid model's batch has more fields
+        if self.target_states is not None:  # a hybrid model's batch has more fields
             return dataclasses.replace(kept.batch, **self._state_fields(rows))
         self._decode_kept = kept
         return kept.batch
@@ -869,246 +866,3 @@ class _KeptDecodeBatch:
 
 def row_length(row: StepRow) -> int:
     return 1 if row.feed_last else len(row.token_ids)
-
-
-def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
-    """Loads the configured model, sizes its KV cache and, on CUDA, captures the decode
-    graphs; returns the runner and the model id."""
-    source = resolve_model(settings.model)
-    check_servable(source)  # before any weight loads
-    device = resolve_device(settings.device)
-    configure_threads(device, settings.threads)
-    dtype = resolve_dtype(settings.dtype, device, settings.auto_dtype)
-    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype, device)
-    # Before the weights load: a backend that cannot run here fails at once.
-    native_dir = settings.cache_dir if settings.cpu_native_kernels else None
-    ops = select_ops(
-        settings.attention_backend, device, native_dir=native_dir, quantize=settings.quantize
-    )
-    model_config = load_model_config(source)
-    served_context_length(model_config.context_length, settings.max_model_len)  # before loading
-    refusal = speculation_refusal(settings, model_config)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if model_config.hybrid is not None:
-        return load_hybrid_runner(settings, source, device, dtype, ops, kv_dtype)
-    mtp = settings.speculative == "mtp"
-    # --quantize int8 quantizes float32 weights for its many-row products: those load
-    # dequantized; the exact mode keeps a GGUF file's blocks alone.
-    keep_quantized = settings.quantize != "int8"
-    config, weights = load_model(source, device, dtype, mtp=mtp, keep_quantized=keep_quantized)
-    check_expert_parallel(settings, config, source.model_id)
-    group = join_group(settings, device) if settings.expert_parallel > 1 else None
-    if group is not None:
-        group.shard(weights.layers if weights.mtp is None else [*weights.layers, weights.mtp.layer])
-    draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
-    num_blocks = settings.kv_blocks or num_blocks_for_memory(
-        # The MTP layer's cache plane shares the target's blocks: one more layer a block.
-        dataclasses.replace(config, num_layers=config.num_layers + 1) if mtp else config,
-        settings.block_size,
-        kv_dtype,
-        device,
-        settings.cpu_kv_cache_bytes,
-        settings.gpu_memory_utilization,
-    )
-    num_blocks = agree_num_blocks(draft_share(settings, config, draft, num_blocks, kv_dtype))
-    kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
-    model = LlamaModel(config, weights, ops)
-    if config.moe is not None:  # counts tokens per expert even without a group
-        model.experts = group or ExpertGroup(0, 1)
-    model.warm_up()
-    log.info(
-        "loaded %s (%s, %.0f MiB of weights) on %s as %s with %s kernels",
-        source.model_id,
-        source.kind,
-        weights.num_bytes() / 2**20,
-        device,
-        dtype,
-        ops.name,
-    )
-    runner = ModelRunner(
-        model,
-        kv_cache,
-        kv_transfer=kv_transfer_for(settings, kv_cache),
-        sampling=load_sampling_states(settings, source, config),
-    )
-    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
-    runner.max_model_len_cap = served_context_length(config.context_length, settings.max_model_len)
-    if weights.mtp is not None:
-        cache = MtpCache(kv_cache)
-        runner.mtp = MtpDrafter(model, weights.mtp, cache, settings.num_speculative_tokens)
-    if draft is not None:
-        runner.draft = draft_drafter(settings, draft, ops, runner, kv_dtype)
-    if runner.mtp is not None:
-        log.info("decode CUDA graphs off: the MTP drafter reads each step's hidden states")
-    elif graphs_wanted(settings, device, ops.name) and not model.capturable:
-        log.info(
-            "decode CUDA graphs off: this %s's attention reads lengths back", config.architecture
-        )
-    elif graphs_wanted(settings, device, ops.name) and group is None:  # no collectives in graphs
-        sizes = graph_batch_sizes(settings.max_batch, settings.cuda_graph_sizes)
-        try:
-            runner.capture_decode_graphs(sizes)
-        except Exception:  # serving slower beats not serving
-            log.exception("decode CUDA graph capture failed: decode steps run eagerly")
-            runner.graphs = None
-    return runner, source.model_id
-
-
-def load_draft_model(
-    settings: Settings, target: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[ModelConfig, ModelWeights]:
-    """`--draft-model`'s config and weights; refused unless its vocabulary is the target's
-    and it keeps no recurrent state."""
-    assert settings.draft_model is not None
-    source = resolve_model(settings.draft_model)
-    check_servable(source)
-    if load_model_config(source).hybrid is not None:
-        raise ValueError(f"--draft-model {settings.draft_model}: a hybrid model cannot draft")
-    config, weights = load_model(source, device, dtype, keep_quantized=settings.quantize != "int8")
-    if config.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"--draft-model {settings.draft_model}: vocabulary of {config.vocab_size} tokens,"
-            f" the model's has {target.vocab_size} (the draft needs the same tokenizer)"
-        )
-    return config, weights
-
-
-def draft_share(
-    settings: Settings,
-    config: ModelConfig,
-    draft: tuple[ModelConfig, ModelWeights] | None,
-    num_blocks: int,
-    kv_dtype: torch.dtype,
-) -> int:
-    """The target's blocks once a draft model's cache takes its share of the memory."""
-    if draft is None or settings.kv_blocks:
-        return num_blocks
-    own = block_bytes(config, settings.block_size, kv_dtype)
-    other = block_bytes(draft[0], settings.block_size, kv_dtype)
-    return max(1, num_blocks * own // (own + other))
-
-
-def draft_drafter(
-    settings: Settings,
-    draft: tuple[ModelConfig, ModelWeights],
-    ops: KernelOps,
-    runner: ModelRunner,
-    kv_dtype: torch.dtype,
-) -> DraftModelDrafter:
-    """The draft model over a cache of its own under the target's block ids."""
-    cache = runner.kv_cache
-    model = LlamaModel(draft[0], draft[1], ops, max_positions=runner.max_model_len)
-    device = cache.k[0].device
-    own = KVCache(draft[0], cache.num_blocks, settings.block_size, kv_dtype, device)
-    return DraftModelDrafter(model, own, settings.num_speculative_tokens)
-
-
-def load_hybrid_runner(
-    settings: Settings,
-    source: ModelSource,
-    device: torch.device,
-    dtype: torch.dtype,
-    ops,
-    kv_dtype: torch.dtype,
-) -> tuple[ModelRunner, str]:
-    """A hybrid model (Granite 4.0-H, Qwen3-Next): its state pool (one slot per sequence
-    that may run at once: --state-slots, else --max-batch) and its snapshots (prefix
-    caching: --state-snapshots, else as many as slots) are allocated first and taken out
-    of the KV cache's memory budget."""
-    config = load_model_config(source)
-    check_expert_parallel(settings, config, source.model_id)
-    model = load_hybrid_model(source.path, config, ops, dtype, device)
-    group = join_group(settings, device) if settings.expert_parallel > 1 else None
-    if group is not None:
-        group.shard(model.layers)
-    if config.moe is not None and config.moe.num_experts > 0:
-        model.experts = group or ExpertGroup(0, 1)
-    draft = load_draft_model(settings, config, device, dtype) if settings.draft_model else None
-    num_slots = settings.state_slots or settings.max_batch
-    pool = model.new_state_pool(num_slots)
-    num_snapshots = num_slots if settings.state_snapshots is None else settings.state_snapshots
-    # Speculative decoding: the states at each draft position, after the snapshots.
-    k_max = settings.num_speculative_tokens if settings.speculative != "none" else 0
-    num_scratch = DraftStates.count(num_slots, k_max)
-    total = num_snapshots + num_scratch
-    snapshots = model.new_state_pool(total) if total else None
-    pool_bytes = (num_slots + total) * slot_bytes(pool.specs)
-    num_blocks = settings.kv_blocks or num_blocks_for_memory(
-        config,
-        settings.block_size,
-        kv_dtype,
-        device,
-        settings.cpu_kv_cache_bytes - pool_bytes,  # on CUDA, the pool is gone from free memory
-        settings.gpu_memory_utilization,
-    )
-    num_blocks = agree_num_blocks(draft_share(settings, config, draft, num_blocks, kv_dtype))
-    kv_cache = KVCache(config, num_blocks, settings.block_size, kv_dtype, device)
-    model.warm_up()
-    log.info(
-        "loaded %s (%s) on %s as %s with %s kernels; state pool: %d slots and %d snapshots"
-        " x %.1f KiB",
-        source.model_id, config.architecture, device, dtype, ops.name, num_slots,
-        num_snapshots, pool.slot_bytes() / 1024,
-    )  # fmt: skip
-    runner = ModelRunner(
-        model,  # type: ignore[arg-type]
-        kv_cache,
-        kv_transfer=kv_transfer_for(settings, kv_cache),
-        sampling=load_sampling_states(settings, source, config),
-        state_pool=pool,
-        state_snapshots=snapshots,
-    )
-    runner.num_state_snapshots = num_snapshots
-    if num_scratch:
-        runner.draft_states = DraftStates(base=num_snapshots, k_max=k_max)
-    runner.kv_layout = kv_layout(source, config, dtype, settings.block_size, kv_dtype)
-    runner.max_model_len_cap = served_context_length(config.context_length, settings.max_model_len)
-    if draft is not None:
-        runner.draft = draft_drafter(settings, draft, ops, runner, kv_dtype)
-    return runner, source.model_id
-
-
-def kv_transfer_for(settings: Settings, kv_cache: KVCache) -> KVTransfer | None:
-    """The spill store's data plane, when this system has a spill store."""
-    if not settings.spill_store:
-        return None
-    client = connect_kv_store(settings.redis_url, settings.kv_store_timeout_s)
-    return KVTransfer(
-        client,
-        SpillKeys(settings.namespace),
-        kv_cache,
-        group_blocks=settings.spill_group_blocks,
-        ttl_s=settings.spill_ttl_s,
-    )
-
-
-def kv_layout(
-    source: ModelSource,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    block_size: int,
-    kv_dtype: torch.dtype | None = None,
-) -> str:
-    """What one KV block's bytes mean: whose weights, which precision, which geometry.
-    A cache in another dtype than the model's is named too (`+kv-bfloat16`): its blocks
-    are neither the same bytes nor the same values, so a worker of another cache dtype
-    never restores them (its swapped sequences and prefix hits are recomputed)."""
-    name = str(dtype).removeprefix("torch.")
-    if kv_dtype is not None and kv_dtype != dtype:
-        name += "+kv-" + str(kv_dtype).removeprefix("torch.")
-    return (
-        f"{source.model_id}/{weights_fingerprint(source)}/{name}"
-        f"/L{config.num_layers}/H{config.num_kv_heads}/D{config.head_dim}/B{block_size}"
-    )
-
-
-def graphs_wanted(settings: Settings, device: torch.device, backend: str) -> bool:
-    """Decode graphs need CUDA and kernels that never read lengths back to the host (the
-    torch backend sizes its gathers from them)."""
-    if not settings.cuda_graphs or device.type != "cuda":
-        return False
-    if backend != "triton":
-        log.info("decode CUDA graphs off: the %s backend reads lengths back to the host", backend)
-        return False
-    return True

@@ -37,9 +37,10 @@ from opentelemetry.trace import Span, set_span_in_context
 from spillway.services.worker.ep_group import KEEPALIVE, close_group, follow, leave
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.info import worker_info
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.ownership import Ownership
-from spillway.services.worker.runner import KVIo, ModelRunner, load_runner
+from spillway.services.worker.runner import KVIo, ModelRunner
 from spillway.services.worker.step_spans import StepSpans
 from spillway.shared import subjects
 from spillway.shared.beacon import Beacon

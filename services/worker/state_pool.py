@@ -61,6 +61,18 @@ class StatePool:
             for s in self.specs
         ]
 
+    def layers(self, start: int, stop: int) -> StatePool:
+        """The pool of layers [start, stop) alone, over the same tensors: one pool holds
+        a target's and a draft model's states (their layers one after the other), so a
+        slot's spill, restore, snapshot and copy carry both, while each model runs and
+        resets its own layers."""
+        if (start, stop) == (0, len(self.specs)):
+            return self
+        view = StatePool.__new__(StatePool)
+        view.specs, view.num_slots = self.specs[start:stop], self.num_slots
+        view.conv, view.ssm = self.conv[start:stop], self.ssm[start:stop]
+        return view
+
     def slot_bytes(self) -> int:
         """Bytes one sequence's states take across every state layer (budgets)."""
         return slot_bytes(self.specs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,17 +50,25 @@ class LayerWeights:
 
 @dataclass
 class MtpWeights:
-    """A multi-token-prediction layer (DeepSeek-V3's layout): the next token's embedding
-    and the hidden state before it, each normed, projected back to one hidden vector,
-    one decoder layer, then its own norm and head."""
+    """A multi-token-prediction layer: the next token's embedding and the hidden state
+    before it, each normed, projected back to one hidden vector, one decoder layer, then
+    its own norm and head. DeepSeek-V3's names first; Qwen3-Next's are pre_fc_norm_embedding,
+    pre_fc_norm_hidden, fc, layers.0 and norm, its head and embedding the model's."""
 
     enorm: torch.Tensor  # [H]
     hnorm: torch.Tensor  # [H]
     eh_proj: torch.Tensor  # [H, 2 H]: over [enorm(embed); hnorm(hidden)]
-    layer: LayerWeights
+    # A LayerWeights, or a hybrid model's attention layer (`models.hybrid.HybridLayer`,
+    # which imports this module).
+    layer: Any
     norm: torch.Tensor  # [H]: shared_head.norm
     head: torch.Tensor  # [V, H]: shared_head.head (the checkpoint's copy of lm_head)
     embed: torch.Tensor  # [V, H]: the layer's embedding (the model's, where shared)
+    # DeepSeek-V3's layer was trained with a zero embedding at position 0; Qwen3-Next's not.
+    zero_first_embedding: bool = True
+    # What a chained link reads as the hidden state before it: the layer's output before
+    # its norm (DeepSeek-V3), or after it (Qwen3-Next, as vLLM chains it).
+    chain_normed: bool = False
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.worker.ep_group import close_group, follow, leave
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import SampledLogprobs, SamplingParams
 from tests.integration.in_process import serve

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from spillway.services.scheduler.config import SchedulerConfig
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.loading import load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from tests.unit.worker.tiny_families import load_reference, reference_greedy
 

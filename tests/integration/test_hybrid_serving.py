@@ -21,7 +21,8 @@ from spillway.services.scheduler.prefix_hash import hash_hex
 from spillway.services.spillstore.service import SpillStore
 from spillway.services.worker.info import worker_info
 from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.loading import load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.clock import FakeClock
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import RequestDelta, SamplingParams, SubmitRequest

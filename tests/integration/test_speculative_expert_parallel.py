@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from tests.integration import ep_spec_ranks
 from tests.integration.ep_spec_ranks import GREEDY
 from tests.integration.in_process import Served, serve
 from tests.unit.worker.test_expert_parallel import run_ranks
 from tests.unit.worker.tiny_families import save_repetitive_family
-from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp
+from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp, save_tiny_qwen3_next_mtp
 
 RANK_TIMEOUT_S = 300
 
@@ -89,10 +89,13 @@ def test_a_hybrid_model_over_two_ranks_equals_one_process(hybrid_dir, tmp_path):
     assert 0 < report["accepted_tokens"] < report["draft_tokens"]
 
 
-def test_a_moe_mtp_layer_over_two_ranks_equals_plain_decoding(tmp_path_factory, tmp_path):
-    """DeepSeek-V3's MTP layer is a MoE layer: every rank runs it after the step, its
-    experts exchanged as the model's are."""
-    folder = save_tiny_deepseek_mtp(tmp_path_factory.mktemp("mtp"), predictive=True)
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_a_moe_mtp_layer_over_two_ranks_equals_plain_decoding(family, tmp_path_factory, tmp_path):
+    """DeepSeek-V3's MTP layer and Qwen3-Next's are MoE layers: every rank runs it after
+    the step, its experts exchanged as the model's are (beside Qwen3-Next's recurrent
+    layers, whose states stand after the drafts rank 0 accepted)."""
+    save = save_tiny_deepseek_mtp if family == "deepseek_v3" else save_tiny_qwen3_next_mtp
+    folder = save(tmp_path_factory.mktemp("mtp"), predictive=True)
     served = one_process(folder)
     report = two_ranks(tmp_path, folder, "mtp")
     assert_same(report, served)

@@ -33,7 +33,8 @@ LatentReader = Callable[
     [dict[str, Any], ModelConfig, int, Callable[..., torch.Tensor]],
     tuple[Weight, MLAWeights],
 ]
-# (tensors, config, layer_weights(i), take, the model's weights) -> its MtpWeights.
+# (tensors, config, layer_weights(i), take, the model's weights) -> its MtpWeights; a
+# hybrid family's: (tensors, config, dtype, the model's embedding, its head) -> MtpWeights.
 MtpReader = Callable[..., Any]
 # (tensors, config, dtype) -> a hybrid model's layers (`models.hybrid.HybridLayer`).
 HybridReader = Callable[[dict[str, torch.Tensor], ModelConfig, torch.dtype], list[Any]]

@@ -7,12 +7,13 @@ shared MLP: Granite 4.0-H (`granite_hybrid`: Mamba2 mixers) and Qwen3-Next
 One forward runs a flat batch (`forward_batch.ForwardBatch`) whose `state_slots` name each row's
 state slot; rows flagged `state_fresh` start from zero, and `state_takes` copy a row's
 states at a block boundary into a snapshot (prefix caching). The model is tested against
-transformers directly and served by `runner.load_hybrid_runner`. It never takes the
+transformers directly and served by `loading.load_runner`. It never takes the
 one-call Llama decode loop (its layers are not plain).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,10 @@ from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, m
 from spillway.services.worker.layers.moe import MoEWeights, moe_forward
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.services.worker.tensor_files import safetensors_tensors
-from spillway.services.worker.weights import LayerWeights
+from spillway.services.worker.weights import LayerWeights, MtpWeights
 from spillway.shared.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,6 +110,8 @@ class HybridModel:
         # The routed experts through an expert-parallel group (which also counts each
         # expert's tokens), else in this process.
         self.experts: ExpertGroup | None = None
+        # The multi-token-prediction layer, loaded only for `--speculative mtp`.
+        self.mtp: MtpWeights | None = None
 
     # No decode CUDA graphs: the recurrent layers' prefill loop reads lengths on the host.
     capturable = False
@@ -134,6 +139,22 @@ class HybridModel:
             for w in weights:
                 self.ops.linear(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w)
 
+    def num_bytes(self) -> int:
+        """The weights' memory, each tensor once (a tied head is the embedding)."""
+        tensors: dict[int, torch.Tensor] = {}
+        parts: list[object] = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            parts += [layer.attn_norm, layer.ffn_norm, layer.moe, layer.mamba, layer.delta,
+                      layer.attention]  # fmt: skip
+        for part in parts:
+            if part is None:
+                continue
+            values = [part] if isinstance(part, torch.Tensor) else list(vars(part).values())
+            for t in values:
+                if isinstance(t, torch.Tensor):
+                    tensors[t.data_ptr()] = t
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def new_state_pool(self, num_slots: int) -> StatePool:
         return StatePool(state_specs(self.config), num_slots, self.embed.device)
 
@@ -147,6 +168,54 @@ class HybridModel:
         """Logits [S, V] float32 for the sampling rows ([T, V] when batch.logits_indices is
         None); writes this step's K/V, updates the rows' states and copies them into
         `snapshots` where `batch.state_takes` says."""
+        x = self._layers(batch, kv_cache, pool, snapshots)
+        idx = batch.logits_indices
+        if idx is not None:
+            x = x[idx]
+        return self._logits(self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps))
+
+    def forward_with_hidden(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        pool: StatePool,
+        snapshots: StatePool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and every token's final normed hidden state [T, H] (what a
+        multi-token-prediction layer reads)."""
+        x = self._layers(batch, kv_cache, pool, snapshots)
+        h = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+        idx = batch.logits_indices
+        return self._logits(h if idx is None else h[idx]), h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(h, self.lm_head).float() / self.hybrid.logits_scaling
+
+    def mtp_layer(
+        self,
+        x: torch.Tensor,  # [T, H]
+        layer: HybridLayer,  # an attention layer
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One attention layer with its feed-forward, outside the stack (a multi-token-
+        prediction layer, Qwen3-Next's): its output with the residual added."""
+        assert layer.attention is not None
+        eps, scale = self.config.rms_norm_eps, self.hybrid.residual_multiplier
+        h = self.ops.rms_norm(x, layer.attn_norm, eps)
+        x = x + self.attention.forward(h, layer.attention, batch, k_cache, v_cache) * scale
+        h = self.ops.rms_norm(x, layer.ffn_norm, eps)
+        return x + self._feed_forward(h, layer.moe) * scale
+
+    def _layers(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        pool: StatePool,
+        snapshots: StatePool | None,
+    ) -> torch.Tensor:
+        """The residual stream [T, H] after the last layer (before the final norm)."""
         c, h_cfg, ops = self.config, self.hybrid, self.ops
         eps = c.rms_norm_eps
         slots = batch.state_slots
@@ -184,11 +253,7 @@ class HybridModel:
             x = x + out * h_cfg.residual_multiplier
             h = ops.rms_norm(x, layer.ffn_norm, eps)
             x = x + self._feed_forward(h, layer.moe) * h_cfg.residual_multiplier
-        idx = batch.logits_indices
-        if idx is not None:
-            x = x[idx]
-        logits = ops.linear(ops.rms_norm(x, self.norm, eps), self.lm_head).float()
-        return logits / h_cfg.logits_scaling
+        return x
 
     def _feed_forward(self, h: torch.Tensor, w: MoEWeights) -> torch.Tensor:
         moe = self.config.moe
@@ -207,6 +272,12 @@ def _is_projection(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1
 
 
+# (tensors, config, dtype, the model's embedding, its head) -> the MTP layer's MtpWeights.
+MtpReader = Callable[
+    [dict[str, torch.Tensor], ModelConfig, torch.dtype, torch.Tensor, torch.Tensor], MtpWeights
+]
+
+
 def load_hybrid_model(
     folder: Path,
     config: ModelConfig,
@@ -215,9 +286,13 @@ def load_hybrid_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     one_plus_norm: bool = False,
+    read_mtp: MtpReader | None = None,
+    max_positions: int | None = None,
 ) -> HybridModel:
     """A hybrid model from a Hugging Face folder, its layers read by its family's
-    `read_layers` (`models.registry.load_hybrid_model` picks it)."""
+    `read_layers` (`models.registry.load_hybrid_model` picks it); with `read_mtp`, its
+    multi-token-prediction layer too. `max_positions`: past the config's (a draft model
+    serving its target's context)."""
     tensors = {name: t.to(device) for name, t in safetensors_tensors(folder).items()}
     layers = read_layers(tensors, config, dtype)
     embed = tensors.pop("model.embed_tokens.weight").to(dtype)
@@ -227,4 +302,10 @@ def load_hybrid_model(
     if one_plus_norm:  # (1 + w), as its layers' norms
         norm = 1.0 + norm
     norm = norm.to(dtype)
-    return HybridModel(config, embed, layers, norm, lm_head, ops)
+    model = HybridModel(config, embed, layers, norm, lm_head, ops, max_positions)
+    if read_mtp is not None:
+        model.mtp = read_mtp(tensors, config, dtype, embed, lm_head)
+    leftover = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:  # an MTP module unless asked for (`--speculative mtp`)
+        log.warning("ignored %d unused tensors, e.g. %s", len(leftover), leftover[:3])
+    return model

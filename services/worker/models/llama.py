@@ -228,6 +228,19 @@ class LlamaModel:
             out = self.ops.rms_norm(out, layer.post_ffn_norm, eps)
         return out, residual
 
+    def mtp_layer(
+        self,
+        x: torch.Tensor,  # [T, H]
+        layer: LayerWeights,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer outside the stack (a multi-token-prediction layer,
+        DeepSeek-V3's): its output with the residual added."""
+        x, residual = self.decoder_layer(x, None, layer, batch, k_cache, v_cache)
+        return x + residual
+
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -77,12 +77,18 @@ def load_hybrid_model(
     ops: KernelOps,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    mtp: bool = False,
+    max_positions: int | None = None,
 ) -> HybridModel:
-    """A hybrid family's model (Granite 4.0-H, Qwen3-Next) from a Hugging Face folder."""
+    """A hybrid family's model (Granite 4.0-H, Qwen3-Next) from a Hugging Face folder;
+    with `mtp`, its multi-token-prediction layer too (`HybridModel.mtp`)."""
     family = FAMILIES.get(config.architecture)
     if family is None or family.hybrid_layers is None:
         hybrids = [t for t, f in FAMILIES.items() if f.hybrid_layers is not None]
         raise ValueError(f"{config.architecture}: not a hybrid family ({', '.join(hybrids)})")
+    if mtp and (family.mtp_weights is None or not config.num_mtp_layers):
+        raise ValueError(f"model_type {config.architecture!r} has no multi-token-prediction layer")
     return _load_hybrid(
-        folder, config, family.hybrid_layers, ops, dtype, device, family.one_plus_norm
-    )
+        folder, config, family.hybrid_layers, ops, dtype, device, family.one_plus_norm,
+        read_mtp=family.mtp_weights if mtp else None, max_positions=max_positions,
+    )  # fmt: skip

@@ -21,15 +21,19 @@ def test_ngram_is_served_and_the_other_methods_only_with_what_they_need():
     assert speculation_refusal(settings, DENSE) is None  # type: ignore[arg-type]
 
 
-def test_speculation_is_refused_where_drafts_could_not_be_taken_back():
-    # A hybrid model keeps its state at each draft position, for n-gram drafts and a
-    # draft model's; no MTP layer runs beside it.
+def test_every_method_is_served_beside_a_hybrid_model():
+    # A hybrid model keeps its state at each draft position, whoever drafts: n-gram
+    # lookups, a draft model, or its own MTP layer (where it has one).
     assert speculation_refusal(Settings(speculative="ngram"), HYBRID) is None  # type: ignore[arg-type]
     settings = Settings(speculative="draft", draft_model="some/model")
     assert speculation_refusal(settings, HYBRID) is None  # type: ignore[arg-type]
     hybrid_mtp = SimpleNamespace(architecture="qwen3_next", hybrid=object(), num_mtp_layers=1)
-    reason = speculation_refusal(Settings(speculative="mtp"), hybrid_mtp)  # type: ignore[arg-type]
-    assert reason is not None and "qwen3_next" in reason
+    assert speculation_refusal(Settings(speculative="mtp"), hybrid_mtp) is None  # type: ignore[arg-type]
+    reason = speculation_refusal(Settings(speculative="mtp"), HYBRID)  # type: ignore[arg-type]
+    assert reason is not None and "qwen3_next" in reason and "mtp_num_hidden_layers" in reason
+
+
+def test_every_method_is_served_with_expert_parallel():
     # Expert parallel: every method; rank 0 cuts the rows, and an MTP layer runs on every
     # rank (its MoE layer exchanges as the model's do).
     with_mtp = SimpleNamespace(architecture="deepseek_v3", hybrid=None, num_mtp_layers=1)

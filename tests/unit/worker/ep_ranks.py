@@ -21,8 +21,9 @@ from spillway.services.worker.expert_parallel import EXCHANGES
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
 from spillway.services.worker.loader import load_model
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.llama import LlamaModel
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.plans import generate

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from spillway.services.worker.ep_group import follow
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from tests.unit.worker.ep_ranks import KV_BLOCKS, PROMPTS
 from tests.unit.worker.plans import generate

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spillway.services.cli.options import add_options, as_arguments, overrides_from
-from spillway.services.worker.runner import graphs_wanted, load_runner
+from spillway.services.worker.loading import graphs_wanted, load_runner
 from spillway.shared.config import Settings, load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.tiny_llama import TINY_VOCAB

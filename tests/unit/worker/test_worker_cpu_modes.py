@@ -12,9 +12,9 @@ import torch
 from spillway.kernels.cpu.linear import FORMS
 from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker import loader
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.quality import perplexity
-from spillway.services.worker.runner import load_runner
 from spillway.services.worker.threads import configure_threads
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.plans import generate

@@ -376,7 +376,7 @@ def test_a_q5_1_file_s_decode_steps_go_through_the_one_call_loop(tmp_path, rows,
     and logits to the bit."""
     from gguf.constants import GGMLQuantizationType
 
-    from spillway.services.worker.runner import load_runner
+    from spillway.services.worker.loading import load_runner
     from spillway.shared.config import load_settings
     from tests.gguf_files import write_tiny_llama
 

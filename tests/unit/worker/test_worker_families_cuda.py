@@ -10,7 +10,7 @@ import torch
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import SchedulerCore
 from spillway.services.worker.info import worker_info
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.clock import FakeClock
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import SamplingParams, SubmitRequest

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from tests.unit.worker.plans import generate
 from tests.unit.worker.test_worker_families import PROMPTS

@@ -14,8 +14,8 @@ from gguf.constants import GGMLQuantizationType
 
 from spillway.services.gateway.model_facts import load_model_facts
 from spillway.services.gateway.tokenizer import load_tokenizer_folder
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.registry import load_model_config
-from spillway.services.worker.runner import load_runner
 from spillway.shared.config import DEFAULT_MODEL, Settings, load_settings
 from spillway.shared.model_config import load_base_config
 from spillway.shared.model_files import resolve_model

@@ -13,8 +13,9 @@ from gguf.constants import GGMLQuantizationType
 
 from spillway.kernels.cpu.quantized_weight import QuantizedExperts
 from spillway.services.cli.up import StartupError, check_servable_model
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.registry import check_servable, load_model_config
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import Settings, load_settings
 from spillway.shared.gguf_arch import GGUF_ARCHITECTURES
 from spillway.shared.gguf_file import parse_gguf

@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType
 
 from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 from spillway.services.worker.loader import GGUF_TENSOR_TYPES
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.weights import ModelWeights
 from spillway.shared.config import load_settings
 from tests.gguf_files import write_tiny_llama

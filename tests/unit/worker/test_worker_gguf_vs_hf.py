@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.loading import load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, StepPlan, StepRow
 from tests.unit.worker.plans import GREEDY, generate

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spillway.services.worker.info import worker_info
-from spillway.services.worker.runner import load_runner
+from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from spillway.shared.serving import chat_template_text, served_context_length, served_names
 

@@ -10,7 +10,8 @@ import pytest
 
 from spillway.services.gateway.structured_output import GrammarBuilder
 from spillway.services.gateway.tokenizer import load_tokenizer_folder
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.loading import load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, RegionSampling, SamplingParams, StepPlan, StepRow
 from tests.unit.worker.think_llama import script_ids

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.registry import load_model_config
-from spillway.services.worker.runner import load_runner
 from spillway.services.worker.synthetic import synthetic_weights
 from spillway.shared.config import load_settings
 from spillway.shared.model_config import SYNTHETIC_CONFIGS

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.loading import load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 
 TINY_VOCAB = 256

@@ -78,3 +78,53 @@ def save_mtp_layer(folder, seed: int = 1, predictive: bool = False) -> dict[str,
     prefix = f"model.layers.{config.num_hidden_layers}."
     save_file({prefix + k: t.contiguous() for k, t in tensors.items()}, folder / "mtp.safetensors")
     return tensors
+
+
+def save_tiny_qwen3_next_mtp(folder: Path, predictive: bool = False, seed: int = 0) -> Path:
+    """A tiny repetitive Qwen3-Next (`save_repetitive_family`) with the MTP module its
+    checkpoints carry (`mtp.*`, config mtp_num_hidden_layers), which transformers leaves
+    unread. With `predictive`, a module that predicts what the model will: its layer adds
+    nothing and fc passes the normed embedding of the next token on to a copy of the
+    model's final norm and its head (the model's quiet layers make its next token follow
+    mostly from the last one): most drafts stand, some fall."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    from tests.unit.worker.tiny_families import save_repetitive_family
+
+    save_repetitive_family(folder, "qwen3_next", seed=seed)
+    config_path = folder / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(saved, indent=2))
+    config = AutoConfig.from_pretrained(str(folder))
+    attention = config.layer_types.index("full_attention")
+    torch.manual_seed(seed + 1)
+    layer = Qwen3NextDecoderLayer(config, layer_idx=attention)
+    h = config.hidden_size
+    tensors = {f"mtp.layers.0.{n}": p.detach().clone() for n, p in layer.state_dict().items()}
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):  # stored as w of (1 + w)
+            t.copy_(0.2 * torch.randn_like(t))
+        else:
+            t.normal_(0.0, 0.2)
+    tensors |= {
+        "mtp.pre_fc_norm_embedding.weight": 0.2 * torch.randn(h),
+        "mtp.pre_fc_norm_hidden.weight": 0.2 * torch.randn(h),
+        "mtp.fc.weight": 0.2 * torch.randn(h, 2 * h),
+        "mtp.norm.weight": 0.2 * torch.randn(h),
+    }
+    if predictive:
+        (path,) = folder.glob("model*.safetensors")
+        model = load_file(str(path))
+        for name, t in tensors.items():
+            if "o_proj" in name or "down_proj" in name:
+                t.zero_()
+        tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + 0): plain
+        tensors["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        tensors["mtp.norm.weight"] = model["model.norm.weight"].clone()
+    save_file({k: t.contiguous() for k, t in tensors.items()}, folder / "mtp.safetensors")
+    return folder

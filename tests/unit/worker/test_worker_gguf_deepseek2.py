@@ -15,8 +15,9 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, RopeScalingType
 
 from spillway.kernels.cpu.quantized_weight import QuantizedExperts, QuantizedWeight
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.registry import check_servable, load_model_config
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.gguf_file import parse_gguf
 from spillway.shared.model_files import resolve_model

@@ -22,6 +22,7 @@ are then those of a one-row step to the bit, as every kernel here computes a row
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 from spillway.kernels.cpu.step_threads import StepThreads
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_layers.c"
+log = logging.getLogger(__name__)
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # decode_layers' return code // -100 -> what failed, raised as the per-call path raises it
 _FAILURES: dict[int, tuple[type[Exception], str]] = {
@@ -222,7 +224,15 @@ class DecodeLayers:
             ctypes.byref(step),
         )
         if threads > 1 and self.together is None:
+            before = self.step_threads.chosen(rows)
             self.step_threads.record(rows, together, time.perf_counter_ns() - start)
+            after = self.step_threads.chosen(rows)
+            if after is not None and after != before:
+                log.info(
+                    "few-row steps of %d rows: %s (median %s)", rows,
+                    "one parallel region" if after else "a region per projection",
+                    self.step_threads.medians(rows),
+                )  # fmt: skip
         if code != 0:
             error, what = _FAILURES.get(-code // 100, (RuntimeError, "a kernel"))
             raise error(f"native decode layers: {what} ({code})")

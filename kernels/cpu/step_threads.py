@@ -75,6 +75,14 @@ class StepThreads:
             return None
         return self._best(state)
 
+    def medians(self, rows: int) -> str:
+        """The latest timings' medians of both ways, for a log line."""
+        state = self._state(rows)
+        ms = {
+            way: statistics.median(t) / 1e6 if t else float("nan") for way, t in state.times.items()
+        }
+        return f"{ms[True]:.2f} ms in one region, {ms[False]:.2f} ms per projection"
+
     def _best(self, state: _Rows) -> bool:
         return statistics.median(state.times[True]) <= statistics.median(state.times[False])
 

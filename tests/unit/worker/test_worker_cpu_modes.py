@@ -50,6 +50,14 @@ def test_int8_projections_change_outputs_a_little(runner):
         perplexity(m, TEXT[:1])
 
 
+def test_warm_up_rows_are_more_than_any_few_row_kernel_takes():
+    """Else the warm-up's many-row pass runs a few-row kernel and the first prefill packs."""
+    from spillway.kernels.cpu import matvec
+    from spillway.services.worker.models.llama import WARM_UP_ROWS
+
+    assert max(matvec.MAX_ROWS, matvec.MAX_BLOCK_ROWS) < WARM_UP_ROWS
+
+
 def test_warm_up_makes_the_int8_many_row_forms_too(runner):
     m = runner.model
     ops = CpuOps(quantize="int8")

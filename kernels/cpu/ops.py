@@ -20,8 +20,7 @@ from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels import ssm_reference
-from spillway.kernels.cpu import argmax, decode_ops, matmul_q8, matvec, noise
+from spillway.kernels.cpu import argmax, decode_ops, matmul_q8, matvec, noise, ssm
 from spillway.kernels.cpu.argmax import NativeArgmax
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors, max_rows
 from spillway.kernels.cpu.decode_layers import load as load_decode_layers
@@ -484,10 +483,10 @@ class CpuOps(CpuAbilities):
         return silu_mul_ref(gate_up)
 
     # The recurrent layers' decode steps: on the pool's rows in place when the slots are one
-    # run, else gathered and scattered back (`ssm_reference.PATHS` counts which ran).
-    causal_conv1d_update = staticmethod(ssm_reference.causal_conv1d_update_cpu)
-    selective_state_update = staticmethod(ssm_reference.selective_state_update_cpu)
-    gated_delta_rule_step = staticmethod(ssm_reference.gated_delta_rule_step_cpu)
+    # run, else gathered and scattered back (`kernels.cpu.ssm.PATHS` counts which ran).
+    causal_conv1d_update = staticmethod(ssm.causal_conv1d_update)
+    selective_state_update = staticmethod(ssm.selective_state_update)
+    gated_delta_rule_step = staticmethod(ssm.gated_delta_rule_step)
 
     def decode_layers(
         self,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels import ssm_reference
+from spillway.kernels.cpu import ssm as cpu_ssm
 from spillway.services.worker.loading import load_runner
 from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
@@ -153,11 +153,11 @@ def main() -> None:
                 (_, decode_s), _ = timed(runner_generate, runner, prompts, args.new, 2)
                 scattered_s.append(decode_s)
             elif which == "ours":
-                ssm_reference.PATHS.clear()
+                cpu_ssm.PATHS.clear()
                 (ours_out, decode_s), total = timed(runner_generate, runner, prompts, args.new)
                 ours_s.append(total)
                 ours_decode_s.append(decode_s)
-                paths = dict(ssm_reference.PATHS)  # this run's recurrent steps
+                paths = dict(cpu_ssm.PATHS)  # this run's recurrent steps
             else:
                 theirs_out, total = timed(hf_generate, reference, prompts, args.new)
                 _, prefill = timed(hf_generate, reference, prompts, 1)

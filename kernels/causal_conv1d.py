@@ -1,8 +1,9 @@
 """The short causal convolution's decode step (Mamba2 and gated DeltaNet layers), in Triton.
 
 Per row and channel: window = [conv_state (W - 1 values), x]; y = window . weight + bias,
-optionally SiLU; the state becomes the window's last W - 1 values. The torch reference and
-the CPU path are in `kernels.ssm_reference`, which states the pool layout.
+optionally SiLU; the state becomes the window's last W - 1 values. The torch reference is
+in `kernels.ssm_reference`, which states the pool layout; the CPU backend's step is
+`kernels.cpu.ssm`.
 """
 
 from __future__ import annotations

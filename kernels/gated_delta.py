@@ -9,9 +9,10 @@ Per row and value head h (key head h // (Hv / Hk) serves Hv / Hk consecutive val
     S     = S + k outer delta
     o     = q @ S                             [V]
 
-The torch reference and the CPU path are in `kernels.ssm_reference`, which states the pool
-layout. One program per (row, value head, block of V) holds a [K, BLOCK_V] tile of the state:
-the columns of S are independent, so splitting V needs no exchange between programs.
+The torch reference is in `kernels.ssm_reference`, which states the pool layout; the CPU
+backend's step is `kernels.cpu.ssm`. One program per (row, value head, block of V) holds a
+[K, BLOCK_V] tile of the state: the columns of S are independent, so splitting V needs no
+exchange between programs.
 """
 
 from __future__ import annotations

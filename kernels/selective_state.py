@@ -7,8 +7,9 @@ H / G heads of a group):
     state = state * exp(dt * A) + (dt * x) outer B  [P, N]
     y     = state @ C + D * x,  then * silu(z)      (D and z optional)
 
-The torch reference and the CPU path are in `kernels.ssm_reference`, which states the pool
-layout. One program per (row, head, block of head_dim) holds a [BLOCK_P, N] tile of the state.
+The torch reference is in `kernels.ssm_reference`, which states the pool layout; the CPU
+backend's step is `kernels.cpu.ssm`. One program per (row, head, block of head_dim) holds a
+[BLOCK_P, N] tile of the state.
 """
 
 from __future__ import annotations

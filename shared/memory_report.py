@@ -49,10 +49,12 @@ class MemoryFigures:
     heap: HeapFigures | None = None  # malloc's, where glibc tells it
 
 
-def sample() -> MemoryFigures:
-    return MemoryFigures(
-        _rss_bytes(), sys.getallocatedblocks(), len(gc.get_objects()), heap_figures()
-    )
+def sample(gc_objects: int | None = None) -> MemoryFigures:
+    """The figures now; `gc_objects` is the collector's count where the caller has walked
+    its objects already (a report walks them once, `census` derives the rest)."""
+    if gc_objects is None:
+        gc_objects = len(gc.get_objects())
+    return MemoryFigures(_rss_bytes(), sys.getallocatedblocks(), gc_objects, heap_figures())
 
 
 def _rss_bytes() -> int | None:
@@ -91,10 +93,6 @@ def growth_sites(now: tracemalloc.Snapshot, first: tracemalloc.Snapshot) -> list
     return [str(s) for s in stats[:TOP_SITES] if s.size_diff > 0]
 
 
-def count_types(objects: Iterable[object]) -> Counter[str]:
-    return Counter(_type_name(o) for o in objects)
-
-
 def _type_name(o: object) -> str:
     t = type(o)
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
@@ -120,11 +118,6 @@ def holders(objects: list[object], type_name: str) -> list[str]:
     return chains
 
 
-def container_sizes(objects: Iterable[object]) -> dict[int, int]:
-    """The length of every large container, by id."""
-    return {id(o): n for o in objects if (n := _large_len(o))}
-
-
 def _large_len(o: object) -> int:
     """The length of a large container, else 0. Tested on the type, not `isinstance`: an
     object's `__class__` may be a property that warns (torch's deprecated aliases)."""
@@ -134,19 +127,33 @@ def _large_len(o: object) -> int:
     return n if n >= CONTAINER_MIN_LEN else 0
 
 
-def grown_containers(
-    objects: list[object], before: dict[int, int]
-) -> list[tuple[int, int, object]]:
-    """The containers that grew most since `before` (from `container_sizes`): (growth,
-    length now, the container), largest growth first. Only those large already then: the
-    many that live for one request come and go between two reports; a leak's container
-    stays and grows."""
-    grown = []
+@dataclass(frozen=True)
+class Census:
+    """What one pass over the collector's objects finds."""
+
+    types: Counter[str]  # live objects by type name
+    sizes: dict[int, int]  # the length of every large container, by id
+    # The containers that grew most since the sizes passed in: (growth, length now, the
+    # container), largest growth first. Only those large already then: the many that live
+    # for one request come and go between two reports; a leak's container stays and grows.
+    grown: list[tuple[int, int, object]]
+
+
+def census(objects: Iterable[object], sizes_before: dict[int, int] | None = None) -> Census:
+    """Counts the objects by type and measures the large containers, in one pass (a
+    process's objects are millions; each pass over them costs a noticeable pause)."""
+    before = sizes_before or {}
+    types: Counter[str] = Counter()
+    sizes: dict[int, int] = {}
+    grown: list[tuple[int, int, object]] = []
     for o in objects:
-        if (n := _large_len(o)) and (g := n - before.get(id(o), n)) > 0:
-            grown.append((g, n, o))
+        types[_type_name(o)] += 1
+        if n := _large_len(o):
+            sizes[id(o)] = n
+            if (g := n - before.get(id(o), n)) > 0:
+                grown.append((g, n, o))
     grown.sort(key=lambda t: -t[0])
-    return grown[:TOP_CONTAINERS]
+    return Census(types, sizes, grown[:TOP_CONTAINERS])
 
 
 def _referrer_chain(o: object, *ours: list[object]) -> list[str]:
@@ -186,42 +193,47 @@ async def report_memory(every_s: float) -> None:
     first report, one interval in: by then the service has imported what it serves with
     and started, so what grows after is what serving grows."""
     await asyncio.sleep(every_s)
-    first = sample()
     objects = gc.get_objects()
-    first_types = count_types(objects)
-    sizes = container_sizes(objects)
-    del objects
+    first = sample(len(objects))
+    start = census(objects)
+    first_types, sizes = start.types, start.sizes
+    del objects, start  # the list refers to every object: never keep it past the report
     first_snapshot = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
     log.info("%s", describe(first, first))
     while True:
         await asyncio.sleep(every_s)
-        log.info("%s", describe(sample(), first))
-        sizes = _report_types(first_types, sizes)
+        # One walk of the collector's objects a report: the count, the types and the
+        # containers all come from this list.
+        objects = gc.get_objects()
+        try:
+            log.info("%s", describe(sample(len(objects)), first))
+            sizes = _report_types(objects, first_types, sizes)
+        finally:
+            del objects
         if first_snapshot is not None:
             for site in growth_sites(tracemalloc.take_snapshot(), first_snapshot):
                 log.info("memory grew at %s", site)
 
 
-def _report_types(first: Counter[str], sizes: dict[int, int]) -> dict[int, int]:
+def _report_types(
+    objects: list[object], first: Counter[str], sizes: dict[int, int]
+) -> dict[int, int]:
     """Logs the types that grew since the first report and the containers that grew
     since the last; returns the containers' sizes now, for the next report."""
-    objects = gc.get_objects()
-    try:
-        growth = type_growth(count_types(objects), first)
-        if growth:
-            log.info("%s", describe_types(growth))
-        named = [name for name, _ in growth if name not in _GENERIC]
-        if named:
-            for chain in holders(objects, named[0]):
-                log.info("memory held: %s", chain)
-        for grew, n, container in grown_containers(objects, sizes):
-            log.info(
-                "memory grew in a container: +%d to %d (last: %s), %s",
-                grew,
-                n,
-                _sample_items(container),
-                " <- ".join(_referrer_chain(container, objects)),
-            )
-        return container_sizes(objects)
-    finally:
-        del objects  # the list refers to every object: never keep it past the report
+    now = census(objects, sizes)
+    growth = type_growth(now.types, first)
+    if growth:
+        log.info("%s", describe_types(growth))
+    named = [name for name, _ in growth if name not in _GENERIC]
+    if named:
+        for chain in holders(objects, named[0]):
+            log.info("memory held: %s", chain)
+    for grew, n, container in now.grown:
+        log.info(
+            "memory grew in a container: +%d to %d (last: %s), %s",
+            grew,
+            n,
+            _sample_items(container),
+            " <- ".join(_referrer_chain(container, objects)),
+        )
+    return now.sizes

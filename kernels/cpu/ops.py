@@ -1,4 +1,4 @@
-"""The CPU backend: `CpuOps`, the worker's operations (`kernels.ops.KernelOps`) in torch,
+"""The CPU backend: `CpuOps`, the worker's operations (`kernels._ops_protocol.KernelOps`) in torch,
 with native C kernels (this package's other modules) wherever they fit.
 
 Where none fits, an op runs the torch reference of its kernel module (`kernels.rmsnorm`,
@@ -20,8 +20,8 @@ from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels import ssm_reference
-from spillway.kernels.cpu import argmax, decode_ops, matmul_q8, matvec, noise
+from spillway.kernels._ops_protocol import KernelOps
+from spillway.kernels.cpu import argmax, decode_ops, matmul_q8, matvec, noise, ssm
 from spillway.kernels.cpu.argmax import NativeArgmax
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors, max_rows
 from spillway.kernels.cpu.decode_layers import load as load_decode_layers
@@ -52,12 +52,33 @@ QUANTIZATIONS = ("none", "int8")
 class CpuAbilities(Protocol):
     """What only the CPU backend does, beyond `KernelOps`: the worker checks
     `isinstance(ops, CpuAbilities)` before it tunes, hands over the model file's blocks,
-    bounds a speculative verify's rows or takes the native sampling kernels."""
+    bounds a speculative verify's rows, runs a decode step's layers in one call or takes the
+    native sampling kernels."""
 
     # Each row's argmax over CPU logits (greedy sampling, the race), and the race's
     # uniforms, the same values as torch's: native, None where they are not built.
     argmax: NativeArgmax | None
     uniforms: NativeUniforms | None
+
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        layers: Sequence[LayerTensors],
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        geometry: Geometry,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All decoder layers of a decode step (one token per row) at once: (x, residual)
+        as the layer-by-layer loop leaves them, or None where the native path does not take
+        this step (then the caller loops). No other backend has such a path: on CUDA a
+        decode step replays a CUDA graph."""
+        ...
 
     def use_source_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
         """Float32 weights whose exact values the model file's blocks hold: few-row steps
@@ -135,10 +156,9 @@ def _same(a: object, b: object) -> bool:
     return a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b)
 
 
-class CpuOps(CpuAbilities):
+class CpuOps(KernelOps, CpuAbilities):
     """The CPU backend (`--attention-backend torch`): `KernelOps` in torch, native kernels
-    wherever they fit. It provides `KernelOps` by its shape (mypy checks that where
-    `kernels.ops.select_ops` returns it; `kernels.ops` imports this module, not the reverse).
+    wherever they fit, and `CpuAbilities`.
 
     One instance serves one model: it keeps the packed projection weights, the gather
     buffers and what it derived from the current step's index tensors (`LastDerived`).
@@ -151,6 +171,9 @@ class CpuOps(CpuAbilities):
     """
 
     name = "torch"
+    # A MoE layer's experts: a `CpuExperts`, set per instance (it keeps the projections'
+    # few-row kernels), which KernelOps.fused_experts' signature checks as it is called.
+    fused_experts: CpuExperts
 
     def __init__(
         self,
@@ -484,10 +507,10 @@ class CpuOps(CpuAbilities):
         return silu_mul_ref(gate_up)
 
     # The recurrent layers' decode steps: on the pool's rows in place when the slots are one
-    # run, else gathered and scattered back (`ssm_reference.PATHS` counts which ran).
-    causal_conv1d_update = staticmethod(ssm_reference.causal_conv1d_update_cpu)
-    selective_state_update = staticmethod(ssm_reference.selective_state_update_cpu)
-    gated_delta_rule_step = staticmethod(ssm_reference.gated_delta_rule_step_cpu)
+    # run, else gathered and scattered back (`kernels.cpu.ssm.PATHS` counts which ran).
+    causal_conv1d_update = staticmethod(ssm.causal_conv1d_update)
+    selective_state_update = staticmethod(ssm.selective_state_update)
+    gated_delta_rule_step = staticmethod(ssm.gated_delta_rule_step)
 
     def decode_layers(
         self,

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from spillway.kernels import ssm_reference
+from spillway.kernels.cpu import ssm as cpu_ssm
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import SchedulerCore
 from spillway.services.scheduler.prefix_hash import hash_hex
@@ -128,12 +128,12 @@ def _serve(
 
 
 def test_concurrent_chunked_requests_equal_transformers(family_dir, want):
-    ssm_reference.PATHS.clear()
+    cpu_ssm.PATHS.clear()
     got, core, _ = _serve_all(family_dir, kv_blocks=64, state_slots=8)
     assert got == want
     assert sum(core.stats.preemptions.values()) == 0
     # Decode steps of slots 0..R-1 take the batched path over the pool's rows.
-    assert ssm_reference.PATHS["view"] > 0
+    assert cpu_ssm.PATHS["view"] > 0
 
 
 def test_a_bf16_kv_cache_serves_them_too(family_dir):
@@ -145,13 +145,13 @@ def test_a_bf16_kv_cache_serves_them_too(family_dir):
 
 
 def test_few_slots_queue_requests_and_recompute_under_block_pressure(family_dir, want):
-    ssm_reference.PATHS.clear()
+    cpu_ssm.PATHS.clear()
     got, core, _ = _serve_all(family_dir, kv_blocks=10, state_slots=3)
     assert got == want
     assert core.stats.preemptions["recompute"] > 0
     # Rows stay sorted by slot through preemptions and resumes: steps whose slots are
     # one run take the batched path, the others (a gap left by a victim) the fallback.
-    assert ssm_reference.PATHS["view"] > 0
+    assert cpu_ssm.PATHS["view"] > 0
 
 
 @pytest.mark.parametrize("mode", ["spill", "auto"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -109,6 +110,12 @@ def _compile(fn, args, kwargs):
 
 
 def main() -> int:
+    return run(_launchers)
+
+
+def run(launchers: Callable[[], dict]) -> int:
+    """Compiles every kernel each of `launchers()` launches, one JSON line per kernel (also
+    `ssm_compile_check`'s, over the recurrent layers' launchers)."""
     os.environ.pop("TRITON_INTERPRET", None)
     try:  # private API, free to move between releases
         from triton._C.libtriton import native_specialize_impl  # noqa: F401
@@ -116,7 +123,7 @@ def main() -> int:
     except ImportError as e:
         print(json.dumps({"skip": f"this triton cannot compile ahead of time: {e}"}))
         return 0
-    for name, launch in _launchers().items():
+    for name, launch in launchers().items():
         for fn, args, kwargs in _capture(launch):
             entry = {"launcher": name, "kernel": fn.__name__}
             try:

@@ -4,13 +4,11 @@ prints one JSON object per kernel."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
 
-from tests.kernels.compile_check import _capture, _compile
+from tests.kernels.compile_check import run
 
 
 def _launchers() -> dict:
@@ -63,24 +61,7 @@ def _launchers() -> dict:
 
 
 def main() -> int:
-    os.environ.pop("TRITON_INTERPRET", None)
-    try:  # private API, free to move between releases
-        from triton._C.libtriton import native_specialize_impl  # noqa: F401
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        print(json.dumps({"skip": f"this triton cannot compile ahead of time: {e}"}))
-        return 0
-    for name, launch in _launchers().items():
-        for fn, args, kwargs in _capture(launch):
-            entry = {"launcher": name, "kernel": fn.__name__}
-            try:
-                compiled = _compile(fn, args, dict(kwargs))
-                entry |= {"cubin_bytes": len(compiled.asm["cubin"])}
-                entry |= {"shared": compiled.metadata.shared}
-            except Exception as e:  # reported, so the test names the kernel that failed
-                entry["error"] = f"{type(e).__name__}: {e}"
-            print(json.dumps(entry), flush=True)
-    return 0
+    return run(_launchers)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def test_prefill_reference_matches_dense(group: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 7]])
-def test_torch_ops_paged_attention_matches_dense(q_lens: list[int]) -> None:
+def test_cpu_ops_paged_attention_matches_dense(q_lens: list[int]) -> None:
     batch = make_paged_batch(
         q_lens, [3, 33, 20], q_heads=6, kv_heads=2, head_dim=32, block_size=16, seed=3
     )
@@ -77,7 +77,7 @@ def test_torch_ops_paged_attention_matches_dense(q_lens: list[int]) -> None:
     torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
 
 
-def test_torch_ops_matches_dense_in_bfloat16() -> None:
+def test_cpu_ops_matches_dense_in_bfloat16() -> None:
     batch = make_paged_batch(
         [4, 1], [10, 30], q_heads=6, kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16
     )
@@ -135,7 +135,7 @@ def test_padded_prefill_declines_rows_of_very_different_lengths() -> None:
     torch.testing.assert_close(whole.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
 
 
-def test_torch_ops_decode_follows_tables_rewritten_in_place() -> None:
+def test_cpu_ops_decode_follows_tables_rewritten_in_place() -> None:
     # One CpuOps serves layer after layer and step after step: what it derives from the
     # block tables must follow their contents, even when a caller rewrites the same tensors.
     shape = dict(q_heads=6, kv_heads=2, head_dim=32, block_size=16)

@@ -82,9 +82,9 @@ def test_silu_mul_matches_float64(ops, rows):
     torch.testing.assert_close(ops.silu_mul(gate_up).double(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkeypatch):
-    torch_ops = CpuOps(native_dir=tmp_path)
-    if torch_ops.decode_ops is None:
+def test_cpu_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkeypatch):
+    cpu_ops = CpuOps(native_dir=tmp_path)
+    if cpu_ops.decode_ops is None:
         pytest.skip("no C compiler here")
     torch_path: list[str] = []
 
@@ -104,14 +104,14 @@ def test_torch_ops_take_the_native_path_for_any_rows_of_float32(tmp_path, monkey
         torch_path.clear()
         x, residual = torch.randn(2, rows, 64, generator=g, dtype=dtype)
         ref_residual = residual.clone()
-        got, got_residual = torch_ops.fused_add_rms_norm(x, residual, weight.to(dtype), EPS)
+        got, got_residual = cpu_ops.fused_add_rms_norm(x, residual, weight.to(dtype), EPS)
         want, want_residual = fused_add_rms_norm_ref(x, ref_residual, weight.to(dtype), EPS)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert got_residual is residual and torch.equal(residual, want_residual)
         k, v = torch.randn(2, rows, 2, 32, generator=g, dtype=dtype)
         slots = torch.randperm(caches[0].shape[0] * 16, generator=g)[:rows]
         caches = [c.to(dtype) for c in caches]
-        torch_ops.store_kv(k, v, caches[0], caches[1], slots)
+        cpu_ops.store_kv(k, v, caches[0], caches[1], slots)
         store_kv_ref(k, v, caches[2], caches[3], slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
         native = dtype == torch.float32

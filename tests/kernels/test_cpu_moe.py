@@ -102,7 +102,7 @@ def test_bfloat16_is_close_to_reference(t: int, path: str) -> None:
     assert rel_error(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights)) < 2e-2
 
 
-def test_torch_ops_uses_the_cpu_experts() -> None:
+def test_cpu_ops_uses_the_cpu_experts() -> None:
     ops = CpuOps()
     assert isinstance(ops.fused_experts, CpuExperts)
     assert ops.fused_experts.matvec is ops._linear.matvec  # the projections' few-row kernels

@@ -42,7 +42,7 @@ def test_mixed_batch_matches_dense_attention(native, head_dim, group, block_size
     torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
 
 
-def test_torch_ops_decode_takes_the_native_path_and_agrees_with_the_gather(native) -> None:
+def test_cpu_ops_decode_takes_the_native_path_and_agrees_with_the_gather(native) -> None:
     batch = make_paged_batch(
         [1] * 6, [1, 17, 33, 5, 80, 16], q_heads=9, kv_heads=3, head_dim=64, block_size=16
     )
@@ -57,7 +57,7 @@ def test_torch_ops_decode_takes_the_native_path_and_agrees_with_the_gather(nativ
     torch.testing.assert_close(wide[:, :, :64], fast)
 
 
-def test_torch_ops_mixed_batches_take_the_native_path(native, monkeypatch) -> None:
+def test_cpu_ops_mixed_batches_take_the_native_path(native, monkeypatch) -> None:
     def no_gather(*args, **kwargs):
         raise AssertionError("a float32 cache's prefill rows went through the gather")
 

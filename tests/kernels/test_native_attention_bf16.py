@@ -154,9 +154,9 @@ def test_kv_store_rounds_to_bf16_as_torch_does(ops, tokens):
         ops.store_kv(k, v, got[0], got[1], torch.full((tokens,), 4 * 16))
 
 
-def test_torch_ops_store_into_a_bf16_cache_natively(ops, tmp_path, monkeypatch):
-    torch_ops = CpuOps(native_dir=tmp_path)
-    assert torch_ops.decode_ops is not None
+def test_cpu_ops_store_into_a_bf16_cache_natively(ops, tmp_path, monkeypatch):
+    cpu_ops = CpuOps(native_dir=tmp_path)
+    assert cpu_ops.decode_ops is not None
 
     def counted(*a, **kw):
         raise AssertionError("the torch store ran for a bfloat16 cache")
@@ -164,6 +164,6 @@ def test_torch_ops_store_into_a_bf16_cache_natively(ops, tmp_path, monkeypatch):
     monkeypatch.setattr("spillway.kernels.cpu.ops.store_kv_ref", counted)
     k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     cache_k, cache_v = (torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16) for _ in range(2))
-    torch_ops.store_kv(k, v, cache_k, cache_v, torch.tensor([0, 3, 9, 15, 2]))
+    cpu_ops.store_kv(k, v, cache_k, cache_v, torch.tensor([0, 3, 9, 15, 2]))
     assert torch.equal(cache_k.view(16, 2, 16)[[0, 3, 9, 15, 2]], k.to(torch.bfloat16))
     assert torch.equal(cache_v.view(16, 2, 16)[[0, 3, 9, 15, 2]], v.to(torch.bfloat16))

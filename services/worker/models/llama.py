@@ -246,9 +246,12 @@ class LlamaModel:
     def _decode_layers(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every layer of a decode step in one call where the backend has that path."""
+        """Every layer of a decode step in one call where the backend has that path (the
+        CPU backend's native one)."""
+        if self.cpu_ops is None:
+            return None
         layers = cast(list[LayerTensors], self.weights.layers)  # all plain: see self.plain
-        return self.ops.decode_layers(
+        return self.cpu_ops.decode_layers(
             x, layers, kv_cache.k, kv_cache.v, batch.positions,
             batch.slot_mapping, batch.block_tables, batch.context_lens, self.cos, self.sin,
             self.geometry,

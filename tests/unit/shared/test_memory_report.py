@@ -13,11 +13,9 @@ import pytest
 from spillway.shared.malloc_heap import HeapFigures
 from spillway.shared.memory_report import (
     MemoryFigures,
-    container_sizes,
-    count_types,
+    census,
     describe,
     describe_types,
-    grown_containers,
     growth_sites,
     holders,
     report_memory,
@@ -85,12 +83,12 @@ class _Keeper:
 
 
 def test_the_type_that_grew_and_its_holder_are_named() -> None:
-    first = count_types(gc.get_objects())
+    first = census(gc.get_objects()).types
     keeper = _Keeper()
     for i in range(500):
         keeper.kept[f"request-{i}"] = _Message()
     objects = gc.get_objects()
-    growth = type_growth(count_types(objects), first)
+    growth = type_growth(census(objects).types, first)
     name = f"{__name__}._Message"
     assert (name, 500) in growth, growth
     assert describe_types(growth).startswith("memory grew by type: ")
@@ -105,13 +103,13 @@ def test_a_container_that_grew_is_named_with_its_holder() -> None:
     keeper = _Keeper()
     keeper.kept.update({f"request-{i}": _Message() for i in range(100)})
     objects = gc.get_objects()
-    before = container_sizes(objects)
+    before = census(objects).sizes
     del objects
     for i in range(100, 400):  # strings alone: objects the collector does not track
         keeper.kept[f"request-{i}"] = f"gateway-{i}"  # type: ignore[assignment]
     passing = {f"r{i}": i for i in range(1000)}  # new since: one request's, not a leak
     objects = gc.get_objects()
-    grown = grown_containers(objects, before)
+    grown = census(objects, before).grown
     del objects
     assert grown and grown[0][:2] == (300, 400), grown
     assert grown[0][2] is keeper.kept

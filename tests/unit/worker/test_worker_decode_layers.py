@@ -279,7 +279,7 @@ def test_a_bad_position_or_slot_raises_as_the_layer_loop_does(weights, position,
     c = CONFIG
     geometry = Geometry(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
     with pytest.raises(IndexError, match=match), torch.inference_mode():
-        model.ops.decode_layers(
+        model.cpu_ops.decode_layers(
             x, weights.layers, cache.k, cache.v, torch.tensor([position]), torch.tensor([slot]),
             torch.zeros(1, 2, dtype=torch.int32), torch.tensor([position + 1], dtype=torch.int32),
             model.cos, model.sin, geometry,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import ssm_reference
+from spillway.kernels.cpu import ssm as cpu_ssm
 from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.layers import delta_scan, gated_delta
 from spillway.services.worker.layers.gated_delta import (
@@ -111,12 +111,12 @@ def test_chunked_prefill_and_decode_equal_transformers(qwen3_next) -> None:
 def test_contiguous_and_scattered_slots_agree_and_take_their_paths(qwen3_next) -> None:
     config, layer = qwen3_next
     seqs = _sequences(config)
-    ssm_reference.PATHS.clear()
+    cpu_ssm.PATHS.clear()
     contiguous, _ = _run(config, layer, seqs, [2, 3, 4])
-    assert ssm_reference.PATHS["view"] >= 2 * DECODE_STEPS
-    ssm_reference.PATHS.clear()
+    assert cpu_ssm.PATHS["view"] >= 2 * DECODE_STEPS
+    cpu_ssm.PATHS.clear()
     scattered, _ = _run(config, layer, seqs, [6, 0, 3])
-    assert ssm_reference.PATHS["view"] == 0 and ssm_reference.PATHS["gather"] > 0
+    assert cpu_ssm.PATHS["view"] == 0 and cpu_ssm.PATHS["gather"] > 0
     for a, b in zip(contiguous, scattered, strict=True):
         torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels import ssm_reference
+from spillway.kernels.cpu import ssm as cpu_ssm
 from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
@@ -121,12 +121,12 @@ def test_full_prompt_logits_within_1e4(hybrid) -> None:
 
 def test_scattered_slots_and_reused_slots_give_the_same_tokens(hybrid) -> None:
     model, _ = hybrid
-    ssm_reference.PATHS.clear()
+    cpu_ssm.PATHS.clear()
     contiguous, pool = _generate(model, [2, 3, 4])
-    assert ssm_reference.PATHS["view"] > 0
-    ssm_reference.PATHS.clear()
+    assert cpu_ssm.PATHS["view"] > 0
+    cpu_ssm.PATHS.clear()
     scattered, _ = _generate(model, [6, 0, 3])
-    assert ssm_reference.PATHS["view"] == 0 and ssm_reference.PATHS["gather"] > 0
+    assert cpu_ssm.PATHS["view"] == 0 and cpu_ssm.PATHS["gather"] > 0
     assert scattered == contiguous
     # The same slots again, their states left from the first run: zeroed for new sequences.
     assert pool.ssm[0] is not None and pool.ssm[0][2:5].abs().max() > 0

@@ -109,6 +109,13 @@ def test_mtp_layer_over_the_paged_cache_equals_transformers(mtp_dir):
     )
     assert weights.mtp is not None
     model = LlamaModel(config, weights, CpuOps(native=None))
+    assert_mtp_matches(model, weights.mtp, config, hidden, expected)
+
+
+def assert_mtp_matches(model, mtp, config, hidden: torch.Tensor, expected: torch.Tensor) -> None:
+    """The MTP layer over the paged cache, a chunk of the prompt and then one position a
+    step, gives transformers' logits (`expected`) at every position (also the Qwen3-Next
+    MTP test's check)."""
     num_blocks = (len(PROMPT) + BLOCK - 1) // BLOCK
     cache = MtpCache(KVCache(config, num_blocks, BLOCK, torch.float32, torch.device("cpu")))
     next_tokens = torch.tensor(PROMPT[1:])
@@ -116,14 +123,14 @@ def test_mtp_layer_over_the_paged_cache_equals_transformers(mtp_dir):
     got = []
     with torch.inference_mode():
         logits, out = mtp_forward(
-            model, weights.mtp, hidden[:chunk], next_tokens[:chunk], _batch(0, chunk, num_blocks),
+            model, mtp, hidden[:chunk], next_tokens[:chunk], _batch(0, chunk, num_blocks),
             cache,
         )  # fmt: skip
         assert out.shape == (chunk, config.hidden_size)
         got.append(logits)
         for p in range(chunk, t):  # then one position a step, reading the cached ones
             logits, _ = mtp_forward(
-                model, weights.mtp, hidden[p : p + 1], next_tokens[p : p + 1],
+                model, mtp, hidden[p : p + 1], next_tokens[p : p + 1],
                 _batch(p, p + 1, num_blocks), cache,
             )  # fmt: skip
             got.append(logits)

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from spillway.kernels.cpu.ops import CpuOps
-from spillway.services.worker.kv_cache import KVCache
 from spillway.services.worker.models.registry import load_hybrid_model, load_model_config
-from spillway.services.worker.mtp import MtpCache, mtp_forward
 from spillway.shared.model_files import resolve_model
-from tests.unit.worker.test_worker_mtp import BLOCK, PROMPT, _batch
+from tests.unit.worker.test_worker_mtp import PROMPT, assert_mtp_matches
 from tests.unit.worker.tiny_families import load_reference
 from tests.unit.worker.tiny_mtp import save_tiny_qwen3_next_mtp
 
@@ -90,27 +88,4 @@ def test_the_mtp_module_over_the_paged_cache_equals_transformers(mtp_dir):
     config = load_model_config(resolve_model(str(mtp_dir)))
     model = load_hybrid_model(mtp_dir, config, CpuOps(native=None), mtp=True)
     assert model.mtp is not None
-    num_blocks = (len(PROMPT) + BLOCK - 1) // BLOCK
-    cache = MtpCache(KVCache(config, num_blocks, BLOCK, torch.float32, torch.device("cpu")))
-    next_tokens = torch.tensor(PROMPT[1:])
-    t, chunk = len(PROMPT) - 1, 9
-    got = []
-    with torch.inference_mode():
-        logits, _ = mtp_forward(
-            model, model.mtp, hidden[:chunk], next_tokens[:chunk], _batch(0, chunk, num_blocks),
-            cache,
-        )  # fmt: skip
-        got.append(logits)
-        for p in range(chunk, t):  # then one position a step, reading the cached ones
-            logits, _ = mtp_forward(
-                model, model.mtp, hidden[p : p + 1], next_tokens[p : p + 1],
-                _batch(p, p + 1, num_blocks), cache,
-            )  # fmt: skip
-            got.append(logits)
-    got_all = torch.cat(got)
-    assert got_all.shape == expected.shape
-    torch.testing.assert_close(got_all, expected, atol=2e-4, rtol=1e-4)
-    # The predictions are clear-cut and differ from position to position: not a trivial match.
-    top2 = expected.topk(2).values
-    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
-    assert len(set(expected.argmax(-1).tolist())) > 3
+    assert_mtp_matches(model, model.mtp, config, hidden, expected)

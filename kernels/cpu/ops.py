@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels import ssm_reference
-from spillway.kernels.cpu import argmax, decode_ops, matmul_q8, matvec, noise
+from spillway.kernels.cpu import argmax, chunk_scan, decode_ops, matmul_q8, matvec, noise
 from spillway.kernels.cpu.argmax import NativeArgmax
+from spillway.kernels.cpu.chunk_scan import ChunkScans
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors
 from spillway.kernels.cpu.decode_layers import load as load_decode_layers
 from spillway.kernels.cpu.experts import CpuExperts
@@ -58,6 +59,8 @@ class CpuAbilities(Protocol):
     # uniforms, the same values as torch's: native, None where they are not built.
     argmax: NativeArgmax | None
     uniforms: NativeUniforms | None
+    # The recurrent layers' prefill scans and their conv (`chunk_scan`), None where not built.
+    scans: ChunkScans | None
 
     def use_source_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
         """Float32 weights whose exact values the model file's blocks hold: few-row steps
@@ -192,6 +195,8 @@ class CpuOps(CpuAbilities):
         self.argmax = argmax.load(native_dir) if native == "auto" else None
         # The race's uniforms over CPU logits, the same values as torch's (`noise`).
         self.uniforms = noise.load(native_dir) if native == "auto" else None
+        # Hybrid prefill: the recurrent layers' chunked scans and their conv (`chunk_scan`).
+        self.scans = chunk_scan.load(native_dir) if native == "auto" else None
 
     @property
     def int8_rows_path(self) -> str | None:

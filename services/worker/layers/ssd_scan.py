@@ -17,7 +17,7 @@ with no per-row loop: the only host values are the rows' lengths, known at plann
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ class ChunkLayout:
     valid: torch.Tensor  # [R, K * Q] bool
     lens: list[int]  # tokens per row
     chunk: int
+    starts: list[int] = field(default_factory=list)  # each row's first token (flat)
 
     @property
     def num_chunks(self) -> int:
@@ -50,17 +51,31 @@ class ChunkLayout:
         length = torch.tensor(list(lens), dtype=torch.int64, device=device)[:, None]
         valid = offsets[None, :] < length
         index = torch.where(valid, start + offsets[None, :], total)
-        return ChunkLayout(index, valid, list(lens), chunk)
+        return ChunkLayout(index, valid, list(lens), chunk, list(starts))
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """flat [T, ...] -> [R, K, Q, ...], zeros at padding."""
+        rows, width = self.index.shape
+        shape = (rows, self.num_chunks, self.chunk, *flat.shape[1:])
+        if flat.is_cpu and self.starts:
+            # On the CPU a copy per row (its tokens are one contiguous run) beats indexing:
+            # no [T + 1, ...] padded copy first, no index read per token.
+            out = flat.new_empty(rows, width, *flat.shape[1:])
+            for r, (s, n) in enumerate(zip(self.starts, self.lens, strict=True)):
+                out[r, :n] = flat[s : s + n]
+                out[r, n:] = 0
+            return out.view(shape)
         padded = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        out = padded[self.index]
-        return out.view(self.index.shape[0], self.num_chunks, self.chunk, *flat.shape[1:])
+        return padded[self.index].view(shape)
 
     def scatter(self, chunked: torch.Tensor, out: torch.Tensor) -> None:
         """Writes the real tokens of [R, K, Q, ...] into out [T, ...] at their places."""
-        flat = chunked.reshape(-1, *chunked.shape[3:])
+        flat = chunked.reshape(chunked.shape[0], -1, *chunked.shape[3:])
+        if out.is_cpu and self.starts:
+            for r, (s, n) in enumerate(zip(self.starts, self.lens, strict=True)):
+                out[s : s + n] = flat[r, :n]
+            return
+        flat = flat.flatten(0, 1)
         keep = self.valid.reshape(-1)
         out[self.index.reshape(-1)[keep]] = flat[keep].to(out.dtype)
 

@@ -11,8 +11,9 @@ attention layer, attention at layers 3 and 7; 32 experts, top 4; float32), then 
 LxR (R prompts of L tokens) and round: the runner's prefill step (every row in one step,
 as `bench.hybrid` builds its runner, states from zero) and transformers' forward of the
 [R, L] batch with `use_cache=True` and `logits_to_keep=1`, as `generate` runs its
-prefill. One untimed pass of each goes first; rounds alternate which runs first. Prints each side's median ms, the ratio, the
-largest difference of the last logits, and asserts the greedy next tokens are equal.
+prefill. One untimed pass of each goes first; rounds alternate which runs first. Prints
+each side's median ms, the ratio, the largest difference of the last logits, and asserts
+the greedy next tokens are equal.
 
 `--profile` adds, from one more untimed pass of each side, the time per layer kind
 (recurrent mixer, attention, MoE / MLP, the rest); `--ops` the top torch.profiler ops.

@@ -101,9 +101,11 @@ def test_delta_kernel_equals_the_torch_form(scans, lens, chunk, hk, hv, dk, dv, 
     torch.testing.assert_close(unkept.o, got.o, atol=0, rtol=0)
 
 
+CONVS = [((7, 2, 12), 4, 10, 4), ((1, 33), 16, 37, 3)]  # lens, chunk, channels, width
+
+
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize(("lens", "chunk", "channels", "width"), [((7, 2, 12), 4, 10, 4),
-                                                                  ((1, 33), 16, 37, 3)])  # fmt: skip
+@pytest.mark.parametrize(("lens", "chunk", "channels", "width"), CONVS)
 def test_conv_kernel_equals_the_torch_conv(scans, lens, chunk, channels, width, bias) -> None:
     gen = torch.Generator().manual_seed(channels + width)
     layout = _layout(lens, chunk)

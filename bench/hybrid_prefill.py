@@ -4,7 +4,7 @@ the same run.
 
     python -m bench.hybrid_prefill [--family granitemoehybrid|qwen3_next|both]
                                    [--prompts 4096x1 128x16] [--rounds 3] [--threads N]
-                                   [--profile] [--ops]
+                                   [--torch-scans] [--profile] [--ops N]
 
 Saves a random model of the family (hidden 512, 8 layers: three recurrent layers to one
 attention layer, attention at layers 3 and 7; 32 experts, top 4; float32), then per shape
@@ -15,6 +15,8 @@ prefill. One untimed pass of each goes first; rounds alternate which runs first.
 each side's median ms, the ratio, the largest difference of the last logits, and asserts
 the greedy next tokens are equal.
 
+`--torch-scans` also times the runner with the recurrent layers' torch forms (the native
+prefill kernels of `kernels.cpu.chunk_scan` off: the path before them), in the same rounds.
 `--profile` adds, from one more untimed pass of each side, the time per layer kind
 (recurrent mixer, attention, MoE / MLP, the rest); `--ops` the top torch.profiler ops.
 Float32 on the CPU; the machines are shared and noisy: read the ratios within one run.
@@ -209,30 +211,44 @@ def bench_family(family: str, args: argparse.Namespace) -> None:
     print(f"{family}: hidden {SHAPES['hidden_size']}, {SHAPES['num_hidden_layers']} layers"
           f" ({'/'.join(t[:4] for t in FAMILY[family]['layer_types'])}), 32 experts top 4,"
           f" float32 CPU, {torch.get_num_threads()} threads, median of {args.rounds}")  # fmt: skip
-    print("| prompts | spillway ms | transformers ms | ratio | max abs diff (last logits) |")
-    print("| --- | --- | --- | --- | --- |")
+    ops = runner.model.ops
+    scans = getattr(ops, "scans", None)
+    if args.torch_scans and scans is None:
+        raise SystemExit("--torch-scans: the native prefill kernels are not in use here")
+    torch_col = " torch scans ms | ratio |" if args.torch_scans else ""
+    print(f"| prompts | spillway ms | transformers ms | ratio |{torch_col}"
+          " max abs diff (last logits) |")  # fmt: skip
+    print("| --- " * (6 if args.torch_scans else 4) + "| --- |")
     rng = random.Random(0)
     for length, rows in shapes:
         prompts = [[rng.randrange(3, SHAPES["vocab_size"]) for _ in range(length)]
                    for _ in range(rows)]  # fmt: skip
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        sides = ["ours", "theirs", *(["torch"] if args.torch_scans else [])]
+        times: dict[str, list[float]] = {side: [] for side in sides}
         outs: dict[str, tuple[torch.Tensor, list[int]]] = {}
         # One untimed pass each first: one-time costs (packing weights for many-row
         # products, allocator growth) are not what a served prefill pays.
         runner_prefill(runner, prompts)
         hf_prefill(reference, prompts)
         for r in range(args.rounds):
-            for which in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
+            for which in sides if r % 2 == 0 else sides[::-1]:
+                ops.scans = None if which == "torch" else scans  # type: ignore[attr-defined]
                 start = time.perf_counter()
-                if which == "ours":
-                    outs[which] = runner_prefill(runner, prompts)
-                else:
+                if which == "theirs":
                     outs[which] = hf_prefill(reference, prompts)
+                else:
+                    outs[which] = runner_prefill(runner, prompts)
                 times[which].append(time.perf_counter() - start)
-        ours, theirs = statistics.median(times["ours"]), statistics.median(times["theirs"])
+                ops.scans = scans  # type: ignore[attr-defined]
+        ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
         diff = (outs["ours"][0] - outs["theirs"][0]).abs().max().item()
-        print(f"| {rows} x {length} | {ours * 1e3:.0f} | {theirs * 1e3:.0f} |"
-              f" {theirs / ours:.2f}x | {diff:.1e} |")  # fmt: skip
+        torch_cells = (
+            f" {ms['torch']:.0f} | {ms['theirs'] / ms['torch']:.2f}x |" if args.torch_scans else ""
+        )
+        print(f"| {rows} x {length} | {ms['ours']:.0f} | {ms['theirs']:.0f} |"
+              f" {ms['theirs'] / ms['ours']:.2f}x |{torch_cells} {diff:.1e} |")  # fmt: skip
+        for side in sides[2:]:
+            assert outs[side][1] == outs["theirs"][1], (side, outs[side][1], outs["theirs"][1])
         assert outs["ours"][1] == outs["theirs"][1], (outs["ours"][1], outs["theirs"][1])
         if args.profile:
             with our_timers(runner) as timers:
@@ -254,6 +270,11 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", default=["4096x1"], help="LxR: R prompts of L")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, help="math threads (default: every core)")
+    parser.add_argument(
+        "--torch-scans",
+        action="store_true",
+        help="also time the runner with the recurrent layers' torch forms",
+    )
     parser.add_argument("--profile", action="store_true", help="time per layer kind")
     parser.add_argument("--ops", type=int, default=0, help="top N torch.profiler ops")
     args = parser.parse_args()

@@ -247,6 +247,9 @@ def bench_family(family: str, args: argparse.Namespace) -> None:
         )
         print(f"| {rows} x {length} | {ms['ours']:.0f} | {ms['theirs']:.0f} |"
               f" {ms['theirs'] / ms['ours']:.2f}x |{torch_cells} {diff:.1e} |")  # fmt: skip
+        if args.verbose:
+            for side, t in times.items():
+                print(f"  {side} rounds: {' '.join(f'{x * 1e3:.0f}' for x in t)} ms")
         for side in sides[2:]:
             assert outs[side][1] == outs["theirs"][1], (side, outs[side][1], outs["theirs"][1])
         assert outs["ours"][1] == outs["theirs"][1], (outs["ours"][1], outs["theirs"][1])
@@ -276,6 +279,7 @@ def main() -> None:
         help="also time the runner with the recurrent layers' torch forms",
     )
     parser.add_argument("--profile", action="store_true", help="time per layer kind")
+    parser.add_argument("--verbose", action="store_true", help="every round's time")
     parser.add_argument("--ops", type=int, default=0, help="top N torch.profiler ops")
     args = parser.parse_args()
     for family in sorted(FAMILY) if args.family == "both" else [args.family]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spillway.kernels.cpu import ops as cpu_ops
 from spillway.kernels.cpu.ops import CpuOps, LastDerived
 from spillway.kernels.decode_attention import paged_decode_attention_ref
 from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
@@ -167,3 +168,30 @@ def test_last_derived_rebuilds_only_when_its_inputs_change() -> None:
     assert memo.get((table,), (cache.clone(), 16), derive) == 3  # another cache object
     assert memo.get((table,), (cache, 32), derive) == 4  # another block size
     assert memo.get((table[:1],), (cache, 32), derive) == 5  # another shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_fresh_prompts_take_flash_attention_and_match_dense(monkeypatch, dtype) -> None:
+    """Rows that are whole prompts from position 0, the longest FLASH_FROM tokens or more
+    (here lowered to 8), run torch's flash attention on each row's keys read from its
+    blocks; with a cached prefix in any row the native kernel runs instead."""
+    monkeypatch.setattr(cpu_ops, "FLASH_FROM", 8)
+    ops = CpuOps()
+    native_rows: list[int] = []
+    native = ops._native_attention
+    monkeypatch.setattr(
+        ops, "_native_attention", lambda q, *a: native_rows.append(q.shape[0]) or native(q, *a)
+    )
+    for q_lens, ctx, flash in (([9, 20, 3], [9, 20, 3], True), ([9, 20], [9, 25], False)):
+        batch = make_paged_batch(
+            q_lens, ctx, q_heads=6, kv_heads=2, head_dim=32, block_size=4, dtype=dtype, seed=5
+        )
+        native_rows.clear()
+        out = ops.paged_attention(
+            batch.q.float(), batch.k_cache, batch.v_cache, batch.block_tables,
+            batch.context_lens, batch.query_start, SCALE,
+        )  # fmt: skip
+        assert (native_rows == []) == flash
+        ref = dense_attention(batch, SCALE)
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from spillway.kernels.cpu.chunk_scan import ChunkScans, fits
+
 
 @dataclass
 class DeltaScanResult:
     o: torch.Tensor  # [R, K, Q, Hv, Dv] float32
     u: torch.Tensor  # [R, K, Q, Hv, Dv]: each token's new value
-    h_in: torch.Tensor  # [R, K, Hv, Dk, Dv]: the state entering each chunk
+    h_in: torch.Tensor | None  # [R, K, Hv, Dk, Dv]: the state entering each chunk, if kept
     h_end: torch.Tensor  # [R, Hv, Dk, Dv]: the state after each row's last token
     g: torch.Tensor  # [R, K, Q, Hv]: log decays, zero at padding
     k: torch.Tensor  # [R, K, Q, Hk, Dk]: the keys as given (before the L2 norm)
@@ -38,6 +40,7 @@ class DeltaScanResult:
 
     def state_at(self, row: int, token: int, chunk: int) -> torch.Tensor:
         """[Hv, Dk, Dv]: row's state once its token `token` ran."""
+        assert self.h_in is not None, "the scan ran without keeping the chunks' states"
         i, j = divmod(token, chunk)
         cum = self.g[row, i, : j + 1].cumsum(0)  # [j + 1, Hv]
         upto = (cum[-1][None, :] - cum).exp()  # decay from each token to token j
@@ -116,14 +119,48 @@ def chunk_delta_scan(
     h0: torch.Tensor,
     scale: float | None = None,
     l2norm: bool = True,
+    scans: ChunkScans | None = None,
+    keep_states: bool = True,
 ) -> DeltaScanResult:
-    """`delta_scan`'s result from the Triton kernel on CUDA, from `delta_scan` elsewhere."""
+    """`delta_scan`'s result from the Triton kernel on CUDA, from the native CPU kernel
+    (`kernels.cpu.chunk_scan`) where `scans` is given and fits, from `delta_scan`
+    elsewhere. Without `keep_states` the native kernel keeps no chunk's entering state
+    (h_in: None), so `state_at` cannot be asked."""
     if not use_kernel(q):
-        return delta_scan(q, k, v, g, beta, h0, scale, l2norm)
+        if scans is None or not fits(q, k, v, g, beta, h0):
+            return delta_scan(q, k, v, g, beta, h0, scale, l2norm)
+        return _native_delta_scan(scans, q, k, v, g, beta, h0, scale, l2norm, keep_states)
     from spillway.kernels.gated_delta_chunk import gated_delta_chunk_scan
 
     o, u, h_in, h_end = gated_delta_chunk_scan(
         q, k, v, g, beta, h0, scale=scale, use_qk_l2norm=l2norm
+    )
+    return DeltaScanResult(o, u, h_in, h_end, g, k, l2norm)
+
+
+def _native_delta_scan(
+    scans: ChunkScans,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor,
+    scale: float | None,
+    l2norm: bool,
+    keep_states: bool,
+) -> DeltaScanResult:
+    """The native kernel, the per-key-head [Q, Q] products (k.k, q.k) and the running sums
+    of the log decays computed here, once for all value heads of a key head."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qn = (_l2(q) if l2norm else q.to(torch.float32)) * scale  # [R, K, Q, Hk, Dk]
+    kn = _l2(k) if l2norm else k.to(torch.float32)
+    kh = kn.permute(0, 1, 3, 2, 4)  # [R, K, Hk, Q, Dk]
+    kt = kh.transpose(-1, -2)
+    kk, qk = kh @ kt, qn.permute(0, 1, 3, 2, 4) @ kt  # [R, K, Hk, Q, Q]
+    cum = g.to(torch.float32).cumsum(2)  # [R, K, Q, Hv]
+    o, u, h_in, h_end = scans.delta(
+        qn, kn, v.to(torch.float32), cum, beta.to(torch.float32), kk, qk, h0, keep_states
     )
     return DeltaScanResult(o, u, h_in, h_end, g, k, l2norm)
 

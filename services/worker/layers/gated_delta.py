@@ -24,16 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spillway.kernels.cpu.chunk_scan import ChunkScans
+from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.layers.delta_scan import chunk_delta_scan
 from spillway.services.worker.layers.mamba2 import ScanRows
-from spillway.services.worker.layers.ssd_scan import (
-    CHUNK,
-    ChunkLayout,
-    conv_windows,
-    end_states,
-    window_state,
-)
+from spillway.services.worker.layers.ssd_scan import CHUNK, ChunkLayout, conv_rows
 from spillway.services.worker.state_pool import take_step_snapshots
 from spillway.shared.model_config import HybridConfig
 
@@ -125,7 +121,8 @@ def gated_delta_mixer(
     scanned = scan.nonzero().flatten().tolist()
     if scanned:
         rows = ScanRows(scanned, starts, lens, slots, takes)
-        _scan_rows(c, w, mixed, g, beta, conv_state, state, rows, snapshots, out)
+        scans = ops.scans if isinstance(ops, CpuAbilities) else None
+        _scan_rows(c, w, mixed, g, beta, conv_state, state, rows, snapshots, out, scans)
     normed = _norm_then_gate(out.reshape(-1, dv), z.reshape(-1, dv), w.norm, eps)
     return ops.linear(normed.view(t, hv * dv), w.out_proj)
 
@@ -141,6 +138,7 @@ def _scan_rows(
     rows: ScanRows,
     snapshots: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor,  # [T, Hv, Dv]: the rows' outputs written here
+    scans: ChunkScans | None = None,  # the native CPU kernels
 ) -> None:
     """Every scanning row at once, in chunks of Q tokens (`ssd_scan.ChunkLayout`; padding
     has beta = 0 and g = 0, so it leaves the state as it is): the causal conv over each
@@ -151,25 +149,26 @@ def _scan_rows(
     f32 = torch.float32
     hk, hv, dk, dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     key_dim, _ = gated_delta_dims(c)
-    width = w.conv_weight.shape[1]
     slots = rows.slots
+    takes = rows.own_takes()
     layout = ChunkLayout.build(rows.starts, rows.lens, mixed.shape[0], mixed.device, CHUNK)
-    conv_out, windows = conv_windows(layout, mixed, conv_state[slots], w.conv_weight, None)
+    conv_out, inputs = conv_rows(layout, mixed, conv_state[slots], w.conv_weight, None, scans)
     cq, ck, cv = conv_out.split([key_dim, key_dim, hv * dv], dim=-1)  # [R, K, Q, ...]
     r, nk, q_len = conv_out.shape[:3]
     valid = layout.valid.view(r, nk, q_len)[..., None]
     scan = chunk_delta_scan(  # the Triton kernel on CUDA, the torch form elsewhere
         cq.reshape(r, nk, q_len, hk, dk), ck.reshape(r, nk, q_len, hk, dk),
         cv.reshape(r, nk, q_len, hv, dv), layout.gather(g.to(f32)) * valid,
-        layout.gather(beta.to(f32)) * valid, state[slots],
+        layout.gather(beta.to(f32)) * valid, state[slots], scans=scans,
+        keep_states=bool(takes),
     )  # fmt: skip
     layout.scatter(scan.o, out)
-    for row, at, snapshot in rows.own_takes():
+    for row, at, snapshot in takes:
         assert snapshots is not None
-        snapshots[0][snapshot].copy_(window_state(windows, row, at, width))
+        snapshots[0][snapshot].copy_(inputs.state_after(row, at))
         snapshots[1][snapshot].copy_(scan.state_at(row, at, layout.chunk))
     state[slots] = scan.h_end
-    conv_state[slots] = end_states(windows, rows.lens, width)
+    conv_state[slots] = inputs.end_states(rows.lens)
 
 
 def _norm_then_gate(

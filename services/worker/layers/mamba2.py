@@ -23,15 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spillway.kernels.cpu.chunk_scan import ChunkScans
+from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.layers.ssd_scan import (
-    CHUNK,
-    ChunkLayout,
-    chunk_scan,
-    conv_windows,
-    end_states,
-    window_state,
-)
+from spillway.services.worker.layers.ssd_scan import CHUNK, ChunkLayout, chunk_scan, conv_rows
 from spillway.services.worker.state_pool import take_step_snapshots
 from spillway.shared.model_config import HybridConfig
 
@@ -127,7 +122,8 @@ def mamba2_mixer(
     scanned = scan.nonzero().flatten().tolist()
     if scanned:
         rows = ScanRows(scanned, starts, lens, slots, takes)
-        _scan_rows(c, w, xbc, dt, conv_state, ssm_state, rows, snapshots, y)
+        scans = ops.scans if isinstance(ops, CpuAbilities) else None
+        _scan_rows(c, w, xbc, dt, conv_state, ssm_state, rows, snapshots, y, scans)
     return ops.linear(
         _gated_norm(y.reshape(-1, inner), z, w.norm, g, eps), w.out_proj, w.out_proj_bias
     )
@@ -172,18 +168,20 @@ def _scan_rows(
     rows: ScanRows,
     snapshots: tuple[torch.Tensor, torch.Tensor] | None,
     y: torch.Tensor,  # [T, H, P]: the rows' outputs written here
+    scans: ChunkScans | None = None,
 ) -> None:
-    """Every scanning row at once (`ssd_scan`): the causal conv over each slot's K - 1
-    inputs and the row's, then the chunked state space dual form, from the slots' states
-    to the states after each row's last token, which go back to the slots; each take
-    (row, j, snapshot) gets its row's states once token j ran."""
+    """Every scanning row at once (`ssd_scan`; `scans`: the native CPU kernels): the
+    causal conv over each slot's K - 1 inputs and the row's, then the chunked state space
+    dual form, from the slots' states to the states after each row's last token, which
+    go back to the slots; each take (row, j, snapshot) gets its row's states once token
+    j ran."""
     f32 = torch.float32
     inner, _ = mamba2_dims(c)
     heads, p, g, n = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state
-    width = w.conv_weight.shape[1]
     slots = rows.slots
+    takes = rows.own_takes()
     layout = ChunkLayout.build(rows.starts, rows.lens, xbc.shape[0], xbc.device, CHUNK)
-    conv_out, windows = conv_windows(layout, xbc, conv_state[slots], w.conv_weight, w.conv_bias)
+    conv_out, inputs = conv_rows(layout, xbc, conv_state[slots], w.conv_weight, w.conv_bias, scans)
     x, b, cm = conv_out.split([inner, g * n, g * n], dim=-1)  # [R, K, Q, ...]
     # Padding keeps dt = 0: it neither decays nor adds to the state.
     dtf = layout.gather(F.softplus(dt.to(f32) + w.dt_bias.to(f32)))  # [R, K, Q, H]
@@ -192,14 +190,15 @@ def _scan_rows(
     scan = chunk_scan(  # the Triton kernel on CUDA, the torch form elsewhere
         layout.chunk, x.reshape(*chunked, heads, p), dtf, w.A,
         b.reshape(*chunked, g, n), cm.reshape(*chunked, g, n), w.D, ssm_state[slots],
+        scans, keep_states=bool(takes),
     )  # fmt: skip
     layout.scatter(scan.y, y)
-    for i, at, snapshot in rows.own_takes():
+    for i, at, snapshot in takes:
         assert snapshots is not None
-        snapshots[0][snapshot].copy_(window_state(windows, i, at, width))
+        snapshots[0][snapshot].copy_(inputs.state_after(i, at))
         snapshots[1][snapshot].copy_(scan.state_at(i, at, layout.chunk))
     ssm_state[slots] = scan.h_end
-    conv_state[slots] = end_states(windows, rows.lens, width)
+    conv_state[slots] = inputs.end_states(rows.lens)
 
 
 def _gated_norm(

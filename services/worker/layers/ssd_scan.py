@@ -17,10 +17,12 @@ with no per-row loop: the only host values are the rows' lengths, known at plann
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from spillway.kernels.cpu.chunk_scan import ChunkScans, fits
 
 CHUNK = 64  # tokens per chunk: the [Q, Q] products' size against the K-step recurrence
 
@@ -33,6 +35,7 @@ class ChunkLayout:
     valid: torch.Tensor  # [R, K * Q] bool
     lens: list[int]  # tokens per row
     chunk: int
+    starts: list[int] = field(default_factory=list)  # each row's first token (flat)
 
     @property
     def num_chunks(self) -> int:
@@ -48,17 +51,31 @@ class ChunkLayout:
         length = torch.tensor(list(lens), dtype=torch.int64, device=device)[:, None]
         valid = offsets[None, :] < length
         index = torch.where(valid, start + offsets[None, :], total)
-        return ChunkLayout(index, valid, list(lens), chunk)
+        return ChunkLayout(index, valid, list(lens), chunk, list(starts))
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """flat [T, ...] -> [R, K, Q, ...], zeros at padding."""
+        rows, width = self.index.shape
+        shape = (rows, self.num_chunks, self.chunk, *flat.shape[1:])
+        if flat.is_cpu and self.starts:
+            # On the CPU a copy per row (its tokens are one contiguous run) beats indexing:
+            # no [T + 1, ...] padded copy first, no index read per token.
+            out = flat.new_empty(rows, width, *flat.shape[1:])
+            for r, (s, n) in enumerate(zip(self.starts, self.lens, strict=True)):
+                out[r, :n] = flat[s : s + n]
+                out[r, n:] = 0
+            return out.view(shape)
         padded = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        out = padded[self.index]
-        return out.view(self.index.shape[0], self.num_chunks, self.chunk, *flat.shape[1:])
+        return padded[self.index].view(shape)
 
     def scatter(self, chunked: torch.Tensor, out: torch.Tensor) -> None:
         """Writes the real tokens of [R, K, Q, ...] into out [T, ...] at their places."""
-        flat = chunked.reshape(-1, *chunked.shape[3:])
+        flat = chunked.reshape(chunked.shape[0], -1, *chunked.shape[3:])
+        if out.is_cpu and self.starts:
+            for r, (s, n) in enumerate(zip(self.starts, self.lens, strict=True)):
+                out[s : s + n] = flat[r, :n]
+            return
+        flat = flat.flatten(0, 1)
         keep = self.valid.reshape(-1)
         out[self.index.reshape(-1)[keep]] = flat[keep].to(out.dtype)
 
@@ -67,18 +84,21 @@ class ChunkLayout:
 class ScanResult:
     y: torch.Tensor  # [R, K, Q, H, P] float32
     cum: torch.Tensor  # [R, K, Q, H]: running dt A within each chunk
-    u: torch.Tensor  # [R, K, Q, H, P]: dt x
-    b: torch.Tensor  # [R, K, Q, H, N]
-    h_in: torch.Tensor  # [R, K, H, P, N]: the state entering each chunk
+    x: torch.Tensor  # [R, K, Q, H, P]: the inputs (after the conv)
+    dt: torch.Tensor  # [R, K, Q, H]
+    b: torch.Tensor  # [R, K, Q, G, N]
+    h_in: torch.Tensor | None  # [R, K, H, P, N]: the state entering each chunk, if kept
     h_end: torch.Tensor  # [R, H, P, N]: the state after each row's last token
 
     def state_at(self, row: int, token: int, chunk: int) -> torch.Tensor:
         """[H, P, N]: row's state once its token `token` ran."""
+        assert self.h_in is not None, "the scan ran without keeping the chunks' states"
         k, t = divmod(token, chunk)
         cum = self.cum[row, k]
         weights = (cum[t][None, :] - cum[: t + 1]).exp()  # [s, H]
-        added = torch.einsum("sh,shp,shn->hpn", weights, self.u[row, k, : t + 1],
-                             self.b[row, k, : t + 1])  # fmt: skip
+        u = self.dt[row, k, : t + 1, :, None] * self.x[row, k, : t + 1]  # [s, H, P]
+        bh = self.b[row, k, : t + 1].repeat_interleave(u.shape[1] // self.b.shape[3], dim=1)
+        added = torch.einsum("sh,shp,shn->hpn", weights, u, bh)
         return cum[t].exp()[:, None, None] * self.h_in[row, k] + added
 
 
@@ -119,39 +139,52 @@ def ssd_scan(
     ch = c.repeat_interleave(per, dim=3)
     y = y + cum.exp()[..., None] * torch.einsum("rkthn,rkhpn->rkthp", ch, h_in)
     y = y + x * d.to(torch.float32)[:, None]
-    return ScanResult(y, cum, u, bh, h_in, h)
+    return ScanResult(y, cum, x, dt, b, h_in, h)
 
 
-def conv_windows(
+@dataclass(frozen=True)
+class ConvInputs:
+    """What a step's causal conv read: each row's state before the step and its inputs,
+    from which the conv state after any of its tokens is cut."""
+
+    states: torch.Tensor  # [R, C, K - 1] float32: each row's last inputs before this step
+    rows: torch.Tensor  # [R, K Q, C] float32: the rows' inputs, token-major (padded)
+    width: int  # K
+
+    def state_after(self, row: int, token: int) -> torch.Tensor:
+        """[C, K - 1]: the conv state of `row` once its token `token` ran."""
+        keep = self.width - 1
+        recent = self.rows[row, max(0, token + 1 - keep) : token + 1].t()  # [C, <= K - 1]
+        window = torch.cat([self.states[row], recent], dim=1)
+        return window[:, window.shape[1] - keep :]
+
+    def end_states(self, lens: Sequence[int]) -> torch.Tensor:
+        """[R, C, K - 1]: each row's conv state after its last token."""
+        return torch.stack([self.state_after(r, n - 1) for r, n in enumerate(lens)])
+
+
+def conv_rows(
     layout: ChunkLayout,
     xbc: torch.Tensor,  # [T, C]
     conv: torch.Tensor,  # [R, C, K - 1] float32: each row's last inputs before this step
     weight: torch.Tensor,  # [C, K]
     bias: torch.Tensor | None,  # [C]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    scans: ChunkScans | None = None,
+) -> tuple[torch.Tensor, ConvInputs]:
     """The causal conv (with silu) over every row at once: (out [R, K, Q, C] float32, in
-    the rows' chunks; windows [R, C, K - 1 + L]: the inputs it read, from which the states
-    after any token are cut)."""
+    the rows' chunks; what it read). The native kernel (`scans`) where it fits, else torch."""
     f32 = torch.float32
     width = weight.shape[1]
     rows = layout.gather(xbc.to(f32))  # [R, K, Q, C]
-    windows = torch.cat([conv, rows.flatten(1, 2).transpose(1, 2)], dim=2)  # [R, C, K-1+L]
+    flat = rows.flatten(1, 2)  # [R, K Q, C]
+    inputs = ConvInputs(conv, flat, width)
+    if scans is not None and fits(flat, conv, weight) and (bias is None or fits(bias)):
+        return scans.conv_silu(flat, conv, weight, bias).view(rows.shape), inputs
+    windows = torch.cat([conv, flat.transpose(1, 2)], dim=2)  # [R, C, K - 1 + L]
     out = (windows.unfold(2, width, 1) * weight.to(f32)[None, :, None, :]).sum(-1)
     if bias is not None:
         out = out + bias.to(f32)[None, :, None]
-    return F.silu(out).transpose(1, 2).reshape(rows.shape), windows
-
-
-def window_state(windows: torch.Tensor, row: int, token: int, width: int) -> torch.Tensor:
-    """[C, K - 1]: the conv state of `row` once its token `token` ran."""
-    return windows[row, :, token + 1 : token + width]
-
-
-def end_states(windows: torch.Tensor, lens: Sequence[int], width: int) -> torch.Tensor:
-    """[R, C, K - 1]: each row's conv state after its last token."""
-    start = torch.tensor(list(lens), dtype=torch.int64, device=windows.device)
-    idx = start[:, None] + torch.arange(width - 1, device=windows.device)[None, :]
-    return windows.gather(2, idx[:, None, :].expand(-1, windows.shape[1], -1))
+    return F.silu(out).transpose(1, 2).reshape(rows.shape), inputs
 
 
 def use_kernel(t: torch.Tensor) -> bool:
@@ -172,16 +205,23 @@ def chunk_scan(
     c: torch.Tensor,
     d: torch.Tensor,
     h0: torch.Tensor,
+    scans: ChunkScans | None = None,
+    keep_states: bool = True,
 ) -> ScanResult:
     """`ssd_scan`'s result from the Triton kernel on CUDA (`kernels.ssd_chunk_scan`: one
-    launch, the state kept on chip across the chunks), from `ssd_scan` elsewhere."""
+    launch, the state kept on chip across the chunks), from the native CPU kernel
+    (`kernels.cpu.chunk_scan`) where `scans` is given and fits, from `ssd_scan` elsewhere.
+    Without `keep_states` the native kernel keeps no chunk's entering state (h_in: None),
+    so `state_at` cannot be asked."""
+    cum = (dt * a).cumsum(2)  # [R, K, Q, H]
     if not use_kernel(x):
-        return ssd_scan(chunk, x, dt, a, b, c, d, h0)
+        if scans is None or not fits(x, dt, a, b, c, h0):
+            return ssd_scan(chunk, x, dt, a, b, c, d, h0)
+        # C_t . B_s per group, for every head of the group: one batched product.
+        cb = c.permute(0, 1, 3, 2, 4) @ b.permute(0, 1, 3, 4, 2)  # [R, K, G, Q, Q]
+        y, h_in, h_end = scans.ssd(x, dt, cum, cb, b, c, d, h0, keep_states)
+        return ScanResult(y, cum, x, dt, b, h_in, h_end)
     from spillway.kernels.ssd_chunk_scan import ssd_chunk_scan
 
     y, h_in, h_end = ssd_chunk_scan(x, dt, a, b, c, d, h0)
-    # What `state_at` reads, for the snapshots: cheap elementwise terms, as ssd_scan has them.
-    cum = (dt * a).cumsum(2)
-    u = dt[..., None] * x
-    bh = b.repeat_interleave(x.shape[3] // b.shape[3], dim=3)
-    return ScanResult(y, cum, u, bh, h_in, h_end)
+    return ScanResult(y, cum, x, dt, b, h_in, h_end)

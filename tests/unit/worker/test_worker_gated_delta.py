@@ -65,9 +65,9 @@ def _step(ops, config, w, pool, rows: list[torch.Tensor], slots, fresh) -> torch
         )  # fmt: skip
 
 
-def _run(config, layer, seqs: list[torch.Tensor], slots: list[int], pool=None):
+def _run(config, layer, seqs: list[torch.Tensor], slots: list[int], pool=None, ops=None):
     """Prefill in two chunks, then decode one token at a time: every token's output."""
-    ops = CpuOps(native=None)
+    ops = ops or CpuOps(native=None)
     w = _weights(layer)
     pool = pool or _pool(config, 8)
     prompt = [s.shape[0] - DECODE_STEPS for s in seqs]
@@ -98,10 +98,13 @@ def _reference(layer, seq: torch.Tensor) -> torch.Tensor:
         return layer(seq[None])[0]
 
 
-def test_chunked_prefill_and_decode_equal_transformers(qwen3_next) -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_chunked_prefill_and_decode_equal_transformers(qwen3_next, native) -> None:
+    """The torch forms, and the native CPU scans and conv (`kernels.cpu.chunk_scan`)."""
     config, layer = qwen3_next
     seqs = _sequences(config)
-    ours, _ = _run(config, layer, seqs, [2, 3, 4])
+    ops = _native_ops() if native else CpuOps(native=None)
+    ours, _ = _run(config, layer, seqs, [2, 3, 4], ops=ops)
     for got, seq in zip(ours, seqs, strict=True):
         want = _reference(layer, seq)
         assert want.abs().max() > 1e-2  # a real signal, not zeros on both sides
@@ -132,7 +135,8 @@ def test_a_reused_slot_starts_from_zero(qwen3_next) -> None:
 
 
 @pytest.mark.parametrize(("chunk", "kernel"), [(64, False), (4, False), (2, False), (64, True),
-                                               (4, True), (2, True)])  # fmt: skip
+                                               (4, True), (2, True), (64, "native"),
+                                               (4, "native"), (2, "native")])  # fmt: skip
 def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
     qwen3_next, chunk, kernel, monkeypatch
 ):
@@ -141,12 +145,12 @@ def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
     of several tokens) and the per-token steps give the same outputs, pools, snapshots,
     whether a row fits one chunk of the form or spans several (the state passed on), and
     whether the form runs in torch or in the Triton kernel (CUDA's path, here made to run
-    in the interpreter)."""
+    in the interpreter), or in the native CPU kernels."""
     monkeypatch.setattr(gated_delta, "CHUNK", chunk)
-    monkeypatch.setattr(delta_scan, "use_kernel", lambda t: kernel)
+    monkeypatch.setattr(delta_scan, "use_kernel", lambda t: kernel is True)
     config, layer = qwen3_next
     w = _weights(layer)
-    ops = CpuOps(native=None)
+    ops = _native_ops() if kernel == "native" else CpuOps(native=None)
     gen = torch.Generator().manual_seed(5)
     rows = [torch.randn(n, config.hidden_size, generator=gen) for n in (1, 7, 3)]
     slots = torch.tensor([5, 1, 3])
@@ -173,3 +177,10 @@ def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
     for chunked_out, stepped in zip(*results, strict=True):
         assert stepped.abs().max() > 1e-3
         torch.testing.assert_close(chunked_out, stepped, atol=1e-5, rtol=1e-4)
+
+
+def _native_ops() -> CpuOps:
+    """The CPU backend with its native kernels (the prefill scans among them)."""
+    ops = CpuOps()
+    assert ops.scans is not None, "the native chunk-scan kernels did not build"
+    return ops

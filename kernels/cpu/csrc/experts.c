@@ -5,14 +5,16 @@
  * read once for all its rows, and the time per expert spent on anything but that stream
  * (a Python call, an OpenMP fork and join per product) is what a step loses. Here the
  * pairs are grouped by expert (a counting sort, stable in token order) and the whole layer
- * is one OpenMP region in three phases, each a list of work items taken dynamically (a
- * thread that another process holds off a core leaves its share to the others):
+ * is one OpenMP region whose threads take work items from one list (a thread that another
+ * process holds off its core leaves its share to the others):
  *
  *   1. gate_up: item (expert, 32 intermediate columns): for every row of the expert, its
  *      32 gate and 32 up outputs, then act = silu(gate) * up * the pair's routing weight
  *      (down is linear, so this equals scaling its output);
- *   2. down: item (expert, 64 hidden columns): dout[pair] = act[pair] W_down^T;
- *   3. out[t] = sum over k of dout[(t, k)], then + the shared expert's row, in that order.
+ *   2. down: item (expert, 64 hidden columns): dout[pair] = act[pair] W_down^T, once the
+ *      expert's gate_up items are done;
+ *   3. after the region: out[t] = sum over k of dout[(t, k)], then + the shared expert's
+ *      row, in that order.
  *
  * The shared expert (DeepSeek's, Granite's, Qwen3-Next's) is one more expert that every
  * token goes to, with weight 1 or (Qwen3-Next) sigmoid(x . shared_gate).
@@ -24,6 +26,8 @@
  * the thread count or the schedule.
  */
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,9 +272,11 @@ int experts_f32(const float *x, int64_t t, int64_t h, const int64_t *ids, const 
     /* Work items: (job, column chunk) for each phase, numbered across jobs. */
     int64_t *first_up = malloc((size_t)(njobs + 1) * sizeof(int64_t));
     int64_t *first_down = malloc((size_t)(njobs + 1) * sizeof(int64_t));
-    if (!first_up || !first_down) {
+    _Atomic int64_t *up_left = malloc((size_t)(njobs + 1) * sizeof(_Atomic int64_t));
+    if (!first_up || !first_down || !up_left) {
         free(first_up);
         free(first_down);
+        free((void *)up_left);
         code = -1;
         goto done;
     }
@@ -279,46 +285,58 @@ int experts_f32(const float *x, int64_t t, int64_t h, const int64_t *ids, const 
     for (int64_t j = 0; j < njobs; j++) {
         first_up[j + 1] = first_up[j] + (jobs[j].inter + GATE_COLS - 1) / GATE_COLS;
         first_down[j + 1] = first_down[j] + down_chunks;
+        atomic_init(&up_left[j], first_up[j + 1] - first_up[j]);
     }
-    const int64_t up_items = first_up[njobs], down_items = first_down[njobs];
+    const int64_t up_items = first_up[njobs], items = up_items + first_down[njobs];
+    /* One list, gate_up items first: by the time a thread takes a job's down item, all of
+     * the job's gate_up items are taken, and it waits only for one another thread is in
+     * the middle of. No barrier between the phases (on a shared machine a barrier waits
+     * for a thread that another process holds off its core, for as long as it is held
+     * off), and the tokens' sums are made on the calling thread after the region. */
+    _Atomic int64_t next;
+    atomic_init(&next, 0);
 #pragma omp parallel if (parallel)
     {
         int64_t j = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < up_items; item++) {
-            while (first_up[j + 1] <= item) j++;
-            while (first_up[j] > item) j--;
-            const int64_t c0 = (item - first_up[j]) * GATE_COLS;
-            gate_up_item(&jobs[j], x, h, tokens, scale, act, act_stride, c0,
-                         min64(c0 + GATE_COLS, jobs[j].inter));
-        }
-        j = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < down_items; item++) {
+        for (;;) {
+            int64_t item = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed);
+            if (item >= items) break;
+            if (item < up_items) {
+                while (first_up[j + 1] <= item) j++;
+                while (first_up[j] > item) j--;
+                const int64_t c0 = (item - first_up[j]) * GATE_COLS;
+                gate_up_item(&jobs[j], x, h, tokens, scale, act, act_stride, c0,
+                             min64(c0 + GATE_COLS, jobs[j].inter));
+                atomic_fetch_sub_explicit(&up_left[j], 1, memory_order_release);
+                continue;
+            }
+            item -= up_items;
             while (first_down[j + 1] <= item) j++;
             while (first_down[j] > item) j--;
+            for (int spins = 1; atomic_load_explicit(&up_left[j], memory_order_acquire) > 0; spins++)
+                if (spins % 1024 == 0) sched_yield(); /* let a held-off thread finish it */
             const int64_t c0 = (item - first_down[j]) * DOWN_COLS;
             down_item(&jobs[j], act, act_stride, dout, h, c0, min64(c0 + DOWN_COLS, h));
         }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < t; i++) {
-            float *o = out + i * h;
-            if (k > 0)
-                memcpy(o, dout + where[i * k] * h, (size_t)h * sizeof(float));
-            else
-                memset(o, 0, (size_t)h * sizeof(float));
-            for (int64_t q = 1; q < k; q++) {
-                const float *d = dout + where[i * k + q] * h;
-                for (int64_t c = 0; c < h; c++) o[c] += d[c];
-            }
-            if (shared) {
-                const float *d = dout + (pairs + i) * h;
-                for (int64_t c = 0; c < h; c++) o[c] += d[c];
-            }
+    }
+    for (int64_t i = 0; i < t; i++) {
+        float *o = out + i * h;
+        if (k > 0)
+            memcpy(o, dout + where[i * k] * h, (size_t)h * sizeof(float));
+        else
+            memset(o, 0, (size_t)h * sizeof(float));
+        for (int64_t q = 1; q < k; q++) {
+            const float *d = dout + where[i * k + q] * h;
+            for (int64_t c = 0; c < h; c++) o[c] += d[c];
+        }
+        if (shared) {
+            const float *d = dout + (pairs + i) * h;
+            for (int64_t c = 0; c < h; c++) o[c] += d[c];
         }
     }
     free(first_up);
     free(first_down);
+    free((void *)up_left);
 done:
     free(counts);
     free(tokens);

@@ -32,7 +32,6 @@ from spillway.kernels.cpu.native import CACHE_DTYPES, DEFAULT_CACHE_DIR, NativeK
 from spillway.kernels.cpu.native import load as load_native
 from spillway.kernels.cpu.noise import NativeUniforms
 from spillway.kernels.cpu.quantized_weight import (
-    ExpertWeights,
     QuantizedWeight,
     Weight,
     embedding,

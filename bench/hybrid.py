@@ -1,8 +1,14 @@
 """A tiny-ish hybrid model (Granite 4.0-H or Qwen3-Next): the worker's runner against
 transformers' batched `generate` on the same weights, in the same run.
 
-    python -m bench.hybrid [--family granitemoehybrid|qwen3_next] [--batch 16]
-                           [--prompt 32] [--new 32] [--rounds 3] [--threads N]
+    python -m bench.hybrid [--family granitemoehybrid|qwen3_next] [--size tiny|mid]
+                           [--batch 16] [--prompt 128] [--new 64] [--rounds 3]
+                           [--threads N]
+
+`--size tiny` (the default): hidden 256, 4 layers (one attention), 8 experts top-2.
+`--size mid`: hidden 512, 8 layers, three recurrent to one attention (attention at layers
+3 and 7), and the MoE layers of `bench.moe --size mid` (32 experts top-4, expert
+intermediate 256).
 
 Saves a random model of the family (transformers writes the folder), then per round:
 B greedy sequences of P prompt tokens and N new tokens each, through the runner (one
@@ -33,12 +39,12 @@ from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
 GREEDY = SamplingParams(temperature=0.0)
-SHAPES = dict(
+TINY = dict(
     vocab_size=4096, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
     head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
     initializer_range=0.2, rms_norm_eps=1e-6,
 )  # fmt: skip
-FAMILY = {
+TINY_FAMILY = {
     "granitemoehybrid": dict(
         num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"],
         position_embedding_type="rope", num_local_experts=8, num_experts_per_tok=2,
@@ -54,13 +60,41 @@ FAMILY = {
         linear_value_head_dim=32, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
     ),
 }  # fmt: skip
+MID = dict(
+    vocab_size=4096, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
+    initializer_range=0.2, rms_norm_eps=1e-6,
+)  # fmt: skip
+MID_FAMILY = {
+    "granitemoehybrid": dict(
+        num_hidden_layers=8, layer_types=(["mamba"] * 3 + ["attention"]) * 2,
+        position_embedding_type="rope", num_local_experts=32, num_experts_per_tok=4,
+        intermediate_size=256, shared_intermediate_size=512, mamba_n_heads=16,
+        mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_expand=1,
+        mamba_chunk_size=64,
+    ),
+    "qwen3_next": dict(
+        num_hidden_layers=8, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+        shared_expert_intermediate_size=512, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+    ),
+}  # fmt: skip
+SIZES = {"tiny": (TINY, TINY_FAMILY), "mid": (MID, MID_FAMILY)}
 
 
-def save_model(folder: Path, family: str):
+def model_config(family: str, size: str = "tiny") -> dict:
+    """The transformers config keywords of `family` at `size`."""
+    shapes, families = SIZES[size]
+    return {**shapes, **families[family]}
+
+
+def save_model(folder: Path, family: str, size: str = "tiny"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **{**SHAPES, **FAMILY[family]})
+    config = AutoConfig.for_model(family, **model_config(family, size))
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -123,15 +157,17 @@ def timed(fn, *args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--family", default="granitemoehybrid", choices=sorted(FAMILY))
+    parser.add_argument("--family", default="granitemoehybrid", choices=sorted(TINY_FAMILY))
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, help="math threads (default: every core)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
-    reference = save_model(folder, args.family)
+    reference = save_model(folder, args.family, args.size)
+    vocab = model_config(args.family, args.size)["vocab_size"]
     blocks = args.batch * ((args.prompt + args.new) // 16 + 1) + 1
     settings = load_settings(
         model=str(folder), kv_blocks=blocks, device="cpu", dtype="float32",
@@ -139,10 +175,7 @@ def main() -> None:
     )  # fmt: skip
     runner, _ = load_runner(settings)
     rng = random.Random(0)
-    prompts = [
-        [rng.randrange(3, SHAPES["vocab_size"]) for _ in range(args.prompt)]
-        for _ in range(args.batch)
-    ]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
     ours_s, ours_decode_s, theirs_s, theirs_decode_s, scattered_s = [], [], [], [], []
     ours_out = theirs_out = None
     paths: dict[str, int] = {}
@@ -172,7 +205,8 @@ def main() -> None:
     pool = runner.state_pool
     assert pool is not None
     print(
-        f"{args.family}: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens,"
+        f"{args.family} ({args.size}): batch {args.batch}, prompt {args.prompt},"
+        f" {args.new} new tokens,"
         f" {torch.get_num_threads()} threads, float32 CPU;"
         f" state {pool.slot_bytes() / 1024:.1f} KiB per sequence"
     )

@@ -153,6 +153,23 @@ class KernelOps(Protocol):
         blocks on the CPU alone (`cpu.quantized_weight.QuantizedExperts`)."""
         ...
 
+    def experts_and_shared(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor | InBlocks,
+        w_down: torch.Tensor | InBlocks,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_gate_up: torch.Tensor,
+        shared_down: torch.Tensor,
+        shared_gate: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """`fused_experts` plus the always-on shared expert (shared_gate_up [2 Is, H],
+        shared_down [H, Is]; its output scaled by sigmoid(x shared_gate^T) where shared_gate
+        [1, H] is given) in one pass, or None where this backend has no such path for
+        these tensors (then the caller runs the two apart)."""
+        ...
+
     def causal_conv1d_update(
         self,
         x: torch.Tensor,

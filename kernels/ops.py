@@ -69,6 +69,11 @@ class TritonOps(KernelOps):
         assert isinstance(table, torch.Tensor)
         return F.embedding(ids, table)
 
+    def experts_and_shared(self, *args: object, **kwargs: object) -> None:
+        """No fused shared expert on CUDA: `fused_experts` and the shared expert's
+        projections apart (each a kernel that fills the GPU)."""
+        return None
+
 
 def select_ops(
     backend: str = "auto",

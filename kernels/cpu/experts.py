@@ -17,6 +17,12 @@ each projection is one `grouped_mm` instead (a loop in C++ over the same per-exp
 products). Timed against the reference and transformers' experts by
 `python -m bench.moe_experts` (figures in docs/measurements/).
 
+Float32 experts go to one native call per layer where it is built (`experts_native`):
+the same grouping by expert in C, each expert's weights read once for all its rows, one
+OpenMP region for the layer instead of a Python call and a fork per product, and the
+shared expert in the same call (`with_shared`). The loop above stays for other dtypes,
+for experts kept in blocks, and where the native library cannot be built.
+
 Experts kept in the model file's blocks (`QuantizedExperts`, the exact mode from a GGUF
 file) are multiplied expert by expert as the dense projections' blocks are
 (`PackedLinear` on expert e's `QuantizedWeight`): a few rows through the fused native
@@ -33,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from spillway.kernels._contract import check_experts
+from spillway.kernels.cpu.experts_native import NativeExperts
 from spillway.kernels.cpu.linear import PackedLinear
 from spillway.kernels.cpu.matvec import MAX_ROWS, MatvecKernels
 from spillway.kernels.cpu.quantized_weight import ExpertWeights, QuantizedExperts
@@ -47,12 +54,16 @@ class CpuExperts:
     """`fused_experts` (the CPU backend's): CPU tensors as above, others through the
     reference; `matvec` the native few-row kernels, if built; `linear` the projections'
     (`CpuOps`'s), which multiplies experts kept in blocks (by default one of its own on
-    `matvec`)."""
+    `matvec`); `native` the one-call layer kernel, if built (None: the loop above)."""
 
     def __init__(
-        self, matvec: MatvecKernels | None = None, linear: PackedLinear | None = None
+        self,
+        matvec: MatvecKernels | None = None,
+        linear: PackedLinear | None = None,
+        native: NativeExperts | None = None,
     ) -> None:
         self.matvec = matvec
+        self.native = native
         self.grouped_mm = hasattr(F, "grouped_mm")
         self.grouped_from = GROUPED_FROM
         self.linear = PackedLinear(enabled=False, matvec=matvec) if linear is None else linear
@@ -73,6 +84,9 @@ class CpuExperts:
         k = topk_ids.shape[1]
         if t * k == 0:
             return x.new_zeros(t, h)
+        if self.native is not None and self.native.fits(x, w_gate_up, w_down):
+            assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
+            return self.native(x, w_gate_up, w_down, topk_ids, topk_weights)
         if t == 1:
             # one token: its K experts are distinct, so pair p is expert ids[p]'s only row
             experts = topk_ids[0].tolist()
@@ -118,6 +132,38 @@ class CpuExperts:
         out = torch.zeros(t, h, dtype=torch.float32)
         out.index_add_(0, tokens, down if down.dtype == torch.float32 else down.float())
         return out.to(x.dtype)
+
+    def with_shared(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_gate_up: torch.Tensor,
+        shared_down: torch.Tensor,
+        shared_gate: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The routed experts plus the shared expert (`KernelOps.experts_and_shared`) in
+        one native call, or None where that kernel does not take them (the caller then
+        runs the two apart)."""
+        if (
+            self.native is None
+            or x.device.type != "cpu"
+            or topk_ids.shape[1] == 0
+            or not self.native.fits(x, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate)
+        ):
+            return None
+        check_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
+        h = x.shape[1]
+        assert shared_gate_up.dim() == 2 and shared_gate_up.shape[1] == h, (
+            "shared gate_up [2 Is, H]"
+        )
+        assert shared_down.shape == (h, shared_gate_up.shape[0] // 2), "shared down [H, Is]"
+        assert shared_gate is None or shared_gate.numel() == h, "shared gate [1, H]"
+        return self.native(
+            x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, shared_down, shared_gate
+        )
 
     def _grouped(
         self,

@@ -21,8 +21,17 @@ from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels._ops_protocol import KernelOps
-from spillway.kernels.cpu import argmax, chunk_scan, decode_ops, matmul_q8, matvec, noise, ssm
+from spillway.kernels._ops_protocol import InBlocks, KernelOps
+from spillway.kernels.cpu import (
+    argmax,
+    chunk_scan,
+    decode_ops,
+    experts_native,
+    matmul_q8,
+    matvec,
+    noise,
+    ssm,
+)
 from spillway.kernels.cpu.argmax import NativeArgmax
 from spillway.kernels.cpu.chunk_scan import ChunkScans
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors, max_rows
@@ -33,7 +42,11 @@ from spillway.kernels.cpu.matvec import BlockWeight
 from spillway.kernels.cpu.native import CACHE_DTYPES, DEFAULT_CACHE_DIR, NativeKernels
 from spillway.kernels.cpu.native import load as load_native
 from spillway.kernels.cpu.noise import NativeUniforms
-from spillway.kernels.cpu.quantized_weight import QuantizedWeight, Weight, embedding
+from spillway.kernels.cpu.quantized_weight import (
+    QuantizedWeight,
+    Weight,
+    embedding,
+)
 from spillway.kernels.decode_attention import (
     GatherBuffers,
     decode_gather,
@@ -209,9 +222,12 @@ class CpuOps(KernelOps, CpuAbilities):
         self._linear = (
             Int8Linear(matvec=few_rows, matmul=matmul) if int8 else PackedLinear(matvec=few_rows)
         )
-        # A MoE layer's experts: sorted by expert, few-row products through the native
+        # A MoE layer's experts: float32 ones in one native call per layer
+        # (`experts_native`), else sorted by expert, few-row products through the native
         # kernels (`experts`); experts kept in blocks through the projections' own.
-        self.fused_experts = CpuExperts(few_rows, self._linear)
+        self.fused_experts = CpuExperts(
+            few_rows, self._linear, experts_native.load(native_dir) if native == "auto" else None
+        )
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
@@ -510,6 +526,23 @@ class CpuOps(KernelOps, CpuAbilities):
             lambda: rotary_factors(positions, cos_cache, sin_cache),
         )
         rotary_ref(q, k, positions, cos_cache, sin_cache, factors=factors)
+
+    def experts_and_shared(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor | InBlocks,
+        w_down: torch.Tensor | InBlocks,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_gate_up: torch.Tensor,
+        shared_down: torch.Tensor,
+        shared_gate: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        if not isinstance(w_gate_up, torch.Tensor) or not isinstance(w_down, torch.Tensor):
+            return None  # experts kept in blocks: the caller runs the two apart
+        return self.fused_experts.with_shared(
+            x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, shared_down, shared_gate
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.decode_ops is not None and gate_up.dim() == 2 and decode_ops.fits(gate_up):

@@ -40,7 +40,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spillway.kernels.ops import KernelOps
-from spillway.services.worker.layers.moe import MoEWeights, route, shared_experts
+from spillway.services.worker.layers.moe import (
+    MoEWeights,
+    experts_forward,
+    route,
+    shared_experts,
+)
 from spillway.shared.expert_parallel import expert_range
 from spillway.shared.model_config import MoEConfig
 
@@ -135,8 +140,8 @@ class ExpertGroup:
             self.counters = ExchangeCounters(num_experts)
         self.counters.count(topk_ids)
         if self.size == 1:  # every expert here: the one-process layer, counted
-            out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
-        elif self.exchange == "all_reduce":
+            return experts_forward(ops, h, w, topk_ids, topk_weights)
+        if self.exchange == "all_reduce":
             out = self._all_reduce(ops, h, w, topk_ids, topk_weights, num_experts)
         else:
             out = self._all_to_all(ops, h, w, topk_ids, topk_weights, num_experts)

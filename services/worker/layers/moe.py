@@ -47,6 +47,26 @@ def moe_forward(ops: KernelOps, config: MoEConfig, h: torch.Tensor, w: MoEWeight
     # their routing (a bfloat16 router could pick different experts).
     logits = F.linear(h.float(), w.router)  # [T, E]
     topk_ids, topk_weights = route(config, logits, w.correction_bias)
+    return experts_forward(ops, h, w, topk_ids, topk_weights)
+
+
+def experts_forward(
+    ops: KernelOps,
+    h: torch.Tensor,
+    w: MoEWeights,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' weighted sum plus the shared experts' output, for routed h."""
+    if w.shared_gate_up is not None and w.shared_down is not None:
+        # both in one pass where the backend has one (the CPU's native kernel): one call
+        # and one read of the step's rows instead of the shared expert's three products
+        both = ops.experts_and_shared(
+            h, w.w_gate_up, w.w_down, topk_ids, topk_weights, w.shared_gate_up, w.shared_down,
+            w.shared_gate,
+        )  # fmt: skip
+        if both is not None:
+            return both
     out = ops.fused_experts(h, w.w_gate_up, w.w_down, topk_ids, topk_weights)
     shared = shared_experts(ops, h, w)
     return out if shared is None else out + shared

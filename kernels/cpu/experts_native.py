@@ -1,0 +1,142 @@
+"""A MoE layer's experts in one native call (`csrc/experts.c`): the routed experts, grouped
+by expert so that each expert's weights are read once per step, and the shared expert,
+float32 on the CPU.
+
+At batch 16-64 a decode step sends its rows to most of a layer's experts, a few rows each.
+The per-expert loop of `experts.CpuExperts` (a Python call and an OpenMP fork per product)
+and torch's `grouped_mm` (a loop of oneDNN products) spend most of such a step outside the
+weight stream; this kernel is one call and one OpenMP region per layer, its work items
+taken dynamically by the threads (on a shared machine a descheduled thread's share goes to
+the others instead of stalling the barrier of every product). Built like `matvec`'s
+library (cached per source and flags, AVX-512 where the CPU has it, else AVX2 + FMA);
+`load` returns None where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from spillway.kernels.cpu import native
+from spillway.kernels.cpu.info import cpu_flags
+
+SOURCE = Path(__file__).with_name("csrc") / "experts.c"
+# The vector paths the source has, best first, and the CPU flags each needs.
+ISAS: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"avx512f"}),
+    "avx2": frozenset({"avx2", "fma"}),
+    "portable": frozenset(),
+}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# Below this many bytes of weights a layer runs on the calling thread alone (waking a
+# sleeping OpenMP thread costs more than it saves on a small layer).
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+class NativeExperts:
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa
+        fn = library.experts_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            _PTR, _I64, _I64,  # x, tokens, hidden
+            _PTR, _PTR, _I64,  # ids, weights, top-k
+            _PTR, _PTR, _I64, _I64,  # w_gate_up, w_down, experts, intermediate
+            _PTR, _PTR, _I64, _PTR,  # shared gate_up, down, intermediate, gate
+            _PTR, ctypes.c_int,  # out, parallel
+        ]  # fmt: skip
+        self._fn = fn
+
+    @staticmethod
+    def fits(
+        x: torch.Tensor,
+        w_gate_up: object,
+        w_down: object,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> bool:
+        """Float32 CPU tensors, contiguous (experts kept in blocks are not read here)."""
+        tensors = [x, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate]
+        return all(
+            t is None
+            or (
+                isinstance(t, torch.Tensor)
+                and t.dtype == torch.float32
+                and t.device.type == "cpu"
+                and t.is_contiguous()
+            )
+            for t in tensors
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]: sum over k of topk_weights[t, k] expert_{topk_ids[t, k]}(x[t]),
+        plus the shared expert's output (scaled by sigmoid(x . shared_gate) where given);
+        shapes as `kernels.moe` states them, shared_gate_up [2 Is, H], shared_down [H, Is],
+        shared_gate [1, H]."""
+        t, h = x.shape
+        e, two_i, _ = w_gate_up.shape
+        ids = topk_ids.contiguous()
+        weights = topk_weights.contiguous()
+        shared_inter = 0 if shared_gate_up is None else shared_gate_up.shape[0] // 2
+        out = torch.empty(t, h, dtype=torch.float32)
+        weight_bytes = (e if t * ids.shape[1] >= e else t * ids.shape[1]) * 3 * two_i // 2 * h * 4
+        code = self._fn(
+            x.data_ptr(), t, h, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            w_gate_up.data_ptr(), w_down.data_ptr(), e, two_i // 2,
+            _ptr(shared_gate_up), _ptr(shared_down), shared_inter, _ptr(shared_gate),
+            out.data_ptr(), int(weight_bytes >= PARALLEL_MIN_BYTES),
+        )  # fmt: skip
+        if code == -1:
+            raise MemoryError("native experts could not allocate their buffers")
+        if code == -2:
+            raise ValueError(f"an expert id lies outside [0, {e})")
+        return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def best_isa() -> str:
+    have = cpu_flags()
+    return next(name for name, needs in ISAS.items() if needs <= have)
+
+
+def compile_flags(isa: str) -> list[str]:
+    """`native.compile_flags()` (AVX2 dropped for the portable build) and the vector
+    extension `isa` names."""
+    flags = [f for f in native.compile_flags() if f not in ("-mavx2", "-mfma", "-mf16c")]
+    if isa == "avx512":
+        return [*flags, "-mavx2", "-mfma", "-mavx512f"]
+    if isa == "avx2":
+        return [*flags, "-mavx2", "-mfma"]
+    return flags
+
+
+def load(
+    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, isa: str | None = None
+) -> NativeExperts | None:
+    """The kernel built for `isa` on first use; None where it cannot be built here. By
+    default the best path this CPU runs, and None where that is the portable one (the torch
+    paths are then as fast); tests ask for each path by name."""
+    if isa is None:
+        isa = best_isa()
+        if isa == "portable":
+            return None
+    if not ISAS[isa] <= cpu_flags():
+        raise ValueError(f"this CPU cannot run the {isa} experts kernel")
+    library = native.build(SOURCE, compile_flags(isa), cache_dir)
+    return None if library is None else NativeExperts(library, isa)

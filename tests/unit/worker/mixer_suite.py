@@ -1,19 +1,34 @@
 """The checks a state-space mixer (Mamba2, gated DeltaNet) must pass over a flat batch and a
 state pool, against transformers' own layer. Both mixers take the same arguments and keep
-the same pool layout, so one harness drives either; each test module names its mixer, its
-weights and its pool."""
+the same pool layout, so one suite checks either: a test module defines the `mixer_case`
+fixture (its mixer, weights, pool, and where its chunk size and kernel switch live) and
+imports the tests below."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from spillway.kernels.cpu import ssm as cpu_ssm
 from spillway.kernels.cpu.ops import CpuOps
+from spillway.services.worker.models.hybrid import state_specs
+from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.state_pool import StatePool
+from spillway.shared.model_files import resolve_model
+from tests.unit.worker.tiny_families import load_reference, save_tiny_family
+
+# What a test module takes with `import *`: the tests, which pytest then collects there.
+__all__ = [
+    "test_a_reused_slot_starts_from_zero",
+    "test_chunked_prefill_and_decode_equal_transformers",
+    "test_contiguous_and_scattered_slots_agree_and_take_their_paths",
+    "test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states",
+]
 
 DECODE_STEPS = 2
 
@@ -25,6 +40,23 @@ class MixerCase:
     weights: Any  # the mixer's weights, taken from `layer`
     mixer: Callable[..., torch.Tensor]  # mamba2_mixer or gated_delta_mixer
     pool: Callable[[int], StatePool]  # a pool of n slots for this one layer
+    lengths: tuple[int, int, int]  # three prompts of mixed lengths
+    layer_module: ModuleType  # holds CHUNK, the chunked form's chunk length
+    scan_module: ModuleType  # holds use_kernel, the switch to the Triton kernel
+    row_lens: tuple[int, int, int]  # a decode row and two prompt chunks
+    takes: list[tuple[int, int, int]]  # snapshots (row, token, snapshot slot)
+
+
+def tiny_layer(tmp_path_factory: pytest.TempPathFactory, family: str, attr: str):
+    """A tiny random model of `family`: its config, layer 0's mixer (transformers' module
+    named `attr`), and a maker of pools of n slots for that layer, shaped as the model's
+    own pool is."""
+    folder = save_tiny_family(tmp_path_factory.mktemp(family) / family, family)
+    config = load_model_config(resolve_model(str(folder)))
+    spec = state_specs(config)[0]
+    assert spec is not None  # layer 0 is a mixer, not attention
+    layer = getattr(load_reference(folder).model.layers[0], attr)
+    return config, layer, lambda n: StatePool([spec], n)
 
 
 def step(case: MixerCase, pool: StatePool, rows: list[torch.Tensor], slots, fresh):
@@ -75,45 +107,56 @@ def reference(case: MixerCase, seq: torch.Tensor) -> torch.Tensor:
         return case.layer(seq[None])[0]
 
 
-def check_equal_transformers(case: MixerCase, lengths: Sequence[int]) -> None:
-    seqs = sequences(case, lengths)
-    ours, _ = run(case, seqs, [2, 3, 4])
+def test_chunked_prefill_and_decode_equal_transformers(mixer_case: MixerCase) -> None:
+    seqs = sequences(mixer_case, mixer_case.lengths)
+    ours, _ = run(mixer_case, seqs, [2, 3, 4])
     for got, seq in zip(ours, seqs, strict=True):
-        want = reference(case, seq)
+        want = reference(mixer_case, seq)
         assert want.abs().max() > 1e-2  # a real signal, not zeros on both sides
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def check_slot_paths(case: MixerCase, lengths: Sequence[int]) -> None:
-    seqs = sequences(case, lengths)
+def test_contiguous_and_scattered_slots_agree_and_take_their_paths(
+    mixer_case: MixerCase,
+) -> None:
+    seqs = sequences(mixer_case, mixer_case.lengths)
     cpu_ssm.PATHS.clear()
-    contiguous, _ = run(case, seqs, [2, 3, 4])
+    contiguous, _ = run(mixer_case, seqs, [2, 3, 4])
     # Every decode step has all rows: the in-place view of pool[2:5].
     assert cpu_ssm.PATHS["view"] >= 2 * DECODE_STEPS
     cpu_ssm.PATHS.clear()
-    scattered, _ = run(case, seqs, [6, 0, 3])
+    scattered, _ = run(mixer_case, seqs, [6, 0, 3])
     assert cpu_ssm.PATHS["view"] == 0 and cpu_ssm.PATHS["gather"] > 0
     for a, b in zip(contiguous, scattered, strict=True):
         torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
 
 
-def check_reused_slot_starts_from_zero(case: MixerCase, lengths: Sequence[int]) -> None:
-    _, pool = run(case, sequences(case, lengths, seed=1), [0, 1, 2])
+def test_a_reused_slot_starts_from_zero(mixer_case: MixerCase) -> None:
+    case = mixer_case
+    _, pool = run(case, sequences(case, case.lengths, seed=1), [0, 1, 2])
     assert pool.ssm[0] is not None and pool.ssm[0][:3].abs().max() > 0  # states left behind
-    fresh = sequences(case, lengths, seed=2)
+    fresh = sequences(case, case.lengths, seed=2)
     ours, _ = run(case, fresh, [0, 1, 2], pool)
     for got, seq in zip(ours, fresh, strict=True):
         torch.testing.assert_close(got, reference(case, seq), atol=1e-4, rtol=1e-4)
 
 
-def check_chunked_equals_stepped(
-    case: MixerCase, row_lens: Sequence[int], takes: list[tuple[int, int, int]]
+@pytest.mark.parametrize(("chunk", "kernel"), [(64, False), (4, False), (2, False), (64, True),
+                                               (4, True), (2, True)])  # fmt: skip
+def test_the_chunked_form_equals_the_step_kernels_and_snapshots_the_same_states(
+    mixer_case: MixerCase, chunk: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One step of mixed rows from non-zero states, with snapshots at `takes` (row, token,
-    snapshot slot): the chunked form and the per-token steps give the same outputs, pools
-    and snapshots."""
+    """One step of mixed rows (a decode row, prompt chunks of several tokens) from
+    non-zero states, with snapshots inside and at the end of rows: the chunked form (rows
+    of several tokens) and the per-token steps give the same outputs, pools, snapshots,
+    whether a row fits one chunk of the form or spans several (the state passed on), and
+    whether the form runs in torch or in the Triton kernel (CUDA's path, here made to run
+    in the interpreter)."""
+    monkeypatch.setattr(mixer_case.layer_module, "CHUNK", chunk)
+    monkeypatch.setattr(mixer_case.scan_module, "use_kernel", lambda t: kernel)
+    case = mixer_case
     gen = torch.Generator().manual_seed(5)
-    rows = [torch.randn(n, case.config.hidden_size, generator=gen) for n in row_lens]
+    rows = [torch.randn(n, case.config.hidden_size, generator=gen) for n in case.row_lens]
     slots = torch.tensor([5, 1, 3])
     results = []
     for chunked in (True, False):
@@ -131,8 +174,8 @@ def check_chunked_equals_stepped(
         with torch.inference_mode():
             y = case.mixer(
                 CpuOps(native=None), case.config.hybrid, case.config.rms_norm_eps,
-                torch.cat(rows), case.weights, conv, state, qs, slots, max(row_lens),
-                takes, (sconv, sstate), chunked=chunked,
+                torch.cat(rows), case.weights, conv, state, qs, slots, max(case.row_lens),
+                case.takes, (sconv, sstate), chunked=chunked,
             )  # fmt: skip
         results.append((y, conv.clone(), state.clone(), sconv.clone(), sstate.clone()))
     for chunked_out, stepped in zip(*results, strict=True):

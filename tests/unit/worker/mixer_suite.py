@@ -47,16 +47,18 @@ class MixerCase:
     takes: list[tuple[int, int, int]]  # snapshots (row, token, snapshot slot)
 
 
-def tiny_layer(tmp_path_factory: pytest.TempPathFactory, family: str, attr: str):
-    """A tiny random model of `family`: its config, layer 0's mixer (transformers' module
-    named `attr`), and a maker of pools of n slots for that layer, shaped as the model's
-    own pool is."""
+def tiny_mixer_case(
+    tmp_path_factory: pytest.TempPathFactory, family: str, attr: str, weights, mixer, **layout
+) -> MixerCase:
+    """The case of a tiny random model of `family`: layer 0's mixer (transformers' module
+    named `attr`, its weights as `weights` takes them), pools shaped as the model's own
+    pool is, and the `layout` fields of MixerCase (lengths, modules, rows, takes)."""
     folder = save_tiny_family(tmp_path_factory.mktemp(family) / family, family)
     config = load_model_config(resolve_model(str(folder)))
     spec = state_specs(config)[0]
     assert spec is not None  # layer 0 is a mixer, not attention
     layer = getattr(load_reference(folder).model.layers[0], attr)
-    return config, layer, lambda n: StatePool([spec], n)
+    return MixerCase(config, layer, weights(layer), mixer, lambda n: StatePool([spec], n), **layout)
 
 
 def step(case: MixerCase, pool: StatePool, rows: list[torch.Tensor], slots, fresh):

@@ -10,7 +10,7 @@ import torch
 from spillway.services.worker.layers import delta_scan, gated_delta
 from spillway.services.worker.layers.gated_delta import GatedDeltaWeights, gated_delta_mixer
 from tests.unit.worker.mixer_suite import *  # noqa: F403  (its tests run on this mixer)
-from tests.unit.worker.mixer_suite import MixerCase, tiny_layer
+from tests.unit.worker.mixer_suite import MixerCase, tiny_mixer_case
 
 
 def _weights(layer) -> GatedDeltaWeights:
@@ -27,9 +27,8 @@ def _weights(layer) -> GatedDeltaWeights:
 
 @pytest.fixture(scope="module")
 def mixer_case(tmp_path_factory: pytest.TempPathFactory) -> MixerCase:
-    config, layer, pool = tiny_layer(tmp_path_factory, "qwen3_next", "linear_attn")
-    return MixerCase(
-        config, layer, _weights(layer), gated_delta_mixer, pool,
+    return tiny_mixer_case(
+        tmp_path_factory, "qwen3_next", "linear_attn", _weights, gated_delta_mixer,
         lengths=(9, 3, 6), layer_module=gated_delta, scan_module=delta_scan,
         row_lens=(1, 7, 3), takes=[(0, 0, 0), (1, 2, 1), (1, 6, 2), (2, 0, 3)],
     )  # fmt: skip

@@ -10,8 +10,32 @@ from __future__ import annotations
 import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
-from spillway.kernels._jit import is_pow2, jit, next_pow2
+from spillway.kernels._jit import helper, is_pow2, jit, next_pow2
 from spillway.kernels._tl import tl
+
+
+@helper
+def _rotate_heads(
+    x_ptr,
+    token,
+    stride_t,
+    stride_h,
+    num_heads,
+    cos,  # [1, HALF] float32
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotates the token's heads of q or k in place, both halves [BLOCK_H, HALF] at once."""
+    offs = tl.arange(0, HALF)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    x1_ptrs = x_ptr + token * stride_t + h * stride_h + offs[None, :]
+    ok = h < num_heads
+    x1 = tl.load(x1_ptrs, mask=ok, other=0.0)
+    x2 = tl.load(x1_ptrs + HALF, mask=ok, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(x1_ptrs, (x1f * cos - x2f * sin).to(x1.dtype), mask=ok)
+    tl.store(x1_ptrs + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=ok)
 
 
 @jit
@@ -39,25 +63,8 @@ def _rotary_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos + offs)[None, :]  # [1, HALF]
     sin = tl.load(sin_ptr + pos * stride_sin + offs)[None, :]
 
-    # q halves: [BLOCK_HQ, HALF]
-    hq = tl.arange(0, BLOCK_HQ)[:, None]
-    q1_ptrs = q_ptr + token * stride_qt + hq * stride_qh + offs[None, :]
-    q_ok = hq < num_q_heads
-    q1 = tl.load(q1_ptrs, mask=q_ok, other=0.0)
-    q2 = tl.load(q1_ptrs + HALF, mask=q_ok, other=0.0)
-    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-    tl.store(q1_ptrs, (q1f * cos - q2f * sin).to(q1.dtype), mask=q_ok)
-    tl.store(q1_ptrs + HALF, (q2f * cos + q1f * sin).to(q1.dtype), mask=q_ok)
-
-    # k halves: [BLOCK_HK, HALF]
-    hk = tl.arange(0, BLOCK_HK)[:, None]
-    k1_ptrs = k_ptr + token * stride_kt + hk * stride_kh + offs[None, :]
-    k_ok = hk < num_kv_heads
-    k1 = tl.load(k1_ptrs, mask=k_ok, other=0.0)
-    k2 = tl.load(k1_ptrs + HALF, mask=k_ok, other=0.0)
-    k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    tl.store(k1_ptrs, (k1f * cos - k2f * sin).to(k1.dtype), mask=k_ok)
-    tl.store(k1_ptrs + HALF, (k2f * cos + k1f * sin).to(k1.dtype), mask=k_ok)
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_HQ)
+    _rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_HK)
 
 
 def _check(

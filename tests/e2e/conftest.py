@@ -66,22 +66,12 @@ def reference_tokenizer():
 def save_tiny_model(folder, tokenizer, context: int):
     """A tiny random Llama with the SmolLM2 tokenizer, saved as a Hugging Face folder."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    from tests.tiny_llama_config import tiny_llama_config
 
     torch.manual_seed(1234)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = tiny_llama_config(len(tokenizer), context)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)

@@ -9,27 +9,26 @@ from spillway.kernels.cpu import ops as cpu_ops
 from spillway.kernels.cpu.ops import CpuOps, LastDerived
 from spillway.kernels.decode_attention import paged_decode_attention_ref
 from spillway.kernels.prefill_attention import padded_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.paged_cases import dense_attention, make_paged_batch
+from tests.kernels.attention_args import grouped_batch, paged_args
+from tests.kernels.paged_cases import PagedBatch, dense_attention, make_paged_batch, nan_like
 
 SCALE = 0.125
+
+
+def _assert_dense(out: torch.Tensor, batch: PagedBatch) -> None:
+    """float32 attention within rounding of the float64 one."""
+    torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_reference_matches_dense(group: int, block_size: int) -> None:
-    batch = make_paged_batch(
-        [1, 1, 1, 1],
-        [1, 50, 32, 17],
-        q_heads=2 * group,
-        kv_heads=2,
-        head_dim=32,
-        block_size=block_size,
-        seed=block_size + group,
+    batch = grouped_batch(
+        [1, 1, 1, 1], [1, 50, 32, 17], group=group, block_size=block_size, seed=block_size + group
     )
-    out = paged_decode_attention_ref(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, SCALE
-    )
-    torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+    # decode rows are one query each: the reference takes no query starts
+    out = paged_decode_attention_ref(*paged_args(batch, SCALE)[:5], SCALE)
+    _assert_dense(out, batch)
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -37,60 +36,27 @@ def test_decode_reference_matches_dense(group: int, block_size: int) -> None:
 def test_prefill_reference_matches_dense(group: int, block_size: int) -> None:
     # a whole prompt, a decode row, an extend over a cached prefix, a chunk of one token
     # past a prefix and a chunk ending exactly on a block boundary
-    batch = make_paged_batch(
-        [12, 1, 9, 1, 16],
-        [12, 40, 45, 2, 64],
-        q_heads=2 * group,
-        kv_heads=2,
-        head_dim=32,
-        block_size=block_size,
+    batch = grouped_batch(
+        [12, 1, 9, 1, 16], [12, 40, 45, 2, 64], group=group, block_size=block_size,
         seed=7 * block_size + group,
-    )
-    out = paged_prefill_attention_ref(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start,
-        SCALE,
-    )
-    torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+    )  # fmt: skip
+    _assert_dense(paged_prefill_attention_ref(*paged_args(batch, SCALE)), batch)
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 7]])
 def test_cpu_ops_paged_attention_matches_dense(q_lens: list[int]) -> None:
-    batch = make_paged_batch(
-        q_lens, [3, 33, 20], q_heads=6, kv_heads=2, head_dim=32, block_size=16, seed=3
-    )
-    out = torch.full_like(batch.q, float("nan"))
-    returned = CpuOps().paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start,
-        SCALE,
-        out=out,
-    )
+    batch = grouped_batch(q_lens, [3, 33, 20], group=3, block_size=16, seed=3)
+    out = nan_like(batch.q)
+    returned = CpuOps().paged_attention(*paged_args(batch, SCALE), out=out)
     assert returned is out
-    torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+    _assert_dense(out, batch)
 
 
 def test_cpu_ops_matches_dense_in_bfloat16() -> None:
     batch = make_paged_batch(
         [4, 1], [10, 30], q_heads=6, kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16
     )
-    out = CpuOps().paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start,
-        SCALE,
-    )
+    out = CpuOps().paged_attention(*paged_args(batch, SCALE))
     assert out.dtype == torch.bfloat16
     ref = dense_attention(batch, SCALE)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
@@ -100,40 +66,24 @@ def test_cpu_ops_matches_dense_in_bfloat16() -> None:
 def test_padded_prefill_matches_dense(group: int) -> None:
     # four prefill rows of similar length (an extend over a cached prefix among them) and a
     # decode row: the prefill rows go through one padded attention
-    batch = make_paged_batch(
-        [5, 7, 6, 1, 4],
-        [12, 14, 16, 30, 13],
-        q_heads=2 * group,
-        kv_heads=2,
-        head_dim=32,
-        block_size=16,
-        seed=11 + group,
+    batch = grouped_batch(
+        [5, 7, 6, 1, 4], [12, 14, 16, 30, 13], group=group, block_size=16, seed=11 + group
     )
     ref = dense_attention(batch, SCALE)
-    out = torch.full_like(batch.q, float("nan"))
-    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens)
-    assert padded_prefill_attention(
-        batch.q, *args, batch.query_start, SCALE, out=out, rows=[0, 1, 2, 4]
-    )
+    out = nan_like(batch.q)
+    assert padded_prefill_attention(*paged_args(batch, SCALE), out=out, rows=[0, 1, 2, 4])
     prefill = torch.tensor([t for t in range(23) if t != 18])  # every token but the decode row's
     torch.testing.assert_close(out[prefill].double(), ref[prefill], rtol=0, atol=2e-6)
     assert out[18].isnan().all()  # rows not asked for are left alone
-    whole = CpuOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
-    torch.testing.assert_close(whole.double(), ref, rtol=0, atol=2e-6)
+    _assert_dense(CpuOps().paged_attention(*paged_args(batch, SCALE)), batch)
 
 
 def test_padded_prefill_declines_rows_of_very_different_lengths() -> None:
-    batch = make_paged_batch(
-        [40, 2], [40, 2], q_heads=2, kv_heads=2, head_dim=32, block_size=16, seed=5
-    )
-    out = torch.full_like(batch.q, float("nan"))
-    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens)
-    assert not padded_prefill_attention(
-        batch.q, *args, batch.query_start, SCALE, out=out, rows=[0, 1]
-    )
+    batch = grouped_batch([40, 2], [40, 2], group=1, block_size=16, seed=5)
+    out = nan_like(batch.q)
+    assert not padded_prefill_attention(*paged_args(batch, SCALE), out=out, rows=[0, 1])
     assert out.isnan().all()
-    whole = CpuOps().paged_attention(batch.q, *args, batch.query_start, SCALE)
-    torch.testing.assert_close(whole.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+    _assert_dense(CpuOps().paged_attention(*paged_args(batch, SCALE)), batch)
 
 
 def test_cpu_ops_decode_follows_tables_rewritten_in_place() -> None:
@@ -148,7 +98,7 @@ def test_cpu_ops_decode_follows_tables_rewritten_in_place() -> None:
         tables.copy_(batch.block_tables)
         lens.copy_(batch.context_lens)
         out = ops.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, tables, lens, SCALE)
-        torch.testing.assert_close(out.double(), dense_attention(batch, SCALE), rtol=0, atol=2e-6)
+        _assert_dense(out, batch)
 
 
 def test_last_derived_rebuilds_only_when_its_inputs_change() -> None:

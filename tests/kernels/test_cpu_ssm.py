@@ -39,21 +39,29 @@ def _paths_after(fn) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in cpu_ssm.PATHS.items() if v != before.get(k)}
 
 
+def _check_step(layout: str, slots: torch.Tensor, pool: torch.Tensor, reference, ours) -> None:
+    """Our step on `pool` against the reference on a copy of it: the slot path the layout
+    takes, the output (zero on padding rows) and the pool (slots no row owns untouched)."""
+    ref_pool = pool.clone()
+    expected = reference(ref_pool)
+    before = pool.clone()
+    got: list[torch.Tensor] = []
+    paths = _paths_after(lambda: got.append(ours(pool)))
+    assert paths == {"view" if layout == "contiguous" else "gather": 1}
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+    assert not got[0][slots < 0].any()
+    _check_pool(pool, before, ref_pool, slots)
+
+
 @pytest.mark.parametrize("layout", SLOT_LAYOUTS)
 def test_cpu_conv_matches_reference(layout: str) -> None:
     slots = slots_tensor(SLOT_LAYOUTS[layout])
     x, pool, weight, bias = conv_case(len(slots), 24, 4, F32, seed=2)
-    ref_pool = pool.clone()
-    expected = causal_conv1d_update_ref(x, ref_pool, weight, bias, slots)
-    before = pool.clone()
-    got: list[torch.Tensor] = []
-    paths = _paths_after(
-        lambda: got.append(CpuOps().causal_conv1d_update(x, pool, weight, bias, slots))
-    )
-    assert paths == {"view" if layout == "contiguous" else "gather": 1}
-    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[0][slots < 0], torch.zeros_like(got[0][slots < 0]))
-    _check_pool(pool, before, ref_pool, slots)
+    _check_step(
+        layout, slots, pool,
+        lambda p: causal_conv1d_update_ref(x, p, weight, bias, slots),
+        lambda p: CpuOps().causal_conv1d_update(x, p, weight, bias, slots),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", SLOT_LAYOUTS)
@@ -62,17 +70,11 @@ def test_cpu_ssm_matches_reference(layout: str, with_z: bool) -> None:
     slots = slots_tensor(SLOT_LAYOUTS[layout])
     pool, x, dt, a, b, c, d, dt_bias, z = ssm_case(len(slots), 4, 8, 2, 16, F32, seed=3)
     kw = {"D": d, "dt_bias": dt_bias, "z": z if with_z else None}
-    ref_pool = pool.clone()
-    expected = selective_state_update_ref(ref_pool, x, dt, a, b, c, slots, **kw)
-    before = pool.clone()
-    got: list[torch.Tensor] = []
-    paths = _paths_after(
-        lambda: got.append(CpuOps().selective_state_update(pool, x, dt, a, b, c, slots, **kw))
-    )
-    assert paths == {"view" if layout == "contiguous" else "gather": 1}
-    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
-    assert not got[0][slots < 0].any()
-    _check_pool(pool, before, ref_pool, slots)
+    _check_step(
+        layout, slots, pool,
+        lambda p: selective_state_update_ref(p, x, dt, a, b, c, slots, **kw),
+        lambda p: CpuOps().selective_state_update(p, x, dt, a, b, c, slots, **kw),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", SLOT_LAYOUTS)
@@ -81,17 +83,11 @@ def test_cpu_delta_matches_reference(layout: str, l2norm: bool) -> None:
     slots = slots_tensor(SLOT_LAYOUTS[layout])
     q, k, v, g, beta, pool = delta_case(len(slots), 2, 4, 16, 8, F32, seed=4)
     kw = {"scale": 0.3, "use_qk_l2norm": l2norm}
-    ref_pool = pool.clone()
-    expected = gated_delta_rule_step_ref(q, k, v, g, beta, ref_pool, slots, **kw)
-    before = pool.clone()
-    got: list[torch.Tensor] = []
-    paths = _paths_after(
-        lambda: got.append(CpuOps().gated_delta_rule_step(q, k, v, g, beta, pool, slots, **kw))
-    )
-    assert paths == {"view" if layout == "contiguous" else "gather": 1}
-    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
-    assert not got[0][slots < 0].any()
-    _check_pool(pool, before, ref_pool, slots)
+    _check_step(
+        layout, slots, pool,
+        lambda p: gated_delta_rule_step_ref(q, k, v, g, beta, p, slots, **kw),
+        lambda p: CpuOps().gated_delta_rule_step(q, k, v, g, beta, p, slots, **kw),
+    )  # fmt: skip
 
 
 def test_cpu_path_in_bfloat16_keeps_a_float32_state() -> None:

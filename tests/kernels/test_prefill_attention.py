@@ -6,21 +6,14 @@ import pytest
 import torch
 
 from spillway.kernels.prefill_attention import paged_prefill_attention_ref
+from tests.kernels.attention_args import grouped_batch, paged_args
 from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 SCALE = 0.125
 
 
 def _args(batch):
-    return (
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start,
-        SCALE,
-    )
+    return paged_args(batch, SCALE)
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -30,16 +23,10 @@ def test_prefill_matches_reference(device: torch.device, group: int, block_size:
 
     # a whole prompt over two query blocks, a decode row, an extend over a cached prefix
     # (a prefix-cache hit or an earlier chunk) and a chunk that ends mid-block
-    batch = make_paged_batch(
-        [20, 1, 9, 3],
-        [20, 40, 45, 19],
-        q_heads=2 * group,
-        kv_heads=2,
-        head_dim=32,
-        block_size=block_size,
-        device=device,
-        seed=block_size + group,
-    )
+    batch = grouped_batch(
+        [20, 1, 9, 3], [20, 40, 45, 19], group=group, block_size=block_size,
+        seed=block_size + group, device=device,
+    )  # fmt: skip
     out = nan_like(batch.q)
     returned = paged_prefill_attention(*_args(batch), out=out, block_m=16, block_n=16)
     assert returned is out

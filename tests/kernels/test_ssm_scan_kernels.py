@@ -46,6 +46,21 @@ def _steps(lens: tuple[int, ...], step) -> tuple[list[torch.Tensor], list[torch.
     return outs, states
 
 
+def _assert_follows_steps(scan, y: torch.Tensor, lens: tuple[int, ...], chunk: int, step) -> None:
+    """Each token's output `y[row, chunk, position]` and the state after it (`state_at`, what a
+    snapshot copies), the next chunk's entering state at chunk boundaries and the end state
+    equal the step reference's, token by token (`step` as `_steps` takes it)."""
+    outs, states = _steps(lens, step)
+    for r, n in enumerate(lens):
+        for t in range(n):
+            k, j = divmod(t, chunk)
+            torch.testing.assert_close(y[r, k, j], outs[t][r], **TOL)
+            torch.testing.assert_close(scan.state_at(r, t, chunk), states[t][r], **TOL)
+            if j == chunk - 1 and t + 1 < n:  # a chunk boundary: the next chunk's h_in
+                torch.testing.assert_close(scan.h_in[r, k + 1], states[t][r], **TOL)
+        torch.testing.assert_close(scan.h_end[r], states[n - 1][r], **TOL)
+
+
 # ---------------------------------------------------------------- Mamba2 (SSD)
 
 
@@ -95,15 +110,7 @@ def test_ssd_kernel_follows_the_step_reference_at_every_token(monkeypatch):
         out = selective_state_update_ref(pool, x, dt, a, b, c, slots, D=d, dt_softplus=False)
         return out, pool
 
-    outs, states = _steps(lens, step)
-    for r, n in enumerate(lens):
-        for t in range(n):
-            k, j = divmod(t, chunk)
-            torch.testing.assert_close(scan.y[r, k, j], outs[t][r], **TOL)
-            torch.testing.assert_close(scan.state_at(r, t, chunk), states[t][r], **TOL)
-            if j == chunk - 1 and t + 1 < n:  # a chunk boundary: the next chunk's h_in
-                torch.testing.assert_close(scan.h_in[r, k + 1], states[t][r], **TOL)
-        torch.testing.assert_close(scan.h_end[r], states[n - 1][r], **TOL)
+    _assert_follows_steps(scan, scan.y, lens, chunk, step)
 
 
 def test_ssd_kernel_with_no_d_and_strided_views():
@@ -188,15 +195,7 @@ def test_delta_scan_follows_the_step_reference_at_every_token(monkeypatch, kerne
         q, k, v, g, beta = (flat[n][idx] for n in ("q", "k", "v", "g", "beta"))
         return gated_delta_rule_step_ref(q, k, v, g, beta, pool, slots), pool
 
-    outs, states = _steps(lens, step)
-    for r, n in enumerate(lens):
-        for t in range(n):
-            k, j = divmod(t, chunk)
-            torch.testing.assert_close(scan.o[r, k, j], outs[t][r], **TOL)
-            torch.testing.assert_close(scan.state_at(r, t, chunk), states[t][r], **TOL)
-            if j == chunk - 1 and t + 1 < n:  # a chunk boundary: the next chunk's h_in
-                torch.testing.assert_close(scan.h_in[r, k + 1], states[t][r], **TOL)
-        torch.testing.assert_close(scan.h_end[r], states[n - 1][r], **TOL)
+    _assert_follows_steps(scan, scan.o, lens, chunk, step)
 
 
 def test_delta_launcher_rejects_mismatched_heads():

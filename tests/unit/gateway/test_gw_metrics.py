@@ -32,6 +32,18 @@ def metric_value(text: str, name: str) -> float:
     raise AssertionError(f"{name} missing")
 
 
+def assert_values(text: str, expected: dict[str, object]) -> None:
+    """Each named series of the exposition `text` has its expected value."""
+    assert {name: metric_value(text, name) for name in expected} == expected
+
+
+def render_with_s1(metrics: GatewayMetrics, **stats) -> str:
+    """The exposition once scheduler s1 has reported these SchedulerStats fields."""
+    fields = {"num_workers": 1, "num_waiting": 0, **stats}
+    metrics.scheduler.update({"s1": SchedulerStats(**fields)})
+    return metrics.render().decode()
+
+
 def test_exported_names_and_scheduler_values():
     metrics = GatewayMetrics()
     timer = TokenTimer(0.0)
@@ -39,40 +51,31 @@ def test_exported_names_and_scheduler_values():
     metrics.on_tokens(timer, 1, 0.2)
     metrics.on_tokens(timer, 2, 0.4)
     metrics.on_finished(timer, "length", 0.5)
-    metrics.scheduler.update(
-        {
-            "s1": SchedulerStats(
-                num_workers=2,
-                num_running=3,
-                num_waiting=4,
-                kv_usage=0.25,
-                preemptions={"spill": 5},
-                spill_failures=2,
-                swap_ins=4,
-                prefix_cache_hit_tokens=16,
-                prefix_cache_query_tokens=64,
-            )
-        }
-    )
-    text = metrics.render().decode()
+    text = render_with_s1(
+        metrics, num_workers=2, num_running=3, num_waiting=4, kv_usage=0.25,
+        preemptions={"spill": 5}, spill_failures=2, swap_ins=4, prefix_cache_hit_tokens=16,
+        prefix_cache_query_tokens=64,
+    )  # fmt: skip
     for name in CONTRACT_NAMES:
         name = name.replace("}", ',scheduler="s1"}') if "{" in name else name
         assert name in text, name
     on = '{scheduler="s1"}'
-    assert metric_value(text, f"spillway_requests_running{on}") == 3
-    assert metric_value(text, f"spillway_requests_waiting{on}") == 4
-    assert metric_value(text, f"spillway_kv_cache_usage_ratio{on}") == 0.25
-    assert metric_value(text, 'spillway_preemptions_total{mode="spill",scheduler="s1"}') == 5
-    assert metric_value(text, 'spillway_preemptions_total{mode="recompute",scheduler="s1"}') == 0
-    assert metric_value(text, f"spillway_spill_failures_total{on}") == 2
-    assert metric_value(text, f"spillway_swap_ins_total{on}") == 4
-    assert metric_value(text, f"spillway_prefix_cache_hits_total{on}") == 16
-    assert metric_value(text, "spillway_prompt_tokens_total") == 7
-    assert metric_value(text, "spillway_generation_tokens_total") == 3
-    assert metric_value(text, 'spillway_requests_finished_total{finish_reason="length"}') == 1
-    assert metric_value(text, "spillway_time_to_first_token_seconds_count") == 1
-    assert metric_value(text, "spillway_inter_token_latency_seconds_count") == 2
-    assert metric_value(text, "spillway_e2e_request_latency_seconds_sum") == 0.5
+    assert_values(text, {
+        f"spillway_requests_running{on}": 3,
+        f"spillway_requests_waiting{on}": 4,
+        f"spillway_kv_cache_usage_ratio{on}": 0.25,
+        'spillway_preemptions_total{mode="spill",scheduler="s1"}': 5,
+        'spillway_preemptions_total{mode="recompute",scheduler="s1"}': 0,
+        f"spillway_spill_failures_total{on}": 2,
+        f"spillway_swap_ins_total{on}": 4,
+        f"spillway_prefix_cache_hits_total{on}": 16,
+        "spillway_prompt_tokens_total": 7,
+        "spillway_generation_tokens_total": 3,
+        'spillway_requests_finished_total{finish_reason="length"}': 1,
+        "spillway_time_to_first_token_seconds_count": 1,
+        "spillway_inter_token_latency_seconds_count": 2,
+        "spillway_e2e_request_latency_seconds_sum": 0.5,
+    })  # fmt: skip
 
 
 def test_scheduler_down_keeps_last_values_and_says_so():
@@ -121,32 +124,23 @@ def test_phase_histograms_and_the_spill_store_are_exported_without_a_tracing_bac
         redis_ok=True, num_sequences=2, used_bytes=3000, capacity_bytes=10_000,
         sequences={"a:1": 2000, "b:1": 1000}, expired_total=1, prefix_blocks=7,
     )  # fmt: skip
-    metrics = GatewayMetrics()
-    metrics.scheduler.update(
-        {
-            "s1": SchedulerStats(
-                num_workers=1,
-                num_running=0,
-                num_waiting=0,
-                num_swapped=2,
-                phases=phases.snapshot(),
-                spill_store=store,
-            )
-        }
+    text = render_with_s1(
+        GatewayMetrics(), num_running=0, num_swapped=2, phases=phases.snapshot(), spill_store=store
     )
-    text = metrics.render().decode()
     name = "spillway_scheduler_phase_seconds"
     s1 = 'scheduler="s1"'
-    assert metric_value(text, f'{name}_count{{phase="swap_in",{s1}}}') == 3
-    assert metric_value(text, f'{name}_bucket{{le="0.0005",phase="swap_in",{s1}}}') == 2
-    assert metric_value(text, f'{name}_bucket{{le="+Inf",phase="swap_in",{s1}}}') == 3
-    assert metric_value(text, f'{name}_sum{{phase="drain",{s1}}}') == pytest.approx(0.3)
-    assert metric_value(text, f"spillway_requests_swapped{{{s1}}}") == 2
-    assert metric_value(text, "spillway_spill_store_up") == 1
-    assert metric_value(text, "spillway_spill_store_used_bytes") == 3000
-    assert metric_value(text, 'spillway_spill_store_sequence_bytes{seq="a:1"}') == 2000
-    assert metric_value(text, "spillway_spill_store_expired_total") == 1
-    assert metric_value(text, "spillway_prefix_tier_blocks") == 7
+    assert_values(text, {
+        f'{name}_count{{phase="swap_in",{s1}}}': 3,
+        f'{name}_bucket{{le="0.0005",phase="swap_in",{s1}}}': 2,
+        f'{name}_bucket{{le="+Inf",phase="swap_in",{s1}}}': 3,
+        f'{name}_sum{{phase="drain",{s1}}}': pytest.approx(0.3),
+        f"spillway_requests_swapped{{{s1}}}": 2,
+        "spillway_spill_store_up": 1,
+        "spillway_spill_store_used_bytes": 3000,
+        'spillway_spill_store_sequence_bytes{seq="a:1"}': 2000,
+        "spillway_spill_store_expired_total": 1,
+        "spillway_prefix_tier_blocks": 7,
+    })  # fmt: skip
 
 
 def test_health_says_spill_is_degraded_while_redis_is_down():
@@ -171,26 +165,17 @@ def test_speculative_decoding_counters_and_phases_per_scheduler():
     phases = PhaseStats()
     phases.observe("spec_verify", 0.004)
     phases.observe("spec_draft", 0.00002)
-    metrics = GatewayMetrics()
-    metrics.scheduler.update(
-        {
-            "s1": SchedulerStats(
-                num_workers=1,
-                num_running=1,
-                num_waiting=0,
-                spec_draft_tokens=30,
-                spec_accepted_tokens=17,
-                spec_accepted_per_position=[9, 6, 2],
-                spec_phases=phases.snapshot(),
-            )
-        }
-    )
-    text = metrics.render().decode()
+    text = render_with_s1(
+        GatewayMetrics(), num_running=1, spec_draft_tokens=30, spec_accepted_tokens=17,
+        spec_accepted_per_position=[9, 6, 2], spec_phases=phases.snapshot(),
+    )  # fmt: skip
     s1 = 'scheduler="s1"'
-    assert metric_value(text, f"spillway_spec_decode_draft_tokens_total{{{s1}}}") == 30
-    assert metric_value(text, f"spillway_spec_decode_accepted_tokens_total{{{s1}}}") == 17
-    name = "spillway_spec_decode_accepted_tokens_per_position_total"
-    assert [metric_value(text, f'{name}{{position="{p}",{s1}}}') for p in "012"] == [9, 6, 2]
-    name = "spillway_spec_decode_phase_seconds"
-    assert metric_value(text, f'{name}_count{{phase="verify",{s1}}}') == 1
-    assert metric_value(text, f'{name}_sum{{phase="draft",{s1}}}') == pytest.approx(2e-5)
+    per_position = "spillway_spec_decode_accepted_tokens_per_position_total"
+    phase = "spillway_spec_decode_phase_seconds"
+    assert_values(text, {
+        f"spillway_spec_decode_draft_tokens_total{{{s1}}}": 30,
+        f"spillway_spec_decode_accepted_tokens_total{{{s1}}}": 17,
+        **{f'{per_position}{{position="{p}",{s1}}}': n for p, n in enumerate([9, 6, 2])},
+        f'{phase}_count{{phase="verify",{s1}}}': 1,
+        f'{phase}_sum{{phase="draft",{s1}}}': pytest.approx(2e-5),
+    })  # fmt: skip

@@ -21,9 +21,14 @@ from tests.unit.scheduler.fleet_rig import FleetRig
 from tests.unit.scheduler.harness import expected_tokens
 
 
-def _two_workers(**kwargs) -> FleetRig:
+def _one_worker(**kwargs) -> FleetRig:
     rig = FleetRig(**kwargs)
     rig.register("w1")
+    return rig
+
+
+def _two_workers(**kwargs) -> FleetRig:
+    rig = _one_worker(**kwargs)
     rig.register("w2")
     return rig
 
@@ -39,6 +44,22 @@ def _run_until_tokens(rig: FleetRig, request_id: str, count: int) -> None:
             return
         assert rig.deliver(), "nothing to deliver"
     raise AssertionError(f"{request_id} did not get {count} tokens")
+
+
+def _start(rig: FleetRig, *request_ids: str, max_tokens: int, until: int) -> None:
+    """Submit the requests together and run the fleet until each has `until` tokens."""
+    for request_id in request_ids:
+        rig.submit(request_id, max_tokens=max_tokens)
+    rig.wake()
+    for request_id in request_ids:
+        _run_until_tokens(rig, request_id, until)
+
+
+def _another_scheduler(rig: FleetRig) -> None:
+    """A peer scheduler's lease is heard: the gateways have somewhere else to go."""
+    rig.feed(
+        LeaseHeard(SchedulerLease(scheduler_id="s2", interval_s=1.0, worker_id="wx", boot_id="b"))
+    )
 
 
 def test_a_burst_is_spread_over_the_workers_and_goes_out_in_one_step_each():
@@ -58,11 +79,7 @@ def test_a_burst_is_spread_over_the_workers_and_goes_out_in_one_step_each():
 
 def test_the_requests_of_a_worker_that_dies_move_on_and_lose_no_token():
     rig = _two_workers()
-    for i in range(4):
-        rig.submit(f"r{i}", max_tokens=12)
-    rig.wake()
-    for i in range(4):
-        _run_until_tokens(rig, f"r{i}", 3)
+    _start(rig, *(f"r{i}" for i in range(4)), max_tokens=12, until=3)
     on_w1 = [f"r{i}" for i in range(4) if _placed(rig, f"r{i}") == "w1"]
     assert on_w1
     w1 = rig.workers["w1"]
@@ -81,11 +98,8 @@ def test_the_requests_of_a_worker_that_dies_move_on_and_lose_no_token():
 
 
 def test_with_no_other_worker_the_requests_of_a_dead_one_end_with_an_error():
-    rig = FleetRig()
-    rig.register("w1")
-    rig.submit("a", max_tokens=50)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    rig = _one_worker()
+    _start(rig, "a", max_tokens=50, until=2)
     w1 = rig.workers["w1"]
     w1.answers = w1.beats = False
     rig.tick(1.2)
@@ -99,15 +113,9 @@ def test_with_no_other_worker_the_requests_of_a_dead_one_end_with_an_error():
 def test_with_another_scheduler_serving_the_requests_of_a_dead_only_worker_go_back():
     """The gateways resume them on the other scheduler, from what each client has,
     instead of ending them with no_worker."""
-    rig = FleetRig()
-    rig.register("w1")
-    rig.feed(
-        LeaseHeard(SchedulerLease(scheduler_id="s2", interval_s=1.0, worker_id="wx", boot_id="b"))
-    )
-    rig.submit("a", max_tokens=50)
-    rig.submit("b", max_tokens=50)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    rig = _one_worker()
+    _another_scheduler(rig)
+    _start(rig, "a", "b", max_tokens=50, until=2)
     w1 = rig.workers["w1"]
     w1.answers = w1.beats = False
     rig.tick(1.2)
@@ -120,11 +128,7 @@ def test_with_another_scheduler_serving_the_requests_of_a_dead_only_worker_go_ba
 
 def test_a_hung_worker_is_given_up_and_driven_again_once_it_steps():
     rig = _two_workers(step_hang_s=2.0)
-    rig.submit("a", max_tokens=10)
-    rig.submit("b", max_tokens=10)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
-    _run_until_tokens(rig, "b", 2)
+    _start(rig, "a", "b", max_tokens=10, until=2)
     hung = _placed(rig, "a")
     rig.workers[hung].answers = False  # its heartbeats go on
     rig.tick(1.0)
@@ -143,11 +147,8 @@ def test_a_hung_worker_is_given_up_and_driven_again_once_it_steps():
 
 
 def test_no_worker_is_given_up_for_a_step_sent_before_our_connection_came_back():
-    rig = FleetRig(step_hang_s=2.0)
-    rig.register("w1")
-    rig.submit("a", max_tokens=10)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    rig = _one_worker(step_hang_s=2.0)
+    _start(rig, "a", max_tokens=10, until=2)
     rig.workers["w1"].answers = False  # nothing comes back: the bus, or the worker?
     rig.workers["w1"].replies.clear()
     rig.connected = False
@@ -163,11 +164,8 @@ def test_no_worker_is_given_up_for_a_step_sent_before_our_connection_came_back()
 
 
 def test_after_an_outage_the_worker_is_reattached_once_heard_and_its_requests_go_on():
-    rig = FleetRig()
-    rig.register("w1")
-    rig.submit("a", max_tokens=10)
-    rig.wake()
-    _run_until_tokens(rig, "a", 3)
+    rig = _one_worker()
+    _start(rig, "a", max_tokens=10, until=3)
     lost = list(rig.undelivered)
     assert lost
     rig.undelivered.clear()  # the replies in flight are gone with the connection
@@ -183,9 +181,7 @@ def test_after_an_outage_the_worker_is_reattached_once_heard_and_its_requests_go
 
 def test_a_draining_worker_takes_no_new_request_and_its_requests_move_at_the_deadline():
     rig = _two_workers(drain_timeout_s=3.0)
-    rig.submit("a", max_tokens=200)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    _start(rig, "a", max_tokens=200, until=2)
     draining = _placed(rig, "a")
     other = "w2" if draining == "w1" else "w1"
     rig.workers[draining].draining = True
@@ -206,11 +202,8 @@ def test_a_draining_worker_takes_no_new_request_and_its_requests_move_at_the_dea
 
 
 def test_a_draining_worker_alone_ends_what_still_runs_with_abort():
-    rig = FleetRig(drain_timeout_s=1.0)
-    rig.register("w1")
-    rig.submit("a", max_tokens=200)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    rig = _one_worker(drain_timeout_s=1.0)
+    _start(rig, "a", max_tokens=200, until=2)
     rig.workers["w1"].draining = True
     rig.beat("w1")
     assert rig.fleet.lease().draining  # its only worker drains: gateways go elsewhere
@@ -222,9 +215,7 @@ def test_a_draining_worker_alone_ends_what_still_runs_with_abort():
 def test_a_worker_that_registers_anew_recomputes_its_requests_on_its_new_kv():
     rig = FleetRig()
     rig.register("w1", boot_id="first")
-    rig.submit("a", max_tokens=10)
-    rig.wake()
-    _run_until_tokens(rig, "a", 4)
+    _start(rig, "a", max_tokens=10, until=4)
     rig.register("w1", boot_id="first")  # the same process again: nothing changes
     before = len(rig.rows_on("w1", "a"))
     rig.deliver()
@@ -236,11 +227,8 @@ def test_a_worker_that_registers_anew_recomputes_its_requests_on_its_new_kv():
 
 
 def test_a_lost_step_is_planned_again_once_the_worker_is_heard():
-    rig = FleetRig()
-    rig.register("w1")
-    rig.submit("a", max_tokens=8)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    rig = _one_worker()
+    _start(rig, "a", max_tokens=8, until=2)
     sent = len(rig.sent)
     assert rig.lose()
     assert len(rig.sent) == sent  # waits for a sign of life
@@ -251,8 +239,7 @@ def test_a_lost_step_is_planned_again_once_the_worker_is_heard():
 
 
 def test_steps_lost_again_and_again_end_their_requests_with_the_bus_error():
-    rig = FleetRig()
-    rig.register("w1")
+    rig = _one_worker()
     rig.submit("a", max_tokens=8)
     rig.wake()
     for _ in range(MAX_LOST_STEPS):
@@ -298,11 +285,8 @@ def test_a_silent_gateway_is_suspected_first_and_aborted_past_its_grace():
 
 
 def test_a_draining_scheduler_hands_back_what_has_not_started_and_aborts_the_rest_late():
-    rig = FleetRig(max_batch=1)
-    rig.register("w1")
-    rig.feed(
-        LeaseHeard(SchedulerLease(scheduler_id="s2", interval_s=1.0, worker_id="wx", boot_id="b"))
-    )
+    rig = _one_worker(max_batch=1)
+    _another_scheduler(rig)
     rig.submit("running", max_tokens=300)
     rig.submit("queued", max_tokens=5)
     rig.wake()
@@ -348,12 +332,8 @@ def _waiting_on(rig: FleetRig, worker_id: str) -> int:
 
 
 def test_a_joining_worker_takes_the_requests_waiting_behind_a_full_batch_in_order():
-    rig = FleetRig(max_batch=2)
-    rig.register("w1")
-    rig.submit("a", max_tokens=12)
-    rig.submit("b", max_tokens=12)
-    rig.wake()
-    _run_until_tokens(rig, "a", 2)
+    rig = _one_worker(max_batch=2)
+    _start(rig, "a", "b", max_tokens=12, until=2)
     # Waiting behind the full batch: "c" resumed (its first scheduler died after three
     # tokens), "d", and "e" and "f" behind them (a lower priority first, then arrival).
     rig.submit("c", max_tokens=8, output_token_ids=expected_tokens("c", 3))
@@ -403,8 +383,7 @@ def test_nothing_waiting_moves_while_no_other_batch_has_room():
 
 
 def test_a_waiting_request_moves_only_to_a_worker_whose_blocks_hold_it():
-    rig = FleetRig(max_batch=1)
-    rig.register("w1")
+    rig = _one_worker(max_batch=1)
     rig.submit("a", max_tokens=6)
     rig.submit("b", max_tokens=6, prompt=list(range(300, 340)))
     rig.wake()
@@ -419,8 +398,7 @@ def test_a_waiting_request_moves_only_to_a_worker_whose_blocks_hold_it():
 def test_a_peer_scheduler_that_stopped_leasing_is_forgotten():
     """Each killed and restarted peer is a new scheduler id: a book that kept every one
     would grow for as long as the system runs."""
-    rig = FleetRig()
-    rig.register("w1")
+    rig = _one_worker()
     timeout_s = rig.fleet.replicas.timeout_s
     for i in range(5):  # five peers in turn, each killed before the next one starts
         rig.feed(LeaseHeard(SchedulerLease(scheduler_id=f"s{i}", interval_s=1.0, boot_id="b")))

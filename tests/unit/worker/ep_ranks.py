@@ -18,8 +18,7 @@ import torch
 
 from spillway.services.worker.ep_group import follow, leave
 from spillway.services.worker.expert_parallel import EXCHANGES
-from spillway.services.worker.forward_batch import ForwardBatch
-from spillway.services.worker.kv_cache import KVCache, block_table_tensor, slot_mapping_tensor
+from spillway.services.worker.kv_cache import KVCache
 from spillway.services.worker.loader import load_model
 from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models.llama import LlamaModel
@@ -27,36 +26,11 @@ from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.plans import generate
+from tests.unit.worker.tiny_families import packed_batch
 
 PROMPTS = [[1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5], [1, 200], [1, 64, 65, 66, 67, 68, 9]]
 NEW_TOKENS = 8
 KV_BLOCKS = 64
-
-
-def packed_batch(prompts: list[list[int]], block_size: int) -> ForwardBatch:
-    """Every prompt's tokens in one prefill forward (logits at every position)."""
-    tables, block = [], 0
-    for p in prompts:
-        n = (len(p) + block_size - 1) // block_size
-        tables.append(list(range(block, block + n)))
-        block += n
-    lens = torch.tensor([len(p) for p in prompts])
-    rows = torch.repeat_interleave(torch.arange(len(prompts)), lens)
-    query_start = torch.zeros(len(prompts) + 1, dtype=torch.int64)
-    query_start[1:] = lens.cumsum(0)
-    positions = torch.arange(int(lens.sum())) - query_start[rows]
-    block_tables = block_table_tensor(tables, torch.device("cpu"))
-    return ForwardBatch(
-        token_ids=torch.tensor([t for p in prompts for t in p]),
-        positions=positions,
-        slot_mapping=slot_mapping_tensor(block_tables, rows, positions, block_size),
-        block_tables=block_tables,
-        context_lens=lens.to(torch.int32),
-        query_start=query_start.to(torch.int32),
-        logits_indices=None,
-        max_query_len=int(lens.max()),
-        max_context_len=int(lens.max()),
-    )
 
 
 def main(rank: int, size: int, url: str, out: Path, folders: list[str]) -> None:

@@ -24,6 +24,7 @@ import torch
 from spillway.shared.config import DEFAULT_MODEL, Settings
 from spillway.shared.model_files import resolve_model
 from spillway.shared.tokenizer_files import cache_folder, load_tokenizer
+from tests.tiny_llama_config import tiny_llama_config
 
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 THINK_END_ID = 49153  # the added tokens follow SmolLM2's 49152
@@ -90,7 +91,7 @@ def script_ids(tokenizer) -> list[int]:
 
 
 def save_think_llama(folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     source = resolve_model(DEFAULT_MODEL)
     load_tokenizer(source, Settings().cache_dir)  # converts the GGUF's tokenizer once
@@ -101,19 +102,7 @@ def save_think_llama(folder: Path) -> Path:
     assert tokenizer.convert_tokens_to_ids("</think>") == THINK_END_ID
     chain = script_ids(tokenizer)
     assert len(set(chain[:-1])) == len(chain) - 1, "a bigram chain needs distinct tokens"
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=EOS_ID,
-    )
+    config = tiny_llama_config(len(tokenizer), 4096, eos_token_id=EOS_ID)
     torch.manual_seed(7)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

@@ -5,9 +5,12 @@ reference the worker is compared with."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from spillway.services.worker.forward_batch import ForwardBatch
 
 TINY_VOCAB = 256
 
@@ -157,15 +160,15 @@ def reference_logits(model, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0].float()
 
 
-def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
-    """Every position's logits [T, V] of the prompts prefilled together in one step."""
+def packed_batch(prompts: list[list[int]], block_size: int) -> ForwardBatch:
+    """Every prompt's tokens in one prefill forward (logits at every position), each row's
+    blocks numbered on from the last row's."""
     from spillway.services.worker.forward_batch import ForwardBatch
     from spillway.services.worker.kv_cache import block_table_tensor, slot_mapping_tensor
 
-    bs = runner.block_size
     tables, block = [], 0
     for p in prompts:
-        n = (len(p) + bs - 1) // bs
+        n = (len(p) + block_size - 1) // block_size
         tables.append(list(range(block, block + n)))
         block += n
     lens = torch.tensor([len(p) for p in prompts])
@@ -174,10 +177,10 @@ def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
     query_start[1:] = lens.cumsum(0)
     positions = torch.arange(int(lens.sum())) - query_start[rows]
     block_tables = block_table_tensor(tables, torch.device("cpu"))
-    batch = ForwardBatch(
+    return ForwardBatch(
         token_ids=torch.tensor([t for p in prompts for t in p]),
         positions=positions,
-        slot_mapping=slot_mapping_tensor(block_tables, rows, positions, bs),
+        slot_mapping=slot_mapping_tensor(block_tables, rows, positions, block_size),
         block_tables=block_tables,
         context_lens=lens.to(torch.int32),
         query_start=query_start.to(torch.int32),
@@ -185,8 +188,12 @@ def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
         max_query_len=int(lens.max()),
         max_context_len=int(lens.max()),
     )
+
+
+def packed_prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
+    """Every position's logits [T, V] of the prompts prefilled together in one step."""
     with torch.inference_mode():
-        return runner.model.forward(batch, runner.kv_cache)
+        return runner.model.forward(packed_batch(prompts, runner.block_size), runner.kv_cache)
 
 
 KEEP = slice(5, 17)  # the only tokens the model ever picks

@@ -50,6 +50,7 @@ def test_bench_measures_a_launched_system_and_compares_with_transformers(tiny_mo
     identical, _prefix = peer["agreement"]
     assert identical >= 5  # float32 greedy: equal to the reference (one near tie allowed)
     assert report["bound_tokens_per_s"] > 0 and report["machine"]["cores"] >= 1
+    assert report["read_gbps"] > 0 and report["matmul_gflops"] > 0
     ppl = report["perplexity"]
     assert set(ppl) == {"none", "int8", "none+kv-bfloat16", "int8+kv-bfloat16"}
     assert ppl["none"] > 1 and all(ppl[mode] != ppl["none"] for mode in set(ppl) - {"none"})

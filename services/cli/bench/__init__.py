@@ -5,7 +5,7 @@ client.py     sends them (one asyncio process, streaming httpx), records each ch
 metrics.py    the records summarised: throughput, TTFT, ITL, TPOT, end-to-end latency
 peers.py      the same workload through transformers (in process) and through
               llama.cpp (its own Python environment, as a subprocess)
-machine.py    the CPU it ran on and its float32 matrix-product bound
+machine.py    the CPU it ran on and the rates of its float32 bound (GFLOP/s, read GB/s)
 report.py     the result table and the JSON file
 command.py    the options and the run
 """

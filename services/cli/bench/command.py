@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -208,8 +208,9 @@ def compare(
     the_machine = machine_mod.describe_machine()
     print(f"\nmachine: {the_machine.line()}", flush=True)
     gflops = machine_mod.matmul_gflops()
+    gbps = machine_mod.read_gbps()
     config = load_base_config(source)
-    bound = bound_tokens_per_s(config, requests, gflops)
+    bound = bound_tokens_per_s(config, requests, gflops, gbps)
     batch = args.peer_batch or args.concurrency
     peers: list[PeerResult] = []
     print("peer: transformers ...", flush=True)
@@ -228,10 +229,11 @@ def compare(
     }
     print()
     print(comparison_table(ours_name, ours, peers, agreements, bound))
-    print(f"matrix-product bound: {gflops:.0f} GFLOP/s float32 on {the_machine.line()}")
+    print(f"float32 bound: {gflops:.0f} GFLOP/s, {gbps:.1f} GB/s read on {the_machine.line()}")
     return {
         "machine": the_machine,
         "matmul_gflops": gflops,
+        "read_gbps": gbps,
         "bound_tokens_per_s": bound,
         "peers": [
             {**{k: v for k, v in asdict(p).items() if k != "output_ids"},
@@ -258,9 +260,25 @@ def _this_python_if(module: str) -> str | None:
     return sys.executable if importlib.util.find_spec(module) is not None else None
 
 
-def flops_per_request(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
-    """Arithmetic of one request: every token through the projections and attention, the
-    lm_head only for the tokens that sample (the last prompt token and each new one)."""
+@dataclass(frozen=True)
+class Work:
+    """What one request asks of the machine: its matrix products' arithmetic, attention's
+    arithmetic, and the bytes of keys and values attention reads from memory."""
+
+    matmul_flops: float
+    attention_flops: float
+    attention_bytes: float
+
+    @property
+    def flops(self) -> float:
+        return self.matmul_flops + self.attention_flops
+
+
+def work_of_request(config: ModelConfig, prompt_len: int, new_tokens: int) -> Work:
+    """Every token through the projections and attention, the lm_head only for the tokens
+    that sample (the last prompt token and each new one). Attention's reads are float32 keys
+    and values: the prompt's once (its prefill attends in cache), then, for each token fed
+    back, every key and value before it once for its whole query group."""
     c = config
     qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     per_layer = (
@@ -271,12 +289,28 @@ def flops_per_request(config: ModelConfig, prompt_len: int, new_tokens: int) -> 
     lm_head = 2.0 * c.vocab_size * c.hidden_size * new_tokens
     # Position i attends to i + 1 keys: QK^T and PV, 2 FLOPs per multiply-add each.
     attention = 4.0 * c.num_layers * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2)
-    return projections + lm_head + attention
+    # Decode positions prompt_len .. tokens - 1 read positions + 1 keys each.
+    decode_reads = (tokens * (tokens + 1) - prompt_len * (prompt_len + 1)) / 2
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    return Work(projections + lm_head, attention, per_token * (prompt_len + decode_reads))
 
 
-def bound_tokens_per_s(config: ModelConfig, requests: list[BenchRequest], gflops: float) -> float:
-    work = sum(flops_per_request(config, len(r.prompt_ids), r.max_tokens) for r in requests)
-    return sum(r.max_tokens for r in requests) / (work / (gflops * 1e9))
+def flops_per_request(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
+    return work_of_request(config, prompt_len, new_tokens).flops
+
+
+def bound_tokens_per_s(
+    config: ModelConfig, requests: list[BenchRequest], gflops: float, gbps: float | None = None
+) -> float:
+    """The float32 bound: the matrix products at `gflops`, attention at the slower of its
+    arithmetic and its key and value reads at `gbps` (the arithmetic alone without it).
+    Pieces run one after another, as a step's kernels do, so their times add."""
+    works = [work_of_request(config, len(r.prompt_ids), r.max_tokens) for r in requests]
+    matmul = sum(w.matmul_flops for w in works) / (gflops * 1e9)
+    attention = sum(w.attention_flops for w in works) / (gflops * 1e9)
+    if gbps:
+        attention = max(attention, sum(w.attention_bytes for w in works) / (gbps * 1e9))
+    return sum(r.max_tokens for r in requests) / (matmul + attention)
 
 
 def launch_args(given: str, model: str) -> list[str]:

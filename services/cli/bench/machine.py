@@ -1,5 +1,7 @@
-"""The machine a run measured: CPU model, the flags that decide the fast paths, and the
-float32 matrix-product bound (what a perfect engine's arithmetic alone would allow)."""
+"""The machine a run measured: CPU model, the flags that decide the fast paths, and the two
+rates of the float32 bound: the best matrix-product GFLOP/s (what a perfect engine's
+arithmetic would allow) and the best read bandwidth (what attention's keys and values cost
+where they, not the arithmetic, decide a step)."""
 
 from __future__ import annotations
 
@@ -59,3 +61,24 @@ def matmul_gflops(
     finally:
         torch.set_num_threads(before)
     return 2 * size**3 / best / 1e9
+
+
+def read_gbps(
+    megabytes: int = 256,
+    rounds: int = 8,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The best rate at which torch reads a float32 tensor far larger than the caches, in
+    GB/s (a sum over it: every byte read once, as attention reads a KV cache), with torch's
+    threads as the server's worker would have them."""
+    import torch
+
+    x = torch.ones(megabytes * 2**20 // 4)
+    for _ in range(2):
+        x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        start = clock()
+        x.sum()
+        best = min(best, clock() - start)
+    return x.numel() * 4 / best / 1e9

@@ -7,7 +7,12 @@ import json
 
 import pytest
 
-from spillway.services.cli.bench.command import bound_tokens_per_s, flops_per_request
+from spillway.services.cli.bench.command import (
+    bound_tokens_per_s,
+    flops_per_request,
+    work_of_request,
+)
+from spillway.services.cli.bench.machine import read_gbps
 from spillway.services.cli.bench.metrics import RequestRecord, Stats, summarise
 from spillway.services.cli.bench.peers import PeerResult, agreement
 from spillway.services.cli.bench.report import comparison_table, summary_table, write_json
@@ -94,3 +99,24 @@ def test_flops_count_projections_lm_head_and_attention():
     # A wider model is slower at the same rate.
     wide = dataclasses.replace(CONFIG, intermediate_size=64)
     assert bound_tokens_per_s(wide, reqs, 1.0) < bound_tokens_per_s(CONFIG, reqs, 1.0)
+
+
+def test_the_bound_counts_attentions_key_and_value_reads():
+    w = work_of_request(CONFIG, 3, 2)
+    # Prompt's 3 positions read once, then position 3 (the one token fed back) reads 4 keys.
+    per_token = 2 * 2 * 1 * 4 * 4  # k and v, 2 layers, 1 KV head, 4 wide, float32
+    assert w.attention_bytes == per_token * (3 + 4)
+    assert w.flops == pytest.approx(flops_per_request(CONFIG, 3, 2))
+    reqs = [BenchRequest(0, (1, 2, 3), 2, 0.0)] * 2
+    arithmetic = bound_tokens_per_s(CONFIG, reqs, gflops=1.0)
+    # Memory fast enough: the arithmetic decides; slow: the reads add to the products' time.
+    assert bound_tokens_per_s(CONFIG, reqs, 1.0, gbps=1e6) == pytest.approx(arithmetic)
+    slow = 2 * w.attention_bytes / 1e7  # seconds at 0.01 GB/s
+    assert slow > 2 * w.attention_flops / 1e9
+    want = 4 / (2 * w.matmul_flops / 1e9 + slow)
+    assert bound_tokens_per_s(CONFIG, reqs, 1.0, gbps=0.01) == pytest.approx(want)
+    assert want < arithmetic
+
+
+def test_read_bandwidth_is_a_positive_rate():
+    assert 0.1 < read_gbps(megabytes=16, rounds=2) < 1e4

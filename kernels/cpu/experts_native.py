@@ -15,12 +15,14 @@ library (cached per source and flags, AVX-512 where the CPU has it, else AVX2 + 
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 
 import torch
 
 from spillway.kernels.cpu import native
 from spillway.kernels.cpu.info import cpu_flags
+from spillway.kernels.cpu.step_threads import StepThreads
 
 SOURCE = Path(__file__).with_name("csrc") / "experts.c"
 # The vector paths the source has, best first, and the CPU flags each needs.
@@ -33,6 +35,11 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # Below this many bytes of weights a layer runs on the calling thread alone (waking a
 # sleeping OpenMP thread costs more than it saves on a small layer).
 PARALLEL_MIN_BYTES = 1 << 20
+# Up to this many tokens a layer above that size runs on every thread or on the caller's
+# alone by timing both (`StepThreads`): one decode row's layer is a few hundred
+# microseconds, and where the services have taken the other core the region's end waits
+# for it (a scheduler tick); more tokens always share the work.
+TIMED_MAX_TOKENS = 8
 
 
 class NativeExperts:
@@ -48,6 +55,8 @@ class NativeExperts:
             _PTR, ctypes.c_int,  # out, parallel
         ]  # fmt: skip
         self._fn = fn
+        self.threads = StepThreads()
+        self.parallel: bool | None = None  # fixed by tests; None: timed (`TIMED_MAX_TOKENS`)
 
     @staticmethod
     def fits(
@@ -93,12 +102,21 @@ class NativeExperts:
         shared_inter = 0 if shared_gate_up is None else shared_gate_up.shape[0] // 2
         out = torch.empty(t, h, dtype=torch.float32)
         weight_bytes = (e if t * ids.shape[1] >= e else t * ids.shape[1]) * 3 * two_i // 2 * h * 4
+        parallel = weight_bytes >= PARALLEL_MIN_BYTES and torch.get_num_threads() > 1
+        timed = parallel and self.parallel is None and t <= TIMED_MAX_TOKENS
+        if timed:
+            parallel = self.threads.together(t)
+        elif parallel and self.parallel is not None:
+            parallel = self.parallel
+        start = time.perf_counter_ns()
         code = self._fn(
             x.data_ptr(), t, h, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             w_gate_up.data_ptr(), w_down.data_ptr(), e, two_i // 2,
             _ptr(shared_gate_up), _ptr(shared_down), shared_inter, _ptr(shared_gate),
-            out.data_ptr(), int(weight_bytes >= PARALLEL_MIN_BYTES),
+            out.data_ptr(), int(parallel),
         )  # fmt: skip
+        if timed:
+            self.threads.record(t, parallel, time.perf_counter_ns() - start)
         if code == -1:
             raise MemoryError("native experts could not allocate their buffers")
         if code == -2:

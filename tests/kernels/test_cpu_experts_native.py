@@ -104,6 +104,27 @@ def test_the_thread_count_does_not_change_the_result(kernel) -> None:
     assert torch.equal(one, many)
 
 
+def test_few_tokens_time_both_ways_and_keep_the_result(kernel) -> None:
+    """A one-token layer above PARALLEL_MIN_BYTES is run both ways (every thread, the
+    caller's alone) until the timing chooses; either way gives the same numbers."""
+    w_gate_up, w_down = _weights(16, 256, 128)
+    ids, weights = _routing(_random_ids(1, 16, 16))
+    x = torch.randn(1, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        outs = [kernel(x, w_gate_up, w_down, ids, weights) for _ in range(8)]
+        assert kernel.threads.chosen(1) is not None
+        kernel.parallel = False
+        alone = kernel(x, w_gate_up, w_down, ids, weights)
+        kernel.parallel = True
+        together = kernel(x, w_gate_up, w_down, ids, weights)
+    finally:
+        kernel.parallel = None
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, alone) for o in outs) and torch.equal(alone, together)
+
+
 def test_an_expert_id_out_of_range_is_refused(kernel) -> None:
     w_gate_up, w_down = _weights()
     ids, weights = _routing(_random_ids(3, 2))

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
+from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models import hybrid as hybrid_model
-from spillway.services.worker.runner import ModelRunner, load_runner
+from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 

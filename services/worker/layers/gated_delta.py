@@ -28,7 +28,7 @@ from spillway.kernels.cpu.chunk_scan import ChunkScans
 from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.layers.delta_scan import chunk_delta_scan
-from spillway.services.worker.layers.mamba2 import ScanRows
+from spillway.services.worker.layers.mixer_rows import MixerRows, ScanRows
 from spillway.services.worker.layers.ssd_scan import CHUNK, ChunkLayout, conv_rows
 from spillway.services.worker.state_pool import take_step_snapshots
 from spillway.shared.model_config import HybridConfig
@@ -82,47 +82,28 @@ def gated_delta_mixer(
     beta = b.reshape(t, hv).sigmoid()
     g = w.A * F.softplus(a.reshape(t, hv).float() + w.dt_bias)  # [T, Hv] float32
     out = torch.zeros(t, hv, dv, dtype=h.dtype, device=h.device)
-    starts = query_start[:-1].to(torch.int64)
-    lens = query_start[1:].to(torch.int64) - starts
-    decode = max_query_len == 1 and t == slots.numel()  # token r is row r's
-    scan = torch.zeros_like(lens, dtype=torch.bool) if decode or not chunked else lens >= 2
-    steps = 1 if decode or bool(scan.any()) else max_query_len
-    for j in range(steps):
-        if decode:  # no gathering: every row's one token, in order
-            has, idx, step_slots, x_in, g_in, beta_in = None, None, slots, mixed, g, beta
-        else:
-            # Row r's j-th token, or padding (slot -1) where the row has fewer tokens or
-            # takes the chunked form below; a step every row takes part in keeps the
-            # slots as given (a run stays one).
-            has = (lens > j) & ~scan
-            if not bool(has.any()):
-                break
-            idx = torch.clamp(starts + j, max=t - 1)
-            step_slots = slots if bool(has.all()) else torch.where(has, slots, -1)
-            x_in, g_in, beta_in = mixed[idx], g[idx], beta[idx]
-        conv = ops.causal_conv1d_update(x_in, conv_state, w.conv_weight, None, step_slots)
+    rows = MixerRows.split(query_start, slots, t, max_query_len, chunked)
+    for step in rows.token_steps():
+        conv = ops.causal_conv1d_update(
+            step.gather(mixed), conv_state, w.conv_weight, None, step.slots
+        )
         cq, ck, cv = conv.split([key_dim, key_dim, hv * dv], dim=-1)
         o = ops.gated_delta_rule_step(
             cq.reshape(-1, hk, dk),
             ck.reshape(-1, hk, dk),
             cv.reshape(-1, hv, dv),
-            g_in,
-            beta_in,
+            step.gather(g),
+            step.gather(beta),
             state,
-            step_slots,
+            step.slots,
             use_qk_l2norm=True,
         )  # [R, Hv, Dv]
-        if decode:
-            out = o.to(out.dtype)
-        else:
-            assert idx is not None and has is not None
-            out[idx[has]] = o[has].to(out.dtype)
-        take_step_snapshots(takes, j, scan, slots, snapshots, conv_state, state)
-    scanned = scan.nonzero().flatten().tolist()
-    if scanned:
-        rows = ScanRows(scanned, starts, lens, slots, takes)
+        out = step.put(out, o)
+        take_step_snapshots(takes, step.j, rows.scan, slots, snapshots, conv_state, state)
+    scanning = rows.scan_rows(takes)
+    if scanning is not None:
         scans = ops.scans if isinstance(ops, CpuAbilities) else None
-        _scan_rows(c, w, mixed, g, beta, conv_state, state, rows, snapshots, out, scans)
+        _scan_rows(c, w, mixed, g, beta, conv_state, state, scanning, snapshots, out, scans)
     normed = _norm_then_gate(out.reshape(-1, dv), z.reshape(-1, dv), w.norm, eps)
     return ops.linear(normed.view(t, hv * dv), w.out_proj)
 
@@ -150,7 +131,6 @@ def _scan_rows(
     hk, hv, dk, dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
     key_dim, _ = gated_delta_dims(c)
     slots = rows.slots
-    takes = rows.own_takes()
     layout = ChunkLayout.build(rows.starts, rows.lens, mixed.shape[0], mixed.device, CHUNK)
     conv_out, inputs = conv_rows(layout, mixed, conv_state[slots], w.conv_weight, None, scans)
     cq, ck, cv = conv_out.split([key_dim, key_dim, hv * dv], dim=-1)  # [R, K, Q, ...]
@@ -160,15 +140,10 @@ def _scan_rows(
         cq.reshape(r, nk, q_len, hk, dk), ck.reshape(r, nk, q_len, hk, dk),
         cv.reshape(r, nk, q_len, hv, dv), layout.gather(g.to(f32)) * valid,
         layout.gather(beta.to(f32)) * valid, state[slots], scans=scans,
-        keep_states=bool(takes),
+        keep_states=bool(rows.own_takes()),
     )  # fmt: skip
     layout.scatter(scan.o, out)
-    for row, at, snapshot in takes:
-        assert snapshots is not None
-        snapshots[0][snapshot].copy_(inputs.state_after(row, at))
-        snapshots[1][snapshot].copy_(scan.state_at(row, at, layout.chunk))
-    state[slots] = scan.h_end
-    conv_state[slots] = inputs.end_states(rows.lens)
+    rows.store(inputs, scan, layout.chunk, conv_state, state, snapshots)
 
 
 def _norm_then_gate(

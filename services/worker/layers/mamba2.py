@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from spillway.kernels.cpu.chunk_scan import ChunkScans
 from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps
+from spillway.services.worker.layers.mixer_rows import MixerRows, ScanRows
 from spillway.services.worker.layers.ssd_scan import CHUNK, ChunkLayout, chunk_scan, conv_rows
 from spillway.services.worker.state_pool import take_step_snapshots
 from spillway.shared.model_config import HybridConfig
@@ -76,86 +77,33 @@ def mamba2_mixer(
     proj = ops.linear(h, w.in_proj, w.in_proj_bias)  # [T, I + C + H]
     z, xbc, dt = proj.split([inner, conv_dim, heads], dim=-1)
     y = torch.zeros(h.shape[0], heads, p, dtype=h.dtype, device=h.device)
-    starts = query_start[:-1].to(torch.int64)
-    lens = query_start[1:].to(torch.int64) - starts
-    last = h.shape[0] - 1
-    decode = max_query_len == 1 and h.shape[0] == slots.numel()  # token r is row r's
-    scan = torch.zeros_like(lens, dtype=torch.bool) if decode or not chunked else lens >= 2
-    steps = 1 if decode or bool(scan.any()) else max_query_len
-    for j in range(steps):
-        if decode:  # no gathering: every row's one token, in order
-            has, idx, step_slots = None, None, slots
-            x_in, dt_in = xbc.contiguous(), dt.contiguous()  # as a gather leaves them
-        else:
-            # Row r's j-th token, or padding (slot -1) where the row has fewer tokens or
-            # takes the scan below.
-            has = (lens > j) & ~scan
-            if not bool(has.any()):
-                break
-            idx = torch.clamp(starts + j, max=last)
-            # A step every row takes part in keeps the slots as given, so a contiguous
-            # run of them still takes the kernels' in-place path.
-            step_slots = slots if bool(has.all()) else torch.where(has, slots, -1)
-            x_in, dt_in = xbc[idx], dt[idx]
+    rows = MixerRows.split(query_start, slots, h.shape[0], max_query_len, chunked)
+    for step in rows.token_steps():
         conv_out = ops.causal_conv1d_update(
-            x_in, conv_state, w.conv_weight, w.conv_bias, step_slots, "silu"
+            step.gather(xbc), conv_state, w.conv_weight, w.conv_bias, step.slots, "silu"
         )  # [R, C]
         x, b, cc = conv_out.split([inner, g * n, g * n], dim=-1)
         out = ops.selective_state_update(
             ssm_state,
             x.reshape(-1, heads, p),
-            dt_in,
+            step.gather(dt),
             w.A,
             b.reshape(-1, g, n),
             cc.reshape(-1, g, n),
-            step_slots,
+            step.slots,
             D=w.D,
             dt_bias=w.dt_bias,
             dt_softplus=True,
         )  # [R, H, P]
-        if decode:
-            y = out.to(y.dtype)
-        else:
-            assert idx is not None and has is not None
-            y[idx[has]] = out[has].to(y.dtype)
-        take_step_snapshots(takes, j, scan, slots, snapshots, conv_state, ssm_state)
-    scanned = scan.nonzero().flatten().tolist()
-    if scanned:
-        rows = ScanRows(scanned, starts, lens, slots, takes)
+        y = step.put(y, out)
+        take_step_snapshots(takes, step.j, rows.scan, slots, snapshots, conv_state, ssm_state)
+    scanning = rows.scan_rows(takes)
+    if scanning is not None:
         scans = ops.scans if isinstance(ops, CpuAbilities) else None
-        _scan_rows(c, w, xbc, dt, conv_state, ssm_state, rows, snapshots, y, scans)
+        _scan_rows(c, w, xbc, dt, conv_state, ssm_state, scanning, snapshots, y, scans)
     return ops.linear(
         _gated_norm(y.reshape(-1, inner), z, w.norm, g, eps), w.out_proj, w.out_proj_bias
     )
-
-
-@dataclass(frozen=True)
-class ScanRows:
-    """The rows of a step that take the chunked scan, and the snapshots asked of them."""
-
-    rows: list[int]
-    starts_t: torch.Tensor
-    lens_t: torch.Tensor
-    slots_t: torch.Tensor
-    takes: Sequence[tuple[int, int, int]]
-
-    @property
-    def starts(self) -> list[int]:
-        # one copy for all rows (a read per row would wait on the GPU once per row)
-        return self.starts_t[self.rows].tolist()
-
-    @property
-    def lens(self) -> list[int]:
-        return self.lens_t[self.rows].tolist()
-
-    @property
-    def slots(self) -> torch.Tensor:
-        return self.slots_t[self.rows]
-
-    def own_takes(self) -> list[tuple[int, int, int]]:
-        """(scan row index, token, snapshot) of the takes that fall on these rows."""
-        where = {row: i for i, row in enumerate(self.rows)}
-        return [(where[r], at, snap) for r, at, snap in self.takes if r in where]
 
 
 def _scan_rows(
@@ -179,7 +127,6 @@ def _scan_rows(
     inner, _ = mamba2_dims(c)
     heads, p, g, n = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state
     slots = rows.slots
-    takes = rows.own_takes()
     layout = ChunkLayout.build(rows.starts, rows.lens, xbc.shape[0], xbc.device, CHUNK)
     conv_out, inputs = conv_rows(layout, xbc, conv_state[slots], w.conv_weight, w.conv_bias, scans)
     x, b, cm = conv_out.split([inner, g * n, g * n], dim=-1)  # [R, K, Q, ...]
@@ -190,15 +137,10 @@ def _scan_rows(
     scan = chunk_scan(  # the Triton kernel on CUDA, the torch form elsewhere
         layout.chunk, x.reshape(*chunked, heads, p), dtf, w.A,
         b.reshape(*chunked, g, n), cm.reshape(*chunked, g, n), w.D, ssm_state[slots],
-        scans, keep_states=bool(takes),
+        scans, keep_states=bool(rows.own_takes()),
     )  # fmt: skip
     layout.scatter(scan.y, y)
-    for i, at, snapshot in takes:
-        assert snapshots is not None
-        snapshots[0][snapshot].copy_(inputs.state_after(i, at))
-        snapshots[1][snapshot].copy_(scan.state_at(i, at, layout.chunk))
-    ssm_state[slots] = scan.h_end
-    conv_state[slots] = inputs.end_states(rows.lens)
+    rows.store(inputs, scan, layout.chunk, conv_state, ssm_state, snapshots)
 
 
 def _gated_norm(

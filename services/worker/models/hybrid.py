@@ -50,6 +50,15 @@ class HybridLayer:
     attention: LayerWeights | None = None  # qkv and o (Qwen3-Next: q/k norms too)
     delta: GatedDeltaWeights | None = None  # a gated DeltaNet layer (Qwen3-Next)
 
+    def mixer(self) -> tuple[Callable[..., torch.Tensor], Mamba2Weights | GatedDeltaWeights] | None:
+        """The layer's state-space mixer and its weights (both mixers take the same
+        arguments); None for an attention layer."""
+        if self.mamba is not None:
+            return mamba2_mixer, self.mamba
+        if self.delta is not None:
+            return gated_delta_mixer, self.delta
+        return None
+
 
 def dense_ffn(gate_up: torch.Tensor, down: torch.Tensor) -> MoEWeights:
     """A layer's plain MLP in the MoE slot: no router, no experts, the MLP as the shared
@@ -231,18 +240,13 @@ class HybridModel:
                 assert snap_conv is not None and snap_ssm is not None
                 snaps = (snap_conv, snap_ssm)
             takes = batch.state_takes if snaps is not None else ()
-            if layer.mamba is not None:
-                conv, ssm = pool.conv[i], pool.ssm[i]
-                assert conv is not None and ssm is not None
-                out = mamba2_mixer(
-                    ops, h_cfg, eps, h, layer.mamba, conv, ssm, batch.query_start, slots,
-                    batch.max_query_len, takes, snaps,
-                )  # fmt: skip
-            elif layer.delta is not None:
+            mixer = layer.mixer()
+            if mixer is not None:
+                run, weights = mixer
                 conv, state = pool.conv[i], pool.ssm[i]
                 assert conv is not None and state is not None
-                out = gated_delta_mixer(
-                    ops, h_cfg, eps, h, layer.delta, conv, state, batch.query_start, slots,
+                out = run(
+                    ops, h_cfg, eps, h, weights, conv, state, batch.query_start, slots,
                     batch.max_query_len, takes, snaps,
                 )  # fmt: skip
             else:

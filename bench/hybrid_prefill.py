@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 
+from bench.greedy import prefill_plan, save_model
 from spillway.services.worker.loading import load_runner
 from spillway.services.worker.models import hybrid as hybrid_model
 from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
-from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
 
-GREEDY = SamplingParams(temperature=0.0)
 SHAPES = dict(
     vocab_size=4096, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
     head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
@@ -66,31 +65,10 @@ FAMILY = {
 }  # fmt: skip
 
 
-def save_model(folder: Path, family: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **{**SHAPES, **FAMILY[family]})
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
 def runner_prefill(runner: ModelRunner, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     """Every prompt in one prefill step (rows in slots 0..R-1, fresh states): the last
     logits [R, V] and the sampled tokens."""
-    bs = runner.block_size
-    runner.execute(StepPlan(step_id=0, finished_seq_ids=list(runner.sequences)))
-    per_seq = (max(len(p) for p in prompts) + bs) // bs
-    new_seqs = [
-        NewSequence(seq_id=f"s{i}", sampling=GREEDY, state_slot=i,
-                    block_ids=list(range(i * per_seq, (i + 1) * per_seq)))
-        for i in range(len(prompts))
-    ]  # fmt: skip
-    rows = [
-        StepRow(seq_id=f"s{i}", token_ids=p, start_pos=0, sample=True, output_index=0)
-        for i, p in enumerate(prompts)
-    ]
+    plan = prefill_plan(runner, prompts, max(len(p) for p in prompts) + 1, stride=1)
     captured: list[torch.Tensor] = []
     logits = runner.logits
 
@@ -101,7 +79,7 @@ def runner_prefill(runner: ModelRunner, prompts: list[list[int]]) -> tuple[torch
 
     runner.logits = keep  # type: ignore[method-assign]
     try:
-        result = runner.execute(StepPlan(step_id=1, new_seqs=new_seqs, rows=rows))
+        result = runner.execute(plan)
     finally:
         del runner.logits
     if result.error is not None:
@@ -199,7 +177,7 @@ def profile_ops(fn: Callable[[], object], top: int) -> str:
 
 def bench_family(family: str, args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix=f"bench-prefill-{family}-"))
-    reference = save_model(folder, family)
+    reference = save_model(folder, family, {**SHAPES, **FAMILY[family]})
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.prompts]
     most_rows = max(r for _, r in shapes)
     blocks = sum(r * (length // 16 + 2) for length, r in shapes) + 1

@@ -96,11 +96,21 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def parser(doc: str | None, families: list[str], default: str, sizes: list[str]):
+# size: (the shapes' config keywords, each family's own), as `model_config` joins them
+Sizes = dict[str, tuple[dict, dict[str, dict]]]
+
+
+def model_config(sizes: Sizes, family: str, size: str = "tiny") -> dict:
+    """The transformers config keywords of `family` at `size`."""
+    shapes, families = sizes[size]
+    return {**shapes, **families[family]}
+
+
+def parser(doc: str | None, sizes: Sizes, default: str) -> argparse.ArgumentParser:
     """The options of a generate benchmark: the model, the batch, the rounds."""
     p = argparse.ArgumentParser(description=doc)
-    p.add_argument("--family", default=default, choices=families)
-    p.add_argument("--size", default="tiny", choices=sizes)
+    p.add_argument("--family", default=default, choices=sorted(sizes["tiny"][1]))
+    p.add_argument("--size", default="tiny", choices=sorted(sizes))
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
@@ -109,10 +119,11 @@ def parser(doc: str | None, families: list[str], default: str, sizes: list[str])
     return p
 
 
-def setup(args: argparse.Namespace, config: dict, **settings):
-    """The saved model of `args.family` (config keywords `config`) as the runner loads it
-    (float32 on the CPU, blocks for every row; `settings` on top) and as transformers
-    does, and the batch's random prompts."""
+def setup(args: argparse.Namespace, sizes: Sizes, **settings):
+    """The saved model of `args.family` at `args.size` as the runner loads it (float32 on
+    the CPU, blocks for every row; `settings` on top) and as transformers does, and the
+    batch's random prompts."""
+    config = model_config(sizes, args.family, args.size)
     folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.family}-"))
     reference = save_model(folder, args.family, config)
     blocks = args.batch * ((args.prompt + args.new) // 16 + 1) + 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.greedy import headline, hf_generate, parser, runner_generate, setup, timed
+from bench.greedy import Sizes, headline, hf_generate, parser, runner_generate, setup, timed
 from spillway.kernels.cpu import ssm as cpu_ssm
 
 TINY = dict(
@@ -67,20 +67,12 @@ MID_FAMILY = {
         "linear_value_head_dim": 64,
     },
 }  # fmt: skip
-SIZES = {"tiny": (TINY, TINY_FAMILY), "mid": (MID, MID_FAMILY)}
-
-
-def model_config(family: str, size: str = "tiny") -> dict:
-    """The transformers config keywords of `family` at `size`."""
-    shapes, families = SIZES[size]
-    return {**shapes, **families[family]}
+SIZES: Sizes = {"tiny": (TINY, TINY_FAMILY), "mid": (MID, MID_FAMILY)}
 
 
 def main() -> None:
-    args = parser(__doc__, sorted(TINY_FAMILY), "granitemoehybrid", sorted(SIZES)).parse_args()
-    runner, reference, prompts = setup(
-        args, model_config(args.family, args.size), state_slots=2 * args.batch, state_snapshots=0
-    )
+    args = parser(__doc__, SIZES, "granitemoehybrid").parse_args()
+    runner, reference, prompts = setup(args, SIZES, state_slots=2 * args.batch, state_snapshots=0)
     ours_s, ours_decode_s, theirs_s, theirs_decode_s, scattered_s = [], [], [], [], []
     ours_out = theirs_out = None
     paths: dict[str, int] = {}

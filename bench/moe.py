@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.greedy import headline, hf_generate, parser, runner_generate, setup, timed
+from bench.greedy import Sizes, headline, hf_generate, parser, runner_generate, setup, timed
 
 TINY = dict(
     vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -54,18 +54,12 @@ MID_FAMILY = {
         "head_dim": 32,  # transformers rotates head_dim dims: the rope part
     },
 }  # fmt: skip
-SIZES = {"tiny": (TINY, TINY_FAMILY), "mid": (MID, MID_FAMILY)}
-
-
-def model_config(family: str, size: str = "tiny") -> dict:
-    """The transformers config keywords of `family` at `size`."""
-    shapes, families = SIZES[size]
-    return {**shapes, **families[family]}
+SIZES: Sizes = {"tiny": (TINY, TINY_FAMILY), "mid": (MID, MID_FAMILY)}
 
 
 def main() -> None:
-    args = parser(__doc__, sorted(TINY_FAMILY), "qwen3_moe", sorted(SIZES)).parse_args()
-    runner, reference, prompts = setup(args, model_config(args.family, args.size))
+    args = parser(__doc__, SIZES, "qwen3_moe").parse_args()
+    runner, reference, prompts = setup(args, SIZES)
     ours_s, theirs_s = [], []
     ours_out = theirs_out = None
     for r in range(args.rounds):

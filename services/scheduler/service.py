@@ -41,36 +41,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
+from spillway.services.scheduler import fleet_effects, fleet_events
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.fleet import Fleet, FleetSettings
-from spillway.services.scheduler.fleet_effects import (
-    Answered,
-    DropSpills,
-    Effect,
-    PublishLease,
-    PublishTick,
-    SendDeltas,
-    SendStep,
-)
-from spillway.services.scheduler.fleet_events import (
-    Aborted,
-    BusReconnected,
-    DrainExpired,
-    DrainStarted,
-    Event,
-    GatewayBeatHeard,
-    HeartbeatHeard,
-    LeaseHeard,
-    StepLost,
-    StepReturned,
-    Stopped,
-    Stopping,
-    StoreStatsHeard,
-    Submitted,
-    Ticked,
-    Woken,
-    WorkerRegistered,
-)
 from spillway.services.scheduler.prefix_hash import hash_hex
 from spillway.services.scheduler.registry import registration_error
 from spillway.services.scheduler.tracing import SpanObserver
@@ -195,7 +168,7 @@ class SchedulerService:
             # The ticks in progress may finish (and publish their news); a step that takes
             # longer is abandoned.
             with contextlib.suppress(Exception):
-                await self._feed(Stopping())
+                await self._feed(fleet_events.Stopping())
                 await self._until(lambda: not self.fleet.ticking, STOP_GRACE_S)
             tasks = {*self._tasks, *side}
             for task in tasks:
@@ -210,21 +183,21 @@ class SchedulerService:
                     await sub.unsubscribe()
             # Every request still here gets its end, so no gateway waits for it forever.
             with contextlib.suppress(Exception):
-                await self._feed(Stopped())
+                await self._feed(fleet_events.Stopped())
         if self._died.is_set():
             raise RuntimeError("the scheduler's tick loop stopped (a timer or a step's reply)")
 
     async def _drain_requests(self) -> None:
         """Takes no new requests, lets the running ones finish for drain_timeout_s, then
         aborts the rest and lets the lanes publish their ends."""
-        await self._feed(DrainStarted())
+        await self._feed(fleet_events.DrainStarted())
         # Said at once, not at the next interval: gateways stop routing to us now.
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.SCHED_HEARTBEAT, self.fleet.lease())
         if not await self._until(
             lambda: not self.fleet.has_requests, self.settings.drain_timeout_s
         ):
-            await self._feed(DrainExpired())
+            await self._feed(fleet_events.DrainExpired())
             await self._until(lambda: not self.fleet.has_requests, STOP_GRACE_S)
 
     async def _until(self, done: Callable[[], bool], timeout_s: float) -> bool:
@@ -254,7 +227,7 @@ class SchedulerService:
 
     # --- the pump -------------------------------------------------------------------
 
-    async def _feed(self, event: Event) -> list[Effect]:
+    async def _feed(self, event: fleet_events.Event) -> list[fleet_effects.Effect]:
         """Hands the event to the fleet and carries out what it says."""
         effects = self.fleet.handle(event)
         # No await between the fleet's answer and the lock: effect lists go out in the
@@ -267,36 +240,36 @@ class SchedulerService:
                     log.warning("could not carry out %s: %s", type(effect).__name__, e)
         return effects
 
-    async def _carry_out(self, effect: Effect) -> None:
+    async def _carry_out(self, effect: fleet_effects.Effect) -> None:
         bus = self.bus
         match effect:
-            case SendStep():
+            case fleet_effects.SendStep():
                 self._spawn(self._step(effect), f"step-{effect.worker_id}-{effect.ticket}")
-            case SendDeltas():
+            case fleet_effects.SendDeltas():
                 subject = subjects.gateway_deltas(effect.gateway_id)
                 context = effect.context if isinstance(effect.context, Context) else None
                 await bus.publish(subject, DeltaBatch(deltas=effect.deltas), context=context)
-            case DropSpills():
+            case fleet_effects.DropSpills():
                 context = effect.context if isinstance(effect.context, Context) else None
                 await bus.publish(
                     subjects.SPILL_DROP, SpillDrop(spills=effect.spills), context=context
                 )
-            case PublishTick():
+            case fleet_effects.PublishTick():
                 # A report the bus cannot take is dropped: the next tick's tells the same.
                 try:
                     await bus.publish(subjects.sched_tick(self.scheduler_id), effect.report)
                 except Exception as e:
                     log.debug("tick report not published: %s", e)
-            case PublishLease():
+            case fleet_effects.PublishLease():
                 self.lease.kick()
-            case Answered():
+            case fleet_effects.Answered():
                 if effect.error is None:
                     self._timer_wake.set()  # its deadline may come before the next tick
 
-    async def _step(self, step: SendStep) -> None:
+    async def _step(self, step: fleet_effects.SendStep) -> None:
         """Sends the plan to its worker and feeds the fleet its reply (or why none came)."""
         subject = subjects.worker_step(step.worker_id)
-        outcome: StepReturned | StepLost
+        outcome: fleet_events.StepReturned | fleet_events.StepLost
         try:
             result = await self.bus.request(
                 subject,
@@ -305,9 +278,9 @@ class SchedulerService:
                 timeout=self.settings.step_timeout_s,
                 context=cast(Any, step.context),
             )
-            outcome = StepReturned(step.ticket, result)
+            outcome = fleet_events.StepReturned(step.ticket, result)
         except BusError as e:
-            outcome = StepLost(step.ticket, e.info)
+            outcome = fleet_events.StepLost(step.ticket, e.info)
         await self._feed(outcome)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -333,7 +306,7 @@ class SchedulerService:
             # A time already past was handled (or its worker kept: our connection was down).
             timeout = interval if due is None or due <= now else min(interval, due - now)
             await wait_event(self._timer_wake, timeout)
-            await self._feed(Ticked(connected=self.bus.is_connected))
+            await self._feed(fleet_events.Ticked(connected=self.bus.is_connected))
 
     def _wake_lanes(self) -> None:
         """Sends Woken once the messages already waiting were taken (a burst of
@@ -345,12 +318,12 @@ class SchedulerService:
     async def _send_woken(self) -> None:
         await asyncio.sleep(0)
         self._woken = False
-        await self._feed(Woken())
+        await self._feed(fleet_events.Woken())
 
     def _on_reconnected(self) -> None:
-        self._spawn(self._feed_only(BusReconnected()), "scheduler-reconnected")
+        self._spawn(self._feed_only(fleet_events.BusReconnected()), "scheduler-reconnected")
 
-    async def _feed_only(self, event: Event) -> None:
+    async def _feed_only(self, event: fleet_events.Event) -> None:
         await self._feed(event)
 
     async def _watch_spill_store(self) -> None:
@@ -366,7 +339,7 @@ class SchedulerService:
             except Exception:  # never let the watcher die: auto mode would stop spilling
                 log.exception("spill store poll failed")
             raise_if_cancelled()  # the request's wait_for may have swallowed it
-            await self._feed(StoreStatsHeard(stats))
+            await self._feed(fleet_events.StoreStatsHeard(stats))
             await asyncio.sleep(SPILL_POLL_S)
 
     # --- handlers -------------------------------------------------------------------
@@ -378,13 +351,13 @@ class SchedulerService:
         if query is not None:
             worker_id, hashes = query
             tier = await self._tier_lookup(req, hashes)
-        effects = await self._feed(Submitted(req, worker_id, tier))
+        effects = await self._feed(fleet_events.Submitted(req, worker_id, tier))
         self._wake_lanes()
         error = next(
             (
                 e.error
                 for e in effects
-                if isinstance(e, Answered) and e.request_id == req.request_id
+                if isinstance(e, fleet_effects.Answered) and e.request_id == req.request_id
             ),
             None,
         )
@@ -406,27 +379,27 @@ class SchedulerService:
         return hashes[: reply.num_hits]
 
     async def _on_abort(self, req: AbortRequest, ctx: Context, raw: Msg) -> None:
-        await self._feed(Aborted(req.request_ids))
+        await self._feed(fleet_events.Aborted(req.request_ids))
         self._wake_lanes()
 
     async def _on_stats(self, req: StatsRequest, ctx: Context, raw: Msg) -> SchedulerStats:
         return self.fleet.stats()
 
     async def _on_lease(self, lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
-        await self._feed(LeaseHeard(lease))
+        await self._feed(fleet_events.LeaseHeard(lease))
 
     async def _on_gateway_beat(self, beat: GatewayBeat, ctx: Context, raw: Msg) -> None:
-        await self._feed(GatewayBeatHeard(beat.gateway_id))
+        await self._feed(fleet_events.GatewayBeatHeard(beat.gateway_id))
 
     async def _on_heartbeat(self, beat: Heartbeat, ctx: Context, raw: Msg) -> None:
-        await self._feed(HeartbeatHeard(beat, sender_of(raw)))
+        await self._feed(fleet_events.HeartbeatHeard(beat, sender_of(raw)))
 
     async def _on_register(self, info: WorkerInfo, ctx: Context, raw: Msg) -> RegisterReply:
         error = registration_error(info) or await self._probe(info)
         if error is not None:
             log.warning("%s", error.message)
             raise BusError(error)
-        await self._feed(WorkerRegistered(info))
+        await self._feed(fleet_events.WorkerRegistered(info))
         return RegisterReply(scheduler_id=self.scheduler_id)
 
     async def _probe(self, info: WorkerInfo) -> ErrorInfo | None:

@@ -35,6 +35,7 @@ from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache
 from spillway.services.worker.models.hybrid import HybridModel
 from spillway.services.worker.models.llama import LlamaModel
+from spillway.services.worker.speculative import next_links
 from spillway.services.worker.state_pool import StatePool
 from spillway.shared.protocol import StepRow
 
@@ -114,13 +115,9 @@ class DraftModelDrafter:
         for (r, _, _), tip in zip(live, tips, strict=True):
             drafts[r].append(tip)
         for _ in range(self.k - 1):
-            live = [x for x in live if x[2] < held_positions(x[1])]
+            live, chain = next_links(live, drafts, held_positions)
             if not live:
                 break
-            chain = [
-                StepRow(seq_id=seq_id, token_ids=[drafts[r][-1]], start_pos=pos, sample=True)
-                for r, seq_id, pos in live
-            ]
             logits = self._forward(packed_batch(chain))
             for (r, _, _), tip in zip(live, logits.argmax(-1).tolist(), strict=True):
                 drafts[r].append(tip)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.forward_batch import ForwardBatch
 from spillway.services.worker.kv_cache import KVCache
+from spillway.services.worker.speculative import next_links
 from spillway.services.worker.weights import MtpWeights
 from spillway.shared.model_config import ModelConfig
 from spillway.shared.protocol import StepRow
@@ -151,13 +152,9 @@ class MtpDrafter:
                              out[len(drafts)]))  # fmt: skip
                 drafts.append([tips[len(drafts)]])
         for _ in range(self.k - 1):
-            live = [x for x in live if x[2] < held_positions(x[1])]
+            live, chain = next_links(live, drafts, held_positions)
             if not live:
                 break
-            chain = [
-                StepRow(seq_id=seq_id, token_ids=[drafts[r][-1]], start_pos=pos, sample=True)
-                for r, seq_id, pos, _ in live
-            ]
             batch = packed_batch(chain).to(device)
             hid = torch.stack([h for *_, h in live])
             logits, out = mtp_forward(

@@ -21,9 +21,13 @@ the normalised residual max(0, p - q); so the output follows the target distribu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from spillway.shared.protocol import SampledLogprobs, StepRow
+
+# A drafting row as a drafter tracks it: (its drafts' index, sequence, next position, ...).
+Live = TypeVar("Live", bound=tuple[Any, ...])
 
 
 def as_decode_rows(rows: Sequence[StepRow]) -> list[StepRow]:
@@ -95,3 +99,16 @@ def extra_logprobs(logprobs: Sequence[SampledLogprobs | None]) -> list[SampledLo
     if not rest or any(lp is None for lp in rest):
         return None
     return [lp for lp in rest if lp is not None]
+
+
+def next_links(
+    live: Sequence[Live], drafts: Sequence[Sequence[int]], held_positions: Callable[[str], int]
+) -> tuple[list[Live], list[StepRow]]:
+    """The drafting rows whose next position their sequence's blocks still hold, and for
+    each the next link of its chain: its last draft as a one-token row at that position."""
+    kept = [x for x in live if x[2] < held_positions(x[1])]
+    chain = [
+        StepRow(seq_id=x[1], token_ids=[drafts[x[0]][-1]], start_pos=x[2], sample=True)
+        for x in kept
+    ]
+    return kept, chain

@@ -14,8 +14,12 @@ import torch
 from spillway.services.worker.layers.mamba2 import Mamba2Weights
 from spillway.services.worker.layers.moe import MoEWeights
 from spillway.services.worker.models.family import Family, refuse_options
-from spillway.services.worker.models.hybrid import HybridLayer, dense_ffn
-from spillway.services.worker.weights import LayerWeights
+from spillway.services.worker.models.hybrid import (
+    HybridLayer,
+    attention_weights,
+    dense_ffn,
+    pop_weight,
+)
 from spillway.shared.model_config import HybridConfig, ModelConfig, MoEConfig
 
 
@@ -27,9 +31,7 @@ def load_granite_layers(
     assert c is not None and moe is not None
 
     def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"weight {name!r} missing from the model files")
-        return tensors.pop(name).to(dtype)
+        return pop_weight(tensors, name).to(dtype)
 
     def first(*names: str) -> str:
         """The checkpoint's name for a tensor: the Hub's layout, or transformers' own."""
@@ -71,12 +73,7 @@ def load_granite_layers(
                 out_proj_bias=opt(f"{m}.out_proj.bias"),
             )
         else:
-            a = f"{p}.self_attn"
-            qkv = torch.cat([take(f"{a}.{n}_proj.weight") for n in "qkv"]).contiguous()
-            layer.attention = LayerWeights(
-                attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None,
-                o=take(f"{a}.o_proj.weight"), ffn_norm=layer.ffn_norm, gate_up=None, down=None,
-            )  # fmt: skip
+            layer.attention = attention_weights(layer, take, f"{p}.self_attn")
         layers.append(layer)
     return layers
 

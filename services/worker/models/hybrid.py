@@ -69,6 +69,26 @@ def dense_ffn(gate_up: torch.Tensor, down: torch.Tensor) -> MoEWeights:
     )
 
 
+def pop_weight(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The checkpoint's tensor `name`, popped (a family's reader takes each one once)."""
+    if name not in tensors:
+        raise KeyError(f"weight {name!r} missing from the model files")
+    return tensors.pop(name)
+
+
+def attention_weights(
+    layer: HybridLayer, take: Callable[[str], torch.Tensor], prefix: str, **norms: torch.Tensor
+) -> LayerWeights:
+    """An attention layer's projections from its checkpoint (`prefix`: its self_attn;
+    q, k and v joined), with the layer's norms (and `norms`: q_norm, k_norm where the
+    family has them); the feed-forward is the layer's MoE slot."""
+    qkv = torch.cat([take(f"{prefix}.{n}_proj.weight") for n in "qkv"]).contiguous()
+    return LayerWeights(
+        attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None, o=take(f"{prefix}.o_proj.weight"),
+        ffn_norm=layer.ffn_norm, gate_up=None, down=None, **norms,
+    )  # fmt: skip
+
+
 def state_specs(config: ModelConfig) -> list[StateLayerSpec | None]:
     """Per layer, the state pool's shapes (None for attention)."""
     c = config.hybrid

@@ -16,9 +16,14 @@ import torch
 from spillway.services.worker.layers.gated_delta import GatedDeltaWeights
 from spillway.services.worker.layers.moe_weights import ExpertLayout, read_moe_weights
 from spillway.services.worker.models.family import Family, refuse_options
-from spillway.services.worker.models.hybrid import HybridLayer, dense_ffn
+from spillway.services.worker.models.hybrid import (
+    HybridLayer,
+    attention_weights,
+    dense_ffn,
+    pop_weight,
+)
 from spillway.services.worker.models.qwen3_moe import sparse_moe_config
-from spillway.services.worker.weights import LayerWeights, MtpWeights
+from spillway.services.worker.weights import MtpWeights
 from spillway.shared.model_config import HybridConfig, ModelConfig, rope_parameters
 
 EXPERTS = ExpertLayout("mlp")
@@ -47,9 +52,7 @@ def _layer(
     """Layer `i` (model.layers.{i}), its tensors popped as they are taken."""
 
     def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"weight {name!r} missing from the model files")
-        return tensors.pop(name).to(dtype)
+        return pop_weight(tensors, name).to(dtype)
 
     def one_plus(name: str) -> torch.Tensor:
         return _one_plus(tensors, name, dtype)
@@ -83,19 +86,15 @@ def _layer(
         )
     else:
         a = f"{p}.self_attn"
-        qkv = torch.cat([take(f"{a}.{n}_proj.weight") for n in "qkv"]).contiguous()
-        layer.attention = LayerWeights(
-            attn_norm=layer.attn_norm, qkv=qkv, qkv_bias=None,
-            o=take(f"{a}.o_proj.weight"), ffn_norm=layer.ffn_norm, gate_up=None, down=None,
-            q_norm=one_plus(f"{a}.q_norm.weight"), k_norm=one_plus(f"{a}.k_norm.weight"),
+        layer.attention = attention_weights(
+            layer, take, a, q_norm=one_plus(f"{a}.q_norm.weight"),
+            k_norm=one_plus(f"{a}.k_norm.weight"),
         )  # fmt: skip
     return layer
 
 
 def _one_plus(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-    if name not in tensors:
-        raise KeyError(f"weight {name!r} missing from the model files")
-    return (1.0 + tensors.pop(name).float()).to(dtype)
+    return (1.0 + pop_weight(tensors, name).float()).to(dtype)
 
 
 def mtp_weights(

@@ -49,21 +49,33 @@ def _reference(folder, tensors: dict[str, torch.Tensor], prompt: list[int]):
         n.weight.data.copy_(tensors[name])
         return n(x)
 
+    def fuse(embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        embeds[0] = 0.0  # position 0
+        x = torch.cat([norm("enorm.weight", embeds), norm("hnorm.weight", hidden)], -1)
+        return x @ tensors["eh_proj.weight"].T
+
+    def head(out: torch.Tensor) -> torch.Tensor:
+        return norm("shared_head.norm.weight", out) @ tensors["shared_head.head.weight"].T
+
+    return reference_mtp(model, layer, prompt, fuse, head)
+
+
+def reference_mtp(model, layer, prompt: list[int], fuse, head) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' final hidden states over `prompt` and the MTP layer's logits at every
+    position but the last (also the Qwen3-Next MTP test's reference): `fuse` gives the
+    layer's input from the next tokens' embeddings and the hidden states before them,
+    `layer` is transformers' decoder layer, `head` the logits from its output."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         hidden = model.model(ids).last_hidden_state[0]  # after the final norm
         t = len(prompt) - 1
-        embeds = model.model.embed_tokens(ids[0, 1:])
-        embeds[0] = 0.0  # position 0
-        x = torch.cat([norm("enorm.weight", embeds), norm("hnorm.weight", hidden[:t])], -1)
-        x = (x @ tensors["eh_proj.weight"].T)[None]
+        x = fuse(model.model.embed_tokens(ids[0, 1:]), hidden[:t])[None]
         positions = torch.arange(t)[None]
         rotary = model.model.rotary_emb(x, positions)
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         out = (out[0] if isinstance(out, tuple) else out)[0]
-        logits = norm("shared_head.norm.weight", out) @ tensors["shared_head.head.weight"].T
-    return hidden, logits
+        return hidden, head(out)
 
 
 def _mtp_own(name: str) -> bool:

@@ -11,7 +11,7 @@ import torch
 from spillway.kernels.cpu.ops import CpuOps
 from spillway.services.worker.models.registry import load_hybrid_model, load_model_config
 from spillway.shared.model_files import resolve_model
-from tests.unit.worker.test_worker_mtp import PROMPT, assert_mtp_matches
+from tests.unit.worker.test_worker_mtp import PROMPT, assert_mtp_matches, reference_mtp
 from tests.unit.worker.tiny_families import load_reference
 from tests.unit.worker.tiny_mtp import save_tiny_qwen3_next_mtp
 
@@ -44,26 +44,19 @@ def _reference(folder, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         n.weight.data.copy_(tensors[name])
         return n(x)
 
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        hidden = model.model(ids).last_hidden_state[0]  # after the final norm
-        t = len(prompt) - 1
-        embeds = model.model.embed_tokens(ids[0, 1:])
+    def fuse(embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         x = torch.cat(
             [
                 norm("mtp.pre_fc_norm_embedding.weight", embeds),
-                norm("mtp.pre_fc_norm_hidden.weight", hidden[:t]),
+                norm("mtp.pre_fc_norm_hidden.weight", hidden),
             ],
             -1,
         )
-        x = (x @ tensors["mtp.fc.weight"].T)[None]
-        positions = torch.arange(t)[None]
-        rotary = model.model.rotary_emb(x, positions)
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-        out = (out[0] if isinstance(out, tuple) else out)[0]
-        logits = model.lm_head(norm("mtp.norm.weight", out))
-    return hidden, logits
+        return x @ tensors["mtp.fc.weight"].T
+
+    return reference_mtp(
+        model, layer, prompt, fuse, lambda out: model.lm_head(norm("mtp.norm.weight", out))
+    )
 
 
 def test_the_mtp_module_loads_only_when_asked(mtp_dir, caplog):

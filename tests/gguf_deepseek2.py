@@ -21,7 +21,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.constants import ExpertGatingFuncType, GGMLQuantizationType, RopeScalingType
 from gguf.quants import dequantize
 
-from tests.gguf_files import Mix, _add_tokenizer, type_of
+from tests.gguf_files import Mix, _add_tokenizer, random_tiny_model, type_of
 
 F32 = GGMLQuantizationType.F32
 # 64 wide; every row width a multiple of 32 (a Q8_0 / Q4_0 block): the heads' nope and
@@ -42,16 +42,8 @@ def tiny_deepseek_v3(seed: int = 0, **changes: Any) -> Any:
     """A random transformers DeepseekV3ForCausalLM (SHAPES, changed by `changes`): one
     dense layer then two MoE layers with a shared expert; norms scaling by 0.8-1.2 and the
     expert-choosing bias random, so that every tensor the file holds changes the output."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("deepseek_v3", **{**SHAPES, **changes})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
+    model, g = random_tiny_model("deepseek_v3", {**SHAPES, **changes}, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=g) * 0.4 + 0.8)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.5)

@@ -195,12 +195,31 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 ONE_PLUS_NORMS = {"gemma2", "gemma3"}
 
 
+def random_tiny_model(model_type: str, config: dict[str, Any], seed: int, norm_centre: float = 1.0):
+    """(model, generator): a random transformers model of `model_type` (config keywords
+    `config`), its norms scaling by about `norm_centre` (0.2 either side) and its biases
+    random too, so that every tensor a file holds changes the output; with the generator
+    that drew them, for the caller's own changes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **config), dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) * 0.4 + (norm_centre - 0.2))
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model, g
+
+
 def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128, **changes: Any) -> Any:
     """A 2-layer random transformers model of `family` (FAMILIES): weights drawn with
     initializer_range 0.2, norms scaling by about 1 (Gemma's 1 + w: w about 0) and q/k/v
     biases (Qwen2) random too, so that every tensor the file holds changes the output."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     model_type, options = FAMILIES[family][1], FAMILIES[family][2]
     shapes = dict(
         vocab_size=TINY["vocab"], hidden_size=hidden, num_hidden_layers=2,
@@ -209,20 +228,14 @@ def tiny_transformers_model(family: str, seed: int = 0, hidden: int = 128, **cha
         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=0,
         eos_token_id=TINY["vocab"] - 1,
     )  # fmt: skip
-    config = AutoConfig.for_model(model_type, **{**shapes, **options, **changes})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                centre = 0.0 if FAMILIES[family][0] in ONE_PLUS_NORMS else 1.0
-                p.copy_(torch.rand(p.shape, generator=g) * 0.4 + centre - 0.2)
-            elif name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        if FAMILIES[family][0] in ONE_PLUS_NORMS and config.tie_word_embeddings:
-            # Gemma's tied head would otherwise pick the last token again and again: its
-            # embedding, times sqrt(hidden), outweighs what the layers add.
+    one_plus = FAMILIES[family][0] in ONE_PLUS_NORMS
+    model, _ = random_tiny_model(
+        model_type, {**shapes, **options, **changes}, seed, 0.0 if one_plus else 1.0
+    )
+    if one_plus and model.config.tie_word_embeddings:
+        # Gemma's tied head would otherwise pick the last token again and again: its
+        # embedding, times sqrt(hidden), outweighs what the layers add.
+        with torch.no_grad():
             model.get_input_embeddings().weight.mul_(0.1)
     return model.eval()
 

@@ -8,25 +8,14 @@ import torch
 from spillway.services.worker.loader import load_model
 from spillway.shared.model_files import resolve_model
 from tests.unit.worker.plans import generate
+from tests.unit.worker.tiny_families import load_reference, reference_greedy
 from tests.unit.worker.tiny_llama import TINY_VOCAB, save_tiny_llama, tiny_runner
 
 PROMPTS = [[1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5], [1, 200], [1, 64, 65, 66, 67, 68]]
 
 
 def _hf_greedy(folder, prompt: list[int], new_tokens: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,  # EOS is just another token for this comparison
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
+    return reference_greedy(load_reference(folder), prompt, new_tokens)[0]
 
 
 def test_untied_folder_loads_with_fused_projections(tiny_llama_dir):

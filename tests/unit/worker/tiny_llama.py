@@ -11,26 +11,15 @@ import torch
 from spillway.services.worker.loading import load_runner
 from spillway.services.worker.runner import ModelRunner
 from spillway.shared.config import load_settings
+from tests.tiny_llama_config import TINY_LLAMA_SHAPES, tiny_llama_config
 
 TINY_VOCAB = 256
 
 
 def save_tiny_llama(folder: Path, tie_word_embeddings: bool = False) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = tiny_llama_config(TINY_VOCAB, 512, tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     # Random init is near-uniform; a wider spread makes greedy choices clear-cut.
@@ -53,13 +42,8 @@ def tiny_runner(folder: Path, kv_blocks: int = 64, **settings_: object) -> Model
 TINY_SYNTHETIC_CONFIG = {
     "model_type": "llama",
     "vocab_size": TINY_VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **TINY_LLAMA_SHAPES,
     "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
     "tie_word_embeddings": False,
     "eos_token_id": 2,
 }

@@ -8,13 +8,10 @@ import pytest
 
 from spillway.services.worker.kv_transfer import KVTransfer, connect_kv_store
 from spillway.services.worker.runner import ModelRunner
-from spillway.shared.protocol import KVRestore, KVSpill, NewSequence, SamplingParams
 from spillway.shared.spill_keys import SpillKeys
-from tests.integration.worker.test_worker_kv_transfer import Driver, _reset
+from tests.integration.worker.test_worker_kv_transfer import _spill_round_trip
 from tests.unit.worker.tiny_families import save_tiny_family
 from tests.unit.worker.tiny_llama import tiny_runner
-
-SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +32,7 @@ def test_the_cache_is_one_latent_plane(runner):
 
 
 def test_a_spilled_latent_sequence_restored_into_other_blocks_continues_exactly(runner):
-    _reset(runner)
-    reference = Driver(runner, "ref", SAMPLED)
-    reference.start([0, 1, 2, 3])
-    expected = reference.generate(24)
-    _reset(runner)
-
-    d = Driver(runner, "s", SAMPLED)
-    d.start([4, 5, 6, 7])
-    d.generate(9)  # 30 tokens computed: two blocks, the second partial
-    spill = KVSpill(seq_id="s", spill_id=1, block_ids=[4, 5])
-    result = runner.execute(d.plan(d.blocks, spills=[spill], finished_seq_ids=["s"]))
-    assert result.spills[0].ok
-    assert result.spills[0].num_bytes == 2 * runner.kv_transfer.block_bytes
-    other = Driver(runner, "other")
-    other.start([4, 5, 6, 7])  # overwrites the spilled blocks
-    other.generate(5)
-    d.blocks = [10, 11, 12, 13]
-    restore = KVRestore(seq_id="s", spill_id=1, block_ids=[10, 11])
-    d.run(
-        new_seqs=[NewSequence(seq_id="s", sampling=SAMPLED, block_ids=d.blocks)],
-        restores=[restore],
-    )
-    assert d.generate(14) == expected
+    trip = _spill_round_trip(runner)
+    assert trip.spill.ok
+    assert trip.spill.num_bytes == 2 * runner.kv_transfer.block_bytes
+    assert trip.continued == trip.expected

@@ -18,6 +18,8 @@ PROMPTS = [
     [40, 41, 42, 40, 41, 43],
     [(3 * j * j + 1) % 240 + 3 for j in range(19)],
 ]
+# The hybrid models' tests: the same prompts, the third one repeating on for longer.
+HYBRID_PROMPTS = [*PROMPTS[:2], [40, 41, 42, 40, 41, 43, 40, 41, 42, 40, 41], PROMPTS[3]]
 K = 3
 
 

@@ -11,15 +11,10 @@ import pytest
 
 from spillway.shared.protocol import SamplingParams
 from tests.integration.in_process import serve
+from tests.integration.spec_rig import HYBRID_PROMPTS as PROMPTS
 from tests.integration.spec_rig import spec_config, spec_runner, transformers_greedy
 from tests.unit.worker.tiny_families import save_repetitive_family
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12] * 3,
-    [(7 * j) % 200 + 3 for j in range(13)],
-    [40, 41, 42, 40, 41, 43, 40, 41, 42, 40, 41],
-    [(3 * j * j + 1) % 240 + 3 for j in range(19)],
-]
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0)
 

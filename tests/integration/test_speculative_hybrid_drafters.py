@@ -14,16 +14,11 @@ import pytest
 
 from spillway.shared.protocol import SamplingParams
 from tests.integration.in_process import Served, serve
+from tests.integration.spec_rig import HYBRID_PROMPTS as PROMPTS
 from tests.integration.spec_rig import spec_config, spec_runner, transformers_greedy
 from tests.unit.worker.tiny_families import save_repetitive_family
 from tests.unit.worker.tiny_mtp import save_tiny_qwen3_next_mtp
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12] * 3,
-    [(7 * j) % 200 + 3 for j in range(13)],
-    [40, 41, 42, 40, 41, 43, 40, 41, 42, 40, 41],
-    [(3 * j * j + 1) % 240 + 3 for j in range(19)],
-]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, logprobs=0)
 HYBRIDS = ["granitemoehybrid", "qwen3_next"]

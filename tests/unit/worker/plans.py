@@ -11,6 +11,14 @@ from spillway.services.worker.runner import ModelRunner
 from spillway.shared.protocol import NewSequence, SamplingParams, SequenceUpdate, StepPlan, StepRow
 
 GREEDY = SamplingParams(temperature=0.0)
+# Prompts of mixed lengths (2 to 18 tokens), the decode-graph tests' batch.
+DECODE_PROMPTS = [
+    [1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5, 19, 23, 200, 150, 3, 9, 11],
+    [1, 200],
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [1, 60, 61],
+    [1, 33, 34, 35, 36],
+]
 
 
 @dataclass

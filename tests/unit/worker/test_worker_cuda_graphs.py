@@ -11,21 +11,14 @@ import torch
 from spillway.services.worker.loading import load_runner
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
-from tests.unit.worker.plans import generate
+from tests.unit.worker.plans import DECODE_PROMPTS, generate
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-PROMPTS = [
-    [1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5, 19, 23, 200, 150, 3, 9, 11],
-    [1, 200],
-    [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
-    [1, 60, 61],
-    [1, 33, 34, 35, 36],
-    [1, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107],
-]
+PROMPTS = [*DECODE_PROMPTS, [1, *range(90, 108)]]
 GRAPH_SIZES = [1, 2, 4, 8]
 
 

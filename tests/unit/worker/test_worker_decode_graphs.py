@@ -16,16 +16,10 @@ from spillway.services.worker.cuda_graphs import (
 )
 from spillway.services.worker.runner import ModelRunner
 from spillway.shared.protocol import NewSequence, SamplingParams, StepPlan, StepRow
+from tests.unit.worker.plans import DECODE_PROMPTS as PROMPTS
 from tests.unit.worker.plans import generate
 from tests.unit.worker.tiny_llama import tiny_runner
 
-PROMPTS = [
-    [1, 17, 99, 3, 250, 41, 8, 8, 120, 77, 5, 19, 23, 200, 150, 3, 9, 11],
-    [1, 200],
-    [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
-    [1, 60, 61],
-    [1, 33, 34, 35, 36],
-]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
 
 

@@ -146,23 +146,23 @@ SCHEMA = {
 }
 
 
-def _grammar() -> str:
-    """As the gateway makes it for response_format json_schema, strict."""
-    return str(GrammarBuilder().json_schema(SCHEMA, True, "schema"))
+def think_then_json(seed: int) -> SamplingParams:
+    """Greedy in the think block (the script closes it), then JSON of SCHEMA sampled under
+    the grammar the gateway makes for response_format json_schema, strict."""
+    return SamplingParams(
+        temperature=1.0,
+        seed=seed,
+        initial_region="think",
+        grammar=str(GrammarBuilder().json_schema(SCHEMA, True, "schema")),
+        region_sampling={"think": RegionSampling(temperature=0.0)},
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_grammar_starts_after_the_think_block_and_holds(runner, prompt, tokenizer, seed):
     jsonschema = pytest.importorskip("jsonschema")
     script = script_ids(tokenizer)
-    # Greedy in the think block (the script closes it), then sampled JSON.
-    params = SamplingParams(
-        temperature=1.0,
-        seed=seed,
-        initial_region="think",
-        grammar=_grammar(),
-        region_sampling={"think": RegionSampling(temperature=0.0)},
-    )
+    params = think_then_json(seed)
     output = [start(runner, {"a": (params, prompt, [])})["a"]]
     context = prompt + output
     for _ in range(60):

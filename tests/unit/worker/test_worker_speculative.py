@@ -10,17 +10,16 @@ import pytest
 from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.speculative import accepted_length, extra_logprobs, verify_drafts
 from spillway.shared.protocol import (
-    RegionSampling,
     SampledLogprobs,
     SamplingParams,
     StepPlan,
     StepRow,
 )
 from tests.unit.worker.test_worker_regions import (  # noqa: F401 (fixtures)
-    _grammar,
     prompt,
     runner,
     start,
+    think_then_json,
     tokenizer,
 )
 
@@ -79,13 +78,7 @@ def test_rows_with_drafts_emit_what_one_token_steps_emit_under_a_grammar(
     prompt,  # noqa: F811
     seed,
 ):
-    params = SamplingParams(
-        temperature=1.0,
-        seed=seed,
-        initial_region="think",
-        grammar=_grammar(),
-        region_sampling={"think": RegionSampling(temperature=0.0)},
-    )
+    params = think_then_json(seed)
     want = _run(runner, params, prompt, lambda output: [])
     assert want[-1] == 2
 

@@ -7,14 +7,20 @@ OTEL_EXPORTER_OTLP_ENDPOINT); every other setting may be given as SPILLWAY_<NAME
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spillway.shared.output_formats import ReasoningParserName, ToolCallParserName
 from spillway.shared.protocol import RegionName, RegionSampling
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    D = TypeVar("D", bound=DataclassInstance)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -262,6 +268,14 @@ class Settings(BaseSettings):
 def load_settings(**overrides: object) -> Settings:
     """Defaults < environment < overrides (the command line)."""
     return Settings().with_overrides(**overrides)
+
+
+def settings_part(cls: type[D], settings: Settings, **values: Any) -> D:
+    """A service's own settings dataclass `cls` from the Settings: each of its fields that
+    Settings has by the same name, then `values` (its renamed or derived fields) on top;
+    any other field keeps its default."""
+    names = {f.name for f in dataclasses.fields(cls)} & set(Settings.model_fields)
+    return cls(**{**{n: getattr(settings, n) for n in names}, **values})
 
 
 def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spillway.shared.config import PreemptionMode, Settings, SpeculativeMethod
+from spillway.shared.config import PreemptionMode, Settings, SpeculativeMethod, settings_part
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,9 @@ class SchedulerConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerConfig:
-        return cls(
-            max_batch=settings.max_batch,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_waiting=settings.max_waiting,
-            preemption_mode=settings.preemption_mode,
-            prefix_cache=settings.prefix_cache,
-            spill_store=settings.spill_store,
+        return settings_part(
+            cls,
+            settings,
             prefix_tier=settings.spill_store and settings.prefix_tier_blocks > 0,
-            prefix_tier_blocks=settings.prefix_tier_blocks,
-            run_ahead=settings.run_ahead,
             itl_target_s=None if settings.itl_target_ms is None else settings.itl_target_ms / 1e3,
-            speculative=settings.speculative,
-            num_speculative_tokens=settings.num_speculative_tokens,
-            ngram_max=settings.ngram_max,
-            spec_draft_cost=settings.spec_draft_cost,
         )

@@ -87,7 +87,7 @@ from spillway.services.scheduler.registry import (
 )
 from spillway.services.scheduler.sequence import Sequence
 from spillway.shared.clock import Clock
-from spillway.shared.config import Settings
+from spillway.shared.config import Settings, settings_part
 from spillway.shared.leases import LeaseBook, StallGuard
 from spillway.shared.protocol import (
     GATEWAY_TIMEOUT_S,
@@ -139,15 +139,7 @@ class FleetSettings:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FleetSettings:
-        return cls(
-            worker_timeout_s=settings.worker_timeout_s,
-            step_hang_s=settings.step_hang_s,
-            drain_timeout_s=settings.drain_timeout_s,
-            scheduler_timeout_s=settings.scheduler_timeout_s,
-            lease_interval_s=settings.scheduler_lease_interval_s,
-            debug_invariants=settings.debug_invariants,
-            gateway_grace_s=settings.gateway_grace_s,
-        )
+        return settings_part(cls, settings, lease_interval_s=settings.scheduler_lease_interval_s)
 
     @property
     def tick_interval_s(self) -> float:

@@ -21,7 +21,14 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.constants import ExpertGatingFuncType, GGMLQuantizationType, RopeScalingType
 from gguf.quants import dequantize
 
-from tests.gguf_files import Mix, _add_tokenizer, random_tiny_model, type_of
+from tests.gguf_files import (
+    Mix,
+    _add_tokenizer,
+    add_config_shapes,
+    finish,
+    random_tiny_model,
+    type_of,
+)
 
 F32 = GGMLQuantizationType.F32
 # 64 wide; every row width a multiple of 32 (a Q8_0 / Q4_0 block): the heads' nope and
@@ -79,12 +86,7 @@ def write_deepseek2_gguf(
     c = model.config
     writer = GGUFWriter(str(path), "deepseek2")
     writer.add_name("tiny-deepseek-v3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(1 if split_kv_b else c.num_key_value_heads)
+    add_config_shapes(writer, c, 1 if split_kv_b else c.num_key_value_heads)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_expert_count(c.n_routed_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
@@ -148,10 +150,7 @@ def write_deepseek2_gguf(
             parts = [data]
         for name, part in zip(names, parts, strict=True):
             add(name, np.ascontiguousarray(part))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path, model
 
 

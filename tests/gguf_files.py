@@ -103,17 +103,40 @@ def write_tiny_qwen3moe(
     return _write_random(path, "qwen3moe", kind, seed, shape)
 
 
+def add_shapes(
+    writer: GGUFWriter, layers: int, context: int, hidden: int, ffn: int, heads: int, kv_heads: int
+) -> None:
+    """The keys every architecture's file has: its layers, context, widths and heads."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+
+
+def add_config_shapes(writer: GGUFWriter, c: Any, kv_heads: int) -> None:
+    """`add_shapes` from a transformers config (`kv_heads`: as the file names them)."""
+    add_shapes(
+        writer, c.num_hidden_layers, c.max_position_embeddings, c.hidden_size,
+        c.intermediate_size, c.num_attention_heads, kv_heads,
+    )  # fmt: skip
+
+
+def finish(writer: GGUFWriter) -> None:
+    """The header, the keys and the tensors to the file; the file closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _write_random(path: Path, arch: str, kind: Mix, seed: int, t: dict[str, int]) -> Path:
     rng = np.random.default_rng(seed)
     moe = arch == "qwen3moe"
     head_dim = t["hidden"] // t["heads"]
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(t["layers"])
-    writer.add_context_length(256)
-    writer.add_embedding_length(t["hidden"])
-    writer.add_feed_forward_length(t["ffn"])
-    writer.add_head_count(t["heads"])
-    writer.add_head_count_kv(t["kv_heads"])
+    add_shapes(writer, t["layers"], 256, t["hidden"], t["ffn"], t["heads"], t["kv_heads"])
     if moe:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -158,10 +181,7 @@ def _write_random(path: Path, arch: str, kind: Mix, seed: int, t: dict[str, int]
         matrix(f"blk.{i}.ffn_down.weight", t["hidden"], t["ffn"])
     norm("output_norm.weight")
     matrix("output.weight", t["vocab"], t["hidden"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
@@ -276,12 +296,7 @@ def write_tiny_gguf(
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{family}")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_config_shapes(writer, c, c.num_key_value_heads)
     if layout == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
@@ -342,10 +357,7 @@ def write_tiny_gguf(
             data = data + 1.0
         quantized = data.ndim == 2 and "ffn_gate_inp" not in name
         add(name, data, kind if quantized else GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
@@ -355,8 +367,5 @@ def write_header_only(path: Path, arch: str, **keys: int) -> Path:
     writer = GGUFWriter(str(path), arch)
     for key, value in keys.items():
         writer.add_uint32(f"{arch}.{key}", value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path

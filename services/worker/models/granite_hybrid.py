@@ -52,11 +52,7 @@ def load_granite_layers(
             shared_gate_up=shared[0],
             shared_down=shared[1],
         ) if moe.num_experts > 0 else dense_ffn(*shared)  # fmt: skip
-        layer = HybridLayer(
-            attn_norm=take(f"{p}.input_layernorm.weight"),
-            ffn_norm=take(f"{p}.post_attention_layernorm.weight"),
-            moe=ffn,
-        )
+        layer = HybridLayer.read(take, p, ffn)
         if kind == "mamba2":
             m = f"{p}.mamba"
             opt = lambda n: take(n) if n in tensors else None  # noqa: E731

@@ -50,6 +50,16 @@ class HybridLayer:
     attention: LayerWeights | None = None  # qkv and o (Qwen3-Next: q/k norms too)
     delta: GatedDeltaWeights | None = None  # a gated DeltaNet layer (Qwen3-Next)
 
+    @classmethod
+    def read(cls, norm: Callable[[str], torch.Tensor], prefix: str, moe: MoEWeights) -> HybridLayer:
+        """The layer at `prefix` with its two norms as the family reads a norm (`norm`) and
+        its feed-forward `moe`; its mixer or attention is set after."""
+        return cls(
+            attn_norm=norm(f"{prefix}.input_layernorm.weight"),
+            ffn_norm=norm(f"{prefix}.post_attention_layernorm.weight"),
+            moe=moe,
+        )
+
     def mixer(self) -> tuple[Callable[..., torch.Tensor], Mamba2Weights | GatedDeltaWeights] | None:
         """The layer's state-space mixer and its weights (both mixers take the same
         arguments); None for an attention layer."""

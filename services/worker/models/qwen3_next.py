@@ -68,11 +68,7 @@ def _layer(
         ffn.shared_gate = take(f"{p}.mlp.shared_expert_gate.weight")
     else:  # a dense layer (mlp_only_layers, decoder_sparse_step): its MLP alone
         ffn = dense_ffn(*mlp(f"{p}.mlp"))
-    layer = HybridLayer(
-        attn_norm=one_plus(f"{p}.input_layernorm.weight"),
-        ffn_norm=one_plus(f"{p}.post_attention_layernorm.weight"),
-        moe=ffn,
-    )
+    layer = HybridLayer.read(one_plus, p, ffn)
     if kind == "gated_delta":
         m = f"{p}.linear_attn"
         layer.delta = GatedDeltaWeights(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 from opentelemetry import trace
@@ -49,6 +51,25 @@ def _settings(nats_url: str, model_dir, worker_id: str):
         dtype="float32",
         heartbeat_interval_s=0.1,
     )
+
+
+@contextlib.asynccontextmanager
+async def _registered(
+    settings, telemetry: Telemetry | None = None
+) -> AsyncIterator[tuple[Bus, WorkerInfo]]:
+    """A worker served with `settings` and registered with a scheduler double: the
+    double's bus and the worker's registration; the worker stopped after."""
+    bus = await Bus.connect(settings.nats_url, settings.namespace, "test-scheduler")
+    scheduler = SchedulerDouble(bus)
+    await scheduler.answer_registrations()
+    stop = asyncio.Event()
+    worker = asyncio.create_task(serve(settings, stop, telemetry=telemetry))
+    try:
+        yield bus, await asyncio.wait_for(scheduler.registrations.get(), LOAD_TIMEOUT_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await bus.close()
 
 
 def _prefill_plan(step_id: int, seq_id: str, traceparent: str | None = None) -> StepPlan:
@@ -187,23 +208,13 @@ async def test_traced_rows_get_worker_forward_spans(nats_url, tiny_llama_dir):
     tel.provider.add_span_processor(SimpleSpanProcessor(exporter))
     tel.exporting = True
     settings = _settings(nats_url, tiny_llama_dir, "w-traced")
-    bus = await Bus.connect(nats_url, settings.namespace, "test-scheduler")
-    scheduler = SchedulerDouble(bus)
-    await scheduler.answer_registrations()
-    stop = asyncio.Event()
-    worker = asyncio.create_task(serve(settings, stop, telemetry=tel))
-    try:
-        await asyncio.wait_for(scheduler.registrations.get(), LOAD_TIMEOUT_S)
+    async with _registered(settings, tel) as (bus, _info):
         caller = Telemetry("scheduler", None).tracer
         with caller.start_as_current_span("scheduler.row") as row_span:
             traceparent = inject(trace.set_span_in_context(row_span))["traceparent"]
         plan = _prefill_plan(1, "traced", traceparent=traceparent)
         result = await bus.request(subjects.worker_step("w-traced"), plan, StepResult, 30)
         assert result.error is None
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
-        await bus.close()
     spans = [s for s in exporter.get_finished_spans() if s.name == "worker.forward"]
     assert len(spans) == 1
     span = spans[0]
@@ -220,20 +231,10 @@ async def test_traced_rows_get_worker_forward_spans(nats_url, tiny_llama_dir):
 async def test_worker_serves_a_synthetic_model(nats_url, tmp_path):
     config = write_synthetic_config(tmp_path)
     settings = _settings(nats_url, f"synthetic:{config}", "w-synthetic")
-    bus = await Bus.connect(nats_url, settings.namespace, "test-scheduler")
-    scheduler = SchedulerDouble(bus)
-    await scheduler.answer_registrations()
-    stop = asyncio.Event()
-    worker = asyncio.create_task(serve(settings, stop))
-    try:
-        info = await asyncio.wait_for(scheduler.registrations.get(), LOAD_TIMEOUT_S)
+    async with _registered(settings) as (bus, info):
         assert info.model_id == f"synthetic-{tmp_path.name}"
         assert (info.vocab_size, info.eos_token_ids) == (TINY_VOCAB, [2])
         plan = _prefill_plan(1, "synthetic-seq")
         result = await bus.request(subjects.worker_step("w-synthetic"), plan, StepResult, 30)
         assert result.error is None and len(result.rows) == 1
         assert 0 <= result.rows[0].token_id < TINY_VOCAB
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
-        await bus.close()

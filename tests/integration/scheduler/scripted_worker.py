@@ -19,8 +19,8 @@ from spillway.shared.protocol import (
     SpillOutcome,
     StepPlan,
     StepResult,
-    WorkerInfo,
 )
+from tests.unit.scheduler.harness import worker_info
 
 
 def scripted_token(seq_id: str, output_index: int) -> int:
@@ -45,17 +45,7 @@ class ScriptedWorker:
     ) -> None:
         self.nats_url = nats_url
         self.namespace = namespace
-        self.info = WorkerInfo(
-            worker_id=worker_id,
-            model_id="scripted",
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            vocab_size=1000,
-            eos_token_ids=[2],
-            device="cpu",
-            dtype="float32",
-        )
+        self.info = worker_info(num_kv_blocks, block_size, max_model_len, worker_id, "scripted")
         self.heartbeat_interval_s = heartbeat_interval_s
         # A scheduler id: register with that one (sched.<id>.register), else with
         # whichever of the queue group answers.

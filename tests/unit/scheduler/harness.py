@@ -47,11 +47,15 @@ def model_token(seq_id: str, output_index: int) -> int:
 
 
 def worker_info(
-    num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, worker_id: str = "w1"
+    num_kv_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    worker_id: str = "w1",
+    model_id: str = "test-model",
 ) -> WorkerInfo:
     return WorkerInfo(
         worker_id=worker_id,
-        model_id="test-model",
+        model_id=model_id,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
         max_model_len=max_model_len,

@@ -12,7 +12,7 @@ import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_conv, check_launch, out_like
 from spillway.kernels._jit import cdiv, jit, next_pow2
-from spillway.kernels._state_pool import row_state, store_output
+from spillway.kernels._recurrent import row_state, store_output
 from spillway.kernels._tl import tl
 
 

@@ -18,7 +18,7 @@ import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_launch, check_ssm, out_like
 from spillway.kernels._jit import cdiv, jit, next_pow2
-from spillway.kernels._state_pool import row_state, store_output
+from spillway.kernels._recurrent import row_head_lanes, row_state, store_output
 from spillway.kernels._tl import tl
 
 
@@ -59,9 +59,7 @@ def _kernel(
     HAS_Z: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    row, head, ps = row_head_lanes(BLOCK_P)
     ns = tl.arange(0, BLOCK_N)
     group = head // heads_per_group
     p_ok = ps < head_dim

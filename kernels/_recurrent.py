@@ -1,12 +1,25 @@
-"""Device helpers of the recurrent decode-step kernels (`causal_conv1d`, `selective_state`,
-`gated_delta`): a row's state in the pool by its slot, and its output. A padding row
-(slot < 0, `kernels.ssm_reference`) reads and writes no state and outputs zeros.
+"""Device helpers of the recurrent layers' kernels: their grid (`selective_state`,
+`gated_delta` and the chunk scans `ssd_chunk_scan`, `gated_delta_chunk`), and for the
+decode steps (`causal_conv1d` too) a row's state in the pool by its slot, and its output.
+A padding row (slot < 0, `kernels.ssm_reference`) reads and writes no state and outputs
+zeros.
 """
 
 from __future__ import annotations
 
 from spillway.kernels._jit import helper
 from spillway.kernels._tl import tl
+
+
+@helper
+def row_head_lanes(BLOCK: tl.constexpr):
+    """(row, head, this program's BLOCK lanes of the head's tiled dim): the grid is
+    (rows, heads, blocks of that dim)."""
+    return (
+        tl.program_id(0).to(tl.int64),
+        tl.program_id(1),
+        tl.program_id(2) * BLOCK + tl.arange(0, BLOCK),
+    )
 
 
 @helper

@@ -49,11 +49,36 @@ def check_paged_kv(
     return block_size, kv_heads, head_dim
 
 
-def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+def check_launch(**tensors: torch.Tensor | None) -> None:
+    """What a launcher asserts of the tensors it hands its kernel, by name (None: an optional
+    one not given): unit stride in the last dim, which the kernels index directly, and all
+    on one device."""
+    given = [t for t in tensors.values() if t is not None]
+    for name, t in tensors.items():
+        assert t is None or t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    check_same_device(*given)
+
+
+def check_out(out: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """`out` fits a result shaped as `like`, in `dtype` (by default like's)."""
+    dtype = like.dtype if dtype is None else dtype
     assert out.shape == like.shape, f"out {tuple(out.shape)} != {tuple(like.shape)}"
-    assert out.dtype == like.dtype, f"out dtype {out.dtype} != {like.dtype}"
+    assert out.dtype == dtype, f"out dtype {out.dtype} != {dtype}"
     assert out.stride(-1) == 1, "out must be contiguous in its last dim"
     check_same_device(out, like)
+
+
+def out_like(
+    out: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The destination of a result shaped as `like`, in `dtype` (by default like's): `out`
+    checked (`check_out`), or a fresh tensor."""
+    if out is None:
+        return torch.empty(
+            like.shape, dtype=like.dtype if dtype is None else dtype, device=like.device
+        )
+    check_out(out, like, dtype)
+    return out
 
 
 def check_experts(

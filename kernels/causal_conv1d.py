@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from spillway.kernels._contract import FLOAT_DTYPES, check_conv, check_same_device
+from spillway.kernels._contract import FLOAT_DTYPES, check_conv, check_launch, out_like
 from spillway.kernels._jit import cdiv, jit, next_pow2
+from spillway.kernels._recurrent import row_state, store_output
 from spillway.kernels._tl import tl
 
 
@@ -38,12 +39,11 @@ def _kernel(
     row = tl.program_id(0).to(tl.int64)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cols = tl.arange(0, BLOCK_W)
-    slot = tl.load(slots_ptr + row)
-    valid = slot >= 0
     c_ok = chans < channels
-    live = c_ok & ((chans * 0 + slot) >= 0)  # the row's valid flag as a vector mask
+    state, valid = row_state(state_ptr, slots_ptr, row, stride_s_slot, chans)
+    live = c_ok & valid
     x = tl.load(x_ptr + row * stride_x + chans, mask=c_ok, other=0.0).to(tl.float32)
-    state_row = state_ptr + tl.maximum(slot, 0) * stride_s_slot + chans[:, None] * stride_s_chan
+    state_row = state + chans[:, None] * stride_s_chan
     in_state = live[:, None] & (cols[None, :] < TAPS)
     # the window [state..., x] and the same window one step on (the new state)
     window = tl.load(state_row + cols[None, :], mask=in_state, other=0.0)
@@ -60,11 +60,10 @@ def _kernel(
         y += tl.load(bias_ptr + chans, mask=c_ok, other=0.0).to(tl.float32)
     if SILU:
         y = y * tl.sigmoid(y)
-    y = tl.where(valid, y, 0.0)
     # every thread's reads of the old state land before any write of the new one
     tl.debug_barrier()
     tl.store(state_row + cols[None, :], ahead, mask=in_state)
-    tl.store(out_ptr + row * stride_out + chans, y.to(out_ptr.dtype.element_ty), mask=c_ok)
+    store_output(out_ptr + row * stride_out + chans, y, live, c_ok)
 
 
 def causal_conv1d_update(
@@ -81,36 +80,17 @@ def causal_conv1d_update(
     bias [C] | None, slots [R] int64 (< 0: padding, output zero) -> [R, C] in x's dtype."""
     check_conv(x, conv_state, weight, bias, slots, activation)
     assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x, weight: contiguous last dim"
-    assert conv_state.stride(-1) == 1, "conv_state must be contiguous in its last dim"
-    assert slots.is_contiguous(), "slots must be contiguous"
-    assert bias is None or bias.is_contiguous(), "bias must be contiguous"
-    check_same_device(x, conv_state, weight, slots, *(() if bias is None else (bias,)))
-    if out is None:
-        out = torch.empty_like(x)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
+    check_launch(x=x, conv_state=conv_state, weight=weight, bias=bias, slots=slots)
+    out = out_like(out, x)
     rows, channels = x.shape
     if rows == 0:
         return out
     taps = weight.shape[1] - 1
     block_c = min(128, next_pow2(channels))
     _kernel[(rows, cdiv(channels, block_c))](
-        x,
-        conv_state,
-        weight,
-        weight if bias is None else bias,
-        slots,
-        out,
-        channels,
-        x.stride(0),
-        out.stride(0),
-        conv_state.stride(0),
-        conv_state.stride(1),
-        weight.stride(0),
-        TAPS=taps,
-        BLOCK_C=block_c,
-        BLOCK_W=next_pow2(taps + 1),
-        HAS_BIAS=bias is not None,
-        SILU=activation == "silu",
-    )
+        x, conv_state, weight, weight if bias is None else bias, slots, out, channels,
+        x.stride(0), out.stride(0), *conv_state.stride()[:2], weight.stride(0),
+        TAPS=taps, BLOCK_C=block_c, BLOCK_W=next_pow2(taps + 1),
+        HAS_BIAS=bias is not None, SILU=activation == "silu",
+    )  # fmt: skip
     return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels._contract import check_out, check_paged_kv
+from spillway.kernels._contract import check_paged_kv, out_like
 from spillway.kernels._jit import cdiv, helper, jit, next_pow2, num_sms
 from spillway.kernels._tl import tl
 
@@ -257,9 +257,7 @@ def paged_decode_attention(
             "query_start must be [R + 1] int32"
         )
         assert query_start.is_contiguous() and query_start.device == q.device
-    if out is None:
-        out = torch.empty_like(q)
-    check_out(out, q)
+    out = out_like(out, q)
     if rows == 0:
         return out
     group = q_heads // kv_heads
@@ -276,59 +274,28 @@ def paged_decode_attention(
         )
     else:  # stage 1 writes `out` directly; the partial pointers are never dereferenced
         part_max = part_sum = part_acc = out
+    # the query_start pointer is never dereferenced unless PACKED
+    starts = context_lens if query_start is None else query_start
     _decode_partial_kernel[(rows, kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        # never dereferenced unless PACKED
-        context_lens if query_start is None else query_start,
-        out,
-        part_max,
-        part_sum,
-        part_acc,
-        scale * LOG2E,
-        q_heads,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        q, k_cache, v_cache, block_tables, context_lens, starts, out,
+        part_max, part_sum, part_acc, scale * LOG2E, q_heads,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        *out.stride()[:2],
         GROUP=group,
         # tl.dot needs at least 16 rows; the padding rows cost compute, not memory traffic
         BLOCK_H=max(16, next_pow2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PACKED=query_start is not None,
-        num_warps=4,
-        num_stages=2,
-    )
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(rows, q_heads)](
-            part_max,
-            part_sum,
-            part_acc,
-            context_lens if query_start is None else query_start,
-            out,
-            q_heads,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits),
+            part_max, part_sum, part_acc, starts, out, q_heads, *out.stride()[:2],
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
             PACKED=query_start is not None,
             num_warps=4,
-        )
+        )  # fmt: skip
     return out
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from spillway.kernels._contract import FLOAT_DTYPES, check_delta, check_same_device
+from spillway.kernels._contract import FLOAT_DTYPES, check_delta, check_launch, out_like
 from spillway.kernels._jit import cdiv, jit, next_pow2
+from spillway.kernels._recurrent import row_head_lanes, row_state, store_output
 from spillway.kernels._tl import tl
 
 
@@ -55,23 +56,15 @@ def _kernel(
     BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row, head, vs = row_head_lanes(BLOCK_V)
     ks = tl.arange(0, BLOCK_K)
     k_head = head // v_per_k
-    slot = tl.load(slots_ptr + row)
     v_ok = vs < v_dim
     k_ok = ks < k_dim
-    live = v_ok & ((vs * 0 + slot) >= 0)  # the row's valid flag as a vector mask
+    state_base, valid = row_state(state_ptr, slots_ptr, row, stride_s_slot, vs)
+    live = v_ok & valid
     tile = k_ok[:, None] & live[None, :]
-    states = (
-        state_ptr
-        + tl.maximum(slot, 0) * stride_s_slot
-        + head * stride_s_head
-        + ks[:, None] * stride_s_k
-        + vs[None, :]
-    )
+    states = state_base + head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :]
     s = tl.load(states, mask=tile, other=0.0)
     q = tl.load(q_ptr + row * stride_q_row + k_head * stride_q_head + ks, mask=k_ok, other=0.0)
     k = tl.load(k_ptr + row * stride_k_row + k_head * stride_k_head + ks, mask=k_ok, other=0.0)
@@ -88,12 +81,8 @@ def _kernel(
     delta = (v.to(tl.float32) - tl.sum(s * k[:, None], 0)) * beta
     s = s + k[:, None] * delta[None, :]
     tl.store(states, s, mask=tile)
-    o = tl.where(live, tl.sum(s * q[:, None], 0), 0.0)
-    tl.store(
-        out_ptr + row * stride_o_row + head * stride_o_head + vs,
-        o.to(out_ptr.dtype.element_ty),
-        mask=v_ok,
-    )
+    o = tl.sum(s * q[:, None], 0)
+    store_output(out_ptr + row * stride_o_row + head * stride_o_head + vs, o, live, v_ok)
 
 
 def gated_delta_rule_step(
@@ -114,48 +103,20 @@ def gated_delta_rule_step(
     in q's dtype."""
     check_delta(q, k, v, g, beta, state, slots)
     assert q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}"
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-    assert slots.is_contiguous(), "slots must be contiguous"
-    check_same_device(q, k, v, g, beta, state, slots)
+    check_launch(q=q, k=k, v=v, g=g, beta=beta, state=state, slots=slots)
+    out = out_like(out, v, q.dtype)
     rows, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[1:]
-    if out is None:
-        out = torch.empty((rows, v_heads, v_dim), dtype=q.dtype, device=q.device)
-    assert out.shape == v.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if rows == 0:
         return out
     block_k = next_pow2(k_dim)
     # a [K, BLOCK_V] float32 tile of at most 4096 values per program
     block_v = min(next_pow2(v_dim), max(1, 4096 // block_k))
     _kernel[(rows, v_heads, cdiv(v_dim, block_v))](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state,
-        slots,
-        out,
-        k_dim,
-        v_dim,
-        v_heads // k_heads,
+        q, k, v, g, beta, state, slots, out, k_dim, v_dim, v_heads // k_heads,
         k_dim**-0.5 if scale is None else scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        beta.stride(0),
-        state.stride(0),
-        state.stride(1),
-        state.stride(2),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_K=block_k,
-        BLOCK_V=block_v,
-        L2NORM=use_qk_l2norm,
-    )
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0),
+        *state.stride()[:3], *out.stride()[:2],
+        BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+    )  # fmt: skip
     return out

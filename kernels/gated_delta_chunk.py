@@ -28,6 +28,7 @@ import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
 from spillway.kernels._jit import cdiv, jit, next_pow2
+from spillway.kernels._recurrent import row_head_lanes
 from spillway.kernels._tl import tl
 
 
@@ -94,9 +95,7 @@ def _kernel(
     BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row, head, vs = row_head_lanes(BLOCK_V)
     ts = tl.arange(0, BLOCK_Q)
     ks = tl.arange(0, BLOCK_K)
     k_head = head // v_per_k

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
-from spillway.kernels._jit import jit, next_pow2
+from spillway.kernels._contract import FLOAT_DTYPES, check_launch, check_same_device
+from spillway.kernels._jit import is_pow2, jit, next_pow2
 from spillway.kernels._tl import tl
 
 
@@ -93,34 +93,16 @@ def store_kv(
     """Triton store of k, v [T, Hkv, D] into k_cache, v_cache [NB, BS, Hkv, D] by slot."""
     _check(k, v, k_cache, v_cache, slot_mapping)
     head_dim = k.shape[2]
-    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
-    assert slot_mapping.is_contiguous()
+    assert is_pow2(head_dim), "head_dim must be a power of two"
+    check_launch(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.shape[1],
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=next_pow2(k.shape[1]),
+        k, v, k_cache, v_cache, slot_mapping, k.shape[1],
+        *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(k.shape[1]),
         num_warps=4,
-    )
+    )  # fmt: skip
 
 
 def store_kv_ref(

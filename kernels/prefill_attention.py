@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels._contract import check_out, check_paged_kv
+from spillway.kernels._contract import check_paged_kv, out_like
 from spillway.kernels._jit import cdiv, jit
 from spillway.kernels._tl import tl
 from spillway.kernels.decode_attention import (
@@ -140,9 +140,7 @@ def paged_prefill_attention(
         "query_start must be [R + 1] int32"
     )
     assert query_start.is_contiguous() and query_start.device == q.device
-    if out is None:
-        out = torch.empty_like(q)
-    check_out(out, q)
+    out = out_like(out, q)
     if rows == 0 or tokens == 0:
         return out
     if max_query_len is None:
@@ -155,35 +153,15 @@ def paged_prefill_attention(
         block_n = block_m
     grid = (q_heads, cdiv(max_query_len, block_m), rows)
     _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_start,
-        out,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=q_heads // kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        q, k_cache, v_cache, block_tables, context_lens, query_start, out, scale * LOG2E,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        *out.stride()[:2],
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SKIP_DECODE_ROWS=skip_decode_rows,
-        num_warps=4 if wide else 8,
-        num_stages=2 if wide else 1,
-    )
+        num_warps=4 if wide else 8, num_stages=2 if wide else 1,
+    )  # fmt: skip
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
+from spillway.kernels._contract import FLOAT_DTYPES, check_same_device, out_like
 from spillway.kernels._jit import jit, next_pow2
 from spillway.kernels._tl import tl
 
@@ -70,19 +70,10 @@ def _launch(
     hidden = x.shape[-1]
     block = next_pow2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2,
-        r2,
-        weight,
-        out2,
-        hidden,
-        eps,
-        x2.stride(0),
-        r2.stride(0),
-        out2.stride(0),
-        BLOCK=block,
-        ADD_RESIDUAL=residual is not None,
+        x2, r2, weight, out2, hidden, eps, x2.stride(0), r2.stride(0), out2.stride(0),
+        BLOCK=block, ADD_RESIDUAL=residual is not None,
         num_warps=min(16, max(1, block // 256)),
-    )
+    )  # fmt: skip
 
 
 def rms_norm(
@@ -90,9 +81,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """Triton RMSNorm over the last dim of x [..., H]; returns [..., H] in x's dtype."""
     _check(x, weight)
-    if out is None:
-        out = torch.empty_like(x)
-    assert out.shape == x.shape and out.dtype == x.dtype
+    out = out_like(out, x)
     _launch(x, None, weight, eps, out)
     return out
 
@@ -111,9 +100,7 @@ def fused_add_rms_norm(
     """
     _check(x, weight)
     assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual differ"
-    if out is None:
-        out = torch.empty_like(x)
-    assert out.shape == x.shape and out.dtype == x.dtype
+    out = out_like(out, x)
     _launch(x, residual, weight, eps, out)
     return out, residual
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
+from spillway.kernels._contract import FLOAT_DTYPES, check_launch, check_same_device
 from spillway.kernels._jit import helper, is_pow2, jit, next_pow2
 from spillway.kernels._tl import tl
 
@@ -96,30 +96,15 @@ def rotary(
     _check(q, k, positions, cos_cache, sin_cache)
     tokens, q_heads, head_dim = q.shape
     assert is_pow2(head_dim) and head_dim >= 2, "head_dim must be a power of two"
-    for name, t in (("q", q), ("k", k), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-    assert positions.is_contiguous()
+    check_launch(q=q, k=k, positions=positions, cos_cache=cos_cache, sin_cache=sin_cache)
     if tokens == 0:
         return
     _rotary_kernel[(tokens,)](
-        q,
-        k,
-        positions,
-        cos_cache,
-        sin_cache,
-        q_heads,
-        k.shape[1],
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos_cache.stride(0),
-        sin_cache.stride(0),
-        HALF=head_dim // 2,
-        BLOCK_HQ=next_pow2(q_heads),
-        BLOCK_HK=next_pow2(k.shape[1]),
+        q, k, positions, cos_cache, sin_cache, q_heads, k.shape[1],
+        *q.stride()[:2], *k.stride()[:2], cos_cache.stride(0), sin_cache.stride(0),
+        HALF=head_dim // 2, BLOCK_HQ=next_pow2(q_heads), BLOCK_HK=next_pow2(k.shape[1]),
         num_warps=4,
-    )
+    )  # fmt: skip
 
 
 def rotary_factors(

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from spillway.kernels._contract import FLOAT_DTYPES, check_same_device, check_ssm
+from spillway.kernels._contract import FLOAT_DTYPES, check_launch, check_ssm, out_like
 from spillway.kernels._jit import cdiv, jit, next_pow2
+from spillway.kernels._recurrent import row_head_lanes, row_state, store_output
 from spillway.kernels._tl import tl
 
 
@@ -58,23 +59,15 @@ def _kernel(
     HAS_Z: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    row, head, ps = row_head_lanes(BLOCK_P)
     ns = tl.arange(0, BLOCK_N)
     group = head // heads_per_group
-    slot = tl.load(slots_ptr + row)
     p_ok = ps < head_dim
     n_ok = ns < state_size
-    live = p_ok & ((ps * 0 + slot) >= 0)  # the row's valid flag as a vector mask
+    state_base, valid = row_state(state_ptr, slots_ptr, row, stride_s_slot, ps)
+    live = p_ok & valid
     tile = live[:, None] & n_ok[None, :]
-    states = (
-        state_ptr
-        + tl.maximum(slot, 0) * stride_s_slot
-        + head * stride_s_head
-        + ps[:, None] * stride_s_p
-        + ns[None, :]
-    )
+    states = state_base + head * stride_s_head + ps[:, None] * stride_s_p + ns[None, :]
     state = tl.load(states, mask=tile, other=0.0)
     x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + ps, mask=p_ok, other=0.0)
     x = x.to(tl.float32)
@@ -96,12 +89,7 @@ def _kernel(
         z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + ps, mask=p_ok, other=0.0)
         z = z.to(tl.float32)
         y = y * z * tl.sigmoid(z)
-    y = tl.where(live, y, 0.0)
-    tl.store(
-        out_ptr + row * stride_o_row + head * stride_o_head + ps,
-        y.to(out_ptr.dtype.element_ty),
-        mask=p_ok,
-    )
+    store_output(out_ptr + row * stride_o_row + head * stride_o_head + ps, y, live, p_ok)
 
 
 def selective_state_update(
@@ -124,15 +112,8 @@ def selective_state_update(
     zero) -> y [R, H, P] in x's dtype."""
     check_ssm(state, x, dt, A, B, C, slots, D, dt_bias, z)
     assert x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}"
-    optional = tuple(t for t in (D, dt_bias, z) if t is not None)
-    for name, t in (("state", state), ("x", x), ("B", B), ("C", C), ("z", z)):
-        assert t is None or t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-    for name, t in (("dt", dt), ("A", A), ("D", D), ("dt_bias", dt_bias), ("slots", slots)):
-        assert t is None or t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-    check_same_device(state, x, dt, A, B, C, slots, *optional)
-    if out is None:
-        out = torch.empty_like(x)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
+    check_launch(state=state, x=x, dt=dt, A=A, B=B, C=C, slots=slots, D=D, dt_bias=dt_bias, z=z)
+    out = out_like(out, x)
     rows, heads, head_dim = x.shape
     groups, state_size = B.shape[1:]
     if rows == 0:
@@ -140,41 +121,13 @@ def selective_state_update(
     block_n = next_pow2(state_size)
     # a [BLOCK_P, N] float32 tile of at most 4096 values per program
     block_p = min(next_pow2(head_dim), max(1, 4096 // block_n))
-    zt = x if z is None else z
+    zt = x if z is None else z  # absent optional tensors: pointers never dereferenced
     _kernel[(rows, heads, cdiv(head_dim, block_p))](
-        state,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        A if D is None else D,
-        A if dt_bias is None else dt_bias,
-        zt,
-        slots,
-        out,
-        head_dim,
-        state_size,
-        heads // groups,
-        state.stride(0),
-        state.stride(1),
-        state.stride(2),
-        x.stride(0),
-        x.stride(1),
-        dt.stride(0),
-        B.stride(0),
-        B.stride(1),
-        C.stride(0),
-        C.stride(1),
-        zt.stride(0),
-        zt.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_P=block_p,
-        BLOCK_N=block_n,
-        HAS_D=D is not None,
-        HAS_DT_BIAS=dt_bias is not None,
-        HAS_Z=z is not None,
-        DT_SOFTPLUS=dt_softplus,
-    )
+        state, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, zt,
+        slots, out, head_dim, state_size, heads // groups,
+        *state.stride()[:3], *x.stride()[:2], dt.stride(0), *B.stride()[:2], *C.stride()[:2],
+        *zt.stride()[:2], *out.stride()[:2],
+        BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None,
+        HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
+    )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ import torch
 
 from spillway.kernels._contract import FLOAT_DTYPES, check_same_device
 from spillway.kernels._jit import cdiv, is_pow2, jit, next_pow2
+from spillway.kernels._recurrent import row_head_lanes
 from spillway.kernels._tl import tl
 
 
@@ -86,9 +87,7 @@ def _kernel(
     BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    row, head, ps = row_head_lanes(BLOCK_P)
     ts = tl.arange(0, BLOCK_Q)
     ns = tl.arange(0, BLOCK_N)
     group = head // heads_per_group

@@ -16,32 +16,11 @@ from pathlib import Path
 import torch
 
 from spillway.kernels.cpu import native
-from spillway.kernels.cpu.info import cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "argmax.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# The vector paths the source has, best first, and the CPU flags each needs.
-ISAS: dict[str, frozenset[str]] = {
-    "avx512": frozenset({"avx512f"}),
-    "avx2": frozenset({"avx2", "fma"}),
-    "portable": frozenset(),
-}
-
-
-def best_isa() -> str:
-    have = cpu_flags()
-    return next(name for name, needs in ISAS.items() if needs <= have)
-
-
-def compile_flags(isa: str) -> list[str]:
-    """`native.compile_flags()` (AVX2 dropped for the portable build) and the vector
-    extension `isa` names."""
-    flags = [f for f in native.compile_flags() if f not in ("-mavx2", "-mfma", "-mf16c")]
-    if isa == "avx512":
-        flags += ["-mavx2", "-mfma", "-mavx512f"]
-    elif isa == "avx2":
-        flags += ["-mavx2", "-mfma"]
-    return flags
+# The vector paths the source has (plain C loops the compiler vectorises for each).
+ISAS = native.ISAS
 
 
 def fits(logits: torch.Tensor) -> bool:
@@ -56,13 +35,12 @@ def fits(logits: torch.Tensor) -> bool:
     )
 
 
-class NativeArgmax:
+class NativeArgmax(native.IsaLibrary):
+    source, what = SOURCE, "argmax"
+
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
-        fn = library.argmax_rows_f32
-        fn.restype = None
-        fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
-        self._argmax = fn
-        self.isa = isa
+        super().__init__(library, isa)
+        self._argmax = native.bind(library.argmax_rows_f32, None, [_PTR, _I64, _I64, _I64, _PTR])
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """[S] int64: logits.argmax(dim=-1), natively where `fits`, else by torch."""
@@ -75,13 +53,4 @@ class NativeArgmax:
         return out
 
 
-def load(
-    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, isa: str | None = None
-) -> NativeArgmax | None:
-    """The kernel built for `isa` (by default the best this CPU runs) on first use; None
-    where it cannot be built here."""
-    isa = isa or best_isa()
-    if not ISAS[isa] <= cpu_flags():
-        raise ValueError(f"this CPU cannot run the {isa} argmax")
-    library = native.build(SOURCE, compile_flags(isa), cache_dir)
-    return None if library is None else NativeArgmax(library, isa)
+load = NativeArgmax.load

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from spillway.kernels.cpu import matvec, native
+from spillway.kernels.cpu.native import bind, ptr
 
 SOURCE = Path(__file__).with_name("csrc") / "chunk_scan.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -28,15 +29,11 @@ def fits(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_cpu for t in tensors)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class ChunkScans:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._ssd = _fn(library.ssd_chunk_scan_f32, ctypes.c_int, [_PTR] * 11 + [_I64] * 7)
-        self._delta = _fn(library.delta_chunk_scan_f32, ctypes.c_int, [_PTR] * 12 + [_I64] * 7)
-        self._conv = _fn(
+        self._ssd = bind(library.ssd_chunk_scan_f32, ctypes.c_int, [_PTR] * 11 + [_I64] * 7)
+        self._delta = bind(library.delta_chunk_scan_f32, ctypes.c_int, [_PTR] * 12 + [_I64] * 7)
+        self._conv = bind(
             library.causal_conv_silu_f32, None, [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
             + [_I64] * 4,
         )  # fmt: skip
@@ -63,7 +60,7 @@ class ChunkScans:
         h_in = x.new_empty(rows, chunks, heads, p, n) if keep_h_in else None
         h_end = x.new_empty(rows, heads, p, n)
         code = self._ssd(
-            *(a.data_ptr() for a in args), y.data_ptr(), _ptr(h_in), h_end.data_ptr(),
+            *(a.data_ptr() for a in args), y.data_ptr(), ptr(h_in), h_end.data_ptr(),
             rows, chunks, q, heads, p, groups, n,
         )  # fmt: skip
         if code != 0:
@@ -93,7 +90,7 @@ class ChunkScans:
         h_in = v.new_empty(rows, chunks, hv, dk, dv) if keep_h_in else None
         h_end = v.new_empty(rows, hv, dk, dv)
         code = self._delta(
-            *(a.data_ptr() for a in args), o.data_ptr(), u.data_ptr(), _ptr(h_in),
+            *(a.data_ptr() for a in args), o.data_ptr(), u.data_ptr(), ptr(h_in),
             h_end.data_ptr(), rows, chunks, ql, hk, hv, dk, dv,
         )  # fmt: skip
         if code != 0:
@@ -118,16 +115,10 @@ class ChunkScans:
         b = None if bias is None else bias.float().contiguous()
         out = x.new_empty(rows, length, channels)
         self._conv(
-            x.data_ptr(), x.stride(0), x.stride(1), state.data_ptr(), wt.data_ptr(), _ptr(b),
+            x.data_ptr(), x.stride(0), x.stride(1), state.data_ptr(), wt.data_ptr(), ptr(b),
             out.data_ptr(), rows, length, channels, width,
         )  # fmt: skip
         return out
-
-
-def _fn(fn: ctypes._CFuncPtr, restype: type | None, argtypes: list) -> ctypes._CFuncPtr:
-    fn.restype = restype
-    fn.argtypes = argtypes
-    return fn
 
 
 def load(cache_dir: str | Path = native.DEFAULT_CACHE_DIR) -> ChunkScans | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from spillway.kernels.cpu import matvec, native
-from spillway.kernels.cpu.native import address_of
+from spillway.kernels.cpu.native import address_of, bind
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_ops.c"
 # The one-call decode loop's row limit (`decode_layers`); these operations take any.
@@ -44,16 +44,16 @@ def fits(rows: torch.Tensor, *others: torch.Tensor) -> bool:
 
 class DecodeOps:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._norm = _fn(library.add_rms_norm, None, [_PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64])
-        self._rotary = _fn(
+        self._norm = bind(library.add_rms_norm, None, [_PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64])
+        self._rotary = bind(
             library.rotary, ctypes.c_int, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]
         )
         store_args = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
         self._stores = {
-            torch.float32: _fn(library.store_kv, ctypes.c_int, store_args),
-            torch.bfloat16: _fn(library.store_kv_bf16, ctypes.c_int, store_args),
+            torch.float32: bind(library.store_kv, ctypes.c_int, store_args),
+            torch.bfloat16: bind(library.store_kv_bf16, ctypes.c_int, store_args),
         }
-        self._silu_mul = _fn(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
+        self._silu_mul = bind(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
 
     def addresses(self) -> dict[str, int | None]:
         """The operations' entry points, for native callers (`decode_layers`)."""
@@ -142,12 +142,6 @@ class DecodeOps:
         out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2)
         return out
-
-
-def _fn(fn: ctypes._CFuncPtr, restype: type | None, argtypes: list) -> ctypes._CFuncPtr:
-    fn.restype = restype
-    fn.argtypes = argtypes
-    return fn
 
 
 def load(cache_dir: str | Path = native.DEFAULT_CACHE_DIR) -> DecodeOps | None:

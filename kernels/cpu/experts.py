@@ -136,8 +136,8 @@ class CpuExperts:
     def with_shared(
         self,
         x: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: ExpertWeights,
+        w_down: ExpertWeights,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         shared_gate_up: torch.Tensor,
@@ -145,8 +145,8 @@ class CpuExperts:
         shared_gate: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """The routed experts plus the shared expert (`KernelOps.experts_and_shared`) in
-        one native call, or None where that kernel does not take them (the caller then
-        runs the two apart)."""
+        one native call, or None where that kernel does not take them (experts kept in
+        blocks among them: the caller then runs the two apart)."""
         if (
             self.native is None
             or x.device.type != "cpu"
@@ -154,6 +154,7 @@ class CpuExperts:
             or not self.native.fits(x, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate)
         ):
             return None
+        assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
         check_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         h = x.shape[1]
         assert shared_gate_up.dim() == 2 and shared_gate_up.shape[1] == h, (

@@ -21,17 +21,21 @@ from pathlib import Path
 import torch
 
 from spillway.kernels.cpu import native
-from spillway.kernels.cpu.info import cpu_flags
+from spillway.kernels.cpu.native import ptr
 from spillway.kernels.cpu.step_threads import StepThreads
 
 SOURCE = Path(__file__).with_name("csrc") / "experts.c"
-# The vector paths the source has, best first, and the CPU flags each needs.
-ISAS: dict[str, frozenset[str]] = {
-    "avx512": frozenset({"avx512f"}),
-    "avx2": frozenset({"avx2", "fma"}),
-    "portable": frozenset(),
-}
+# The vector paths the source has, best first.
+ISAS = native.ISAS
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# experts_f32's C arguments.
+_ARGS = [
+    _PTR, _I64, _I64,  # x, tokens, hidden
+    _PTR, _PTR, _I64,  # ids, weights, top-k
+    _PTR, _PTR, _I64, _I64,  # w_gate_up, w_down, experts, intermediate
+    _PTR, _PTR, _I64, _PTR,  # shared gate_up, down, intermediate, gate
+    _PTR, ctypes.c_int,  # out, parallel
+]  # fmt: skip
 # Below this many bytes of weights a layer runs on the calling thread alone (waking a
 # sleeping OpenMP thread costs more than it saves on a small layer).
 PARALLEL_MIN_BYTES = 1 << 20
@@ -42,19 +46,12 @@ PARALLEL_MIN_BYTES = 1 << 20
 TIMED_MAX_TOKENS = 8
 
 
-class NativeExperts:
+class NativeExperts(native.IsaLibrary):
+    source, what = SOURCE, "experts kernel"
+
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
-        self.isa = isa
-        fn = library.experts_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            _PTR, _I64, _I64,  # x, tokens, hidden
-            _PTR, _PTR, _I64,  # ids, weights, top-k
-            _PTR, _PTR, _I64, _I64,  # w_gate_up, w_down, experts, intermediate
-            _PTR, _PTR, _I64, _PTR,  # shared gate_up, down, intermediate, gate
-            _PTR, ctypes.c_int,  # out, parallel
-        ]  # fmt: skip
-        self._fn = fn
+        super().__init__(library, isa)
+        self._fn = native.bind(library.experts_f32, ctypes.c_int, _ARGS)
         self.threads = StepThreads()
         self.parallel: bool | None = None  # fixed by tests; None: timed (`TIMED_MAX_TOKENS`)
 
@@ -112,7 +109,7 @@ class NativeExperts:
         code = self._fn(
             x.data_ptr(), t, h, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             w_gate_up.data_ptr(), w_down.data_ptr(), e, two_i // 2,
-            _ptr(shared_gate_up), _ptr(shared_down), shared_inter, _ptr(shared_gate),
+            ptr(shared_gate_up), ptr(shared_down), shared_inter, ptr(shared_gate),
             out.data_ptr(), int(parallel),
         )  # fmt: skip
         if timed:
@@ -124,37 +121,12 @@ class NativeExperts:
         return out
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def best_isa() -> str:
-    have = cpu_flags()
-    return next(name for name, needs in ISAS.items() if needs <= have)
-
-
-def compile_flags(isa: str) -> list[str]:
-    """`native.compile_flags()` (AVX2 dropped for the portable build) and the vector
-    extension `isa` names."""
-    flags = [f for f in native.compile_flags() if f not in ("-mavx2", "-mfma", "-mf16c")]
-    if isa == "avx512":
-        return [*flags, "-mavx2", "-mfma", "-mavx512f"]
-    if isa == "avx2":
-        return [*flags, "-mavx2", "-mfma"]
-    return flags
-
-
 def load(
     cache_dir: str | Path = native.DEFAULT_CACHE_DIR, isa: str | None = None
 ) -> NativeExperts | None:
     """The kernel built for `isa` on first use; None where it cannot be built here. By
     default the best path this CPU runs, and None where that is the portable one (the torch
     paths are then as fast); tests ask for each path by name."""
-    if isa is None:
-        isa = best_isa()
-        if isa == "portable":
-            return None
-    if not ISAS[isa] <= cpu_flags():
-        raise ValueError(f"this CPU cannot run the {isa} experts kernel")
-    library = native.build(SOURCE, compile_flags(isa), cache_dir)
-    return None if library is None else NativeExperts(library, isa)
+    if isa is None and native.best_isa() == "portable":
+        return None
+    return NativeExperts.load(cache_dir, isa)

@@ -27,7 +27,7 @@ import torch
 
 from spillway.kernels.cpu import native
 from spillway.kernels.cpu.info import has_amx_int8
-from spillway.kernels.cpu.matvec import INT8_DOT_CODES, Q8_BLOCK, Q8Weight
+from spillway.kernels.cpu.matvec import INT8_DOT_CODES, Q8_ARGS, Q8_BLOCK, Q8Weight, rows_product
 from spillway.kernels.cpu.matvec import compile_flags as matvec_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "matmul_q8.c"
@@ -44,7 +44,6 @@ PARALLEL_MIN_WORK = 1 << 21
 # On a Xeon with AMX, one thread's CPU time, its AVX-512 VNNI build lost to fbgemm at 64 and
 # 128 rows (87.5 against 68.3 ms, 171 against 128) and its tile path beat both (34.8, 67.4).
 FASTER_THAN_FBGEMM = frozenset({"avx512_vnni"})
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 log = logging.getLogger(__name__)
 
 
@@ -88,9 +87,7 @@ class MatmulQ8Kernels:
         # Built with the tile path and the tile state granted (asked once per process).
         self.amx = bool(library.matmul_q8_amx()) and library.matmul_q8_amx_init() == 0
         fn = library.linear_q8_rows_amx if self.amx else library.linear_q8_rows
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
-        self._rows = fn
+        self._rows = native.bind(fn, ctypes.c_int, Q8_ARGS)
         self.parallel_min_work = PARALLEL_MIN_WORK
 
     @property
@@ -111,21 +108,11 @@ class MatmulQ8Kernels:
     def linear(self, x: torch.Tensor, weight: PackedQ8, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K], quantized per block of 64 to int8, against an int8 weight with integer
         products (+ b) -> [M, N] float32."""
-        x = x.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        code = self._rows(
-            x.data_ptr(), m, k, weight.packed.data_ptr(), weight.neg.data_ptr(),
-            weight.scales.data_ptr(), n, None if bias is None else bias.data_ptr(),
-            y.data_ptr(), self.parallel_min_work,
+        weight_args = (weight.packed.data_ptr(), weight.neg.data_ptr(), weight.scales.data_ptr())
+        return rows_product(
+            self._rows, "native int8 product", x, weight_args, weight.shape[0], bias,
+            self.parallel_min_work,
         )  # fmt: skip
-        if code == -1:
-            raise MemoryError("native int8 product could not allocate its buffers")
-        if code == -3:
-            raise RuntimeError("the AMX int8 product ran without the tile state granted")
-        if code != 0:
-            raise ValueError(f"native int8 product refused {tuple(x.shape)} x {n} ({code})")
-        return y
 
 
 def compile_flags(dot: str | None = None, amx: bool = True) -> list[str]:

@@ -64,7 +64,7 @@ import torch
 
 from spillway.kernels.cpu import native, tuning_cache
 from spillway.kernels.cpu.info import cpu_flags, cpu_model, int8_dot
-from spillway.kernels.cpu.native import address_of
+from spillway.kernels.cpu.native import address_of, bind, ptr
 
 SOURCE = Path(__file__).with_name("csrc") / "matvec.c"
 HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT, HAS_BLOCKS_X16 = 1, 2, 4, 8, 16, 32
@@ -113,6 +113,14 @@ MAX_BLOCK_ROWS = 8
 PARALLEL_MIN_BYTES = 1 << 21
 PARALLEL_MIN_BYTES_CHOICES = (1 << 21, 1 << 18)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# The C arguments of an int8 product (`linear_q8`, and `matmul_q8`'s): x, M, K, the weight's
+# values, scales and block sums (or their packed forms), N, bias, out, parallel threshold.
+Q8_ARGS = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
+# What a product's return code other than 0 means (any other: a shape it refuses).
+_FAILURES = {
+    -1: (MemoryError, "could not allocate its buffers"),
+    -3: (RuntimeError, "ran without the AMX tile state granted"),
+}
 
 
 def interleave(weight: BlockWeight) -> BlockWeight:
@@ -219,26 +227,15 @@ class MatvecKernels:
         library.matvec_int8_dot.restype = ctypes.c_int
         # The instruction the integer block products use (a name of info.INT8_DOTS).
         self.int8_dot = INT8_DOT_CODES.get(int(library.matvec_int8_dot()))
-        f32 = library.linear_f32
-        f32.restype = None
-        f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64]
-        q8 = library.linear_q8
-        q8.restype = ctypes.c_int
-        q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
-        blocks = library.linear_blocks_f32
-        blocks.restype = ctypes.c_int
-        blocks.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64]
-        blocks_q8 = library.linear_blocks_q8
-        blocks_q8.restype = ctypes.c_int
-        blocks_q8.argtypes = blocks.argtypes
-        self._f32, self._q8, self._blocks, self._blocks_q8 = f32, q8, blocks, blocks_q8
-        dequant = library.dequantize_rows
-        dequant.restype = ctypes.c_int
-        dequant.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64]
-        linear_dequant = library.linear_dequant_f32
-        linear_dequant.restype = ctypes.c_int
-        linear_dequant.argtypes = blocks.argtypes
-        self._dequant, self._linear_dequant = dequant, linear_dequant
+        blocks_args = [_PTR, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64]
+        self._f32 = bind(library.linear_f32, None, [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64])
+        self._q8 = bind(library.linear_q8, ctypes.c_int, Q8_ARGS)
+        self._blocks = bind(library.linear_blocks_f32, ctypes.c_int, blocks_args)
+        self._blocks_q8 = bind(library.linear_blocks_q8, ctypes.c_int, blocks_args)
+        self._dequant = bind(
+            library.dequantize_rows, ctypes.c_int, [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64]
+        )
+        self._linear_dequant = bind(library.linear_dequant_f32, ctypes.c_int, blocks_args)
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
 
     def tune(
@@ -394,18 +391,11 @@ class MatvecKernels:
         bias: torch.Tensor | None,
         codes: dict[str, int] = BLOCK_TYPES,
     ) -> torch.Tensor:
-        x = x.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        code = fn(
-            x.data_ptr(), m, k, weight.data.data_ptr(), codes[weight.kind], n,
-            None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,
+        weight_args = (weight.data.data_ptr(), codes[weight.kind])
+        return rows_product(
+            fn, "native block projection", x, weight_args, weight.shape[0], bias,
+            self.parallel_min_bytes,
         )  # fmt: skip
-        if code == -1:
-            raise MemoryError("native block projection could not allocate its buffers")
-        if code != 0:
-            raise ValueError(f"native block projection refused {tuple(x.shape)} x {n} ({code})")
-        return y
 
     def linear_f32(
         self,
@@ -415,36 +405,47 @@ class MatvecKernels:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [M, K] W^T [K, N] (+ b) -> [M, N] float32, written into `out` where given."""
-        x = x.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
-        if out is None:
-            y = torch.empty(m, n, dtype=torch.float32)
-        else:
-            assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
-            y = out
-        self._f32(
-            x.data_ptr(), m, k, weight.data_ptr(), n,
-            None if bias is None else bias.data_ptr(), y.data_ptr(), self.parallel_min_bytes,
+        return rows_product(
+            self._f32, "native projection", x, (weight.data_ptr(),), weight.shape[0], bias,
+            self.parallel_min_bytes, out,
         )  # fmt: skip
-        return y
 
     def linear_q8(
         self, x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K] against an int8 weight (+ float32 b) -> [M, N] float32."""
-        x = x.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        code = self._q8(
-            x.data_ptr(), m, k, weight.q.data_ptr(), weight.scales.data_ptr(),
-            weight.block_sums.data_ptr(), n, None if bias is None else bias.data_ptr(),
-            y.data_ptr(), self.parallel_min_bytes,
+        weight_args = (weight.q.data_ptr(), weight.scales.data_ptr(), weight.block_sums.data_ptr())
+        return rows_product(
+            self._q8, "native int8 projection", x, weight_args, weight.shape[0], bias,
+            self.parallel_min_bytes,
         )  # fmt: skip
-        if code == -1:
-            raise MemoryError("native int8 projection could not allocate its buffers")
-        if code != 0:
-            raise ValueError(f"native int8 projection refused {tuple(x.shape)} x {n} ({code})")
-        return y
+
+
+def rows_product(
+    fn: ctypes._CFuncPtr,
+    what: str,
+    x: torch.Tensor,
+    weight_args: tuple[int, ...],
+    n: int,
+    bias: torch.Tensor | None,
+    parallel: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] against a weight (+ b) -> [M, N] float32 (into `out` where given) through the
+    native product `fn`, which, as each of this library's and `matmul_q8`'s, takes x, M, K,
+    the weight's own arguments, N, the bias, the output and a parallel threshold, and
+    returns 0 (or nothing, where it cannot fail) or a code of _FAILURES."""
+    x = x.contiguous()
+    m, k = x.shape
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    else:
+        assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
+    code = fn(x.data_ptr(), m, k, *weight_args, n, ptr(bias), out.data_ptr(), parallel)
+    if code:
+        error, says = _FAILURES.get(code, (ValueError, f"refused {tuple(x.shape)} x {n} ({code})"))
+        raise error(f"{what} {says}")
+    return out
 
 
 def load(

@@ -21,6 +21,7 @@ import tempfile
 import threading
 from functools import cache
 from pathlib import Path
+from typing import ClassVar, Self
 
 import torch
 
@@ -43,6 +44,66 @@ def compile_flags() -> list[str]:
     if "f16c" in have:
         flags.append("-mf16c")
     return flags
+
+
+# The vector paths of the kernels built per instruction set (`argmax`, `noise`,
+# `experts_native`), best first, and the CPU flags each needs.
+ISAS: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"avx512f"}),
+    "avx2": frozenset({"avx2", "fma"}),
+    "portable": frozenset(),
+}
+
+
+def best_isa() -> str:
+    """The best of ISAS this CPU runs."""
+    have = cpu_flags()
+    return next(name for name, needs in ISAS.items() if needs <= have)
+
+
+def isa_flags(isa: str) -> list[str]:
+    """compile_flags() (AVX2 dropped for the portable build) and the vector extension `isa`
+    names."""
+    flags = [f for f in compile_flags() if f not in ("-mavx2", "-mfma", "-mf16c")]
+    if isa == "avx512":
+        return [*flags, "-mavx2", "-mfma", "-mavx512f"]
+    if isa == "avx2":
+        return [*flags, "-mavx2", "-mfma"]
+    return flags
+
+
+class IsaLibrary:
+    """A library built for one of the vector paths of ISAS (`argmax`, `noise`,
+    `experts_native`): its `source`, named `what` in errors."""
+
+    source: ClassVar[Path]
+    what: ClassVar[str]
+
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa
+
+    @classmethod
+    def load(cls, cache_dir: str | Path = DEFAULT_CACHE_DIR, isa: str | None = None) -> Self | None:
+        """The library built for `isa` (by default the best this CPU runs) on first use;
+        None where it cannot be built here. A path this CPU cannot run is refused."""
+        isa = isa or best_isa()
+        if not ISAS[isa] <= cpu_flags():
+            raise ValueError(f"this CPU cannot run the {isa} {cls.what}")
+        library = build(cls.source, isa_flags(isa), cache_dir)
+        return None if library is None else cls(library, isa)
+
+
+def bind(fn: ctypes._CFuncPtr, restype: type | None, argtypes: list) -> ctypes._CFuncPtr:
+    """A library's function with its C signature declared (ctypes converts the arguments by
+    it and would otherwise take the result for an int)."""
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument that may be NULL."""
+    return None if t is None else t.data_ptr()
 
 
 @cache
@@ -80,14 +141,22 @@ def attention_flags() -> list[str]:
 
 # The cache dtypes the native attention reads (float32 arithmetic on either).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+_ATTENTION_ARGS = [
+    _PTR, _I64, _I64,  # q, its token and head strides
+    _PTR, _PTR,  # k_cache, v_cache
+    _PTR, _I64, _PTR,  # block_tables, its row stride, context_lens
+    _PTR, _PTR,  # query_start, out
+    _I64, _I64, _I64, _I64, _I64,  # rows, q heads, kv heads, head dim, block size
+    _F32,  # scale
+]  # fmt: skip
 
 
 class NativeKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library
         self._paged_attention = {
-            torch.float32: _attention_fn(library.paged_attention_f32),
-            torch.bfloat16: _attention_fn(library.paged_attention_bf16),
+            torch.float32: bind(library.paged_attention_f32, ctypes.c_int, _ATTENTION_ARGS),
+            torch.bfloat16: bind(library.paged_attention_bf16, ctypes.c_int, _ATTENTION_ARGS),
         }
 
     def addresses(self) -> dict[str, int | None]:
@@ -130,19 +199,6 @@ class NativeKernels:
         if code != 0:
             raise MemoryError("native paged attention could not allocate its buffers")
         return out
-
-
-def _attention_fn(fn: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        _PTR, _I64, _I64,  # q, its token and head strides
-        _PTR, _PTR,  # k_cache, v_cache
-        _PTR, _I64, _PTR,  # block_tables, its row stride, context_lens
-        _PTR, _PTR,  # query_start, out
-        _I64, _I64, _I64, _I64, _I64,  # rows, q heads, kv heads, head dim, block size
-        _F32,  # scale
-    ]  # fmt: skip
-    return fn
 
 
 def address_of(fn: ctypes._CFuncPtr) -> int | None:

@@ -14,23 +14,20 @@ from pathlib import Path
 
 import torch
 
-from spillway.kernels.cpu import argmax, native
-from spillway.kernels.cpu.info import cpu_flags
+from spillway.kernels.cpu import native
 
 SOURCE = Path(__file__).with_name("csrc") / "noise.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# The same vector extensions as the argmax: the loop is plain C that the compiler
-# vectorises for whichever it is given.
-ISAS = argmax.ISAS
+# The loop is plain C that the compiler vectorises for whichever vector path it is given.
+ISAS = native.ISAS
 
 
-class NativeUniforms:
+class NativeUniforms(native.IsaLibrary):
+    source, what = SOURCE, "uniforms"
+
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
-        fn = library.uniform_rows_f32
-        fn.restype = None
-        fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
-        self._uniforms = fn
-        self.isa = isa
+        super().__init__(library, isa)
+        self._uniforms = native.bind(library.uniform_rows_f32, None, [_PTR, _I64, _I64, _I64, _PTR])
 
     def __call__(self, keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[S, V] float32 uniforms in (0, 1) for CPU keys [S] int32 (`noise_keys`)."""
@@ -46,13 +43,4 @@ class NativeUniforms:
         return out
 
 
-def load(
-    cache_dir: str | Path = native.DEFAULT_CACHE_DIR, isa: str | None = None
-) -> NativeUniforms | None:
-    """The kernel built for `isa` (by default the best this CPU runs) on first use; None
-    where it cannot be built here."""
-    isa = isa or argmax.best_isa()
-    if not ISAS[isa] <= cpu_flags():
-        raise ValueError(f"this CPU cannot run the {isa} uniforms")
-    library = native.build(SOURCE, argmax.compile_flags(isa), cache_dir)
-    return None if library is None else NativeUniforms(library, isa)
+load = NativeUniforms.load

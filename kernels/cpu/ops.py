@@ -21,7 +21,7 @@ from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from spillway.kernels._ops_protocol import InBlocks, KernelOps
+from spillway.kernels._ops_protocol import KernelOps
 from spillway.kernels.cpu import (
     argmax,
     chunk_scan,
@@ -189,7 +189,8 @@ class CpuOps(KernelOps, CpuAbilities):
 
     name = "torch"
     # A MoE layer's experts: a `CpuExperts`, set per instance (it keeps the projections'
-    # few-row kernels), which KernelOps.fused_experts' signature checks as it is called.
+    # few-row kernels), which KernelOps.fused_experts' signature checks as it is called;
+    # with the shared expert, its `with_shared`.
     fused_experts: CpuExperts
 
     def __init__(
@@ -228,6 +229,7 @@ class CpuOps(KernelOps, CpuAbilities):
         self.fused_experts = CpuExperts(
             few_rows, self._linear, experts_native.load(native_dir) if native == "auto" else None
         )
+        self.experts_and_shared = self.fused_experts.with_shared
         self._gather_buffers = GatherBuffers()
         self._decode_gather: LastDerived = LastDerived()
         self._rotary_factors: LastDerived = LastDerived()
@@ -526,23 +528,6 @@ class CpuOps(KernelOps, CpuAbilities):
             lambda: rotary_factors(positions, cos_cache, sin_cache),
         )
         rotary_ref(q, k, positions, cos_cache, sin_cache, factors=factors)
-
-    def experts_and_shared(
-        self,
-        x: torch.Tensor,
-        w_gate_up: torch.Tensor | InBlocks,
-        w_down: torch.Tensor | InBlocks,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        shared_gate_up: torch.Tensor,
-        shared_down: torch.Tensor,
-        shared_gate: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        if not isinstance(w_gate_up, torch.Tensor) or not isinstance(w_down, torch.Tensor):
-            return None  # experts kept in blocks: the caller runs the two apart
-        return self.fused_experts.with_shared(
-            x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, shared_down, shared_gate
-        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.decode_ops is not None and gate_up.dim() == 2 and decode_ops.fits(gate_up):

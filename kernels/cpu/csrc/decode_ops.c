@@ -72,23 +72,6 @@ int rotary(float *heads, int64_t tokens, int64_t stride, int64_t nheads, int64_t
     return 0;
 }
 
-/* k, v: [T] rows of `width` floats at row strides k_stride, v_stride; caches: num_slots
- * slots of `width` floats. Returns -1 (touching nothing) when a slot is past the cache.
- * The caches are `void *` so that `decode_layers` holds either kind through one type. */
-int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-             void *k_cache_, void *v_cache_, const int64_t *slots, int64_t tokens,
-             int64_t width, int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; t++)
-        if (slots[t] >= num_slots) return -1;
-    float *k_cache = (float *)k_cache_, *v_cache = (float *)v_cache_;
-    for (int64_t t = 0; t < tokens; t++) {
-        if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(float));
-        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(float));
-    }
-    return 0;
-}
-
 /* x rounded to bfloat16 to the nearest, ties to even, as torch's tensor conversion
  * (ATen's vectorized float -> bfloat16) rounds: a NaN becomes 0xffff (a NaN, what ATen
  * writes for any NaN); anything else gets 0x7fff plus its kept lowest bit added, then
@@ -100,23 +83,47 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* store_kv into bfloat16 caches (num_slots slots of `width` bfloat16 values each). */
-int store_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                  void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
-                  int64_t width, int64_t num_slots) {
+/* k, v: [T] rows of `width` floats at row strides k_stride, v_stride; caches: num_slots
+ * slots of `width` values, float32 or (`bf16`, a constant in each copy below) bfloat16,
+ * rounded by to_bf16. Returns -1 (touching nothing) when a slot is past the cache. */
+static inline __attribute__((always_inline)) int store_rows(
+    const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *k_cache,
+    void *v_cache, const int64_t *slots, int64_t tokens, int64_t width, int64_t num_slots,
+    int bf16) {
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] >= num_slots) return -1;
-    uint16_t *kc = (uint16_t *)k_cache, *vc = (uint16_t *)v_cache;
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        uint16_t *kd = kc + slots[t] * width, *vd = vc + slots[t] * width;
         const float *ks = k + t * k_stride, *vs = v + t * v_stride;
+        if (!bf16) {
+            memcpy((float *)k_cache + slots[t] * width, ks, (size_t)width * sizeof(float));
+            memcpy((float *)v_cache + slots[t] * width, vs, (size_t)width * sizeof(float));
+            continue;
+        }
+        uint16_t *kd = (uint16_t *)k_cache + slots[t] * width;
+        uint16_t *vd = (uint16_t *)v_cache + slots[t] * width;
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) kd[i] = to_bf16(ks[i]);
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) vd[i] = to_bf16(vs[i]);
     }
     return 0;
+}
+
+/* store_rows into float32 and into bfloat16 caches. The caches are `void *` so that
+ * `decode_layers` holds either kind through one type. */
+int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+             void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
+             int64_t width, int64_t num_slots) {
+    return store_rows(k, k_stride, v, v_stride, k_cache, v_cache, slots, tokens, width,
+                      num_slots, 0);
+}
+
+int store_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                  void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
+                  int64_t width, int64_t num_slots) {
+    return store_rows(k, k_stride, v, v_stride, k_cache, v_cache, slots, tokens, width,
+                      num_slots, 1);
 }
 
 /* gate_up [T, 2I] -> out [T, I]. silu(g) = g / (1 + e^-g), with e^-|g| only (no overflow):

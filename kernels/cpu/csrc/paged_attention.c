@@ -87,45 +87,11 @@ static inline void widen(const void *base, int64_t at, int64_t n, Wide *out) {
     for (int64_t d = 0; d < n; d++) out->u[d] = (uint32_t)src[d] << 16;
 }
 
-/* attend_group's loops over a bfloat16 cache (head_dim <= WIDE_MAX): each key and value
- * widened once for the whole group, then the float32 arithmetic on the widened row. */
-static void attend_group_wide(const float *q, int64_t q_head_stride, int64_t group,
-                              const void *k_cache, const void *v_cache, int64_t head,
-                              const int32_t *table, int64_t visible, int64_t block_size,
-                              int64_t token_stride, int64_t block_stride, int64_t head_dim,
-                              float scale, float *restrict scores, float *restrict out) {
-    Wide wide;
-    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
-        const int64_t k_block = head + (int64_t)table[b] * block_stride;
-        const int64_t n = visible - start < block_size ? visible - start : block_size;
-        for (int64_t o = 0; o < n; o++) {
-            widen(k_cache, k_block + o * token_stride, head_dim, &wide);
-            for (int64_t g = 0; g < group; g++)
-                scores[g * visible + start + o] =
-                    dot(q + g * q_head_stride, wide.f, 0, head_dim, 0) * scale;
-        }
-    }
-    float inv_total[group];
-    softmax_weights(scores, group, visible, inv_total);
-    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
-        const int64_t v_block = head + (int64_t)table[b] * block_stride;
-        const int64_t n = visible - start < block_size ? visible - start : block_size;
-        for (int64_t o = 0; o < n; o++) {
-            widen(v_cache, v_block + o * token_stride, head_dim, &wide);
-            for (int64_t g = 0; g < group; g++)
-                axpy(out + g * head_dim, scores[g * visible + start + o], wide.f, 0, head_dim, 0);
-        }
-    }
-    for (int64_t g = 0; g < group; g++) {
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv_total[g];
-    }
-}
-
 /* The attention of one query group (the G query heads sharing a KV head) over keys
  * [0, visible) of one row: q_g at q + g * q_head_stride, out_g at out + g * head_dim.
  * The head's keys and values start at element `head` of k_cache and v_cache. scores
- * holds G * visible floats. */
+ * holds G * visible floats. A bfloat16 cache's rows (head_dim <= WIDE_MAX) are widened
+ * once for the whole group, then read as float32. */
 static inline __attribute__((always_inline)) void attend_group(const float *q, int64_t q_head_stride, int64_t group,
                          const void *k_cache, const void *v_cache, int64_t head, const int32_t *table,
                          int64_t visible, int64_t block_size, int64_t token_stride,
@@ -133,20 +99,21 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
                          float *restrict scores, float *restrict out, int kv) {
     memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
     if (visible <= 0) return;
-    if (kv && head_dim <= WIDE_MAX) {
-        attend_group_wide(q, q_head_stride, group, k_cache, v_cache, head, table, visible,
-                          block_size, token_stride, block_stride, head_dim, scale, scores, out);
-        return;
-    }
+    const int wide_rows = kv && head_dim <= WIDE_MAX;
+    Wide wide;
     /* Pass 1: every score, each key loaded once for the whole group. */
     for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
         const int64_t k_block = head + (int64_t)table[b] * block_stride;
         const int64_t n = visible - start < block_size ? visible - start : block_size;
         for (int64_t o = 0; o < n; o++) {
             const int64_t k = k_block + o * token_stride;
-            for (int64_t g = 0; g < group; g++)
-                scores[g * visible + start + o] =
-                    dot(q + g * q_head_stride, k_cache, k, head_dim, kv) * scale;
+            if (wide_rows) widen(k_cache, k, head_dim, &wide);
+            for (int64_t g = 0; g < group; g++) {
+                const float *q_g = q + g * q_head_stride;
+                const float s = wide_rows ? dot(q_g, wide.f, 0, head_dim, 0)
+                                          : dot(q_g, k_cache, k, head_dim, kv);
+                scores[g * visible + start + o] = s * scale;
+            }
         }
     }
     /* Softmax weights, unnormalised; the division comes last. */
@@ -158,8 +125,14 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
         const int64_t n = visible - start < block_size ? visible - start : block_size;
         for (int64_t o = 0; o < n; o++) {
             const int64_t v = v_block + o * token_stride;
-            for (int64_t g = 0; g < group; g++)
-                axpy(out + g * head_dim, scores[g * visible + start + o], v_cache, v, head_dim, kv);
+            if (wide_rows) widen(v_cache, v, head_dim, &wide);
+            for (int64_t g = 0; g < group; g++) {
+                const float w = scores[g * visible + start + o];
+                if (wide_rows)
+                    axpy(out + g * head_dim, w, wide.f, 0, head_dim, 0);
+                else
+                    axpy(out + g * head_dim, w, v_cache, v, head_dim, kv);
+            }
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -170,14 +143,6 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-/* Elements [i, i + 16) of a cache of kind kv, as float32 (bfloat16: zero-extended to 32
- * bits and shifted into the top half, which is exactly its float32 value). */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t i, int kv) {
-    if (!kv) return _mm512_loadu_ps((const float *)base + i);
-    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
 
 /* The next block's rows of one head (D values each) on their way to the cache while this
  * block is computed: a row's blocks lie anywhere in the cache, where the hardware
@@ -212,30 +177,85 @@ static inline __m512 sum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xdd));
 }
 
-/* scores[t] = scale * q . k_t for the n (<= 16) keys of one block, D / 16 vectors each. */
+/* bfloat16 keys and values by pairs: one 64-byte load holds 32 of them, and the even ones
+ * (shifted up 16 bits) and the odd ones (their low 16 bits cleared) are two float32
+ * vectors with no shuffle at all. A dot product does not care about the order of its
+ * terms, so the query is split the same way (`split_pairs`); the weighted sum of values
+ * keeps its accumulators split and interleaves them once at the end. */
+static inline __attribute__((always_inline)) void load_pairs(const void *base, int64_t i,
+                                                             __m512 *even, __m512 *odd) {
+    const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)base + i));
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* q [D] -> out[2c] = q[32c + 2j], out[2c + 1] = q[32c + 2j + 1] (j < 16), c < D / 32. */
+static inline __attribute__((always_inline)) void split_pairs(const float *q, int64_t D,
+                                                              __m512 *out) {
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
+                                           2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < D / 32; c++) {
+        const __m512 a = _mm512_loadu_ps(q + 32 * c), b = _mm512_loadu_ps(q + 32 * c + 16);
+        out[2 * c] = _mm512_permutex2var_ps(a, evens, b);
+        out[2 * c + 1] = _mm512_permutex2var_ps(a, odds, b);
+    }
+}
+
+/* A query's D / 16 vectors: as they lie (float32 keys), or split by split_pairs (bfloat16
+ * keys, read by pairs). */
+static inline __attribute__((always_inline)) void query_vectors(const float *q, int64_t D,
+                                                                __m512 *qv, int kv) {
+    if (kv) {
+        split_pairs(q, D, qv);
+        return;
+    }
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+}
+
+/* q . k for the key at element k of the cache, as a vector whose lanes sum to it. */
+static inline __attribute__((always_inline)) __m512 key_dot(const __m512 *qv, const void *k_cache,
+                                                            int64_t k, int64_t D, int kv) {
+    if (!kv) {
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps((const float *)k_cache + k));
+#pragma GCC unroll 8
+        for (int64_t c = 1; c < D / 16; c++)
+            a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps((const float *)k_cache + k + 16 * c), a);
+        return a;
+    }
+    __m512 even, odd;
+    load_pairs(k_cache, k, &even, &odd);
+    __m512 a = _mm512_fmadd_ps(qv[1], odd, _mm512_mul_ps(qv[0], even));
+#pragma GCC unroll 4
+    for (int64_t c = 1; c < D / 32; c++) {
+        load_pairs(k_cache, k + 32 * c, &even, &odd);
+        a = _mm512_fmadd_ps(qv[2 * c], even, a);
+        a = _mm512_fmadd_ps(qv[2 * c + 1], odd, a);
+    }
+    return a;
+}
+
+/* scores[t] = scale * q . k_t for the n (<= 16) keys of one block (qv: query_vectors). */
 static inline __attribute__((always_inline)) void block_scores(
     const __m512 *qv, const void *k_cache, int64_t k_block, int64_t n, int64_t token_stride,
     int64_t D, float scale, float *scores, int kv) {
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int64_t t = 0; t < 16; t++) {
-        if (t < n) {
-            const int64_t k = k_block + t * token_stride;
-            __m512 a = _mm512_mul_ps(qv[0], load16(k_cache, k, kv));
-#pragma GCC unroll 8
-            for (int64_t c = 1; c < D / 16; c++)
-                a = _mm512_fmadd_ps(qv[c], load16(k_cache, k + 16 * c, kv), a);
-            acc[t] = a;
-        } else {
+        if (t < n)
+            acc[t] = key_dot(qv, k_cache, k_block + t * token_stride, D, kv);
+        else
             acc[t] = _mm512_setzero_ps();
-        }
     }
     const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(scores, (__mmask16)((1u << n) - 1u), s);
 }
 
 /* out_g += sum_t w_g[t] v_t for GB heads g of the group at once (their accumulators stay
- * in registers: GB * D / 16 of them), then out_g *= inv_total[g]. */
+ * in registers: GB * D / 16 of them), then out_g *= inv_total[g]. bfloat16 values are
+ * read by pairs: acc[g][2c] sums the even values of chunk c, acc[g][2c + 1] the odd. */
 static inline __attribute__((always_inline)) void weighted_values(
     const void *v_cache, int64_t head, const int32_t *table, int64_t visible, int64_t block_size,
     int64_t token_stride, int64_t block_stride, int64_t D, int64_t GB, const float *weights,
@@ -254,8 +274,14 @@ static inline __attribute__((always_inline)) void weighted_values(
         for (int64_t o = 0; o < n; o++) {
             const int64_t v = v_block + o * token_stride;
             __m512 vv[8];
+            if (kv) {
+#pragma GCC unroll 4
+                for (int64_t c = 0; c < D / 32; c++)
+                    load_pairs(v_cache, v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
+            } else {
 #pragma GCC unroll 8
-            for (int64_t c = 0; c < D / 16; c++) vv[c] = load16(v_cache, v + 16 * c, kv);
+                for (int64_t c = 0; c < D / 16; c++) vv[c] = _mm512_loadu_ps((const float *)v_cache + v + 16 * c);
+            }
 #pragma GCC unroll 4
             for (int64_t g = 0; g < GB; g++) {
                 const __m512 w = _mm512_set1_ps(weights[g * weight_stride + start + o]);
@@ -265,113 +291,26 @@ static inline __attribute__((always_inline)) void weighted_values(
             }
         }
     }
-#pragma GCC unroll 4
-    for (int64_t g = 0; g < GB; g++) {
-        const __m512 inv = _mm512_set1_ps(inv_total[g]);
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < D / 16; c++)
-            _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], inv));
-    }
-}
-
-/* bfloat16 keys and values by pairs: one 64-byte load holds 32 of them, and the even ones
- * (shifted up 16 bits) and the odd ones (their low 16 bits cleared) are two float32
- * vectors with no shuffle at all. A dot product does not care about the order of its
- * terms, so the query is split the same way (`split_pairs`); the weighted sum of values
- * keeps its accumulators split and interleaves them once at the end. */
-static inline __attribute__((always_inline)) void load_pairs(const void *base, int64_t i,
-                                                             __m512 *even, __m512 *odd) {
-    const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)base + i));
-    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-
-/* q [D] -> out[2c] = q[32c + 2j], out[2c + 1] = q[32c + 2j + 1] (j < 16), c < D / 32. */
-static inline __attribute__((always_inline)) void split_pairs(const float *q, int64_t D,
-                                                              __m512 *out) {
-    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
-                                           2, 0);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-#pragma GCC unroll 4
-    for (int64_t c = 0; c < D / 32; c++) {
-        const __m512 a = _mm512_loadu_ps(q + 32 * c), b = _mm512_loadu_ps(q + 32 * c + 16);
-        out[2 * c] = _mm512_permutex2var_ps(a, evens, b);
-        out[2 * c + 1] = _mm512_permutex2var_ps(a, odds, b);
-    }
-}
-
-/* block_scores over bfloat16 keys, the query split by split_pairs. */
-static inline __attribute__((always_inline)) void block_scores_bf16(
-    const __m512 *qv, const void *k_cache, int64_t k_block, int64_t n, int64_t token_stride,
-    int64_t D, float scale, float *scores) {
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int64_t t = 0; t < 16; t++) {
-        if (t < n) {
-            const int64_t k = k_block + t * token_stride;
-            __m512 even, odd;
-            load_pairs(k_cache, k, &even, &odd);
-            __m512 a = _mm512_fmadd_ps(qv[1], odd, _mm512_mul_ps(qv[0], even));
-#pragma GCC unroll 4
-            for (int64_t c = 1; c < D / 32; c++) {
-                load_pairs(k_cache, k + 32 * c, &even, &odd);
-                a = _mm512_fmadd_ps(qv[2 * c], even, a);
-                a = _mm512_fmadd_ps(qv[2 * c + 1], odd, a);
-            }
-            acc[t] = a;
-        } else {
-            acc[t] = _mm512_setzero_ps();
-        }
-    }
-    const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores, (__mmask16)((1u << n) - 1u), s);
-}
-
-/* weighted_values over bfloat16 values. */
-static inline __attribute__((always_inline)) void weighted_values_bf16(
-    const void *v_cache, int64_t head, const int32_t *table, int64_t visible, int64_t block_size,
-    int64_t token_stride, int64_t block_stride, int64_t D, int64_t GB, const float *weights,
-    int64_t weight_stride, const float *inv_total, float *out) {
-    __m512 acc[4][8]; /* [g][2c]: the even values of chunk c, [g][2c + 1] the odd */
-#pragma GCC unroll 4
-    for (int64_t g = 0; g < GB; g++)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
-        const int64_t v_block = head + (int64_t)table[b] * block_stride;
-        const int64_t n = visible - start < block_size ? visible - start : block_size;
-        if (start + block_size < visible)
-            prefetch_rows(v_cache, head + (int64_t)table[b + 1] * block_stride, block_size,
-                          token_stride, D, 1);
-        for (int64_t o = 0; o < n; o++) {
-            const int64_t v = v_block + o * token_stride;
-            __m512 vv[8];
-#pragma GCC unroll 4
-            for (int64_t c = 0; c < D / 32; c++)
-                load_pairs(v_cache, v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
-#pragma GCC unroll 4
-            for (int64_t g = 0; g < GB; g++) {
-                const __m512 w = _mm512_set1_ps(weights[g * weight_stride + start + o]);
-#pragma GCC unroll 8
-                for (int64_t c = 0; c < D / 16; c++)
-                    acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
-            }
-        }
-    }
-    /* out[32c + 2j] = even[j], out[32c + 2j + 1] = odd[j]: interleave the halves back. */
+    /* bfloat16 values: out[32c + 2j] = even[j], out[32c + 2j + 1] = odd[j], the halves
+     * interleaved back. */
     const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
 #pragma GCC unroll 4
     for (int64_t g = 0; g < GB; g++) {
         const __m512 inv = _mm512_set1_ps(inv_total[g]);
+        float *o = out + g * D;
+        if (kv) {
 #pragma GCC unroll 4
-        for (int64_t c = 0; c < D / 32; c++) {
-            const __m512 e = acc[g][2 * c], od = acc[g][2 * c + 1];
-            _mm512_storeu_ps(out + g * D + 32 * c,
-                             _mm512_mul_ps(_mm512_permutex2var_ps(e, low, od), inv));
-            _mm512_storeu_ps(out + g * D + 32 * c + 16,
-                             _mm512_mul_ps(_mm512_permutex2var_ps(e, high, od), inv));
+            for (int64_t c = 0; c < D / 32; c++) {
+                const __m512 e = acc[g][2 * c], od = acc[g][2 * c + 1];
+                _mm512_storeu_ps(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(e, low, od), inv));
+                _mm512_storeu_ps(o + 32 * c + 16,
+                                 _mm512_mul_ps(_mm512_permutex2var_ps(e, high, od), inv));
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < D / 16; c++)
+                _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], inv));
         }
     }
 }
@@ -387,27 +326,9 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
         return;
     }
     /* Pass 1: every score, a block of keys at a time (they stay in L1 across the group). */
-    if (kv) {
-        for (int64_t g = 0; g < group; g++) {
-            __m512 qv[8];
-            split_pairs(q + g * q_head_stride, D, qv);
-            for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
-                const int64_t k_block = head + (int64_t)table[b] * block_stride;
-                const int64_t n = visible - start < block_size ? visible - start : block_size;
-                if (g == 0 && start + block_size < visible)
-                    prefetch_rows(k_cache, head + (int64_t)table[b + 1] * block_stride,
-                                  block_size, token_stride, D, 1);
-                for (int64_t o = 0; o < n; o += 16)
-                    block_scores_bf16(qv, k_cache, k_block + o * token_stride,
-                                      n - o < 16 ? n - o : 16, token_stride, D, scale,
-                                      scores + g * visible + start + o);
-            }
-        }
-    }
-    for (int64_t g = 0; g < group && !kv; g++) {
+    for (int64_t g = 0; g < group; g++) {
         __m512 qv[8];
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + g * q_head_stride + 16 * c);
+        query_vectors(q + g * q_head_stride, D, qv, kv);
         for (int64_t start = 0, b = 0; start < visible; start += block_size, b++) {
             const int64_t k_block = head + (int64_t)table[b] * block_stride;
             const int64_t n = visible - start < block_size ? visible - start : block_size;
@@ -428,13 +349,9 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
         const int64_t left = group - g;
         const float *w = scores + g * visible;
         float *o = out + g * D;
-#define VALUES(GB)                                                                            \
-    if (kv)                                                                                   \
-        weighted_values_bf16(v_cache, head, table, visible, block_size, token_stride,         \
-                             block_stride, D, GB, w, visible, inv_total + g, o);              \
-    else                                                                                      \
-        weighted_values(v_cache, head, table, visible, block_size, token_stride, block_stride, \
-                        D, GB, w, visible, inv_total + g, o, kv)
+#define VALUES(GB)                                                                        \
+    weighted_values(v_cache, head, table, visible, block_size, token_stride, block_stride, \
+                    D, GB, w, visible, inv_total + g, o, kv)
         if (left >= per_pass) {
             if (per_pass == 4) {
                 VALUES(4);
@@ -457,6 +374,32 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
 }
 #define HAVE_AVX512_ATTENTION 1
 #endif
+
+/* attend_group for one query group: its own copy for each common head size (unrolled for
+ * that size), through the AVX-512 loops where they are built. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, int64_t q_head_stride, int64_t group, const void *k_cache,
+    const void *v_cache, int64_t head, const int32_t *table, int64_t visible, int64_t block_size,
+    int64_t token_stride, int64_t block_stride, int64_t head_dim, float scale,
+    float *restrict scores, float *restrict out, int kv) {
+#define ATTEND(FN, D)                                                                      \
+    FN(q, q_head_stride, group, k_cache, v_cache, head, table, visible, block_size,         \
+       token_stride, block_stride, D, scale, scores, out, kv)
+#if defined(HAVE_AVX512_ATTENTION)
+    if (head_dim == 64)
+        ATTEND(attend_group_avx512, 64);
+    else if (head_dim == 128)
+        ATTEND(attend_group_avx512, 128);
+    else
+#endif
+    if (head_dim == 64)
+        ATTEND(attend_group, 64);
+    else if (head_dim == 128)
+        ATTEND(attend_group, 128);
+    else
+        ATTEND(attend_group, head_dim);
+#undef ATTEND
+}
 
 /* Every query of every row: rows' queries packed back to back (query_start [R + 1]);
  * a row of one query is a decode row. Returns 0, or -1 when a buffer could not be had. */
@@ -502,28 +445,16 @@ static inline __attribute__((always_inline)) int paged_attention(
                     const int64_t head = h * group;
                     const float *q_group = q + i * q_token_stride + head * q_head_stride;
                     float *out_group = out + (i * q_heads + head) * head_dim;
-/* Common head sizes get their own copy, unrolled for that size. */
-#define ATTEND(D)                                                                         \
-    attend_group(q_group, q_head_stride, group, k_cache, v_cache, head_at, table, visible, \
-                 block_size, token_stride, block_stride, D, scale, scores, out_group, kv)
-#if defined(HAVE_AVX512_ATTENTION)
-#define ATTEND_WIDE(D)                                                                   \
-    attend_group_avx512(q_group, q_head_stride, group, k_cache, v_cache, head_at, table,  \
-                        visible, block_size, token_stride, block_stride, D, scale, scores,  \
-                        out_group, kv)
-                    if (head_dim == 64)
-                        ATTEND_WIDE(64);
-                    else if (head_dim == 128)
-                        ATTEND_WIDE(128);
+                    /* The kind is a value of the parallel region (outlined once for both
+                     * kinds), so each kind takes its own copy of the loops from here. */
+                    if (kv)
+                        attend(q_group, q_head_stride, group, k_cache, v_cache, head_at, table,
+                               visible, block_size, token_stride, block_stride, head_dim, scale,
+                               scores, out_group, 1);
                     else
-#endif
-                    if (head_dim == 64)
-                        ATTEND(64);
-                    else if (head_dim == 128)
-                        ATTEND(128);
-                    else
-                        ATTEND(head_dim);
-#undef ATTEND
+                        attend(q_group, q_head_stride, group, k_cache, v_cache, head_at, table,
+                               visible, block_size, token_stride, block_stride, head_dim, scale,
+                               scores, out_group, 0);
                 }
             }
         }
@@ -535,24 +466,16 @@ static inline __attribute__((always_inline)) int paged_attention(
 /* The two cache kinds, each its own copy of the loops (the kind folded in at compile time).
  * The caches are `const void *` here so that `decode_layers` can hold either through one
  * function-pointer type. */
-int paged_attention_f32(const float *q, int64_t q_token_stride, int64_t q_head_stride,
-                        const void *k_cache, const void *v_cache,
-                        const int32_t *block_tables, int64_t table_stride,
-                        const int32_t *context_lens, const int64_t *query_start, float *out,
-                        int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                        int64_t block_size, float scale) {
-    return paged_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_tables,
-                           table_stride, context_lens, query_start, out, rows, q_heads,
-                           kv_heads, head_dim, block_size, scale, 0);
-}
-
-int paged_attention_bf16(const float *q, int64_t q_token_stride, int64_t q_head_stride,
-                         const void *k_cache, const void *v_cache,
-                         const int32_t *block_tables, int64_t table_stride,
-                         const int32_t *context_lens, const int64_t *query_start, float *out,
-                         int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale) {
-    return paged_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_tables,
-                           table_stride, context_lens, query_start, out, rows, q_heads,
-                           kv_heads, head_dim, block_size, scale, 1);
-}
+#define PAGED_ATTENTION(NAME, KV)                                                           \
+    int NAME(const float *q, int64_t q_token_stride, int64_t q_head_stride,                 \
+             const void *k_cache, const void *v_cache, const int32_t *block_tables,         \
+             int64_t table_stride, const int32_t *context_lens, const int64_t *query_start, \
+             float *out, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,  \
+             int64_t block_size, float scale) {                                             \
+        return paged_attention(q, q_token_stride, q_head_stride, k_cache, v_cache,          \
+                               block_tables, table_stride, context_lens, query_start, out,  \
+                               rows, q_heads, kv_heads, head_dim, block_size, scale, KV);   \
+    }
+PAGED_ATTENTION(paged_attention_f32, 0)
+PAGED_ATTENTION(paged_attention_bf16, 1)
+#undef PAGED_ATTENTION

@@ -786,6 +786,16 @@ static void quantize_blocks32(const float *restrict x, int64_t k, int8_t *restri
     }
 }
 
+/* One call's rows of x quantized per block of 32 (row i's values at q + i * k, its blocks'
+ * entries at i * nb): the int8 values, each block's scale d and d * sum, and (for the
+ * 16-row kernels) each block's integer sum and those of its two halves. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *sum32, *sum16;
+    int64_t k, nb;
+} QX;
+
 /* Output rows j..j+3 of all m (1 to 4) quantized input rows; row r's blocks start at
  * w + r * row_bytes, input row i's at xq + i * k, its outputs at out + i * n. Each weight
  * block is unpacked once for the m rows. The integer sum of each block is scaled into
@@ -867,7 +877,8 @@ static inline void dot4_blocks_q8(const int8_t *restrict xq, const float *restri
  *            4r + j, row r's value 4t + j plus 128 (u8; dpbusd wants one unsigned side),
  *            the 128s taken back out as 128 sum(qx), one integer per block of x.
  * Both keep the file's bytes per weight. */
-enum { BLOCK_Q4_1_X16 = 16, BLOCK_Q8_0_X16 = 17 };
+enum { BLOCK_Q4_1_X16 = 16, BLOCK_Q8_0_X16 = 17, BLOCK_Q5_0_X16 = 18, BLOCK_Q4_K_X16 = 19,
+       BLOCK_Q6_K_X16 = 20 };
 #define X16_MAX_ROWS 8
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -935,18 +946,38 @@ static inline void dot16_q8_0(const int8_t *restrict xq, const float *restrict x
     for (int i = 0; i < m; i++) _mm512_storeu_ps(out + i * n, c[i]);
 }
 
-static void linear_x16(const int8_t *xq, const float *xd, const float *xs,
-                       const int32_t *xsum, int64_t m, int64_t k, const uint8_t *w, int type,
-                       int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
-    const int64_t nb = k / 32, group_bytes = 16 * nb * (type == BLOCK_Q4_1_X16 ? 20 : 34);
+#endif
+
+#include "matvec_integer_more.h"
+
+#ifdef BLOCKS_X16
+/* Bytes of one output row in an interleaved form (a group's bytes / 16: the file's); 0 for
+ * a code that is none. */
+static int64_t x16_row_bytes(int type, int64_t k) {
+    switch (type) {
+    case BLOCK_Q4_1_X16: return k / 32 * 20;
+    case BLOCK_Q8_0_X16: return k / 32 * 34;
+    case BLOCK_Q5_0_X16: return k / 32 * 22;
+    case BLOCK_Q4_K_X16: return k / 256 * 144;
+    case BLOCK_Q6_K_X16: return k / 256 * 210;
+    default: return 0;
+    }
+}
+
+static void linear_x16(const QX *x, int64_t m, const uint8_t *w, int type, int64_t n,
+                       const float *bias, float *y, int64_t parallel_min_bytes) {
+    const int64_t k = x->k, nb = x->nb, group_bytes = 16 * x16_row_bytes(type, k);
     const int parallel = (n / 16) * group_bytes >= parallel_min_bytes;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
         const int64_t n1 = min64(n0 + CHUNK, n);
         for (int64_t j = n0; j < n1; j += 16) {
             const uint8_t *wg = w + (j / 16) * group_bytes;
-#define Q4(rows) dot16_q4_1(xq, xd, xs, k, wg, nb, rows, n, y + j)
-#define Q8(rows) dot16_q8_0(xq, xd, xsum, k, wg, nb, rows, n, y + j)
+#define Q4(rows) dot16_q4_1(x->q, x->d, x->s, k, wg, nb, rows, n, y + j)
+#define Q8(rows) dot16_q8_0(x->q, x->d, x->sum32, k, wg, nb, rows, n, y + j)
+#define Q5(rows) dot16_q5_0(x, wg, rows, n, y + j)
+#define Q4K(rows) dot16_q4_k(x, wg, rows, n, y + j)
+#define Q6K(rows) dot16_q6_k(x, wg, rows, n, y + j)
 #define ROWS(F)                                                                          \
     switch (m) {                                                                         \
     case 1: F(1); break;                                                                 \
@@ -958,12 +989,17 @@ static void linear_x16(const int8_t *xq, const float *xd, const float *xs,
     case 7: F(7); break;                                                                 \
     default: F(8); break;                                                                \
     }
-            if (type == BLOCK_Q4_1_X16) {
-                ROWS(Q4)
-            } else {
-                ROWS(Q8)
+            switch (type) {
+            case BLOCK_Q4_1_X16: ROWS(Q4) break;
+            case BLOCK_Q8_0_X16: ROWS(Q8) break;
+            case BLOCK_Q5_0_X16: ROWS(Q5) break;
+            case BLOCK_Q4_K_X16: ROWS(Q4K) break;
+            default: ROWS(Q6K) break;
             }
 #undef ROWS
+#undef Q6K
+#undef Q4K
+#undef Q5
 #undef Q8
 #undef Q4
         }
@@ -974,47 +1010,62 @@ static void linear_x16(const int8_t *xq, const float *xd, const float *xs,
 }
 #endif
 
-/* Returns 0, -1 when out of memory, -2 when K is not a multiple of 32, N of 4 or M is not
- * 1 to 4, -3 for an unknown block type. */
+/* Values and bytes of one block of a type the row-at-a-time loops read; 0 for any other. */
+static int q8_block(int type, int64_t *values, int64_t *bytes) {
+    switch (type) {
+    case BLOCK_Q4_1: *values = 32, *bytes = 20; return 1;
+    case BLOCK_Q8_0: *values = 32, *bytes = 34; return 1;
+    case BLOCK_Q5_0: *values = 32, *bytes = 22; return 1;
+    case BLOCK_Q4_K: *values = 256, *bytes = 144; return 1;
+    case BLOCK_Q6_K: *values = 256, *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+/* Returns 0, -1 when out of memory, -2 when K is not a multiple of the block's values, N of
+ * 4 (16 for an interleaved form) or M is not 1 to 4 (to 8), -3 for an unknown block type. */
 int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                      int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    int64_t values = 32, bytes = 0;
+    int x16 = 0;
 #ifdef BLOCKS_X16
-    if (type == BLOCK_Q4_1_X16 || type == BLOCK_Q8_0_X16) {
-        if (k % 32 != 0 || n % 16 != 0 || m < 1 || m > X16_MAX_ROWS) return -2;
-        const int64_t nb = k / 32;
-        int8_t *xq = malloc((size_t)(m * k));
-        float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
-        int32_t *xsum = malloc((size_t)(m * nb) * sizeof(int32_t));
-        if (!xq || !xd || !xsum) {
-            free(xq), free(xd), free(xsum);
-            return -1;
-        }
-        for (int64_t row = 0; row < m; row++)
-            quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xd + (m + row) * nb);
-        for (int64_t i = 0; i < m * nb; i++) {
-            int32_t total = 0;
-            for (int j = 0; j < 32; j++) total += xq[32 * i + j];
-            xsum[i] = total;
-        }
-        linear_x16(xq, xd, xd + m * nb, xsum, m, k, w, type, n, bias, y, parallel_min_bytes);
-        free(xq), free(xd), free(xsum);
+    x16 = x16_row_bytes(type, 256) != 0;
+    if (x16) {
+        values = type == BLOCK_Q4_K_X16 || type == BLOCK_Q6_K_X16 ? 256 : 32;
+        if (k % values != 0 || n % 16 != 0 || m < 1 || m > X16_MAX_ROWS) return -2;
+    }
+#endif
+    if (!x16) {
+        if (!q8_block(type, &values, &bytes)) return -3;
+        if (k % values != 0 || n % 4 != 0 || m < 1 || m > 4) return -2;
+    }
+    const int64_t nb = k / 32;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
+    int32_t *sums = malloc((size_t)(3 * m * nb) * sizeof(int32_t));
+    if (!xq || !xd || !sums) {
+        free(xq), free(xd), free(sums);
+        return -1;
+    }
+    for (int64_t row = 0; row < m; row++)
+        quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xd + (m + row) * nb);
+    int32_t *sum32 = sums, *sum16 = sums + m * nb;
+    for (int64_t i = 0; i < 2 * m * nb; i++) {
+        int32_t total = 0;
+        for (int j = 0; j < 16; j++) total += xq[16 * i + j];
+        sum16[i] = total;
+    }
+    for (int64_t i = 0; i < m * nb; i++) sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
+    const QX qx = {xq, xd, xd + m * nb, sum32, sum16, k, nb};
+#ifdef BLOCKS_X16
+    if (x16) {
+        linear_x16(&qx, m, w, type, n, bias, y, parallel_min_bytes);
+        free(xq), free(xd), free(sums);
         return 0;
     }
 #endif
-    if (k % 32 != 0 || n % 4 != 0 || m < 1 || m > 4) return -2;
-    if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
-    const int64_t nb = k / 32, block_bytes = type == BLOCK_Q4_1 ? 20 : 34;
-    const int64_t row_bytes = nb * block_bytes;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -1;
-    }
-    float *xs = xd + m * nb;
-    for (int64_t row = 0; row < m; row++)
-        quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xs + row * nb);
+    const float *xs = qx.s;
+    const int64_t row_bytes = k / values * bytes;
     const int parallel = n * row_bytes >= parallel_min_bytes;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
@@ -1022,20 +1073,35 @@ int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int
         for (int64_t j = n0; j < n1; j += 4) {
             const uint8_t *wj = w + j * row_bytes;
 #define DOT(rows) dot4_blocks_q8(xq, xd, xs, k, wj, row_bytes, nb, type, rows, n, y + j)
-            switch (m) {
-            case 1: DOT(1); break;
-            case 2: DOT(2); break;
-            case 3: DOT(3); break;
-            default: DOT(4); break;
+#define MORE(T, rows) dot4_more_q8(xq, xd, xs, k, wj, row_bytes, T, rows, n, y + j)
+#define Q5(rows) MORE(BLOCK_Q5_0, rows)
+#define Q4K(rows) MORE(BLOCK_Q4_K, rows)
+#define Q6K(rows) MORE(BLOCK_Q6_K, rows)
+#define ROWS(F)                                                                          \
+    switch (m) {                                                                         \
+    case 1: F(1); break;                                                                 \
+    case 2: F(2); break;                                                                 \
+    case 3: F(3); break;                                                                 \
+    default: F(4); break;                                                                \
+    }
+            switch (type) {
+            case BLOCK_Q5_0: ROWS(Q5) break;
+            case BLOCK_Q4_K: ROWS(Q4K) break;
+            case BLOCK_Q6_K: ROWS(Q6K) break;
+            default: ROWS(DOT) break;
             }
+#undef ROWS
+#undef Q6K
+#undef Q4K
+#undef Q5
+#undef MORE
 #undef DOT
         }
         if (bias)
             for (int64_t row = 0; row < m; row++)
                 for (int64_t j = n0; j < n1; j++) y[row * n + j] += bias[j];
     }
-    free(xq);
-    free(xd);
+    free(xq), free(xd), free(sums);
     return 0;
 }
 #else

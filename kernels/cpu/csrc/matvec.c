@@ -436,12 +436,14 @@ static inline void block_weights16(const uint8_t *blk, int type, __m512 w[2]) {
 #define PREFETCH_ROWS 12
 
 /* The f16 scales of four rows' blocks b0..b0+count (count <= SCALE_RUN) as float32:
- * for Q4_1 d and m of block j at out[r][2j], out[r][2j + 1]; for Q8_0 d at out[r][j].
- * Converted 16 at a time from a copy of the halves, so that the dot loop broadcasts them
- * from memory (load ports) instead of converting and broadcasting each in the vector
- * ports its products need. */
+ * for Q4_1 d and m of block j at out[r][2j], out[r][2j + 1]; for Q8_0 (and any block of
+ * `block_bytes` that starts with its d: Q5_0) d at out[r][j]. Converted 16 at a time
+ * from a copy of the halves, so that the dot loop broadcasts them from memory (load
+ * ports) instead of converting and broadcasting each in the vector ports its products
+ * need. */
 static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, int64_t b0,
-                                int64_t count, int type, float out[4][2 * SCALE_RUN]) {
+                                int64_t count, int type, int64_t block_bytes,
+                                float out[4][2 * SCALE_RUN]) {
     for (int r = 0; r < 4; r++) {
         if (type == BLOCK_Q4_1) {
             uint32_t h[SCALE_RUN] __attribute__((aligned(64))) = {0}; /* d, m: two halves */
@@ -453,8 +455,8 @@ static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, in
                                 _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(h + i))));
         } else {
             uint16_t h[SCALE_RUN] __attribute__((aligned(32))) = {0};
-            const uint8_t *blk = w + r * row_bytes + b0 * 34;
-            for (int64_t j = 0; j < count; j++) memcpy(h + j, blk + 34 * j, 2);
+            const uint8_t *blk = w + r * row_bytes + b0 * block_bytes;
+            for (int64_t j = 0; j < count; j++) memcpy(h + j, blk + block_bytes * j, 2);
             for (int i = 0; i < SCALE_RUN; i += 16)
                 _mm512_store_ps(out[r] + i,
                                 _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(h + i))));
@@ -481,7 +483,7 @@ static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict 
     float scales[4][2 * SCALE_RUN] __attribute__((aligned(64)));
     for (int64_t b0 = 0; b0 < nb; b0 += SCALE_RUN) {
         const int64_t count = min64(SCALE_RUN, nb - b0);
-        block_scales(w, row_bytes, b0, count, type, scales);
+        block_scales(w, row_bytes, b0, count, type, 34, scales);
         if (type == BLOCK_Q4_1) {
             for (int64_t j = 0; j < count; j++) {
                 const int64_t b = b0 + j;

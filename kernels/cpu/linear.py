@@ -314,7 +314,8 @@ class PackedLinear:
                 return None
             if weight.single is not None:
                 return self._fused_blocks(x, weight, bias)
-            return weight if self._segments_fit(x, weight, bias) else None
+            fits = self.matvec is not None and _blocks_fit(self.matvec, x, weight, bias)
+            return weight if fits else None
         if self.matvec is None or not self._packable(x, weight, bias):
             return None
         return self._few_form(x, weight, bias) if self._few_rows(x, weight, bias) else None
@@ -339,24 +340,7 @@ class PackedLinear:
         entry = self._blocks.get(id(weight))
         if entry is None or entry[0]() is not weight:
             return None
-        blocks = entry[1]
-        if isinstance(blocks, QuantizedWeight):
-            return blocks if self._segments_fit(x, blocks, bias, feature) else None
-        return blocks if self.matvec.fits_blocks(x, blocks, bias, feature) else None
-
-    def _segments_fit(
-        self,
-        x: torch.Tensor,
-        weight: QuantizedWeight,
-        bias: torch.Tensor | None,
-        feature: int = HAS_BLOCKS,
-    ) -> bool:
-        """Whether the kernel with `feature` takes every segment of this weight with x."""
-        matvec = self.matvec
-        return matvec is not None and all(
-            matvec.fits_blocks(x, p, None if bias is None else bias[s : s + p.shape[0]], feature)
-            for s, p in weight.segments()
-        )
+        return entry[1] if _blocks_fit(self.matvec, x, entry[1], bias, feature) else None
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
@@ -518,6 +502,19 @@ class Int8Linear(PackedLinear):
         y.mul_(row_scale)
         # Added here, not packed: the packing is kept per weight, whatever the bias.
         return y if bias is None else y.add_(bias)
+
+
+def _blocks_fit(
+    matvec: MatvecKernels, x: torch.Tensor, blocks: SourceBlocks, bias: torch.Tensor | None,
+    feature: int = HAS_BLOCKS,
+) -> bool:  # fmt: skip
+    """Whether the kernel with `feature` takes x against these blocks (each segment, with
+    its share of the bias)."""
+    parts = blocks.segments() if isinstance(blocks, QuantizedWeight) else [(0, blocks)]
+    return all(
+        matvec.fits_blocks(x, p, None if bias is None else bias[s : s + p.shape[0]], feature)
+        for s, p in parts
+    )
 
 
 def _pack_rows(weight: torch.Tensor) -> PackedQ8 | None:

@@ -33,8 +33,9 @@ SmolLM2-135M's projections (with its Q8_0 lm_head) at one row on the EPYC: 10.0 
 weights are picked from a per-block table of 16 (`vpermps`) and the scales converted
 ahead: on the 2-core Xeon, one thread, CPU time, 11.8 -> 9.0 ms (matvec.c says how).
 
-`linear_blocks_q8` reads the same blocks with integer products against x quantized per
-block of 32 (llama.cpp's Q8_1), for `--quantize int8`: VNNI's dpbusd where the CPU has it
+`linear_blocks_q8` reads the same blocks (and Q5_0, Q4_K and Q6_K's, the rest of a llama.cpp
+Q4_K_M file) with integer products against x quantized per block of 32 (llama.cpp's Q8_1),
+for `--quantize int8`: VNNI's dpbusd where the CPU has it
 (AVX-512 VNNI, or AVX-VNNI), else AVX2's maddubs, the same integers either way
 (`info.int8_dot` picks; `load(dot=...)` builds another for tests and benchmarks).
 Measured on a loaded 2-core EPYC with AVX-512 VNNI, all 121 projections at one row: 4.8 ms

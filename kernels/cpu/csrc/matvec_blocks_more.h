@@ -11,12 +11,11 @@
  * dequantized weight to the bit, at the blocks' 0.56 (Q4_K) to 0.82 (Q6_K) bytes a weight.
  *
  * With AVX-512 the 4-bit types pick their weights from a 16-entry table per sub-block
- * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_0,
- * Q5_1 and Q5_K from a 32-entry one (vpermt2ps, 5 bits); Q6_K's 16 weights of one scale are the scale
- * times the converted values. Without AVX-512 a block is dequantized by dq_block_values
+ * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_1
+ * and Q5_K from a 32-entry one (vpermt2ps, 5 bits); Q5_0 runs dot4_blocks (matvec.c: a
+ * 16-entry table and its fifth bit as a masked add); Q6_K's 16 weights of one scale are
+ * the scale times the converted values. Without AVX-512 a block is dequantized by dq_block_values
  * into a buffer on the stack and summed from there (the same values and order). */
-
-enum { BLOCK_Q4_0 = 2, BLOCK_Q5_0 = 3, BLOCK_Q5_1 = 4, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
 
 static void dq_block_values(const uint8_t *blk, int type, float *out);
 
@@ -49,12 +48,6 @@ static inline void prefetch_block(const uint8_t *blk, int64_t row_bytes, int64_t
 #define ACC_LANES 16
 #define ACC_FMA(a, w, c) _mm512_fmadd_ps(_mm512_loadu_ps(a), w, c)
 #define ACC_SUM _mm512_reduce_add_ps
-
-static inline __m512 iota16(float from) {
-    return _mm512_add_ps(_mm512_set1_ps(from),
-                         _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f,
-                                        9.0f, 10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f));
-}
 
 /* Q4_K / Q5_K's 8 sub-block scales d sc and minimums dmin mn (exact products) into
  * sm[0..7], the minimums negated into sm[8..15] (-(dmin mn) = (-dmin) mn exactly), all 16
@@ -243,70 +236,6 @@ static inline __m512 q5_block(const float *a, const uint8_t *qh_at, const uint8_
     return ACC_FMA(a + 16, _mm512_permutex2var_ps(lo, i1, hi), c);
 }
 
-/* Q5_0: f16 d, qh, 16 bytes of nibbles; w = d (q - 16), exact in float32. A real Q4_K_M
- * file of a model whose width is no multiple of 256 holds mostly Q5_0. */
-static inline __m512 q5_0_block(const float *a, const uint8_t *blk, __m512 c) {
-    const __m512 d = _mm512_set1_ps(half_to_float(blk));
-    const __m512 lo = _mm512_mul_ps(d, iota16(-16.0f)), hi = _mm512_mul_ps(d, iota16(0.0f));
-    return q5_block(a, blk + 2, blk + 6, lo, hi, c);
-}
-
-/* A 16-bit mask straight from memory (a load): the intrinsic compiles to a load into a
- * general register and a move to the mask register, which takes the shuffle port the
- * permutes need. */
-static inline __mmask16 load_mask16(const uint8_t *p) {
-    __mmask16 k;
-    __asm__("kmovw %1, %0" : "=k"(k) : "m"(*(const uint16_t *)p));
-    return k;
-}
-
-/* Q5_0's four output rows at once, as dot4_blocks reads Q4_1 (the same order of products
- * as q5_0_block, so the same bits): the blocks' f16 scales converted SCALE_RUN at a time
- * ahead (block_scales), d and 16 d broadcast from memory, a 16-entry table d (q - 16) for
- * q = 0..15 per block picked by each nibble (vpermps), and the fifth bit added as 16 d
- * under a mask loaded from qh: d (q - 16) + 16 d is d q exactly (each a multiple of d by
- * an integer under 2^5, exact in float32), so each weight is gguf-py's to the bit (a zero
- * may come out +0 where it gives -0, which no sum tells apart: the accumulators start at
- * +0). Per block and row: a product for the table, a widening, a shift, two permutes, two
- * masked adds and two FMAs (three in the shuffle port), where the 32-entry table's loop
- * (q5_block) also converts the scale and broadcasts it and builds two index vectors from
- * qh (six). Measured on the 2-core Xeon, one thread, CPU time of the 166 Q5_0 projections
- * of SmolLM2's Q4_K_M file: 11.2 -> 8.0 ms. */
-static inline void dot4_q5_0(const float *restrict a, const uint8_t *restrict w,
-                             int64_t row_bytes, int64_t nb, float *restrict out) {
-    __m512 c[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-    /* row r's d of block j at [r][j], 16 d at [r][SCALE_RUN + j] */
-    float scales[4][2 * SCALE_RUN] __attribute__((aligned(64)));
-    const __m512 iota = iota16(-16.0f), sixteen = _mm512_set1_ps(16.0f);
-    for (int64_t b0 = 0; b0 < nb; b0 += SCALE_RUN) {
-        const int64_t count = min64(SCALE_RUN, nb - b0);
-        block_scales(w, row_bytes, b0, count, BLOCK_Q5_0, 22, scales);
-        for (int r = 0; r < 4; r++)
-            for (int i = 0; i < SCALE_RUN; i += 16)
-                _mm512_store_ps(scales[r] + SCALE_RUN + i,
-                                _mm512_mul_ps(_mm512_load_ps(scales[r] + i), sixteen));
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t b = b0 + j;
-            const __m512 a0 = _mm512_loadu_ps(a + 32 * b), a1 = _mm512_loadu_ps(a + 32 * b + 16);
-            for (int r = 0; r < 4; r++) {
-                const uint8_t *blk = w + r * row_bytes + b * 22;
-                _mm_prefetch((const char *)(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-                const __m512 lut = _mm512_mul_ps(_mm512_set1_ps(scales[r][j]), iota);
-                const __m512 d16 = _mm512_set1_ps(scales[r][SCALE_RUN + j]);
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6)));
-                __m512 w0 = _mm512_permutexvar_ps(q, lut);
-                __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
-                w0 = _mm512_mask_add_ps(w0, load_mask16(blk + 2), w0, d16);
-                w1 = _mm512_mask_add_ps(w1, load_mask16(blk + 4), w1, d16);
-                c[r] = _mm512_fmadd_ps(a0, w0, c[r]);
-                c[r] = _mm512_fmadd_ps(a1, w1, c[r]);
-            }
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(c[r]);
-}
-
 /* Q5_1: f16 d, f16 m, qh, 16 bytes of nibbles; w = d q + m, the table made as Q4_1's
  * (fma(d, q, m): d q is exact, so each weight rounds once, as gguf-py's d * q + m). */
 static inline __m512 q5_1_block(const float *a, const uint8_t *blk, __m512 c) {
@@ -322,7 +251,6 @@ static inline __m512 q5_1_block(const float *a, const uint8_t *blk, __m512 c) {
 /* One block of one output row into its accumulator. */
 static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type, __m512 c) {
     switch (type) {
-    case BLOCK_Q5_0: return q5_0_block(a, blk, c);
     case BLOCK_Q5_1: return q5_1_block(a, blk, c);
     case BLOCK_Q4_K: return q4_k_block(a, blk, c);
     case BLOCK_Q5_K: return q5_k_block(a, blk, c);
@@ -373,7 +301,7 @@ static void dot4_more(const float *restrict a, const uint8_t *restrict w, int64_
     case BLOCK_Q5_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_K, out); break;
     case BLOCK_Q6_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q6_K, out); break;
 #ifdef __AVX512F__
-    case BLOCK_Q5_0: dot4_q5_0(a, w, row_bytes, nb, out); break;
+    case BLOCK_Q5_0: dot4_blocks(a, w, row_bytes, nb, 22, BLOCK_Q5_0, out); break;
 #else
     case BLOCK_Q5_0: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_0, out); break;
 #endif

@@ -38,22 +38,14 @@ static inline __m256i q5_high_bits(const uint8_t *qh_at) {
 
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn);
 
-/* Output rows j..j+3 of all m (1 to 4) quantized rows of x, one weight row at a time in
- * 8 lanes (linear_blocks_q8's row-at-a-time loop for these types: any CPU with AVX2, and N
- * of no multiple of 16). Row r's blocks start at w + r * row_bytes. Called with literal
- * type and m. */
-static inline void dot4_more_q8(const int8_t *restrict xq, const float *restrict xd,
+/* dot4_blocks_q8's sums for these types: output rows j..j+3 of all m (1 to 4) quantized
+ * rows of x, one weight row at a time in 8 lanes (any CPU with AVX2, and N of no multiple
+ * of 16), into c and offset. Row r's blocks start at w + r * row_bytes. */
+static inline void more_q8_sums(const int8_t *restrict xq, const float *restrict xd,
                                 const float *restrict xs, int64_t k,
-                                const uint8_t *restrict w, int64_t row_bytes, const int type,
-                                const int m, int64_t n, float *restrict out) {
+                                const uint8_t *restrict w, int64_t row_bytes, int type,
+                                const int m, __m256 c[4][4], float offset[4][4]) {
     const int64_t nb = k / 32; /* x's blocks */
-    __m256 c[4][4];
-    float offset[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int i = 0; i < m; i++) {
-            c[r][i] = _mm256_setzero_ps();
-            offset[r][i] = 0.0f;
-        }
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     __m256i xv[4], xl[4];
     if (type == BLOCK_Q5_0) {
@@ -146,8 +138,6 @@ static inline void dot4_more_q8(const int8_t *restrict xq, const float *restrict
                 }
         }
     }
-    for (int i = 0; i < m; i++)
-        for (int r = 0; r < 4; r++) out[i * n + r] = hsum256(c[r][i]) + offset[r][i];
 }
 
 #ifdef BLOCKS_X16

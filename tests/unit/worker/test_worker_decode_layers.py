@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from gguf.constants import GGMLQuantizationType
 
 from spillway.kernels.cpu import matvec
 from spillway.kernels.cpu.decode_layers import Geometry
@@ -399,19 +398,6 @@ def test_a_q5_1_file_s_decode_steps_go_through_the_one_call_loop(tmp_path, rows,
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
 
 
-# llama.cpp's Q4_K_M types in a model whose width is no multiple of 256 (the default
-# model's): Q5_0 for most, Q8_0 for the embeddings and some attn_v, Q4_K or Q6_K for
-# ffn_down (the only tensors 256 values wide), as `llama_model_quantize` writes them.
-Q4_K_M_NARROW = {
-    "": GGMLQuantizationType.Q5_0,
-    "token_embd": GGMLQuantizationType.Q8_0,
-    "output": GGMLQuantizationType.Q8_0,
-    "blk.0.attn_v": GGMLQuantizationType.Q8_0,
-    "blk.0.ffn_down": GGMLQuantizationType.Q4_K,
-    "blk.1.ffn_down": GGMLQuantizationType.Q6_K,
-}
-
-
 @pytest.mark.parametrize("rows", [1, 2])
 def test_int8_reads_a_q4_k_m_file_s_every_type_with_integer_products(tmp_path, rows, monkeypatch):
     """--quantize int8 on a file of a llama.cpp Q4_K_M's types: every decode step one native
@@ -420,7 +406,7 @@ def test_int8_reads_a_q4_k_m_file_s_every_type_with_integer_products(tmp_path, r
     mode's logits."""
     from spillway.services.worker.loading import load_runner
     from spillway.shared.config import load_settings
-    from tests.gguf_files import write_tiny_llama
+    from tests.gguf_files import Q4_K_M_NARROW, write_tiny_llama
 
     if not matvec.load().features & matvec.HAS_BLOCKS_Q8:
         pytest.skip("integer block kernel not built (needs AVX2, FMA and F16C)")

@@ -180,6 +180,78 @@ def bench_block_linear(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     return out
 
 
+def file_blocks(path: str) -> dict[str, list]:
+    """A GGUF file's 2-D block tensors (its projections, embedding and lm_head) as
+    `BlockWeight`s, by type, in the file's order."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from spillway.kernels.cpu import matvec
+
+    by_type: dict[str, list] = {}
+    for tensor in GGUFReader(path).tensors:
+        kind = tensor.tensor_type.name.lower()
+        if tensor.data.ndim != 2 or kind not in matvec.BLOCK_CODES or kind in matvec.HALF_TYPES:
+            continue
+        values, size = GGML_QUANT_SIZES[tensor.tensor_type]
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        by_type.setdefault(kind, []).append(
+            matvec.BlockWeight(data, kind, data.shape[1] // size * values)
+        )
+    return by_type
+
+
+def bench_file_blocks(path: str, rows: list[int], rounds: int) -> list[Row]:
+    """Every 2-D block tensor of a GGUF file, a type at a time, at a few rows: the exact
+    mode's kernel (blocks -> float32), the int8 mode's integer products on the blocks (in
+    the form `Int8Linear` reads them: interleaved where the 16-row kernel is built) where
+    the type has them, and int8 weights requantized per row from the dequantized values
+    (what the int8 mode ran for a type without them). Differences against the exact form."""
+    from spillway.kernels.cpu import matvec
+
+    kernels = matvec.load()
+    if kernels is None:
+        return []
+    gen = torch.Generator().manual_seed(5)
+    out: list[Row] = []
+    for kind, blocks in file_blocks(path).items():
+        dense = []
+        for b in blocks:
+            values = torch.empty(b.shape, dtype=torch.float32)
+            kernels.dequantize(b, 0, b.shape[0], values)
+            dense.append(values)
+        q8 = [matvec.quantize_q8(d) for d in dense]
+        integer = [kernels.integer_form(b).blocks for b in blocks]
+        for m in rows:
+            if m > matvec.MAX_BLOCK_ROWS:
+                continue
+            xs = [torch.randn(m, b.in_features, generator=gen) for b in blocks]
+            forms = {"blocks -> float32 (exact)": _each(kernels.linear_blocks, xs, blocks)}
+            x16 = integer[0].kind in matvec.X16_CODES
+            if kind in matvec.INTEGER_BLOCK_TYPES and m <= (
+                matvec.MAX_BLOCK_ROWS if x16 else matvec.MAX_ROWS
+            ):
+                forms[f"{integer[0].kind} x int8"] = _each(kernels.linear_blocks_q8, xs, integer)
+            if kernels.features & matvec.HAS_Q8 and m <= matvec.MAX_ROWS:
+                forms["int8 per row (dense)"] = _each(kernels.linear_q8, xs, q8)
+            results = {name: fn() for name, fn in forms.items()}
+            first = next(iter(results.values()))
+            size = f"M={m} x {len(blocks)} {kind} weights"
+            for name, ms in _median_ms(forms, rounds).items():
+                out.append(Row("linear (file)", name, size, ms, _max_diff(results[name], first)))
+    return out
+
+
+def _each(
+    project: Callable[[torch.Tensor, object, None], torch.Tensor],
+    xs: list[torch.Tensor],
+    weights: list,
+) -> Callable[[], list[torch.Tensor]]:
+    """A pass of `project` over each (x, weight) pair."""
+    return lambda: [project(x, w, None) for x, w in zip(xs, weights, strict=True)]
+
+
 def bench_int8_rows(shape: Shape, rows: list[int], rounds: int) -> list[Row]:
     """All projections of one forward in `--quantize int8` above the few-row kernels' rows:
     fbgemm's dynamic int8 linear (per-row activation scales, `Int8Linear` without native
@@ -290,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=Shape.layers)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall")
+    parser.add_argument(
+        "--gguf",
+        help="a GGUF file: time its block tensors a type at a time (at --rows), nothing else",
+    )
     args = parser.parse_args(argv)
     global _clock
     _clock = CLOCKS[args.clock]
@@ -301,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         f"threads: {torch.get_num_threads()}   oneDNN packing: {onednn_packing_available()}"
         f"   clock: {args.clock}"
     )
+    if args.gguf:
+        print(format_rows(bench_file_blocks(args.gguf, args.rows, args.rounds)))
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        return 0
     rows = bench_linear(shape, args.rows, args.rounds)
     rows += bench_block_linear(shape, args.rows, args.rounds)
     if args.int8_rows:

@@ -2,17 +2,20 @@
 prefill and greedy decode speed of each, interleaved, and whether their tokens agree.
 
     python -m bench.gguf_blocks_speed [--model FILE.gguf ...] [--rounds 3] [--prompt 128]
-                                      [--new 64] [--layer-loop]
+                                      [--new 64] [--layer-loop] [--int8]
 
 "blocks": the exact CPU mode's weights (`loader.load_model`, keep_quantized): the file's
 blocks alone, many-row products dequantizing tiles (`kernels.cpu.quantized_weight`).
 "float32": the same file dequantized at load (keep_quantized off), as the exact mode held
-it before: oneDNN's packed copies for many rows, the Q4_1 / Q8_0 blocks beside for few.
+it before: oneDNN's packed copies for many rows, the blocks of the types the integer
+kernels read too (`matvec.INTEGER_BLOCK_TYPES`) beside for few.
 With several `--model`s (files of one model's shapes in different types, e.g. Q4_K and
 Q4_1), each runs kept in its blocks, interleaved with the others, and the first also as
 float32; ratios are against the first file's blocks and its float32. `--layer-loop` adds
 each file's blocks once more with every decode step through the layer-by-layer loop (what
-a step takes where the one-call native loop declines it).
+a step takes where the one-call native loop declines it). `--int8` adds each file as
+`--quantize int8` runs it ("int8": float32 weights for many rows, the file's blocks read
+with integer products for few).
 Both run `ModelRunner` with `CpuOps` in this process, warmed up, one sequence: a
 `--prompt`-token prefill in one step, then `--new` decode steps; medians of `--rounds`,
 in wall time and in this process's CPU time (steadier on a shared machine, where wall
@@ -40,12 +43,14 @@ from tests.unit.worker.plans import generate
 BLOCK_SIZE = 16
 
 
-def runner_for(model: str, keep_quantized: bool, tokens: int, one_call: bool = True) -> ModelRunner:
+def runner_for(
+    model: str, keep_quantized: bool, tokens: int, one_call: bool = True, quantize: str = "none"
+) -> ModelRunner:
     source = resolve_model(model)
     config, weights = load_model(
         source, torch.device("cpu"), torch.float32, keep_quantized=keep_quantized
     )
-    ops = CpuOps()
+    ops = CpuOps(quantize=quantize)
     if not one_call:
         ops._decode_layers = None  # every decode step through the layer-by-layer loop
     llama = LlamaModel(config, weights, ops)
@@ -65,6 +70,8 @@ def main() -> None:
     parser.add_argument("--layer-loop", action="store_true",
                         help="also each file's blocks with decode steps through the "
                         "layer-by-layer loop instead of the one-call native loop")  # fmt: skip
+    parser.add_argument("--int8", action="store_true",
+                        help="also each file as --quantize int8 runs it")  # fmt: skip
     args = parser.parse_args()
     configure_threads(torch.device("cpu"), args.threads)
     tokens = args.prompt + args.new + 1
@@ -74,6 +81,9 @@ def main() -> None:
     if args.layer_loop:
         for m in args.model:
             runners[f"layers {names[m]}".strip()] = runner_for(m, True, tokens, one_call=False)
+    if args.int8:
+        for m in args.model:
+            runners[f"int8 {names[m]}".strip()] = runner_for(m, False, tokens, quantize="int8")
     baseline = f"blocks {names[first]}".strip()
     runners[f"float32 {names[first]}".strip()] = runner_for(first, False, tokens)
     float32 = list(runners)[-1]

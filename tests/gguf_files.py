@@ -77,6 +77,17 @@ Q4_K_M = {
     "output": GGMLQuantizationType.Q6_K,
 }
 
+# The same of a model whose width is no multiple of 256 (the default model's): Q5_0 for
+# most, Q8_0 for the embeddings and some attn_v, Q4_K or Q6_K for ffn_down (the only
+# tensors of rows 256 values wide), as `llama_model_quantize` writes them (the lm_head:
+# Q5_0 here, the default model's being its embedding).
+Q4_K_M_NARROW = {
+    "": GGMLQuantizationType.Q5_0,
+    "token_embd": GGMLQuantizationType.Q8_0,
+    "blk.0.attn_v": GGMLQuantizationType.Q8_0,
+    "blk.0.ffn_down": GGMLQuantizationType.Q4_K,
+    "blk.1.ffn_down": GGMLQuantizationType.Q6_K,
+}
 
 Mix = GGMLQuantizationType | dict[str, GGMLQuantizationType]
 

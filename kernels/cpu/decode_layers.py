@@ -39,6 +39,7 @@ from spillway.kernels.cpu.matvec import (
     MAX_ROWS,
     BlockWeight,
     IntegerBlocks,
+    IntegerSegments,
     MatvecKernels,
     Q8Weight,
 )
@@ -53,6 +54,10 @@ from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 from spillway.kernels.cpu.step_threads import StepThreads
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_layers.c"
+# What a projection hands the native kernels (`FewRowLinear.few_row_form`).
+FewRowForm = (
+    torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | IntegerSegments | QuantizedWeight
+)
 log = logging.getLogger(__name__)
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # decode_layers' return code // -100 -> what failed, raised as the per-call path raises it
@@ -117,7 +122,7 @@ class FewRowLinear(Protocol):
 
     def few_row_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight | None: ...
+    ) -> FewRowForm | None: ...
 
 
 @dataclass(frozen=True)
@@ -314,30 +319,33 @@ class DecodeLayers:
         return self._prepared
 
 
-def max_rows(form: torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight) -> int:
+def max_rows(form: FewRowForm) -> int:
     """Rows a few-row form takes in one call, each row's outputs its one-row call's: the
     float32 block kernels and the interleaved integer one take a verify's positions."""
     if isinstance(form, BlockWeight | QuantizedWeight):
         return MAX_BLOCK_ROWS
-    if isinstance(form, IntegerBlocks):
+    if isinstance(form, IntegerBlocks | IntegerSegments):
         return form.max_rows
     return MAX_ROWS
 
 
 def _projection(
-    form: torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight,
-    bias: torch.Tensor | None,
+    form: FewRowForm, bias: torch.Tensor | None
 ) -> tuple[_Projection, ctypes.Array | None]:
     """The projection's entry, and its segment array where it has one (kept alive with
     the layer array)."""
     bias_ptr = None if bias is None else bias.data_ptr()
     n, k = form.shape
-    if isinstance(form, QuantizedWeight):
-        segments = (_Segment * len(form.parts))(*(
-            _Segment(p.data.data_ptr(), BLOCK_TYPES[p.kind], p.shape[0], p.data.shape[1])
-            for p in form.parts
+    if isinstance(form, QuantizedWeight | IntegerSegments):
+        # the file's blocks read as float32 values, or (integer) each segment's integer form
+        integer = isinstance(form, IntegerSegments)
+        parts = [p.blocks for p in form.parts] if isinstance(form, IntegerSegments) else form.parts
+        codes = INTEGER_CODES if integer else BLOCK_TYPES
+        segments = (_Segment * len(parts))(*(
+            _Segment(p.data.data_ptr(), codes[p.kind], p.shape[0], p.data.shape[1])
+            for p in parts
         ))  # fmt: skip
-        entry = _Projection(None, None, None, None, None, 0, 0, bias_ptr, n, k)
+        entry = _Projection(None, None, None, None, None, 0, int(integer), bias_ptr, n, k)
         entry.segments, entry.num_segments = ctypes.addressof(segments), len(segments)
         return entry, segments
     if isinstance(form, Q8Weight):

@@ -55,12 +55,16 @@ from spillway.kernels.cpu.matvec import (
     HAS_BLOCKS_Q8,
     BlockWeight,
     IntegerBlocks,
+    IntegerSegments,
     MatvecKernels,
     Q8Weight,
     quantize_q8,
 )
 from spillway.kernels.cpu.quantized_weight import QuantizedWeight, TiledProduct, Weight
 
+# The model file's blocks of a float32 weight's values: one type's, or row segments of
+# several where the parts of a fused weight differ.
+SourceBlocks = BlockWeight | QuantizedWeight
 # Rows below which the transposed product is used on the CPU (when packing is unavailable).
 CPU_TRANSPOSED_BELOW = 96
 PACK_BATCH_HINT = 64
@@ -150,12 +154,13 @@ class PackedLinear:
         self._transposed = WeightCache(_transpose)
         # weight shape -> the form its many-row products take (ONEDNN unless tuned)
         self._forms: dict[tuple[int, ...], str] = {}
-        # id(weight) -> (its weak reference, the model file's blocks of exactly its values)
-        self._blocks: dict[int, tuple[weakref.ref[torch.Tensor], BlockWeight]] = {}
+        # id(weight) -> (its weak reference, the model file's blocks of exactly its values:
+        # row segments of several types where the parts of a fused weight differ)
+        self._blocks: dict[int, tuple[weakref.ref[torch.Tensor], SourceBlocks]] = {}
         # Many-row products of weights kept only in blocks (`quantized_weight`).
         self._tiled = TiledProduct(matvec)
 
-    def use_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
+    def use_blocks(self, pairs: Iterable[tuple[torch.Tensor, SourceBlocks]]) -> None:
         """Few-row products with these weights read their blocks instead (same results:
         `matvec.linear_blocks` equals `linear_f32` on the float32 weight to the bit)."""
         for weight, blocks in pairs:
@@ -291,7 +296,15 @@ class PackedLinear:
 
     def few_row_form(
         self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | QuantizedWeight | None:
+    ) -> (
+        torch.Tensor
+        | Q8Weight
+        | BlockWeight
+        | IntegerBlocks
+        | IntegerSegments
+        | QuantizedWeight
+        | None
+    ):
         """The weight a call with these (few) rows hands the native kernel: the float32
         weight itself, the model file's blocks of it, or an int8 form; a weight kept as
         segments of several block formats, itself, where the fused kernel reads each
@@ -301,19 +314,15 @@ class PackedLinear:
                 return None
             if weight.single is not None:
                 return self._fused_blocks(x, weight, bias)
-            matvec = self.matvec
-            fused = matvec is not None and all(
-                matvec.fits_blocks(x, part, None if bias is None else bias[s : s + part.shape[0]])
-                for s, part in weight.segments()
-            )
-            return weight if fused else None
+            fits = self.matvec is not None and _blocks_fit(self.matvec, x, weight, bias)
+            return weight if fits else None
         if self.matvec is None or not self._packable(x, weight, bias):
             return None
         return self._few_form(x, weight, bias) if self._few_rows(x, weight, bias) else None
 
     def _few_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks:
+    ) -> torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | IntegerSegments | QuantizedWeight:
         blocks = self._source_blocks(x, weight, bias)
         return weight if blocks is None else blocks
 
@@ -323,18 +332,15 @@ class PackedLinear:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         feature: int = HAS_BLOCKS,
-    ) -> BlockWeight | None:
-        """The model file's blocks of this weight, where the kernel with `feature` (by
-        default the float32 block kernel) takes them with x."""
+    ) -> SourceBlocks | None:
+        """The model file's blocks of this weight (its segments, where its parts' types
+        differ), where the kernel with `feature` (by default the float32 block kernel)
+        takes them with x."""
         assert self.matvec is not None
         entry = self._blocks.get(id(weight))
-        if (
-            entry is not None
-            and entry[0]() is weight
-            and self.matvec.fits_blocks(x, entry[1], bias, feature)
-        ):
-            return entry[1]
-        return None
+        if entry is None or entry[0]() is not weight:
+            return None
+        return entry[1] if _blocks_fit(self.matvec, x, entry[1], bias, feature) else None
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None
@@ -351,6 +357,8 @@ class PackedLinear:
         form = self._few_form(x, weight, bias)
         if isinstance(form, BlockWeight):
             return self.matvec.linear_blocks(x, form, bias)
+        if isinstance(form, QuantizedWeight):
+            return self._from_blocks(x, form, bias)
         return self.matvec.linear_f32(x, weight, bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
@@ -399,9 +407,11 @@ class Int8Linear(PackedLinear):
     projection in int8 too 40.240, which is what this class does: every projection int8.
 
     A few rows go to the native kernels instead (`matvec`, where given and built). A weight
-    whose model file holds it in blocks (GGUF Q4_1, Q8_0) is read in those blocks, with x
-    quantized per block of 32 to int8 and integer products (`linear_blocks_q8`, llama.cpp's
-    way): 0.625 bytes a Q4_1 weight, the file's own values. Any other weight goes to the
+    whose model file holds it in blocks (GGUF Q4_1, Q8_0, Q5_0, Q4_K, Q6_K: `matvec.
+    INTEGER_BLOCK_TYPES`; a fused one in several of them, segment by segment) is read in
+    those blocks, with x quantized per block of 32 to int8 and integer products
+    (`linear_blocks_q8`, llama.cpp's way): 0.625 bytes a Q4_1 weight, the file's own
+    values. Any other weight goes to the
     int8 kernel, which quantizes activations per block of 64 values (an outlier costs only
     its own block).
 
@@ -426,7 +436,7 @@ class Int8Linear(PackedLinear):
         self._q8 = WeightCache(quantize_q8)
         self._rows = WeightCache(_pack_rows)
         # id(weight) -> its blocks' integer form (one object per weight: callers key on it)
-        self._integer: dict[int, IntegerBlocks] = {}
+        self._integer: dict[int, IntegerBlocks | IntegerSegments] = {}
 
     def __call__(
         self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
@@ -450,14 +460,20 @@ class Int8Linear(PackedLinear):
 
     def _few_form(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> Q8Weight | IntegerBlocks:
+    ) -> Q8Weight | IntegerBlocks | IntegerSegments:
         blocks = self._source_blocks(x, weight, bias, HAS_BLOCKS_Q8)
         if blocks is None:
             return self._q8.get(weight)
+        source = blocks.parts if isinstance(blocks, QuantizedWeight) else blocks
         form = self._integer.get(id(weight))
-        if form is None or form.source is not blocks:
-            assert self.matvec is not None  # _source_blocks found blocks through it
-            form = self._integer[id(weight)] = self.matvec.integer_form(blocks)
+        if form is None or form.source is not source:
+            matvec = self.matvec
+            assert matvec is not None  # _source_blocks found blocks through it
+            form = self._integer[id(weight)] = (
+                matvec.integer_segments(blocks.parts)
+                if isinstance(blocks, QuantizedWeight)
+                else matvec.integer_form(blocks)
+            )
         return form
 
     def _apply_few(
@@ -467,6 +483,8 @@ class Int8Linear(PackedLinear):
         form = self._few_form(x, weight, bias)
         if isinstance(form, IntegerBlocks):
             return self.matvec.linear_blocks_q8(x, form.blocks, bias)
+        if isinstance(form, IntegerSegments):
+            return self.matvec.linear_segments_q8(x, form, bias)
         return self.matvec.linear_q8(x, form, bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
@@ -484,6 +502,19 @@ class Int8Linear(PackedLinear):
         y.mul_(row_scale)
         # Added here, not packed: the packing is kept per weight, whatever the bias.
         return y if bias is None else y.add_(bias)
+
+
+def _blocks_fit(
+    matvec: MatvecKernels, x: torch.Tensor, blocks: SourceBlocks, bias: torch.Tensor | None,
+    feature: int = HAS_BLOCKS,
+) -> bool:  # fmt: skip
+    """Whether the kernel with `feature` takes x against these blocks (each segment, with
+    its share of the bias)."""
+    parts = blocks.segments() if isinstance(blocks, QuantizedWeight) else [(0, blocks)]
+    return all(
+        matvec.fits_blocks(x, p, None if bias is None else bias[s : s + p.shape[0]], feature)
+        for s, p in parts
+    )
 
 
 def _pack_rows(weight: torch.Tensor) -> PackedQ8 | None:

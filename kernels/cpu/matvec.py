@@ -33,8 +33,9 @@ SmolLM2-135M's projections (with its Q8_0 lm_head) at one row on the EPYC: 10.0 
 weights are picked from a per-block table of 16 (`vpermps`) and the scales converted
 ahead: on the 2-core Xeon, one thread, CPU time, 11.8 -> 9.0 ms (matvec.c says how).
 
-`linear_blocks_q8` reads the same blocks with integer products against x quantized per
-block of 32 (llama.cpp's Q8_1), for `--quantize int8`: VNNI's dpbusd where the CPU has it
+`linear_blocks_q8` reads the same blocks (and Q5_0, Q4_K and Q6_K's, the rest of a llama.cpp
+Q4_K_M file) with integer products against x quantized per block of 32 (llama.cpp's Q8_1),
+for `--quantize int8`: VNNI's dpbusd where the CPU has it
 (AVX-512 VNNI, or AVX-VNNI), else AVX2's maddubs, the same integers either way
 (`info.int8_dot` picks; `load(dot=...)` builds another for tests and benchmarks).
 Measured on a loaded 2-core EPYC with AVX-512 VNNI, all 121 projections at one row: 4.8 ms
@@ -87,11 +88,12 @@ BLOCK_TYPES = {
     kind: BLOCK_CODES[kind]
     for kind in ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16")
 }
-INTEGER_BLOCK_TYPES = frozenset({"q4_1", "q8_0"})
+INTEGER_BLOCK_TYPES = frozenset({"q4_1", "q8_0", "q5_0", "q4_k", "q6_k"})
 # The interleaved forms `linear_blocks_q8` reads with AVX-512 VNNI (HAS_BLOCKS_X16): each
-# integer block type's form of 16 output rows a group (`interleave`; matvec.c's layout).
-X16_CODES = {"q4_1x16": 16, "q8_0x16": 17}
-X16_KINDS = {"q4_1": "q4_1x16", "q8_0": "q8_0x16"}
+# integer block type's form of 16 output rows a group (`interleave`; the layouts are
+# matvec.c's and matvec_integer_more.h's).
+X16_CODES = {"q4_1x16": 16, "q8_0x16": 17, "q5_0x16": 18, "q4_kx16": 19, "q6_kx16": 20}
+X16_KINDS = {kind: f"{kind}x16" for kind in ("q4_1", "q8_0", "q5_0", "q4_k", "q6_k")}
 INTEGER_CODES = {**{kind: BLOCK_CODES[kind] for kind in INTEGER_BLOCK_TYPES}, **X16_CODES}
 # 16-bit float types: any K and N (linear_f32's loops); the block types want N % 4 == 0.
 HALF_TYPES = frozenset({"f16", "bf16"})
@@ -124,25 +126,72 @@ _FAILURES = {
 
 
 def interleave(weight: BlockWeight) -> BlockWeight:
-    """Q4_1 or Q8_0 blocks regrouped for `linear_blocks_q8`'s 16-row kernel (the same bytes
-    a weight, moved): per 16 output rows, every block's f16 scales, then its values laid
-    out as VNNI's dpbusd takes them (16 rows x 4 consecutive values a 64-byte vector);
-    Q8_0's values stored plus 128, as u8. matvec.c's BLOCKS_X16 comment has the layout."""
+    """Integer-read blocks regrouped for `linear_blocks_q8`'s 16-row kernels (the same bytes
+    a weight, moved): per 16 output rows, values laid out as VNNI's dpbusd takes them (16
+    rows x 4 consecutive values a 64-byte vector), each block's scales beside them. The
+    layouts are matvec.c's BLOCKS_X16 comment and matvec_integer_more.h's."""
     n, k = weight.shape
-    nb, groups = k // 32, n // 16
-    assert weight.kind in X16_KINDS and n % 16 == 0 and k % 32 == 0
-    blocks = weight.data.view(groups, 16, nb, -1)  # [G, row, block, bytes]
-    if weight.kind == "q4_1":
-        # scales [G, block, d|m, row, 2 bytes]; nibbles [G, block, vector, row, 4 bytes]
-        scales = blocks[..., :4].reshape(groups, 16, nb, 2, 2).permute(0, 2, 3, 1, 4)
-        values = blocks[..., 4:].reshape(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4)
-    else:
-        scales = blocks[..., :2].permute(0, 2, 1, 3)
-        values = blocks[..., 2:].reshape(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)
-        values = values.bitwise_xor(0x80)  # q + 128 as u8 (two's complement)
-    grouped = torch.cat([scales.reshape(groups, -1), values.reshape(groups, -1)], dim=1)
+    values, size = BLOCK_SHAPES[weight.kind]
+    nb, groups = k // values, n // 16
+    assert weight.kind in X16_KINDS and n % 16 == 0 and k % values == 0
+    blocks = weight.data.view(groups, 16, nb, size)  # [G, row, block, bytes]
+    parts = _X16_PARTS[weight.kind](blocks)
+    if weight.kind in ("q4_1", "q8_0"):  # every block's scales first, then the values
+        grouped = torch.cat([p.reshape(groups, -1) for p in parts], dim=1)
+    else:  # each block whole, in order
+        grouped = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2)
     data = grouped.contiguous().view(n, -1)
     return BlockWeight(data, X16_KINDS[weight.kind], k)
+
+
+def _by_row(t: torch.Tensor, *inner: int) -> torch.Tensor:
+    """[G, row, block, bytes] -> [G, block, *inner, row, 4]: each 4 bytes of a row's block
+    beside the same 4 of the group's other rows (`inner` splits the block's bytes)."""
+    g, rows, nb, _ = t.shape
+    split = t.reshape(g, rows, nb, *inner, 4)
+    order = (0, 2, *range(3, 3 + len(inner)), 1, 3 + len(inner))
+    return split.permute(*order)
+
+
+def _q4_1_x16(b: torch.Tensor) -> list[torch.Tensor]:
+    # scales [G, block, d|m, row, 2 bytes]; nibbles [G, block, vector, row, 4 bytes]
+    g, _, nb, _ = b.shape
+    scales = b[..., :4].reshape(g, 16, nb, 2, 2).permute(0, 2, 3, 1, 4)
+    return [scales, _by_row(b[..., 4:], 4)]
+
+
+def _q8_0_x16(b: torch.Tensor) -> list[torch.Tensor]:
+    # q + 128 as u8 (two's complement)
+    return [b[..., :2].permute(0, 2, 1, 3), _by_row(b[..., 2:], 8).bitwise_xor(0x80)]
+
+
+def _q5_0_x16(b: torch.Tensor) -> list[torch.Tensor]:
+    # mask t's byte p: bits 4 t..4 t + 3 of rows 2 p (low nibble) and 2 p + 1 (high)
+    qh = b[..., 2:6]  # [G, row, block, 4]: qh's bytes, little-endian
+    nibbles = torch.stack([(qh[..., t // 2] >> (4 * (t % 2))) & 0x0F for t in range(8)], -1)
+    nibbles = nibbles.permute(0, 2, 3, 1)  # [G, block, t, row]
+    masks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return [b[..., :2].permute(0, 2, 1, 3), masks, _by_row(b[..., 6:], 4)]
+
+
+def _q4_k_x16(b: torch.Tensor) -> list[torch.Tensor]:
+    # d and dmin of the 16 rows; the scales' three 4-byte words; qs per pair and vector
+    halves = b[..., :4].reshape(*b.shape[:3], 2, 2).permute(0, 2, 3, 1, 4)
+    return [halves, _by_row(b[..., 4:16], 3), _by_row(b[..., 16:], 4, 8)]
+
+
+def _q6_k_x16(b: torch.Tensor) -> list[torch.Tensor]:
+    # d; scale i of the 16 rows; per half g and vector v: ql (two) and qh, 4 bytes a row
+    ql = _by_row(b[..., :128], 2, 2, 8)  # [G, block, g, a|b, v, row, 4]
+    qh = _by_row(b[..., 128:192], 2, 8).unsqueeze(3)  # [G, block, g, 1, v, row, 4]
+    quants = torch.cat([ql, qh], dim=3).transpose(3, 4)  # [G, block, g, v, 3, row, 4]
+    return [b[..., 208:210].permute(0, 2, 1, 3), b[..., 192:208].permute(0, 2, 3, 1), quants]
+
+
+_X16_PARTS = {
+    "q4_1": _q4_1_x16, "q8_0": _q8_0_x16, "q5_0": _q5_0_x16, "q4_k": _q4_k_x16,
+    "q6_k": _q6_k_x16,
+}  # fmt: skip
 
 
 def compile_flags(dot: str | None = None) -> list[str]:
@@ -214,6 +263,24 @@ class IntegerBlocks:
     def max_rows(self) -> int:
         """Rows one call takes, each row's outputs those of a call of that row alone."""
         return MAX_BLOCK_ROWS if self.blocks.kind in X16_CODES else MAX_ROWS
+
+
+@dataclass(frozen=True)
+class IntegerSegments:
+    """A fused weight (q/k/v, gate/up) whose row segments the file holds in different block
+    types (a Q4_K_M file's q and k in Q5_0 beside v in Q8_0), each segment read as its
+    `IntegerBlocks`, their outputs side by side. `source` is the file's segments."""
+
+    parts: tuple[IntegerBlocks, ...]
+    source: tuple[BlockWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def max_rows(self) -> int:
+        return min(p.max_rows for p in self.parts)
 
 
 class MatvecKernels:
@@ -329,13 +396,17 @@ class MatvecKernels:
             self.features & HAS_BLOCKS_X16 != 0
             and weight.kind in X16_KINDS
             and n % 16 == 0
-            and k % 32 == 0
+            and k % BLOCK_SHAPES[weight.kind][0] == 0
         )
 
     def integer_form(self, weight: BlockWeight) -> IntegerBlocks:
         """The form `linear_blocks_q8` reads this weight in: interleaved where the 16-row
         kernel is built and the shape allows it, else the file's blocks as they are."""
         return IntegerBlocks(interleave(weight) if self._x16(weight) else weight, weight)
+
+    def integer_segments(self, parts: tuple[BlockWeight, ...]) -> IntegerSegments:
+        """Each segment's `integer_form`."""
+        return IntegerSegments(tuple(self.integer_form(p) for p in parts), parts)
 
     def fits_dequant(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> bool:
         """Whether `linear_dequant` takes x against this block weight: a few float32 rows
@@ -382,6 +453,18 @@ class MatvecKernels:
         """x [M, K], quantized per block of 32 to int8, against a weight in the model file's
         blocks, or their interleaved form, with integer products (+ b) -> [M, N] float32."""
         return self._call_blocks(self._blocks_q8, x, weight, bias, INTEGER_CODES)
+
+    def linear_segments_q8(
+        self, x: torch.Tensor, weight: IntegerSegments, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`linear_blocks_q8` on each segment, the outputs side by side (+ b)."""
+        outs, start = [], 0
+        for part in weight.parts:
+            rows = part.shape[0]
+            b = None if bias is None else bias[start : start + rows]
+            outs.append(self.linear_blocks_q8(x, part.blocks, b))
+            start += rows
+        return torch.cat(outs, dim=1)
 
     def _call_blocks(
         self,

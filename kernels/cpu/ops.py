@@ -97,7 +97,9 @@ class CpuAbilities(Protocol):
         decode step replays a CUDA graph."""
         ...
 
-    def use_source_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
+    def use_source_blocks(
+        self, pairs: Iterable[tuple[torch.Tensor, BlockWeight | QuantizedWeight]]
+    ) -> None:
         """Float32 weights whose exact values the model file's blocks hold: few-row steps
         read those (`PackedLinear.use_blocks`)."""
         ...
@@ -260,7 +262,9 @@ class CpuOps(KernelOps, CpuAbilities):
             return embedding(ids, table, self._linear.matvec)
         return F.embedding(ids, table)
 
-    def use_source_blocks(self, pairs: Iterable[tuple[torch.Tensor, BlockWeight]]) -> None:
+    def use_source_blocks(
+        self, pairs: Iterable[tuple[torch.Tensor, BlockWeight | QuantizedWeight]]
+    ) -> None:
         self._linear.use_blocks(pairs)
 
     def verify_rows(self, projections: Sequence[Weight]) -> int | None:

@@ -341,15 +341,15 @@ def _assemble(
     the float32 ones would be, and stacked experts (`QuantizedExperts`) where they are a
     MoE layer's; anywhere else they are dequantized."""
     raw_blocks = raw_blocks or {}
-    blocks: list[tuple[torch.Tensor, BlockWeight]] = []
+    blocks: list[tuple[torch.Tensor, BlockWeight | QuantizedWeight]] = []
 
     def keep_blocks(weight: torch.Tensor, parts: tuple[str, ...]) -> None:
-        """Pairs weight with its parts' blocks, fused alike, when all have them in one kind."""
+        """Pairs weight with its parts' blocks, fused alike (row segments where their kinds
+        differ: a Q4_K_M file's v beside q and k), when all have them."""
         found = [raw_blocks.get(p) for p in parts]
-        if found and all(b is not None and b.kind == found[0].kind for b in found):
-            data = torch.cat([b.data for b in found if b is not None], dim=0).contiguous()
-            kind = found[0].kind  # type: ignore[union-attr]
-            blocks.append((weight, BlockWeight(data, kind, weight.shape[1])))
+        if found and all(b is not None for b in found):
+            fused = QuantizedWeight.cat([QuantizedWeight((b,)) for b in found if b is not None])
+            blocks.append((weight, fused.single or fused))
 
     def pop(name: str) -> Weight | QuantizedExperts:
         if name not in tensors:

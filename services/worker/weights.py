@@ -77,10 +77,13 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
     lm_head: Weight  # [V, H]; the embedding itself when tied
-    # Projection weights (by identity) whose values the model file's own blocks hold exactly:
-    # a few-row step can read those instead (0.625 bytes a weight for Q4_1, not 4). Only
-    # for float32 weights on the CPU loaded from GGUF.
-    blocks: list[tuple[torch.Tensor, BlockWeight]] = dataclasses.field(default_factory=list)
+    # Projection weights (by identity) whose values the model file's own blocks hold exactly
+    # (row segments of several types where a fused weight's parts differ): a few-row step
+    # can read those instead (0.625 bytes a weight for Q4_1, not 4). Only for float32
+    # weights on the CPU loaded from GGUF.
+    blocks: list[tuple[torch.Tensor, BlockWeight | QuantizedWeight]] = dataclasses.field(
+        default_factory=list
+    )
     # The first multi-token-prediction layer, loaded only for `--speculative mtp`.
     mtp: MtpWeights | None = None
 

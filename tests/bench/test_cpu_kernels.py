@@ -3,6 +3,8 @@ asserted)."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench import cpu_kernels
 
 
@@ -38,3 +40,20 @@ def test_int8_rows_forms_are_near_float32_at_toy_sizes() -> None:
     assert int8_available() <= ("int8 fbgemm" in forms)
     for row in rows:  # int8 activations and weights: about 1% of outputs of unit scale
         assert row.ms > 0 and row.max_abs_diff < 0.2, row
+
+
+def test_a_file_s_block_tensors_are_timed_a_type_at_a_time(tmp_path) -> None:
+    from spillway.kernels.cpu import matvec
+    from tests.gguf_files import Q4_K_M_NARROW, write_tiny_llama
+
+    if matvec.load() is None:
+        pytest.skip("native few-row kernels not built here (no compiler or no AVX2)")
+    path = write_tiny_llama(tmp_path / "tiny-Q4_K_M.gguf", Q4_K_M_NARROW)
+    rows = cpu_kernels.bench_file_blocks(str(path), [1], rounds=1)
+    sizes = {r.size for r in rows}
+    assert {"M=1 x 12 q5_0 weights", "M=1 x 1 q4_k weights", "M=1 x 1 q6_k weights"} <= sizes
+    # int8 against the exact form: about 1% of outputs of up to ~20 (the random Q6_K
+    # blocks' int8 scales make large weights)
+    for row in rows:
+        assert row.ms > 0 and row.max_abs_diff < 0.5, row
+    assert {r.form for r in rows if r.form.endswith("x int8")}  # the integer products ran

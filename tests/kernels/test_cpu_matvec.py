@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from spillway.kernels.cpu import matvec as matvec_module
-from spillway.kernels.cpu.info import INT8_DOTS, int8_dot, int8_dots
+from spillway.kernels.cpu.info import INT8_DOTS, cpu_flags, int8_dot, int8_dots
 from spillway.kernels.cpu.linear import (
     Int8Linear,
     PackedLinear,
@@ -24,8 +25,10 @@ from spillway.kernels.cpu.matvec import (
     Q8_BLOCK,
     BlockWeight,
     IntegerBlocks,
+    IntegerSegments,
     quantize_q8,
 )
+from spillway.kernels.cpu.quantized_weight import QuantizedWeight
 from tests.kernels.native_paths import avx2_matvec, built
 
 
@@ -222,18 +225,26 @@ def dot_builds(tmp_path_factory) -> dict[str, matvec_module.MatvecKernels]:
 
 
 def _quantized_blocks(kind: str, n: int, k: int, g: torch.Generator):
+    """Random weights in `kind`'s blocks (gguf-py's quantizer; random K-quant blocks of
+    realistic scales, gguf-py having no K-quant quantizer), and their float32 values."""
     import numpy as np
-    from gguf import GGMLQuantizationType, quants
+    from gguf import GGMLQuantizationType
 
-    qtype = GGMLQuantizationType[kind.upper()]
-    w = torch.randn(n, k, generator=g) * 0.05
-    raw = quants.quantize(w.numpy(), qtype)
-    dense = torch.from_numpy(np.array(quants.dequantize(raw, qtype), dtype=np.float32))
-    return BlockWeight(torch.from_numpy(np.array(raw)), kind, k), dense
+    from tests.gguf_files import random_blocks
+    from tests.kernels.gguf_blocks import reference
+
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=g)))
+    raw = random_blocks(rng, n, k, GGMLQuantizationType[kind.upper()])
+    return BlockWeight(torch.from_numpy(raw.copy()), kind, k), reference(raw, kind)
+
+
+# Every type `linear_blocks_q8` reads, and an input width of several of its blocks (5 of
+# Q4_1's 32 values: no multiple of a 64-byte vector; 3 of a K-quant's 256).
+INTEGER_WIDTHS = {"q4_1": 160, "q8_0": 160, "q5_0": 160, "q4_k": 768, "q6_k": 768}
 
 
 @pytest.mark.parametrize("dot", list(INT8_DOTS))
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", list(INTEGER_WIDTHS))
 @pytest.mark.parametrize(
     ("rows", "interleaved"), [(1, False), (MAX_ROWS, False), (1, True), (MAX_BLOCK_ROWS, True)]
 )
@@ -250,8 +261,9 @@ def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows
     seed = torch.seed()  # fresh inputs each run; the seed is in any failure's message
     g = torch.Generator().manual_seed(seed)
     n = 4112 if interleaved else 4100  # odd chunk tails (a group of 16, or 4 rows)
-    blocks, dense = _quantized_blocks(kind, n, 160, g)
-    x = torch.randn(rows, 160, generator=g)
+    k = INTEGER_WIDTHS[kind]
+    blocks, dense = _quantized_blocks(kind, n, k, g)
+    x = torch.randn(rows, k, generator=g)
     x[0, 7] *= 40.0  # an outlier costs its own block's precision only
     x[-1, 32:64] = 0.0  # an all-zero block
     bias = torch.randn(n, generator=g)
@@ -276,16 +288,20 @@ def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows
     assert (got - full).abs().max() > 1e-6  # quantized: not the float product
 
 
-def test_integer_blocks_are_the_same_on_every_dot_product(dot_builds):
-    """VNNI and AVX2's multiply-adds sum the same integers: equal outputs."""
-    if len(dot_builds) < 2:
+def test_integer_blocks_are_the_same_on_every_dot_product(dot_builds, tmp_path):
+    """VNNI and AVX2's multiply-adds sum the same integers, and so does a build without
+    AVX-512 (Q5_0's fifth bits spread by a byte shuffle, not a mask): equal outputs."""
+    builds = list(dot_builds.values())
+    if {"avx2", "fma", "f16c"} <= cpu_flags():
+        builds.append(avx2_matvec(tmp_path))
+    if len(builds) < 2:
         pytest.skip("this CPU runs one 8-bit dot product only")
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 576, generator=g)
-    for kind in ("q4_1", "q8_0"):
-        blocks, _ = _quantized_blocks(kind, 64, 576, g)
-        outs = [k.linear_blocks_q8(x, blocks, None) for k in dot_builds.values()]
-        assert all(torch.equal(outs[0], o) for o in outs[1:])
+    x = torch.randn(2, 768, generator=g)
+    for kind in INTEGER_WIDTHS:
+        blocks, _ = _quantized_blocks(kind, 64, 768, g)
+        outs = [k.linear_blocks_q8(x, blocks, None) for k in builds]
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), kind
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
@@ -308,6 +324,32 @@ def test_int8_linear_reads_the_files_blocks_with_integer_products(matvec):
     assert len(int8) == 1
     other = torch.randn(96, 128, generator=g)  # no blocks: the int8 kernel
     assert isinstance(int8.few_row_form(x[:1], other, None), matvec_module.Q8Weight)
+
+
+def test_a_fused_weight_of_several_types_reads_each_segment_s_blocks(matvec):
+    """A fused projection whose parts the file holds in different types (a Q4_K_M file's
+    q and k in Q5_0, v in Q8_0): the blocks kept beside it as segments. Exact mode: the
+    float32 weight's outputs to the bit; int8: each segment's integer product."""
+    if not matvec.features & HAS_BLOCKS_Q8:
+        pytest.skip("integer block kernel not built (needs AVX2, FMA and F16C)")
+    g = torch.Generator().manual_seed(11)
+    (q, q_dense), (v, v_dense) = (_quantized_blocks(kind, 64, 256, g) for kind in ("q5_0", "q8_0"))
+    dense = torch.cat([q_dense, v_dense])
+    segments = QuantizedWeight((q, v))
+    x, bias = torch.randn(2, 256, generator=g), torch.randn(128, generator=g)
+    exact = PackedLinear(matvec=matvec)
+    exact.use_blocks([(dense, segments)])
+    assert exact.few_row_form(x, dense, bias) is segments
+    assert torch.equal(exact(x, dense, bias), matvec.linear_f32(x, dense, bias))
+    int8 = Int8Linear(matvec=matvec)
+    int8.use_blocks([(dense, segments)])
+    form = int8.few_row_form(x, dense, bias)
+    assert isinstance(form, IntegerSegments) and form.source is segments.parts
+    assert [p.source for p in form.parts] == [q, v]
+    want = torch.cat([matvec.linear_blocks_q8(x, p.blocks, b) for p, b in
+                      zip(form.parts, bias.split(64), strict=True)], dim=1)  # fmt: skip
+    assert torch.equal(int8(x, dense, bias), want)
+    torch.testing.assert_close(want, F.linear(x, dense, bias), rtol=0.05, atol=0.05)
 
 
 def test_the_best_dot_product_a_cpu_has_is_chosen():

@@ -16,7 +16,8 @@
  * or, with `.integer`, with integer products against x quantized to int8. A projection may
  * also be row segments of blocks of several formats (`.segments`: a llama.cpp Q4_K_M file
  * writes q and k in one format and v in another), each segment read as the per-call path
- * reads it, its outputs side by side as torch.cat puts them. On return x and residual hold
+ * reads it (as float32 values, or with `.integer` in its integer form), its outputs side
+ * by side as torch.cat puts them. On return x and residual hold
  * the last layer's output. The KV cache is float32 or bfloat16: the caller
  * hands in the KV store and attention of that kind.
  */
@@ -74,10 +75,12 @@ typedef struct {
     const float *wsum;      /* [n, k / 64] */
     const uint8_t *blocks;  /* the model file's blocks of the float32 weight's values */
     int64_t block_type;
-    int64_t integer;        /* blocks read with x quantized to int8 (linear_blocks_q8) */
+    int64_t integer;        /* blocks (or segments) read with x quantized to int8
+                               (linear_blocks_q8) */
     const float *bias;      /* [n] or NULL */
     int64_t n, k;
-    const Segment *segments; /* row segments of blocks (float32 values), in order */
+    const Segment *segments; /* row segments of blocks (float32 values, or with `integer`
+                                each segment's integer form), in order */
     int64_t num_segments;
     int64_t row_bytes; /* bytes of one output row of blocks (an interleaved form too) */
 } Projection;
@@ -112,8 +115,9 @@ static int project_segments(const Kernels *f, const Projection *p, const float *
     for (int64_t i = 0; i < p->num_segments && code == 0; i++) {
         const Segment *g = p->segments + i;
         float *out = rows > 1 ? scratch : y + col;
-        code = f->linear_blocks(x, rows, p->k, g->blocks, (int)g->block_type, g->n,
-                                p->bias ? p->bias + col : NULL, out, parallel_min_bytes);
+        code = (p->integer ? f->linear_blocks_q8 : f->linear_blocks)(
+            x, rows, p->k, g->blocks, (int)g->block_type, g->n, p->bias ? p->bias + col : NULL,
+            out, parallel_min_bytes);
         if (rows > 1 && code == 0)
             for (int64_t r = 0; r < rows; r++)
                 memcpy(y + r * p->n + col, scratch + r * g->n, (size_t)g->n * sizeof(float));
@@ -242,8 +246,8 @@ static int project_rows(const Kernels *f, const Projection *p, const Segment *g,
     const float *bias = p->bias ? p->bias + col + n0 : NULL;
     int code = 0;
     if (g)
-        code = f->linear_blocks(x, rows, k, g->blocks + n0 * g->row_bytes, (int)g->block_type,
-                                n, bias, out, alone);
+        code = (p->integer ? f->linear_blocks_q8 : f->linear_blocks)(
+            x, rows, k, g->blocks + n0 * g->row_bytes, (int)g->block_type, n, bias, out, alone);
     else if (p->q)
         code = f->linear_q8(x, rows, k, p->q + n0 * k, p->scales + n0, p->wsum + n0 * (k / 64),
                             n, bias, out, alone);

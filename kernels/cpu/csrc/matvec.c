@@ -17,8 +17,9 @@
  *               sides lie in -127..127, so a pair's sum (at most 2 * 127 * 127) never
  *               saturates 16 bits, and wsum goes unused. Both give the same integer dots.
  *   linear_blocks_f32, linear_blocks_q8: W in the model file's own blocks (GGUF Q4_1,
- *               Q8_0), turned into float32 in registers, or read with integer products
- *               against x quantized per block of 32 (see each below).
+ *               Q8_0 here, the other types in matvec_blocks_more.h and
+ *               matvec_integer_more.h), turned into float32 in registers, or read with
+ *               integer products against x quantized per block of 32 (see each below).
  *
  * x [M, K] and y [M, N] are contiguous float32; bias may be NULL. A projection under
  * `parallel_min_bytes` of weights runs on the calling thread alone: waking a sleeping
@@ -361,6 +362,9 @@ int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float
  * instead of 4. Measured on a loaded AVX-512 EPYC, one thread, CPU time of 32 of
  * SmolLM2's Q4_1 projections: 8-lane loop 2.24 ms, 16-lane 1.88 (the integer path 1.98). */
 enum { BLOCK_Q4_1 = 0, BLOCK_Q8_0 = 1 };
+/* The other block types (matvec_blocks_more.h reads them; Q5_0's one-row loop is
+ * dot4_blocks's below). */
+enum { BLOCK_Q4_0 = 2, BLOCK_Q5_0 = 3, BLOCK_Q5_1 = 4, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -395,14 +399,27 @@ static inline void block_weights(const uint8_t *blk, int type, __m256 w[4]) {
 }
 
 #ifdef __AVX512F__
+static inline __m512 iota16(float from) {
+    return _mm512_add_ps(_mm512_set1_ps(from),
+                         _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f,
+                                        9.0f, 10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f));
+}
+
 /* Q4_1's 16 possible weights of one block, fma(d, q, m) for q = 0..15: the rounding
  * block_weights makes per weight, made once per block. A nibble then picks its weight with
  * one vpermps, which reads only the low 4 bits of each index lane: a byte widened to 32
  * bits indexes by its low nibble as it is, and shifted right by 4 by its high one. */
 static inline __m512 q4_1_table(__m512 d, __m512 m) {
-    const __m512 iota = _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f,
-                                       9.0f, 10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f);
-    return _mm512_fmadd_ps(d, iota, m);
+    return _mm512_fmadd_ps(d, iota16(0.0f), m);
+}
+
+/* A 16-bit mask straight from memory (a load): the intrinsic compiles to a load into a
+ * general register and a move to the mask register, which takes the shuffle port the
+ * permutes need. */
+static inline __mmask16 load_mask16(const uint8_t *p) {
+    __mmask16 k;
+    __asm__("kmovw %1, %0" : "=k"(k) : "m"(*(const uint16_t *)p));
+    return k;
 }
 
 /* The 32 weights of one block as two 16-lane vectors, in k order (the same values as
@@ -436,12 +453,14 @@ static inline void block_weights16(const uint8_t *blk, int type, __m512 w[2]) {
 #define PREFETCH_ROWS 12
 
 /* The f16 scales of four rows' blocks b0..b0+count (count <= SCALE_RUN) as float32:
- * for Q4_1 d and m of block j at out[r][2j], out[r][2j + 1]; for Q8_0 d at out[r][j].
- * Converted 16 at a time from a copy of the halves, so that the dot loop broadcasts them
- * from memory (load ports) instead of converting and broadcasting each in the vector
- * ports its products need. */
+ * for Q4_1 d and m of block j at out[r][2j], out[r][2j + 1]; for Q8_0 (and any block of
+ * `block_bytes` that starts with its d: Q5_0) d at out[r][j]. Converted 16 at a time
+ * from a copy of the halves, so that the dot loop broadcasts them from memory (load
+ * ports) instead of converting and broadcasting each in the vector ports its products
+ * need. */
 static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, int64_t b0,
-                                int64_t count, int type, float out[4][2 * SCALE_RUN]) {
+                                int64_t count, int type, int64_t block_bytes,
+                                float out[4][2 * SCALE_RUN]) {
     for (int r = 0; r < 4; r++) {
         if (type == BLOCK_Q4_1) {
             uint32_t h[SCALE_RUN] __attribute__((aligned(64))) = {0}; /* d, m: two halves */
@@ -453,8 +472,8 @@ static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, in
                                 _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(h + i))));
         } else {
             uint16_t h[SCALE_RUN] __attribute__((aligned(32))) = {0};
-            const uint8_t *blk = w + r * row_bytes + b0 * 34;
-            for (int64_t j = 0; j < count; j++) memcpy(h + j, blk + 34 * j, 2);
+            const uint8_t *blk = w + r * row_bytes + b0 * block_bytes;
+            for (int64_t j = 0; j < count; j++) memcpy(h + j, blk + block_bytes * j, 2);
             for (int i = 0; i < SCALE_RUN; i += 16)
                 _mm512_store_ps(out[r] + i,
                                 _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(h + i))));
@@ -462,57 +481,75 @@ static inline void block_scales(const uint8_t *restrict w, int64_t row_bytes, in
     }
 }
 
+/* Block b's 32 weights of one output row in two 16-lane vectors, in k order, from its
+ * scales as block_scales left them (the row's `scales`, block b at j): Q4_1's from the
+ * block's 16-entry table (q4_1_table), Q8_0's as d q. Q5_0's (w = d (q - 16), q 5 bits)
+ * from a 16-entry table d (q - 16) for q = 0..15, the fifth bit added as 16 d under a mask
+ * loaded from qh: d (q - 16) + 16 d is d q exactly (each a multiple of d by an integer
+ * under 2^5, exact in float32), so each weight is gguf-py's d (q + 16 - 16) to the bit (a
+ * zero may come out +0 where it gives -0, which no sum tells apart: the accumulators
+ * start at +0). */
+static inline void scaled_weights(const uint8_t *restrict blk, const int type,
+                                  const float *restrict scales, int64_t j, __m512 v[2]) {
+    if (type == BLOCK_Q4_1) {
+        const __m512 lut =
+            q4_1_table(_mm512_set1_ps(scales[2 * j]), _mm512_set1_ps(scales[2 * j + 1]));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        v[0] = _mm512_permutexvar_ps(q, lut);
+        v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+    } else if (type == BLOCK_Q8_0) {
+        const __m512 d = _mm512_set1_ps(scales[j]);
+        for (int i = 0; i < 2; i++)
+            v[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * i)))));
+    } else { /* Q5_0: f16 d, qh, 16 bytes of nibbles (block_scales puts 16 d at SCALE_RUN on) */
+        const __m512 lut = _mm512_mul_ps(_mm512_set1_ps(scales[j]), iota16(-16.0f));
+        const __m512 d16 = _mm512_set1_ps(scales[SCALE_RUN + j]);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6)));
+        const __m512 w0 = _mm512_permutexvar_ps(q, lut);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+        v[0] = _mm512_mask_add_ps(w0, load_mask16(blk + 2), w0, d16);
+        v[1] = _mm512_mask_add_ps(w1, load_mask16(blk + 4), w1, d16);
+    }
+}
+
 /* Output rows j..j+3 of one input row a in 16-lane vectors, per block: a0 (the first 16 of
  * its 32 inputs) times the first 16 weights, then a1 times the last 16, into one
- * accumulator per output; the lanes' sum at the end. Q4_1's weights come from each
- * block's 16-entry table (q4_1_table), Q8_0's as d q; the scales from block_scales. The
- * loop is bound by its vector instructions (the conversions, not the bytes): per Q4_1
- * block and output row one FMA for the table, a widening, a shift, two permutes and the
- * two product FMAs (7), where converting each weight and its scales in place took 15.
- * Measured on the 2-core Xeon, one thread, CPU time, SmolLM2's 30 gate_up projections
- * from cache: 2.36 -> 1.75 ns a block and row; all 121 projections of a step from memory
- * 11.8 -> 9.0 ms. */
+ * accumulator per output; the lanes' sum at the end. The weights come from
+ * scaled_weights, the scales from block_scales. The loop is bound by its vector
+ * instructions (the conversions, not the bytes): per Q4_1 block and output row one FMA
+ * for the table, a widening, a shift, two permutes and the two product FMAs (7), where
+ * converting each weight and its scales in place took 15. Measured on the 2-core Xeon,
+ * one thread, CPU time, SmolLM2's 30 gate_up projections from cache: 2.36 -> 1.75 ns a
+ * block and row; all 121 projections of a step from memory 11.8 -> 9.0 ms. Q5_0 adds two
+ * masked adds (three shuffle-port instructions a block and row, where a 32-entry table's
+ * loop, as Q5_1's, took six: a scale broadcast from a register and two index vectors
+ * built from qh): the 166 Q5_0 projections of SmolLM2's Q4_K_M file 11.2 -> 7.3 ms.
+ * Called with a literal type, so that each type gets its own loop. */
 static inline void dot4_blocks(const float *restrict a, const uint8_t *restrict w,
-                               int64_t row_bytes, int64_t nb, int64_t block_bytes, int type,
-                               float *restrict out) {
-    (void)block_bytes; /* each type's loop has its own, as a constant */
+                               int64_t row_bytes, int64_t nb, int64_t block_bytes,
+                               const int type, float *restrict out) {
     __m512 c[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     float scales[4][2 * SCALE_RUN] __attribute__((aligned(64)));
     for (int64_t b0 = 0; b0 < nb; b0 += SCALE_RUN) {
         const int64_t count = min64(SCALE_RUN, nb - b0);
-        block_scales(w, row_bytes, b0, count, type, scales);
-        if (type == BLOCK_Q4_1) {
-            for (int64_t j = 0; j < count; j++) {
-                const int64_t b = b0 + j;
-                const __m512 a0 = _mm512_loadu_ps(a + 32 * b), a1 = _mm512_loadu_ps(a + 32 * b + 16);
-                for (int r = 0; r < 4; r++) {
-                    const uint8_t *blk = w + r * row_bytes + b * 20;
-                    _mm_prefetch((const char *)(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-                    const __m512 lut = q4_1_table(_mm512_set1_ps(scales[r][2 * j]),
-                                                  _mm512_set1_ps(scales[r][2 * j + 1]));
-                    const __m512i q =
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
-                    c[r] = _mm512_fmadd_ps(a0, _mm512_permutexvar_ps(q, lut), c[r]);
-                    c[r] = _mm512_fmadd_ps(
-                        a1, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut), c[r]);
-                }
-            }
-        } else {
-            for (int64_t j = 0; j < count; j++) {
-                const int64_t b = b0 + j;
-                const __m512 a0 = _mm512_loadu_ps(a + 32 * b), a1 = _mm512_loadu_ps(a + 32 * b + 16);
-                for (int r = 0; r < 4; r++) {
-                    const uint8_t *blk = w + r * row_bytes + b * 34;
-                    _mm_prefetch((const char *)(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-                    const __m512 d = _mm512_set1_ps(scales[r][j]);
-                    const __m512 w0 = _mm512_cvtepi32_ps(
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-                    const __m512 w1 = _mm512_cvtepi32_ps(
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-                    c[r] = _mm512_fmadd_ps(a0, _mm512_mul_ps(d, w0), c[r]);
-                    c[r] = _mm512_fmadd_ps(a1, _mm512_mul_ps(d, w1), c[r]);
-                }
+        block_scales(w, row_bytes, b0, count, type, block_bytes, scales);
+        if (type == BLOCK_Q5_0) /* 16 d beside each d */
+            for (int r = 0; r < 4; r++)
+                for (int i = 0; i < SCALE_RUN; i += 16)
+                    _mm512_store_ps(scales[r] + SCALE_RUN + i,
+                                    _mm512_mul_ps(_mm512_load_ps(scales[r] + i), _mm512_set1_ps(16.0f)));
+        for (int64_t j = 0; j < count; j++) {
+            const int64_t b = b0 + j;
+            const __m512 a0 = _mm512_loadu_ps(a + 32 * b), a1 = _mm512_loadu_ps(a + 32 * b + 16);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *blk = w + r * row_bytes + b * block_bytes;
+                _mm_prefetch((const char *)(blk + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+                __m512 v[2];
+                scaled_weights(blk, type, scales[r], j, v);
+                c[r] = _mm512_fmadd_ps(a0, v[0], c[r]);
+                c[r] = _mm512_fmadd_ps(a1, v[1], c[r]);
             }
         }
     }
@@ -692,8 +729,10 @@ int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, in
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
         const int64_t n1 = min64(n0 + CHUNK, n);
         for (int64_t j = n0; j < n1; j += 4) {
-            if (m == 1)
-                dot4_blocks(x, w + j * row_bytes, row_bytes, nb, block_bytes, type, y + j);
+            if (m == 1 && type == BLOCK_Q4_1)
+                dot4_blocks(x, w + j * row_bytes, row_bytes, nb, 20, BLOCK_Q4_1, y + j);
+            else if (m == 1)
+                dot4_blocks(x, w + j * row_bytes, row_bytes, nb, 34, BLOCK_Q8_0, y + j);
             else  /* several rows: each block converted once for all of them */
                 dot4_blocks_rows(x, m, k, w + j * row_bytes, row_bytes, nb, block_bytes, type,
                                  n, y + j);
@@ -714,7 +753,8 @@ int linear_blocks_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, in
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* linear_blocks_q8: y ~ x W^T + b with W in the model file's blocks (Q4_1, Q8_0) and x
+/* linear_blocks_q8: y ~ x W^T + b with W in the model file's blocks (Q4_1, Q8_0 here; Q5_0,
+ * Q4_K and Q6_K in matvec_integer_more.h) and x
  * quantized here per block of 32 values to int8 (one float scale per block, and for Q4_1
  * its sum: llama.cpp's Q8_1), the products summed as integers, as llama.cpp's
  * ggml_vec_dot_q4_1_q8_1 and ggml_vec_dot_q8_0_q8_0 do. Per block of 32:
@@ -786,6 +826,16 @@ static void quantize_blocks32(const float *restrict x, int64_t k, int8_t *restri
     }
 }
 
+/* One call's rows of x quantized per block of 32 (row i's values at q + i * k, its blocks'
+ * entries at i * nb): the int8 values, each block's scale d and d * sum, and (for the
+ * 16-row kernels) each block's integer sum and those of its two halves. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *sum32, *sum16;
+    int64_t k, nb;
+} QX;
+
 /* Output rows j..j+3 of all m (1 to 4) quantized input rows; row r's blocks start at
  * w + r * row_bytes, input row i's at xq + i * k, its outputs at out + i * n. Each weight
  * block is unpacked once for the m rows. The integer sum of each block is scaled into
@@ -793,7 +843,13 @@ static void quantize_blocks32(const float *restrict x, int64_t k, int8_t *restri
  * literal m, so that each count gets its own loops, accumulators in registers. Measured
  * on a loaded AVX-512 EPYC, one thread, CPU time of 32 of SmolLM2's Q4_1 projections
  * against unpacking the weights again for each row: 1.51 / 1.52 ms at one row, 1.93 /
- * 2.41 at two, 2.55 / 4.05 at four (equal outputs). */
+ * 2.41 at two, 2.55 / 4.05 at four (equal outputs). The other types' sums are
+ * more_q8_sums's (matvec_integer_more.h). */
+static inline void more_q8_sums(const int8_t *restrict xq, const float *restrict xd,
+                                const float *restrict xs, int64_t k,
+                                const uint8_t *restrict w, int64_t row_bytes, int type,
+                                const int m, __m256 c[4][4], float offset[4][4]);
+
 static inline void dot4_blocks_q8(const int8_t *restrict xq, const float *restrict xd,
                                   const float *restrict xs, int64_t k, const uint8_t *restrict w,
                                   int64_t row_bytes, int64_t nb, int type, const int m,
@@ -806,7 +862,10 @@ static inline void dot4_blocks_q8(const int8_t *restrict xq, const float *restri
             offset[r][i] = 0.0f;
         }
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
+    /* this loop reads Q4_1 and Q8_0; more_q8_sums the others */
+    const int64_t own = type == BLOCK_Q4_1 || type == BLOCK_Q8_0 ? nb : 0;
+    if (!own) more_q8_sums(xq, xd, xs, k, w, row_bytes, type, m, c, offset);
+    for (int64_t b = 0; b < own; b++) {
         __m256i xv[4];
         for (int i = 0; i < m; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(xq + i * k + 32 * b));
         if (type == BLOCK_Q4_1) {
@@ -867,7 +926,8 @@ static inline void dot4_blocks_q8(const int8_t *restrict xq, const float *restri
  *            4r + j, row r's value 4t + j plus 128 (u8; dpbusd wants one unsigned side),
  *            the 128s taken back out as 128 sum(qx), one integer per block of x.
  * Both keep the file's bytes per weight. */
-enum { BLOCK_Q4_1_X16 = 16, BLOCK_Q8_0_X16 = 17 };
+enum { BLOCK_Q4_1_X16 = 16, BLOCK_Q8_0_X16 = 17, BLOCK_Q5_0_X16 = 18, BLOCK_Q4_K_X16 = 19,
+       BLOCK_Q6_K_X16 = 20 };
 #define X16_MAX_ROWS 8
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -935,18 +995,38 @@ static inline void dot16_q8_0(const int8_t *restrict xq, const float *restrict x
     for (int i = 0; i < m; i++) _mm512_storeu_ps(out + i * n, c[i]);
 }
 
-static void linear_x16(const int8_t *xq, const float *xd, const float *xs,
-                       const int32_t *xsum, int64_t m, int64_t k, const uint8_t *w, int type,
-                       int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
-    const int64_t nb = k / 32, group_bytes = 16 * nb * (type == BLOCK_Q4_1_X16 ? 20 : 34);
+#endif
+
+#include "matvec_integer_more.h"
+
+#ifdef BLOCKS_X16
+/* Bytes of one output row in an interleaved form (a group's bytes / 16: the file's); 0 for
+ * a code that is none. */
+static int64_t x16_row_bytes(int type, int64_t k) {
+    switch (type) {
+    case BLOCK_Q4_1_X16: return k / 32 * 20;
+    case BLOCK_Q8_0_X16: return k / 32 * 34;
+    case BLOCK_Q5_0_X16: return k / 32 * 22;
+    case BLOCK_Q4_K_X16: return k / 256 * 144;
+    case BLOCK_Q6_K_X16: return k / 256 * 210;
+    default: return 0;
+    }
+}
+
+static void linear_x16(const QX *x, int64_t m, const uint8_t *w, int type, int64_t n,
+                       const float *bias, float *y, int64_t parallel_min_bytes) {
+    const int64_t k = x->k, nb = x->nb, group_bytes = 16 * x16_row_bytes(type, k);
     const int parallel = (n / 16) * group_bytes >= parallel_min_bytes;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
         const int64_t n1 = min64(n0 + CHUNK, n);
         for (int64_t j = n0; j < n1; j += 16) {
             const uint8_t *wg = w + (j / 16) * group_bytes;
-#define Q4(rows) dot16_q4_1(xq, xd, xs, k, wg, nb, rows, n, y + j)
-#define Q8(rows) dot16_q8_0(xq, xd, xsum, k, wg, nb, rows, n, y + j)
+#define Q4(rows) dot16_q4_1(x->q, x->d, x->s, k, wg, nb, rows, n, y + j)
+#define Q8(rows) dot16_q8_0(x->q, x->d, x->sum32, k, wg, nb, rows, n, y + j)
+#define Q5(rows) dot16_q5_0(x, wg, rows, n, y + j)
+#define Q4K(rows) dot16_q4_k(x, wg, rows, n, y + j)
+#define Q6K(rows) dot16_q6_k(x, wg, rows, n, y + j)
 #define ROWS(F)                                                                          \
     switch (m) {                                                                         \
     case 1: F(1); break;                                                                 \
@@ -958,12 +1038,17 @@ static void linear_x16(const int8_t *xq, const float *xd, const float *xs,
     case 7: F(7); break;                                                                 \
     default: F(8); break;                                                                \
     }
-            if (type == BLOCK_Q4_1_X16) {
-                ROWS(Q4)
-            } else {
-                ROWS(Q8)
+            switch (type) {
+            case BLOCK_Q4_1_X16: ROWS(Q4) break;
+            case BLOCK_Q8_0_X16: ROWS(Q8) break;
+            case BLOCK_Q5_0_X16: ROWS(Q5) break;
+            case BLOCK_Q4_K_X16: ROWS(Q4K) break;
+            default: ROWS(Q6K) break;
             }
 #undef ROWS
+#undef Q6K
+#undef Q4K
+#undef Q5
 #undef Q8
 #undef Q4
         }
@@ -974,47 +1059,60 @@ static void linear_x16(const int8_t *xq, const float *xd, const float *xs,
 }
 #endif
 
-/* Returns 0, -1 when out of memory, -2 when K is not a multiple of 32, N of 4 or M is not
- * 1 to 4, -3 for an unknown block type. */
+/* Values and bytes of one block of a type the row-at-a-time loops read; 0 for any other. */
+static int q8_block(int type, int64_t *values, int64_t *bytes) {
+    if (type == BLOCK_Q4_1 || type == BLOCK_Q8_0) {
+        *values = 32, *bytes = type == BLOCK_Q4_1 ? 20 : 34;
+        return 1;
+    }
+    return (type == BLOCK_Q5_0 || type == BLOCK_Q4_K || type == BLOCK_Q6_K) &&
+           more_block(type, values, bytes);
+}
+
+/* Returns 0, -1 when out of memory, -2 when K is not a multiple of the block's values, N of
+ * 4 (16 for an interleaved form) or M is not 1 to 4 (to 8), -3 for an unknown block type. */
 int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                      int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
+    int64_t values = 32, bytes = 0;
+    int x16 = 0;
 #ifdef BLOCKS_X16
-    if (type == BLOCK_Q4_1_X16 || type == BLOCK_Q8_0_X16) {
-        if (k % 32 != 0 || n % 16 != 0 || m < 1 || m > X16_MAX_ROWS) return -2;
-        const int64_t nb = k / 32;
-        int8_t *xq = malloc((size_t)(m * k));
-        float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
-        int32_t *xsum = malloc((size_t)(m * nb) * sizeof(int32_t));
-        if (!xq || !xd || !xsum) {
-            free(xq), free(xd), free(xsum);
-            return -1;
-        }
-        for (int64_t row = 0; row < m; row++)
-            quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xd + (m + row) * nb);
-        for (int64_t i = 0; i < m * nb; i++) {
-            int32_t total = 0;
-            for (int j = 0; j < 32; j++) total += xq[32 * i + j];
-            xsum[i] = total;
-        }
-        linear_x16(xq, xd, xd + m * nb, xsum, m, k, w, type, n, bias, y, parallel_min_bytes);
-        free(xq), free(xd), free(xsum);
+    x16 = x16_row_bytes(type, 256) != 0;
+    if (x16) {
+        values = type == BLOCK_Q4_K_X16 || type == BLOCK_Q6_K_X16 ? 256 : 32;
+        if (k % values != 0 || n % 16 != 0 || m < 1 || m > X16_MAX_ROWS) return -2;
+    }
+#endif
+    if (!x16) {
+        if (!q8_block(type, &values, &bytes)) return -3;
+        if (k % values != 0 || n % 4 != 0 || m < 1 || m > 4) return -2;
+    }
+    const int64_t nb = k / 32;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
+    int32_t *sums = malloc((size_t)(3 * m * nb) * sizeof(int32_t));
+    if (!xq || !xd || !sums) {
+        free(xq), free(xd), free(sums);
+        return -1;
+    }
+    for (int64_t row = 0; row < m; row++)
+        quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xd + (m + row) * nb);
+    int32_t *sum32 = sums, *sum16 = sums + m * nb;
+    for (int64_t i = 0; i < 2 * m * nb; i++) {
+        int32_t total = 0;
+        for (int j = 0; j < 16; j++) total += xq[16 * i + j];
+        sum16[i] = total;
+    }
+    for (int64_t i = 0; i < m * nb; i++) sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
+    const QX qx = {xq, xd, xd + m * nb, sum32, sum16, k, nb};
+#ifdef BLOCKS_X16
+    if (x16) {
+        linear_x16(&qx, m, w, type, n, bias, y, parallel_min_bytes);
+        free(xq), free(xd), free(sums);
         return 0;
     }
 #endif
-    if (k % 32 != 0 || n % 4 != 0 || m < 1 || m > 4) return -2;
-    if (type != BLOCK_Q4_1 && type != BLOCK_Q8_0) return -3;
-    const int64_t nb = k / 32, block_bytes = type == BLOCK_Q4_1 ? 20 : 34;
-    const int64_t row_bytes = nb * block_bytes;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xd = malloc((size_t)(2 * m * nb) * sizeof(float));
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -1;
-    }
-    float *xs = xd + m * nb;
-    for (int64_t row = 0; row < m; row++)
-        quantize_blocks32(x + row * k, k, xq + row * k, xd + row * nb, xs + row * nb);
+    const float *xs = qx.s;
+    const int64_t row_bytes = k / values * bytes;
     const int parallel = n * row_bytes >= parallel_min_bytes;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n0 = 0; n0 < n; n0 += CHUNK) {
@@ -1034,8 +1132,7 @@ int linear_blocks_q8(const float *x, int64_t m, int64_t k, const uint8_t *w, int
             for (int64_t row = 0; row < m; row++)
                 for (int64_t j = n0; j < n1; j++) y[row * n + j] += bias[j];
     }
-    free(xq);
-    free(xd);
+    free(xq), free(xd), free(sums);
     return 0;
 }
 #else

@@ -11,12 +11,11 @@
  * dequantized weight to the bit, at the blocks' 0.56 (Q4_K) to 0.82 (Q6_K) bytes a weight.
  *
  * With AVX-512 the 4-bit types pick their weights from a 16-entry table per sub-block
- * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_0,
- * Q5_1 and Q5_K from a 32-entry one (vpermt2ps, 5 bits); Q6_K's 16 weights of one scale are the scale
- * times the converted values. Without AVX-512 a block is dequantized by dq_block_values
+ * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_1
+ * and Q5_K from a 32-entry one (vpermt2ps, 5 bits); Q5_0 runs dot4_blocks (matvec.c: a
+ * 16-entry table and its fifth bit as a masked add); Q6_K's 16 weights of one scale are
+ * the scale times the converted values. Without AVX-512 a block is dequantized by dq_block_values
  * into a buffer on the stack and summed from there (the same values and order). */
-
-enum { BLOCK_Q4_0 = 2, BLOCK_Q5_0 = 3, BLOCK_Q5_1 = 4, BLOCK_Q4_K = 5, BLOCK_Q5_K = 6, BLOCK_Q6_K = 7 };
 
 static void dq_block_values(const uint8_t *blk, int type, float *out);
 
@@ -49,12 +48,6 @@ static inline void prefetch_block(const uint8_t *blk, int64_t row_bytes, int64_t
 #define ACC_LANES 16
 #define ACC_FMA(a, w, c) _mm512_fmadd_ps(_mm512_loadu_ps(a), w, c)
 #define ACC_SUM _mm512_reduce_add_ps
-
-static inline __m512 iota16(float from) {
-    return _mm512_add_ps(_mm512_set1_ps(from),
-                         _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f,
-                                        9.0f, 10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f));
-}
 
 /* Q4_K / Q5_K's 8 sub-block scales d sc and minimums dmin mn (exact products) into
  * sm[0..7], the minimums negated into sm[8..15] (-(dmin mn) = (-dmin) mn exactly), all 16
@@ -243,14 +236,6 @@ static inline __m512 q5_block(const float *a, const uint8_t *qh_at, const uint8_
     return ACC_FMA(a + 16, _mm512_permutex2var_ps(lo, i1, hi), c);
 }
 
-/* Q5_0: f16 d, qh, 16 bytes of nibbles; w = d (q - 16), exact in float32. A real Q4_K_M
- * file of a model whose width is no multiple of 256 holds mostly Q5_0. */
-static inline __m512 q5_0_block(const float *a, const uint8_t *blk, __m512 c) {
-    const __m512 d = _mm512_set1_ps(half_to_float(blk));
-    const __m512 lo = _mm512_mul_ps(d, iota16(-16.0f)), hi = _mm512_mul_ps(d, iota16(0.0f));
-    return q5_block(a, blk + 2, blk + 6, lo, hi, c);
-}
-
 /* Q5_1: f16 d, f16 m, qh, 16 bytes of nibbles; w = d q + m, the table made as Q4_1's
  * (fma(d, q, m): d q is exact, so each weight rounds once, as gguf-py's d * q + m). */
 static inline __m512 q5_1_block(const float *a, const uint8_t *blk, __m512 c) {
@@ -266,7 +251,6 @@ static inline __m512 q5_1_block(const float *a, const uint8_t *blk, __m512 c) {
 /* One block of one output row into its accumulator. */
 static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type, __m512 c) {
     switch (type) {
-    case BLOCK_Q5_0: return q5_0_block(a, blk, c);
     case BLOCK_Q5_1: return q5_1_block(a, blk, c);
     case BLOCK_Q4_K: return q4_k_block(a, blk, c);
     case BLOCK_Q5_K: return q5_k_block(a, blk, c);
@@ -316,7 +300,11 @@ static void dot4_more(const float *restrict a, const uint8_t *restrict w, int64_
 #endif
     case BLOCK_Q5_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_K, out); break;
     case BLOCK_Q6_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q6_K, out); break;
+#ifdef __AVX512F__
+    case BLOCK_Q5_0: dot4_blocks(a, w, row_bytes, nb, 22, BLOCK_Q5_0, out); break;
+#else
     case BLOCK_Q5_0: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_0, out); break;
+#endif
     case BLOCK_Q5_1: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_1, out); break;
     default: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q4_0, out); break;
     }

@@ -93,9 +93,11 @@ def _runner(
     )
 
 
-def _steps(runner: ModelRunner, rows: int) -> tuple[list[list[int]], torch.Tensor]:
+def _steps(
+    runner: ModelRunner, rows: int, logits_at: int = 5
+) -> tuple[list[list[int]], torch.Tensor]:
     """A prompt per row (prefill: the layer-by-layer loop either way), then decode steps;
-    the tokens each step sampled and the last decode step's logits."""
+    the tokens each step sampled and decode step `logits_at`'s logits (the last's)."""
     seqs = [f"s{r}" for r in range(rows)]
     greedy = SamplingParams(temperature=0.0)
     new = [
@@ -116,7 +118,7 @@ def _steps(runner: ModelRunner, rows: int) -> tuple[list[list[int]], torch.Tenso
             StepRow(seq_id=s, token_ids=[], start_pos=9 + r + step - 1, feed_last=True, sample=True)
             for r, s in enumerate(seqs)
         ]
-        if step == 5:
+        if step == logits_at:
             logits = runner.logits(runner.host_batch(decode)).clone()
         result = runner.execute(StepPlan(step_id=step, rows=decode))
         assert result.error is None
@@ -394,6 +396,41 @@ def test_a_q5_1_file_s_decode_steps_go_through_the_one_call_loop(tmp_path, rows,
     assert {p.kind for p in once.model.weights.layers[0].qkv.parts} == {"q5_1"}
     loop_tokens, loop_logits = _steps(loop, rows)
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int8_reads_a_q4_k_m_file_s_every_type_with_integer_products(tmp_path, rows, monkeypatch):
+    """--quantize int8 on a file of a llama.cpp Q4_K_M's types: every decode step one native
+    call reading every projection with integer products (layer 0's q/k/v as a Q5_0 and a
+    Q8_0 segment), the layer loop's tokens and logits to the bit, and close to the exact
+    mode's logits."""
+    from spillway.services.worker.loading import load_runner
+    from spillway.shared.config import load_settings
+    from tests.gguf_files import Q4_K_M_NARROW, write_tiny_llama
+
+    if not matvec.load().features & matvec.HAS_BLOCKS_Q8:
+        pytest.skip("integer block kernel not built (needs AVX2, FMA and F16C)")
+    path = write_tiny_llama(tmp_path / "tiny-Q4_K_M.gguf", Q4_K_M_NARROW)
+    settings = {"model": str(path), "kv_blocks": 16, "device": "cpu", "dtype": "float32"}
+    int8 = load_settings(**settings, quantize="int8")
+    once, loop = load_runner(int8)[0], load_runner(int8)[0]
+    if once.model.ops._decode_layers is None:
+        pytest.skip("native kernels not built here (no compiler or no AVX2)")
+    loop.model.ops._decode_layers = None
+    once_tokens, once_logits = _steps_at_once(once, rows, monkeypatch)
+    layers = once.model.ops._decode_layers._prepared.array
+    for layer in layers:
+        assert all(getattr(layer, p).integer for p in ("qkv", "o", "gate_up", "down"))
+    assert [layer.qkv.num_segments for layer in layers] == [2, 0]  # layer 1's: all Q5_0
+    loop_tokens, loop_logits = _steps(loop, rows)
+    assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
+    # The first decode step (after the same prompt and sampled token: a random model's
+    # near ties part the two modes' tokens later).
+    exact_tokens, exact_logits = _steps(load_runner(load_settings(**settings))[0], rows, 1)
+    _, int8_logits = _steps(load_runner(int8)[0], rows, 1)
+    assert exact_tokens[0] == once_tokens[0]
+    error = float((int8_logits - exact_logits).norm() / exact_logits.norm())
+    assert 0 < error < 5e-2, error
 
 
 def _x16() -> bool:

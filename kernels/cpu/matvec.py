@@ -39,7 +39,12 @@ for `--quantize int8`: VNNI's dpbusd where the CPU has it
 (AVX-512 VNNI, or AVX-VNNI), else AVX2's maddubs, the same integers either way
 (`info.int8_dot` picks; `load(dot=...)` builds another for tests and benchmarks).
 Measured on a loaded 2-core EPYC with AVX-512 VNNI, all 121 projections at one row: 4.8 ms
-against 5.8 for `linear_blocks` and 7.3 for `linear_q8`.
+against 5.8 for `linear_blocks` and 7.3 for `linear_q8`. Without AVX-512 VNNI, Q4_1 and Q8_0
+are read interleaved for 8 output rows (`interleave(weight, 8)`): on a loaded 2-core Zen 3
+EPYC (AVX2 alone), one thread, CPU time (`python -m bench.cpu_kernels --rows 1 2 4 8
+--int8-rows --threads 1 --clock cpu`): 1 row 8.2 ms against 10.5 row at a time, 2 rows
+9.1 / 13.9, 4 rows 11.5 / 20.5, and 8 rows 19.2 (a verify of 8 positions, each row's
+outputs its own call's), where the float32 blocks take 13.2, 18.8, 26.3 and 42.1.
 
 `linear_dequant` reads blocks of any GGUF type spillway loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q4_K, Q5_K, Q6_K): each chunk of output rows is dequantized (`dequantize`, gguf-py's
@@ -68,7 +73,8 @@ from spillway.kernels.cpu.info import cpu_flags, cpu_model, int8_dot
 from spillway.kernels.cpu.native import address_of, bind, ptr
 
 SOURCE = Path(__file__).with_name("csrc") / "matvec.c"
-HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT, HAS_BLOCKS_X16 = 1, 2, 4, 8, 16, 32
+HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT = 1, 2, 4, 8, 16
+HAS_BLOCKS_X16, HAS_BLOCKS_X8 = 32, 64
 # matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
 INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
 # Every block format `dequantize_rows` and `linear_dequant_f32` read (DQ_* in matvec.c),
@@ -94,7 +100,12 @@ INTEGER_BLOCK_TYPES = frozenset({"q4_1", "q8_0", "q5_0", "q4_k", "q6_k"})
 # matvec.c's and matvec_integer_more.h's).
 X16_CODES = {"q4_1x16": 16, "q8_0x16": 17, "q5_0x16": 18, "q4_kx16": 19, "q6_kx16": 20}
 X16_KINDS = {kind: f"{kind}x16" for kind in ("q4_1", "q8_0", "q5_0", "q4_k", "q6_k")}
-INTEGER_CODES = {**{kind: BLOCK_CODES[kind] for kind in INTEGER_BLOCK_TYPES}, **X16_CODES}
+# ... and the 8-row forms it reads without AVX-512 VNNI (HAS_BLOCKS_X8: AVX2's maddubs or
+# AVX-VNNI), the same layouts at 8 rows a group (matvec.c's BLOCKS_X8 comment).
+X8_CODES = {"q4_1x8": 21, "q8_0x8": 22}
+X8_KINDS = {kind: f"{kind}x8" for kind in ("q4_1", "q8_0")}
+INTERLEAVED_CODES = {**X16_CODES, **X8_CODES}
+INTEGER_CODES = {**{kind: BLOCK_CODES[kind] for kind in INTEGER_BLOCK_TYPES}, **INTERLEAVED_CODES}
 # 16-bit float types: any K and N (linear_f32's loops); the block types want N % 4 == 0.
 HALF_TYPES = frozenset({"f16", "bf16"})
 # Activations are quantized per block of this many values (QB in matvec.c).
@@ -125,23 +136,27 @@ _FAILURES = {
 }
 
 
-def interleave(weight: BlockWeight) -> BlockWeight:
+def interleave(weight: BlockWeight, rows: int = 16) -> BlockWeight:
     """Integer-read blocks regrouped for `linear_blocks_q8`'s 16-row kernels (the same bytes
     a weight, moved): per 16 output rows, values laid out as VNNI's dpbusd takes them (16
-    rows x 4 consecutive values a 64-byte vector), each block's scales beside them. The
-    layouts are matvec.c's BLOCKS_X16 comment and matvec_integer_more.h's."""
+    rows x 4 consecutive values a 64-byte vector), each block's scales beside them; with
+    `rows` 8, the 8-row forms (8 rows x 4 values a 32-byte vector). The layouts are
+    matvec.c's BLOCKS_X16 and BLOCKS_X8 comments and matvec_integer_more.h's."""
     n, k = weight.shape
     values, size = BLOCK_SHAPES[weight.kind]
-    nb, groups = k // values, n // 16
-    assert weight.kind in X16_KINDS and n % 16 == 0 and k % values == 0
-    blocks = weight.data.view(groups, 16, nb, size)  # [G, row, block, bytes]
-    parts = _X16_PARTS[weight.kind](blocks)
+    nb, groups = k // values, n // rows
+    kinds = X16_KINDS if rows == 16 else X8_KINDS
+    assert rows in (8, 16) and weight.kind in kinds and n % rows == 0 and k % values == 0
+    blocks = weight.data.view(groups, rows, nb, size)  # [G, row, block, bytes]
+    parts = _GROUPED_PARTS[weight.kind](blocks)
+    if rows == 16 and weight.kind == "q8_0":  # dpbusd's unsigned side: q + 128 as u8
+        parts[1] = parts[1].bitwise_xor(0x80)  # (two's complement; 8 rows: q as stored)
     if weight.kind in ("q4_1", "q8_0"):  # every block's scales first, then the values
         grouped = torch.cat([p.reshape(groups, -1) for p in parts], dim=1)
     else:  # each block whole, in order
         grouped = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2)
     data = grouped.contiguous().view(n, -1)
-    return BlockWeight(data, X16_KINDS[weight.kind], k)
+    return BlockWeight(data, kinds[weight.kind], k)
 
 
 def _by_row(t: torch.Tensor, *inner: int) -> torch.Tensor:
@@ -153,19 +168,19 @@ def _by_row(t: torch.Tensor, *inner: int) -> torch.Tensor:
     return split.permute(*order)
 
 
-def _q4_1_x16(b: torch.Tensor) -> list[torch.Tensor]:
+def _q4_1_grouped(b: torch.Tensor) -> list[torch.Tensor]:
     # scales [G, block, d|m, row, 2 bytes]; nibbles [G, block, vector, row, 4 bytes]
-    g, _, nb, _ = b.shape
-    scales = b[..., :4].reshape(g, 16, nb, 2, 2).permute(0, 2, 3, 1, 4)
+    g, rows, nb, _ = b.shape
+    scales = b[..., :4].reshape(g, rows, nb, 2, 2).permute(0, 2, 3, 1, 4)
     return [scales, _by_row(b[..., 4:], 4)]
 
 
-def _q8_0_x16(b: torch.Tensor) -> list[torch.Tensor]:
-    # q + 128 as u8 (two's complement)
-    return [b[..., :2].permute(0, 2, 1, 3), _by_row(b[..., 2:], 8).bitwise_xor(0x80)]
+def _q8_0_grouped(b: torch.Tensor) -> list[torch.Tensor]:
+    # d of the rows; q per vector (as stored: `interleave` makes the 16-row form's u8)
+    return [b[..., :2].permute(0, 2, 1, 3), _by_row(b[..., 2:], 8)]
 
 
-def _q5_0_x16(b: torch.Tensor) -> list[torch.Tensor]:
+def _q5_0_grouped(b: torch.Tensor) -> list[torch.Tensor]:
     # mask t's byte p: bits 4 t..4 t + 3 of rows 2 p (low nibble) and 2 p + 1 (high)
     qh = b[..., 2:6]  # [G, row, block, 4]: qh's bytes, little-endian
     nibbles = torch.stack([(qh[..., t // 2] >> (4 * (t % 2))) & 0x0F for t in range(8)], -1)
@@ -174,13 +189,13 @@ def _q5_0_x16(b: torch.Tensor) -> list[torch.Tensor]:
     return [b[..., :2].permute(0, 2, 1, 3), masks, _by_row(b[..., 6:], 4)]
 
 
-def _q4_k_x16(b: torch.Tensor) -> list[torch.Tensor]:
+def _q4_k_grouped(b: torch.Tensor) -> list[torch.Tensor]:
     # d and dmin of the 16 rows; the scales' three 4-byte words; qs per pair and vector
     halves = b[..., :4].reshape(*b.shape[:3], 2, 2).permute(0, 2, 3, 1, 4)
     return [halves, _by_row(b[..., 4:16], 3), _by_row(b[..., 16:], 4, 8)]
 
 
-def _q6_k_x16(b: torch.Tensor) -> list[torch.Tensor]:
+def _q6_k_grouped(b: torch.Tensor) -> list[torch.Tensor]:
     # d; scale i of the 16 rows; per half g and vector v: ql (two) and qh, 4 bytes a row
     ql = _by_row(b[..., :128], 2, 2, 8)  # [G, block, g, a|b, v, row, 4]
     qh = _by_row(b[..., 128:192], 2, 8).unsqueeze(3)  # [G, block, g, 1, v, row, 4]
@@ -188,9 +203,9 @@ def _q6_k_x16(b: torch.Tensor) -> list[torch.Tensor]:
     return [b[..., 208:210].permute(0, 2, 1, 3), b[..., 192:208].permute(0, 2, 3, 1), quants]
 
 
-_X16_PARTS = {
-    "q4_1": _q4_1_x16, "q8_0": _q8_0_x16, "q5_0": _q5_0_x16, "q4_k": _q4_k_x16,
-    "q6_k": _q6_k_x16,
+_GROUPED_PARTS = {
+    "q4_1": _q4_1_grouped, "q8_0": _q8_0_grouped, "q5_0": _q5_0_grouped, "q4_k": _q4_k_grouped,
+    "q6_k": _q6_k_grouped,
 }  # fmt: skip
 
 
@@ -262,7 +277,7 @@ class IntegerBlocks:
     @property
     def max_rows(self) -> int:
         """Rows one call takes, each row's outputs those of a call of that row alone."""
-        return MAX_BLOCK_ROWS if self.blocks.kind in X16_CODES else MAX_ROWS
+        return MAX_BLOCK_ROWS if self.blocks.kind in INTERLEAVED_CODES else MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -379,7 +394,7 @@ class MatvecKernels:
         if weight.kind not in kinds:
             return False
         rows_fit = self._few_rows(feature, x, bias) or (
-            self._x16(weight) and self._few_rows(HAS_BLOCKS, x, bias)  # up to MAX_BLOCK_ROWS
+            self._group(weight) > 0 and self._few_rows(HAS_BLOCKS, x, bias)  # MAX_BLOCK_ROWS
         )
         return (
             rows_fit
@@ -389,20 +404,22 @@ class MatvecKernels:
             and weight.data.is_contiguous()
         )
 
-    def _x16(self, weight: BlockWeight) -> bool:
-        """Whether `linear_blocks_q8` reads this weight's interleaved form (`interleave`)."""
+    def _group(self, weight: BlockWeight) -> int:
+        """The rows of a group of the interleaved form `linear_blocks_q8` reads this weight
+        in (`interleave`): 16, 8, or 0 where it reads the file's blocks as they are."""
         n, k = weight.shape
-        return (
-            self.features & HAS_BLOCKS_X16 != 0
-            and weight.kind in X16_KINDS
-            and n % 16 == 0
-            and k % BLOCK_SHAPES[weight.kind][0] == 0
-        )
+        if k % BLOCK_SHAPES[weight.kind][0] != 0:
+            return 0
+        for rows, feature, kinds in ((16, HAS_BLOCKS_X16, X16_KINDS), (8, HAS_BLOCKS_X8, X8_KINDS)):
+            if self.features & feature and weight.kind in kinds and n % rows == 0:
+                return rows
+        return 0
 
     def integer_form(self, weight: BlockWeight) -> IntegerBlocks:
-        """The form `linear_blocks_q8` reads this weight in: interleaved where the 16-row
-        kernel is built and the shape allows it, else the file's blocks as they are."""
-        return IntegerBlocks(interleave(weight) if self._x16(weight) else weight, weight)
+        """The form `linear_blocks_q8` reads this weight in: interleaved where an 8- or
+        16-row kernel is built and the shape allows it, else the file's blocks as they are."""
+        rows = self._group(weight)
+        return IntegerBlocks(interleave(weight, rows) if rows else weight, weight)
 
     def integer_segments(self, parts: tuple[BlockWeight, ...]) -> IntegerSegments:
         """Each segment's `integer_form`."""

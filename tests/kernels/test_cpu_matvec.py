@@ -17,9 +17,11 @@ from spillway.kernels.cpu.linear import (
 from spillway.kernels.cpu.matvec import (
     HAS_BLOCKS,
     HAS_BLOCKS_Q8,
+    HAS_BLOCKS_X8,
     HAS_BLOCKS_X16,
     HAS_F32,
     HAS_Q8,
+    INTERLEAVED_CODES,
     MAX_BLOCK_ROWS,
     MAX_ROWS,
     Q8_BLOCK,
@@ -205,7 +207,8 @@ def test_an_avx2_build_reads_blocks_as_its_float32_kernel(tmp_path):
 def test_blocks_refuse_what_they_do_not_read(matvec):
     if not matvec.features & HAS_BLOCKS:
         pytest.skip("block kernel not built")
-    blocks = BlockWeight(torch.zeros(8, 20, dtype=torch.uint8), "q4_1", 32)
+    # 12 rows: no interleaved form (groups of 8 or 16), the integer kernel's rows are its own
+    blocks = BlockWeight(torch.zeros(12, 20, dtype=torch.uint8), "q4_1", 32)
     assert matvec.fits_blocks(torch.ones(1, 32), blocks, None)
     assert not matvec.fits_blocks(torch.ones(1, 64), blocks, None)  # K differs
     assert matvec.fits_blocks(torch.ones(MAX_BLOCK_ROWS, 32), blocks, None)
@@ -250,14 +253,15 @@ INTEGER_WIDTHS = {"q4_1": 160, "q8_0": 160, "q5_0": 160, "q4_k": 768, "q6_k": 76
 )
 def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows, interleaved):
     """x quantized per block of 32 against the file's blocks (or their interleaved form,
-    16 rows a group), integer products: the float64 product of those quantized activations
-    with the dequantized weight, and within the activations' rounding (half a step per
-    value) of the float activations' product."""
+    16 rows a group with AVX-512 VNNI, else 8), integer products: the float64 product of
+    those quantized activations with the dequantized weight, and within the activations'
+    rounding (half a step per value) of the float activations' product."""
     if dot not in dot_builds:
         pytest.skip(f"this CPU has no {dot}")
     matvec = dot_builds[dot]
-    if interleaved and not matvec.features & HAS_BLOCKS_X16:
-        pytest.skip("the 16-row integer kernel needs AVX-512 VNNI")
+    group = 16 if matvec.features & HAS_BLOCKS_X16 else 8
+    if interleaved and f"{kind}x{group}" not in INTERLEAVED_CODES:
+        pytest.skip(f"no {group}-row form of {kind} (the 8-row kernels read Q4_1 and Q8_0)")
     seed = torch.seed()  # fresh inputs each run; the seed is in any failure's message
     g = torch.Generator().manual_seed(seed)
     n = 4112 if interleaved else 4100  # odd chunk tails (a group of 16, or 4 rows)
@@ -269,7 +273,7 @@ def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows
     bias = torch.randn(n, generator=g)
     assert matvec.fits_blocks(x, blocks, bias, HAS_BLOCKS_Q8)
     form = matvec.integer_form(blocks).blocks
-    assert form.kind == (f"{kind}x16" if interleaved else kind)
+    assert form.kind == (f"{kind}x{group}" if interleaved else kind)
     got = matvec.linear_blocks_q8(x, form if interleaved else blocks, bias).double()
     if interleaved:  # each row's outputs are that row's alone
         one = torch.cat([matvec.linear_blocks_q8(x[i : i + 1], form, bias) for i in range(rows)])
@@ -315,7 +319,9 @@ def test_int8_linear_reads_the_files_blocks_with_integer_products(matvec):
     int8.use_blocks([(dense, blocks)])
     form = int8.few_row_form(x[:1], dense, None)
     assert isinstance(form, IntegerBlocks) and form.source is blocks
-    assert form.blocks.kind == ("q4_1x16" if matvec.features & HAS_BLOCKS_X16 else "q4_1")
+    grouped = matvec.features & (HAS_BLOCKS_X8 | HAS_BLOCKS_X16)
+    interleaved = "q4_1x16" if matvec.features & HAS_BLOCKS_X16 else "q4_1x8"
+    assert form.blocks.kind == (interleaved if grouped else "q4_1")
     assert int8.few_row_form(x[:2], dense, None) is form  # one form per weight
     few = int8(x[:2], dense)
     assert torch.equal(few, matvec.linear_blocks_q8(x[:2], form.blocks, None))

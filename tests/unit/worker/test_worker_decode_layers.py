@@ -343,8 +343,8 @@ def test_a_verify_step_equals_one_token_steps_to_the_bit(
     feature = matvec.HAS_BLOCKS if quantize == "none" else matvec.HAS_BLOCKS_Q8
     if not matvec.load().features & feature:
         pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
-    if rows > matvec.MAX_ROWS and quantize == "int8" and not _x16():
-        pytest.skip("the 16-row integer kernel, which takes 8 rows, needs AVX-512 VNNI")
+    if rows > matvec.MAX_ROWS and quantize == "int8" and not _interleaved():
+        pytest.skip("the interleaved integer kernels, which take 8 rows, need AVX2")
     tokens = [(5 * i + 17) % 256 for i in range(rows)]
     single = _verify_logits(_runner(block_weights, quantize, at_once=True), tokens, False)
     verify = _runner(block_weights, quantize, at_once=True)
@@ -365,7 +365,7 @@ def test_the_worker_says_how_many_positions_it_verifies_exactly(weights, block_w
     if not matvec.load().features & matvec.HAS_BLOCKS:
         pytest.skip("block kernels not built (needs AVX2, FMA and F16C)")
     assert _runner(block_weights, "none", True).max_verify_tokens == matvec.MAX_BLOCK_ROWS
-    int8_rows = matvec.MAX_BLOCK_ROWS if _x16() else matvec.MAX_ROWS
+    int8_rows = matvec.MAX_BLOCK_ROWS if _interleaved() else matvec.MAX_ROWS
     assert _runner(block_weights, "int8", True).max_verify_tokens == int8_rows
     assert _runner(weights, "none", True).max_verify_tokens == matvec.MAX_ROWS
     assert _runner(weights, "none", False).max_verify_tokens == 0  # no native path: no bound
@@ -433,6 +433,7 @@ def test_int8_reads_a_q4_k_m_file_s_every_type_with_integer_products(tmp_path, r
     assert 0 < error < 5e-2, error
 
 
-def _x16() -> bool:
-    """Whether `--quantize int8` reads blocks interleaved for 16 rows (AVX-512 VNNI)."""
-    return bool(matvec.load().features & matvec.HAS_BLOCKS_X16)
+def _interleaved() -> bool:
+    """Whether `--quantize int8` reads Q4_1 and Q8_0 blocks interleaved (16 rows a group with
+    AVX-512 VNNI, 8 with AVX2 or AVX-VNNI)."""
+    return bool(matvec.load().features & (matvec.HAS_BLOCKS_X16 | matvec.HAS_BLOCKS_X8))

@@ -102,8 +102,8 @@ X16_CODES = {"q4_1x16": 16, "q8_0x16": 17, "q5_0x16": 18, "q4_kx16": 19, "q6_kx1
 X16_KINDS = {kind: f"{kind}x16" for kind in ("q4_1", "q8_0", "q5_0", "q4_k", "q6_k")}
 # ... and the 8-row forms it reads without AVX-512 VNNI (HAS_BLOCKS_X8: AVX2's maddubs or
 # AVX-VNNI), the same layouts at 8 rows a group (matvec.c's BLOCKS_X8 comment).
-X8_CODES = {"q4_1x8": 21, "q8_0x8": 22}
-X8_KINDS = {kind: f"{kind}x8" for kind in ("q4_1", "q8_0")}
+X8_CODES = {"q4_1x8": 21, "q8_0x8": 22, "q5_0x8": 23}
+X8_KINDS = {kind: f"{kind}x8" for kind in ("q4_1", "q8_0", "q5_0")}
 INTERLEAVED_CODES = {**X16_CODES, **X8_CODES}
 INTEGER_CODES = {**{kind: BLOCK_CODES[kind] for kind in INTEGER_BLOCK_TYPES}, **INTERLEAVED_CODES}
 # 16-bit float types: any K and N (linear_f32's loops); the block types want N % 4 == 0.

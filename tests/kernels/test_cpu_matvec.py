@@ -196,7 +196,7 @@ def test_an_avx2_build_reads_blocks_as_its_float32_kernel(tmp_path):
     that build's float32 kernel."""
     avx2 = avx2_matvec(tmp_path)
     g = torch.Generator().manual_seed(4)
-    for kind in ("q4_1", "q8_0"):
+    for kind in ("q4_1", "q8_0", "q5_0"):
         blocks, dense = _quantized_blocks(kind, 4 * 65, 40 * 32, g)
         x = torch.randn(3, 40 * 32, generator=g)
         for rows in (1, 3):
@@ -261,7 +261,7 @@ def test_integer_blocks_match_the_dequantized_weight(dot_builds, dot, kind, rows
     matvec = dot_builds[dot]
     group = 16 if matvec.features & HAS_BLOCKS_X16 else 8
     if interleaved and f"{kind}x{group}" not in INTERLEAVED_CODES:
-        pytest.skip(f"no {group}-row form of {kind} (the 8-row kernels read Q4_1 and Q8_0)")
+        pytest.skip(f"no {group}-row form of {kind} (the 8-row kernels read Q4_1, Q8_0, Q5_0)")
     seed = torch.seed()  # fresh inputs each run; the seed is in any failure's message
     g = torch.Generator().manual_seed(seed)
     n = 4112 if interleaved else 4100  # odd chunk tails (a group of 16, or 4 rows)

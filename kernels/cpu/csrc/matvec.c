@@ -391,6 +391,24 @@ static inline void block_weights(const uint8_t *blk, int type, __m256 w[4]) {
                                   _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(parts[i]), m);
+    } else if (type == BLOCK_Q5_0) {
+        /* w = d (q - 16): an f16 times a 5-bit integer, exact in float32 (no rounding) */
+        const __m256 d = _mm256_set1_ps(half_to_float(blk));
+        uint32_t qh;
+        memcpy(&qh, blk + 2, sizeof qh);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 6)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 14)));
+        const __m256i nibble = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1);
+        const __m256i parts[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
+                                  _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+        const __m256i h = _mm256_set1_epi32((int)qh);
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int i = 0; i < 4; i++) { /* value 8 i + l's fifth bit: bit 8 i + l of qh */
+            const __m256i bit = _mm256_and_si256(
+                _mm256_srlv_epi32(h, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i))), one);
+            const __m256i q = _mm256_or_si256(parts[i], _mm256_slli_epi32(bit, 4));
+            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
+        }
     } else {
         const __m256 d = _mm256_set1_ps(half_to_float(blk));
         for (int i = 0; i < 4; i++) {
@@ -1079,7 +1097,7 @@ static void linear_x16(const QX *x, int64_t m, const uint8_t *w, int type, int64
  *           row r's value 4t + j (signed, as in the file: maddubs takes |q| and qx with
  *           q's sign, so every pair sum fits 16 bits).
  * The same integers as the row-at-a-time loop; the float steps differ in order. */
-enum { BLOCK_Q4_1_X8 = 21, BLOCK_Q8_0_X8 = 22 };
+enum { BLOCK_Q4_1_X8 = 21, BLOCK_Q8_0_X8 = 22, BLOCK_Q5_0_X8 = 23 };
 #define X8_MAX_ROWS 8
 
 static inline __m256i bcast4_256(const int8_t *p) {
@@ -1088,10 +1106,13 @@ static inline __m256i bcast4_256(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* sum over t of the u8 x s8 products of u[t] and 4 values of x at xb + 4t, per 32-bit lane */
-static inline __m256i dot8_u8s8(const __m256i u[8], const int8_t *xb) {
-#if INT8_DOT >= 2
+/* The sum over t of the u8 x s8 products of u[t] and the 4 values of x at xb + 4t, per
+ * 32-bit lane. With maddubs, `per_madd` (literal) of its 16-bit sums are added before each
+ * madd: 8 where u < 16 (Q4_1: 8 * 2 * 15 * 127 fits 16 bits), 4 where u < 32 (Q5_0). */
+static inline __m256i dot8_u8s8(const __m256i u[8], const int8_t *xb, const int per_madd) {
     __m256i acc = _mm256_setzero_si256();
+#if INT8_DOT >= 2
+    (void)per_madd;
     for (int t = 0; t < 8; t++) {
 #if INT8_DOT == 3
         acc = _mm256_dpbusd_epi32(acc, u[t], bcast4_256(xb + 4 * t));
@@ -1099,14 +1120,26 @@ static inline __m256i dot8_u8s8(const __m256i u[8], const int8_t *xb) {
         acc = _mm256_dpbusd_avx_epi32(acc, u[t], bcast4_256(xb + 4 * t));
 #endif
     }
-    return acc;
 #else
-    /* u < 16 here: the 16-bit sums cannot saturate (see above) */
-    __m256i s16 = _mm256_maddubs_epi16(u[0], bcast4_256(xb));
-    for (int t = 1; t < 8; t++)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[t], bcast4_256(xb + 4 * t)));
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    for (int t0 = 0; t0 < 8; t0 += per_madd) {
+        __m256i s16 = _mm256_maddubs_epi16(u[t0], bcast4_256(xb + 4 * t0));
+        for (int t = t0 + 1; t < t0 + per_madd; t++)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[t], bcast4_256(xb + 4 * t)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+    }
 #endif
+    return acc;
+}
+
+/* Byte i of the result: 16 where bit i of `mask` is set, else 0 (each byte of the
+ * broadcast mask spread over 8 bytes, then tested for its own bit). */
+static inline __m256i bits_to_16s(uint32_t mask) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mask), spread);
+    const __m256i all_but_own = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(v, all_but_own), _mm256_set1_epi8(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
 /* 8 output rows (a group at w) of all m (1 to 8) quantized rows of x; m literal. */
@@ -1132,7 +1165,7 @@ static inline void dot8_q4_1(const int8_t *restrict xq, const float *restrict xd
             wv[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         }
         for (int i = 0; i < m; i++) {
-            const __m256i acc = dot8_u8s8(wv, xq + i * k + 32 * b);
+            const __m256i acc = dot8_u8s8(wv, xq + i * k + 32 * b, 8);
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b]));
             c[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(acc), c[i]);
             o[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[i * nb + b]), o[i]);
@@ -1176,11 +1209,44 @@ static inline void dot8_q8_0(const int8_t *restrict xq, const float *restrict xd
     for (int i = 0; i < m; i++) _mm256_storeu_ps(out + i * n, c[i]);
 }
 
+/* Q5_0x8, per block: [d f16 x 8], 8 masks of 32 bits (mask t: bit 4r + j is the fifth bit
+ * of row r's value 4t + j, the BLOCKS_X16 masks at 8 rows), then the nibbles as Q4_1x8's. */
+#define Q5_0X8_BYTES 176
+static inline void dot8_q5_0(const QX *x, const uint8_t *restrict w, const int m, int64_t n,
+                             float *restrict out) {
+    __m256 c[X8_MAX_ROWS];
+    for (int i = 0; i < m; i++) c[i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < x->nb; b++) {
+        const uint8_t *p = w + Q5_0X8_BYTES * b;
+        for (int l = 0; l < Q5_0X8_BYTES; l += 64)
+            _mm_prefetch((const char *)(p + 4 * Q5_0X8_BYTES + l), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        uint32_t masks[8];
+        memcpy(masks, p + 16, sizeof masks);
+        __m256i wv[8];
+        for (int v = 0; v < 4; v++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * v));
+            wv[v] = _mm256_or_si256(_mm256_and_si256(raw, low), bits_to_16s(masks[v]));
+            wv[v + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                                        bits_to_16s(masks[v + 4]));
+        }
+        for (int i = 0; i < m; i++) {
+            __m256i acc = dot8_u8s8(wv, x->q + i * x->k + 32 * b, 4);
+            acc = _mm256_add_epi32(acc, _mm256_set1_epi32(-16 * x->sum32[i * x->nb + b]));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->d[i * x->nb + b]));
+            c[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(acc), c[i]);
+        }
+    }
+    for (int i = 0; i < m; i++) _mm256_storeu_ps(out + i * n, c[i]);
+}
+
 /* Bytes of one output row in an 8-row form (the file's); 0 for a code that is none. */
 static int64_t x8_row_bytes(int type, int64_t k) {
     switch (type) {
     case BLOCK_Q4_1_X8: return k / 32 * 20;
     case BLOCK_Q8_0_X8: return k / 32 * 34;
+    case BLOCK_Q5_0_X8: return k / 32 * 22;
     default: return 0;
     }
 }
@@ -1196,6 +1262,7 @@ static void linear_x8(const QX *x, int64_t m, const uint8_t *w, int type, int64_
             const uint8_t *wg = w + (j / 8) * group_bytes;
 #define Q4(rows) dot8_q4_1(x->q, x->d, x->s, k, wg, nb, rows, n, y + j)
 #define Q8(rows) dot8_q8_0(x->q, x->d, k, wg, nb, rows, n, y + j)
+#define Q5(rows) dot8_q5_0(x, wg, rows, n, y + j)
 #define ROWS(F)                                                                          \
     switch (m) {                                                                         \
     case 1: F(1); break;                                                                 \
@@ -1207,12 +1274,13 @@ static void linear_x8(const QX *x, int64_t m, const uint8_t *w, int type, int64_
     case 7: F(7); break;                                                                 \
     default: F(8); break;                                                                \
     }
-            if (type == BLOCK_Q4_1_X8) {
-                ROWS(Q4)
-            } else {
-                ROWS(Q8)
+            switch (type) {
+            case BLOCK_Q4_1_X8: ROWS(Q4) break;
+            case BLOCK_Q8_0_X8: ROWS(Q8) break;
+            default: ROWS(Q5) break;
             }
 #undef ROWS
+#undef Q5
 #undef Q8
 #undef Q4
         }
@@ -1386,7 +1454,8 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 
 static void dq_block_values(const uint8_t *blk, int type, float *out) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (type == DQ_Q4_1 || type == DQ_Q8_0) { /* the fused kernels' conversion: the same values */
+    if (type == DQ_Q4_1 || type == DQ_Q8_0 || type == DQ_Q5_0) {
+        /* the fused kernels' conversion (the codes are theirs): the same values */
         __m256 w[4];
         block_weights(blk, type, w);
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 8 * i, w[i]);

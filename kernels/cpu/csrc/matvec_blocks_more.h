@@ -14,8 +14,10 @@
  * (vpermps reads the low 4 bits of each index lane, as Q4_1's dot4_blocks does) and Q5_1
  * and Q5_K from a 32-entry one (vpermt2ps, 5 bits); Q5_0 runs dot4_blocks (matvec.c: a
  * 16-entry table and its fifth bit as a masked add); Q6_K's 16 weights of one scale are
- * the scale times the converted values. Without AVX-512 a block is dequantized by dq_block_values
- * into a buffer on the stack and summed from there (the same values and order). */
+ * the scale times the converted values. Without AVX-512, Q5_0 runs dot4_blocks too (its
+ * weights made in registers by block_weights, the fifth bits by a variable shift); the
+ * others' blocks are dequantized by dq_block_values into a buffer on the stack and summed
+ * from there (the same values and order). */
 
 static void dq_block_values(const uint8_t *blk, int type, float *out);
 
@@ -300,11 +302,7 @@ static void dot4_more(const float *restrict a, const uint8_t *restrict w, int64_
 #endif
     case BLOCK_Q5_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_K, out); break;
     case BLOCK_Q6_K: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q6_K, out); break;
-#ifdef __AVX512F__
     case BLOCK_Q5_0: dot4_blocks(a, w, row_bytes, nb, 22, BLOCK_Q5_0, out); break;
-#else
-    case BLOCK_Q5_0: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_0, out); break;
-#endif
     case BLOCK_Q5_1: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q5_1, out); break;
     default: dot4_more_typed(a, w, row_bytes, nb, values, bytes, BLOCK_Q4_0, out); break;
     }

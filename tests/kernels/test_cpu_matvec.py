@@ -196,7 +196,7 @@ def test_an_avx2_build_reads_blocks_as_its_float32_kernel(tmp_path):
     that build's float32 kernel."""
     avx2 = avx2_matvec(tmp_path)
     g = torch.Generator().manual_seed(4)
-    for kind in ("q4_1", "q8_0", "q5_0"):
+    for kind in ("q4_1", "q8_0", "q5_0", "q4_k", "q6_k"):  # 1,280 values: five K-quant blocks
         blocks, dense = _quantized_blocks(kind, 4 * 65, 40 * 32, g)
         x = torch.randn(3, 40 * 32, generator=g)
         for rows in (1, 3):

@@ -20,6 +20,7 @@
  * from there (the same values and order). */
 
 static void dq_block_values(const uint8_t *blk, int type, float *out);
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn);
 
 /* Whether dot4_more reads this type, and its block's values and bytes. */
 static inline int more_block(int type, int64_t *values, int64_t *bytes) {
@@ -267,7 +268,56 @@ static inline __m512 more_block_dot(const float *a, const uint8_t *blk, int type
 #define ACC_FMA(a, w, c) _mm256_fmadd_ps(_mm256_loadu_ps(a), w, c)
 #define ACC_SUM hsum256
 
+/* Q4_K: sub-block s's weights fma(d sc_s, q, -(dmin m_s)), rounded once as gguf-py's
+ * d * q - dm; sub-blocks 2j and 2j + 1 are the low and high nibbles of the same 32 bytes. */
+static inline __m256 q4_k_block_dot(const float *a, const uint8_t *blk, __m256 c) {
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    for (int s = 0; s < 8; s++) {
+        int sc, mn;
+        k_scale_min(blk + 4, s, &sc, &mn);
+        const __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(-(dmin * (float)mn));
+        const uint8_t *q = blk + 16 + 32 * (s / 2);
+        for (int l = 0; l < 32; l += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + l)));
+            const __m256i v = s % 2 ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, nibble);
+            const __m256 w = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(v), dm);
+            c = _mm256_fmadd_ps(_mm256_loadu_ps(a + 32 * s + l), w, c);
+        }
+    }
+    return c;
+}
+
+/* Q6_K: (d sc) q with q = 6 bits - 32, exact in float32 (no rounding). Each half of 128
+ * values: quarter g takes the low (g < 2) or high nibbles of ql's first (g even) or second
+ * 32 bytes, and bits 2g, 2g + 1 of qh's 32 bytes; 16 values a scale. */
+static inline __m256 q6_k_block_dot(const float *a, const uint8_t *blk, __m256 c) {
+    const float d = half_to_float(blk + 208);
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    const __m256i nibble = _mm256_set1_epi32(0x0F), two = _mm256_set1_epi32(3);
+    const __m256i offset = _mm256_set1_epi32(32);
+    for (int n = 0; n < 2; n++) {
+        const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 32; l += 8) {
+                const __m256i lo = _mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(ql + 32 * (g % 2) + l)));
+                const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
+                const __m256i low4 = g < 2 ? _mm256_and_si256(lo, nibble) : _mm256_srli_epi32(lo, 4);
+                const __m256i top2 = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * g), two);
+                const __m256i q = _mm256_sub_epi32(
+                    _mm256_or_si256(low4, _mm256_slli_epi32(top2, 4)), offset);
+                const __m256 ds = _mm256_set1_ps(d * (float)scales[8 * n + l / 16 + 2 * g]);
+                const __m256 w = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q));
+                c = _mm256_fmadd_ps(_mm256_loadu_ps(a + 128 * n + 32 * g + l), w, c);
+            }
+    }
+    return c;
+}
+
 static inline __m256 more_block_dot(const float *a, const uint8_t *blk, int type, __m256 c) {
+    if (type == BLOCK_Q4_K) return q4_k_block_dot(a, blk, c);
+    if (type == BLOCK_Q6_K) return q6_k_block_dot(a, blk, c);
     float v[256] __attribute__((aligned(32)));
     dq_block_values(blk, type, v);
     const int values = type == BLOCK_Q4_0 || type == BLOCK_Q5_0 || type == BLOCK_Q5_1 ? 32 : 256;

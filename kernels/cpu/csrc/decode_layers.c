@@ -223,11 +223,11 @@ static int step_barrier(StepBarrier *b) {
     return atomic_load(&b->verdict);
 }
 
-/* This thread's share [*n0, *n1) of n output rows, in whole units of 16 (the interleaved
- * blocks' groups), else 4 (the block and int8 kernels' unit); an n of neither goes whole
- * to thread 0. */
+/* This thread's share [*n0, *n1) of n output rows, in whole units of 16 or 8 (the
+ * interleaved blocks' groups: a weight is interleaved only where n is a multiple of its
+ * group), else 4 (the block and int8 kernels' unit); an n of none goes whole to thread 0. */
 static void share(int64_t n, int tid, int threads, int64_t *n0, int64_t *n1) {
-    const int64_t unit = n % 16 == 0 ? 16 : n % 4 == 0 ? 4 : n;
+    const int64_t unit = n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : n;
     const int64_t units = n / unit, per = (units + threads - 1) / threads;
     *n0 = min_rows(n, (int64_t)tid * per * unit);
     *n1 = min_rows(n, *n0 + per * unit);

@@ -2,6 +2,7 @@
 
     spillway bench [--url URL | --launch] [--requests N] [--concurrency C] [--rate R]
                    [--input-len L] [--output-len L] [--seed S] [--json FILE] [--compare]
+                   [--llama-cpp-python PYTHON] [--vllm PYTHON]
 
 The defaults are the workload P1: 64 requests of 128 random prompt tokens and 128 new
 tokens each, all sent at once, greedy, `ignore_eos`. `--launch` starts a fresh system
@@ -25,6 +26,7 @@ import httpx
 
 from spillway.services.cli.bench import machine as machine_mod
 from spillway.services.cli.bench.client import run_requests, served_model
+from spillway.services.cli.bench.hf_folder import hf_folder
 from spillway.services.cli.bench.metrics import summarise
 from spillway.services.cli.bench.options import DEFAULT_URL
 from spillway.services.cli.bench.peers import (
@@ -32,6 +34,7 @@ from spillway.services.cli.bench.peers import (
     agreement,
     run_llama_cpp_peer,
     run_transformers,
+    run_vllm_peer,
 )
 from spillway.services.cli.bench.progress import ProgressBar
 from spillway.services.cli.bench.report import comparison_table, summary_table, write_json
@@ -65,9 +68,9 @@ def bench_main(args: argparse.Namespace) -> int:
         print("spillway bench: give --url or --launch, not both", file=sys.stderr)
         return 2
     # The in-process peers' OpenMP threads wait as the worker's do (before torch loads), so
-    # that a busy machine costs both sides alike. A peer in its own process (llama.cpp)
-    # runs with the environment as it was: our wait policy is not its setting (passive
-    # waits cost llama.cpp's per-operation barriers two thirds of its speed).
+    # that a busy machine costs both sides alike. A peer in its own process (llama.cpp,
+    # vLLM) runs with the environment as it was: our wait policy is not its setting
+    # (passive waits cost llama.cpp's per-operation barriers two thirds of its speed).
     peer_env = dict(os.environ)
     apply_openmp_environment(load_settings())
     try:
@@ -221,6 +224,9 @@ def compare(
         if gguf:
             print("peer: llama.cpp ...", flush=True)
             peers.append(run_llama_cpp_peer(llama_python, gguf, requests, batch, env=peer_env))
+    if args.vllm:
+        print("peer: vLLM ...", flush=True)
+        peers.append(vllm_peer(args.vllm, source, requests, batch, peer_env))
     tokenizer = _tokenizer(source)
     agreements = {
         p.name: agreement(our_texts, [tokenizer.decode(ids) for ids in p.output_ids])
@@ -244,6 +250,21 @@ def compare(
             for p in peers
         ],
     }  # fmt: skip
+
+
+def vllm_peer(
+    python: str,
+    source: ModelSource,
+    requests: list[BenchRequest],
+    batch: int | None,
+    env: dict[str, str] | None,
+) -> PeerResult:
+    """vLLM on the model as a Hugging Face folder (a GGUF file converted once, here)."""
+    try:
+        folder = hf_folder(source, load_settings().cache_dir)
+    except (ValueError, OSError) as e:
+        return PeerResult(name="vLLM", error=f"no Hugging Face folder of the model: {e}")
+    return run_vllm_peer(python, str(folder), requests, batch, env=env)
 
 
 def measure_perplexity(source: ModelSource) -> dict[str, float]:

@@ -71,7 +71,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
         "--compare",
         action="store_true",
         help="run the workload through transformers (and llama.cpp when "
-        "installed) in the same run and print the ratios",
+        "installed, vLLM with --vllm) in the same run and print the ratios",
     )
     p.add_argument(
         "--perplexity",
@@ -95,6 +95,13 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
         "--llama-cpp-model",
         default=None,
         help="the GGUF file llama.cpp runs (default: --model when it is a GGUF)",
+    )
+    p.add_argument(
+        "--vllm",
+        default=None,
+        metavar="PYTHON",
+        help="a Python with vLLM's CPU build installed: vLLM joins the peers, on the "
+        "model as a Hugging Face folder (a GGUF file is converted once, in float32)",
     )
     p.add_argument(
         "--nats-url",

@@ -2,9 +2,10 @@
 
 - transformers: static batched `generate` (greedy, every request of a batch generating
   its batch's longest output), on the very weights the server loads, in this process.
-- llama.cpp (`llama-cpp-python`): optional, in its own Python environment (never a
-  dependency of spillway); the peer script beside this module runs there as a
-  subprocess, reads the workload as JSON on stdin and answers JSON on stdout.
+- llama.cpp (`llama-cpp-python`) and vLLM (its CPU build): optional, each in its own
+  Python environment (never a dependency of spillway); the peer's script beside this
+  module runs there as a subprocess, reads the workload as JSON on stdin and answers JSON
+  on stdout.
 
 Each peer returns its generated token ids per request, so that the bench can check that
 greedy outputs agree, and its wall time for the throughput.
@@ -24,7 +25,10 @@ from pathlib import Path
 from spillway.services.cli.bench.workload import BenchRequest
 from spillway.shared.model_files import ModelSource
 
-PEER_SCRIPTS = {"llama.cpp": Path(__file__).with_name("llama_cpp_peer.py")}
+PEER_SCRIPTS = {
+    "llama.cpp": Path(__file__).with_name("llama_cpp_peer.py"),
+    "vLLM": Path(__file__).with_name("vllm_peer.py"),
+}
 
 
 @dataclass
@@ -196,3 +200,17 @@ def run_llama_cpp_peer(
         signal = "SIGILL" if result.error.startswith("exit code -4") else "SIGSEGV"
         again.note += f"; extra buffer types (AMX repacking) off: it died of {signal} with them"
     return again
+
+
+def run_vllm_peer(
+    python: str,
+    folder: str,
+    requests: Sequence[BenchRequest],
+    batch_size: int | None = None,
+    env: dict[str, str] | None = None,
+) -> PeerResult:
+    """vLLM's offline `LLM.generate` on the Hugging Face `folder`, in float32: the math of
+    our exact mode (vLLM's CPU build computes in bfloat16 or float32)."""
+    return run_subprocess_peer(
+        "vLLM", python, folder, requests, batch_size, env=env, extra={"dtype": "float32"}
+    )

@@ -124,9 +124,18 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
     return predicate()
 
 
+def _ready_by(child: Child, deadline: float) -> bool:
+    """Waits for `child` to be ready; False once it died or the deadline passed."""
+    while not child.ready.wait(0.1):
+        if not child.alive or time.monotonic() > deadline:
+            return False
+    return True
+
+
 class ServiceGroup:
-    """Services started one by one with `spillway serve` (the docker compose way), so a
-    test can stop, restart or kill any one of them while the others keep running."""
+    """Services started each with `spillway serve` (the docker compose way), one by one
+    or side by side, so a test can stop, restart or kill any one of them while the others
+    keep running."""
 
     def __init__(self, *common: str, env: dict[str, str] | None = None) -> None:
         self.common = list(common)
@@ -135,6 +144,7 @@ class ServiceGroup:
             prefix="spillway-services-", suffix=".log", delete=False, mode="w"
         )
         self.children: dict[str, Child] = {}
+        self._starting: dict[str, Child] = {}  # launched, not yet waited for
         self.lines: list[str] = []
 
     def start(
@@ -147,6 +157,15 @@ class ServiceGroup:
     ) -> Child:
         """Starts `service` and waits until it is ready; `name` (default: the service)
         is what stop() knows it by, so that two workers can run side by side."""
+        child = self.launch(service, *args, env=env, name=name)
+        self.wait_ready(timeout)
+        return child
+
+    def launch(
+        self, service: str, *args: str, env: dict[str, str] | None = None, name: str | None = None
+    ) -> Child:
+        """Starts `service` without waiting for it (wait_ready does): services that need
+        nothing of each other load side by side."""
         child = Child(
             service,
             [*self.common, *args],
@@ -154,13 +173,23 @@ class ServiceGroup:
             self.lines.append,
             stderr=self.log,
         )
-        deadline = time.monotonic() + timeout
-        while not child.ready.wait(0.1):
-            if not child.alive or time.monotonic() > deadline:
-                child.kill()
-                raise RuntimeError(f"{service} did not get ready:\n{self.tail()}")
-        self.children[name or service] = child
+        self._starting[name or service] = child
         return child
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until every service launched since the last wait is ready; one that dies or is
+        not ready within `timeout` is killed (with the others still starting) and it
+        raises."""
+        deadline = time.monotonic() + timeout
+        starting, self._starting = self._starting, {}
+        late = next((c for c in starting.values() if not _ready_by(c, deadline)), None)
+        for name, child in starting.items():
+            if child.ready.is_set():
+                self.children[name] = child  # stop_all stops it
+            else:
+                child.kill()
+        if late is not None:
+            raise RuntimeError(f"{late.service} did not get ready:\n{self.tail()}")
 
     @property
     def url(self) -> str:
@@ -175,9 +204,18 @@ class ServiceGroup:
                 child.kill()
         return child.proc.returncode
 
-    def stop_all(self) -> None:
-        for service in list(self.children):
-            self.stop(service)
+    def stop_all(self, timeout: float = 30) -> None:
+        """SIGTERM to every service at once, then each waited for (one by one, each
+        process's own exit took a second or more); one still running at the end of
+        `timeout` is killed."""
+        children = list(self.children.values())
+        self.children.clear()
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + timeout
+        for child in children:
+            if not child.wait(max(0.0, deadline - time.monotonic())):
+                child.kill()
 
     def tail(self, n: int = 60) -> str:
         self.log.flush()

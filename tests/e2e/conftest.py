@@ -13,6 +13,7 @@ import signal
 
 import httpx
 import pytest
+import torch
 
 from spillway.services.cli.launcher import System, pid_alive, wait_until
 from tests.e2e.keys import TINY_API_KEY
@@ -23,6 +24,18 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "/e2e/" in str(item.fspath):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_math_thread():
+    """Here the test process computes its references on the cores the launched services
+    use too. With two math threads every op waits at a barrier for the thread that a
+    service pushed off its core: on two busy cores a transformers reference ran ten
+    times slower than on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

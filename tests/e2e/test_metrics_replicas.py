@@ -29,7 +29,9 @@ def two_schedulers(tiny_model_dir, nats_url, redis_url):
         "--threads", "1",
     )  # fmt: skip
     try:
-        group.start("gateway", "--port", "0")
+        # The stopped scheduler's series leave once the gateway gives its lease up: after
+        # 2 s of silence rather than the default 5.
+        group.launch("gateway", "--port", "0", env={"SPILLWAY_SCHEDULER_TIMEOUT_S": "2"})
         # One at a time: a worker joins the scheduler that drives none yet.
         for n, side in enumerate("ab", start=1):
             group.start("scheduler", name=f"scheduler-{side}")

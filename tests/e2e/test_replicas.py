@@ -44,9 +44,10 @@ def replicas(long_tiny_model_dir, nats_url, redis_url):
         env={"SPILLWAY_GATEWAY_GRACE_S": str(GATEWAY_GRACE_S)},
     )  # fmt: skip
     try:
-        group.start("spillstore")
-        group.start("gateway", "--port", "0", name="gateway")
-        group.start("gateway", "--port", "0", name="gateway-b")
+        # These load side by side, the first scheduler's start waits for them too.
+        group.launch("spillstore")
+        group.launch("gateway", "--port", "0", name="gateway")
+        group.launch("gateway", "--port", "0", name="gateway-b")
         # One at a time: a worker joins the scheduler that drives none yet.
         for n, side in enumerate("ab", start=1):
             group.start("scheduler", name=f"scheduler-{side}")

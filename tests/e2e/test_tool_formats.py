@@ -11,7 +11,6 @@ one worker serves every family.)"""
 from __future__ import annotations
 
 import json
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import httpx
 import jsonschema
 import pytest
 
-from spillway.services.cli.launcher import ServiceGroup
+from spillway.services.cli.launcher import ServiceGroup, wait_until
 from spillway.shared.output_formats import (
     DS_CALL_BEGIN,
     DS_CALL_END,
@@ -128,20 +127,26 @@ def gateways(model_dir, tmp_path_factory, nats_url, redis_url):
     root = tmp_path_factory.mktemp("families")
     clients = {}
     try:
-        group.start("scheduler", "--max-batch", "4")
-        group.start("worker", "--model", str(model_dir), "--kv-blocks", "64", "--dtype", "float32")
-        for name, family in FAMILIES.items():
-            folder = family_dir(model_dir, root / name, family)
-            child = group.start("gateway", "--model", str(folder), "--port", "0", name=name)
+        # All load side by side; served once the worker has joined the scheduler.
+        group.launch("scheduler", "--max-batch", "4")
+        group.launch("worker", "--model", str(model_dir), "--kv-blocks", "64", "--dtype", "float32")
+        started = {
+            name: group.launch(
+                "gateway", "--model", str(family_dir(model_dir, root / name, family)),
+                "--port", "0", name=name,
+            )
+            for name, family in FAMILIES.items()
+        }  # fmt: skip
+        group.wait_ready()
+        for name, child in started.items():
             clients[name] = httpx.Client(base_url=child.ready_detail.split()[0], timeout=300)
+        first = next(iter(clients.values()))
+        assert wait_until(lambda: first.get("/health").json()["workers"] == 1, 60), group.tail()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         yield {name: (client, tokenizer) for name, client in clients.items()}
     finally:
         for client in clients.values():
             client.close()
-        for child in group.children.values():  # all stop at once; then each is waited for
-            if child.alive:
-                child.proc.send_signal(signal.SIGTERM)
         group.stop_all()
 
 

@@ -1,11 +1,15 @@
 """One rank of a two-rank expert-parallel worker serving with speculative decoding, as
 its own process, for the tests:
 
-    python -m tests.integration.ep_spec_ranks RANK SIZE DIST_URL OUT_JSON MODEL METHOD [DRAFT]
+    python -m tests.integration.ep_spec_ranks RANK SIZE DIST_URL CASES_JSON
 
-Rank 0 serves the prompts greedily through a real scheduler core (which drafts, or whose
-worker's draft model does) while the other ranks follow its plans; rank 0 writes the
-outputs and the speculation totals to OUT_JSON.
+CASES_JSON lists the cases, each {"out", "model", "method", "draft", "dist_url"}, which
+the process serves one after the other (one process start for them all): for each, the
+ranks meet anew (the first case at DIST_URL, each later one at its own `dist_url`, so that
+no rank reaches the store of the group the other rank is still closing), rank 0 serves
+the prompts greedily through a real scheduler core (which drafts, or whose worker's draft
+model does) while the other ranks follow its plans, and rank 0 writes the outputs and the
+speculation totals to the case's `out`.
 """
 
 from __future__ import annotations
@@ -48,10 +52,16 @@ def scheduler_config(method: str) -> SchedulerConfig:
     )  # fmt: skip
 
 
-def main(rank: int, size: int, url: str, out: Path, model: str, method: str, draft: str) -> None:
+def main(rank: int, size: int, url: str, cases: list[dict]) -> None:
     torch.set_num_threads(1)
+    for i, case in enumerate(cases):
+        serve_case(rank, size, url if i == 0 else case["dist_url"], case)
+
+
+def serve_case(rank: int, size: int, url: str, case: dict) -> None:
+    method, draft = case["method"], case["draft"]
     settings = load_settings(
-        model=model, kv_blocks=64, block_size=4, device="cpu", dtype="float32",
+        model=case["model"], kv_blocks=64, block_size=4, device="cpu", dtype="float32",
         expert_parallel=size, rank=rank, dist_url=url, speculative=method,
         num_speculative_tokens=K, draft_model=draft or None,
         # Rank 0 plans in this process between steps (no keepalive while it does): a busy
@@ -75,9 +85,8 @@ def main(rank: int, size: int, url: str, out: Path, model: str, method: str, dra
         "draft_tokens": totals.draft_tokens if totals else 0,
         "accepted_tokens": totals.accepted_tokens if totals else 0,
     }
-    out.write_text(json.dumps(report))
+    Path(case["out"]).write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(int(args[0]), int(args[1]), args[2], Path(args[3]), args[4], args[5], *args[6:7] or [""])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(Path(sys.argv[4]).read_text()))

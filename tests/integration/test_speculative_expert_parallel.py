@@ -14,29 +14,56 @@ from spillway.shared.config import load_settings
 from tests.integration import ep_spec_ranks
 from tests.integration.ep_spec_ranks import GREEDY
 from tests.integration.in_process import Served, serve
-from tests.unit.worker.test_expert_parallel import run_ranks
+from tests.unit.worker.test_expert_parallel import free_port, run_ranks
 from tests.unit.worker.tiny_families import save_repetitive_family
 from tests.unit.worker.tiny_mtp import save_tiny_deepseek_mtp, save_tiny_qwen3_next_mtp
 
-RANK_TIMEOUT_S = 300
+# Every case below, served one after the other by the same two rank processes.
+RANK_TIMEOUT_S = 600
+HYBRIDS = ["granitemoehybrid", "qwen3_next"]
+MTP_FAMILIES = ["deepseek_v3", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return save_repetitive_family(tmp_path_factory.mktemp("ep-spec"), "mixtral")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """Every model the cases serve, by name."""
+    out = {"moe": save_repetitive_family(tmp_path_factory.mktemp("ep-spec"), "mixtral")}
+    for family in HYBRIDS:
+        out[family] = save_repetitive_family(tmp_path_factory.mktemp(family), family)
+    out["mtp-deepseek_v3"] = save_tiny_deepseek_mtp(tmp_path_factory.mktemp("mtp"), predictive=True)
+    out["mtp-qwen3_next"] = save_tiny_qwen3_next_mtp(
+        tmp_path_factory.mktemp("mtp"), predictive=True
+    )
+    return out
 
 
 @pytest.fixture(scope="module")
-def plain(moe_dir) -> Served:
+def two_ranks(folders, tmp_path_factory) -> dict[str, dict]:
+    """Each case's report from the two ranks, by case name: (model, method, draft)."""
+    moe = folders["moe"]
+    cases = {
+        "ngram": (moe, "ngram", None),
+        "draft": (moe, "draft", moe),
+        **{f"hybrid-{f}": (folders[f], "ngram", None) for f in HYBRIDS},
+        **{f"mtp-{f}": (folders[f"mtp-{f}"], "mtp", None) for f in MTP_FAMILIES},
+    }
+    tmp = tmp_path_factory.mktemp("ep-spec-reports")
+    listed = [
+        {"out": str(tmp / f"{name}.json"), "model": str(model), "method": method,
+         "draft": str(draft) if draft else "", "dist_url": f"tcp://127.0.0.1:{free_port()}"}
+        for name, (model, method, draft) in cases.items()
+    ]  # fmt: skip
+    (tmp / "cases.json").write_text(json.dumps(listed))
+    run_ranks(
+        "tests.integration.ep_spec_ranks", 2, [str(tmp / "cases.json")], timeout=RANK_TIMEOUT_S
+    )
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in cases}
+
+
+@pytest.fixture(scope="module")
+def plain(folders) -> Served:
     """One process, no speculation: the outputs to equal."""
-    return one_process(moe_dir)
-
-
-def two_ranks(tmp_path: Path, model: Path, method: str, draft: Path | None = None) -> dict:
-    out = tmp_path / f"{method}.json"
-    args = [str(out), str(model), method, *([str(draft)] if draft else [])]
-    run_ranks("tests.integration.ep_spec_ranks", 2, args)
-    return json.loads(out.read_text())
+    return one_process(folders["moe"])
 
 
 def one_process(model: Path) -> Served:
@@ -59,44 +86,36 @@ def assert_same(report: dict, one: Served) -> None:
         assert max(abs(a - b) for a, b in zip(got, want[r], strict=True)) < 1e-4, r
 
 
-def test_ngram_drafts_over_two_ranks_equal_plain_decoding(moe_dir, plain, tmp_path):
-    report = two_ranks(tmp_path, moe_dir, "ngram")
+def test_ngram_drafts_over_two_ranks_equal_plain_decoding(two_ranks, plain):
+    report = two_ranks["ngram"]
     assert_same(report, plain)
     assert 0 < report["accepted_tokens"] < report["draft_tokens"]  # stood and fell
 
 
-def test_the_model_as_its_own_draft_over_two_ranks_gets_every_draft_accepted(
-    moe_dir, plain, tmp_path
-):
-    report = two_ranks(tmp_path, moe_dir, "draft", draft=moe_dir)
+def test_the_model_as_its_own_draft_over_two_ranks_gets_every_draft_accepted(two_ranks, plain):
+    report = two_ranks["draft"]
     assert_same(report, plain)
     assert 0 < report["accepted_tokens"] == report["draft_tokens"]
 
 
-@pytest.fixture(scope="module", params=["granitemoehybrid", "qwen3_next"])
-def hybrid_dir(request, tmp_path_factory) -> Path:
-    return save_repetitive_family(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def test_a_hybrid_model_over_two_ranks_equals_one_process(hybrid_dir, tmp_path):
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_a_hybrid_model_over_two_ranks_equals_one_process(family, folders, two_ranks):
     """Each rank holds half the routed experts and its own copy of the recurrent states;
     with n-gram drafts the followers' states stand after the drafts rank 0 accepted."""
-    served = one_process(hybrid_dir)
-    report = two_ranks(tmp_path, hybrid_dir, "ngram")
+    served = one_process(folders[family])
+    report = two_ranks[f"hybrid-{family}"]
     assert_same(report, served)
     # Drafts stood and fell: a follower whose state went on from the wrong place would
     # feed its experts other hidden states, and rank 0's outputs would differ.
     assert 0 < report["accepted_tokens"] < report["draft_tokens"]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
-def test_a_moe_mtp_layer_over_two_ranks_equals_plain_decoding(family, tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_a_moe_mtp_layer_over_two_ranks_equals_plain_decoding(family, folders, two_ranks):
     """DeepSeek-V3's MTP layer and Qwen3-Next's are MoE layers: every rank runs it after
     the step, its experts exchanged as the model's are (beside Qwen3-Next's recurrent
     layers, whose states stand after the drafts rank 0 accepted)."""
-    save = save_tiny_deepseek_mtp if family == "deepseek_v3" else save_tiny_qwen3_next_mtp
-    folder = save(tmp_path_factory.mktemp("mtp"), predictive=True)
-    served = one_process(folder)
-    report = two_ranks(tmp_path, folder, "mtp")
+    served = one_process(folders[f"mtp-{family}"])
+    report = two_ranks[f"mtp-{family}"]
     assert_same(report, served)
     assert 0 < report["accepted_tokens"] <= report["draft_tokens"]

@@ -59,16 +59,16 @@ def folders(tmp_path_factory):
     return {"random": random, "skewed": skewed}
 
 
-def run_ranks(module: str, size: int, args: list[str]) -> None:
+def run_ranks(module: str, size: int, args: list[str], timeout: float = RANK_TIMEOUT_S) -> None:
     """Runs `python -m module RANK SIZE DIST_URL *args` for every rank, each its own
-    process meeting at a free local port; every rank must exit 0."""
+    process meeting at a free local port; every rank must exit 0 within `timeout`."""
     url = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen([sys.executable, "-m", module, str(r), str(size), url, *args])
         for r in range(size)
     ]
     try:
-        codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
+        codes = [p.wait(timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

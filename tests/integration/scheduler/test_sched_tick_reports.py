@@ -231,7 +231,12 @@ async def test_spillway_top_shows_the_scheduler_live_in_a_terminal(guarded, tmp_
         f"cd {ROOT} && {sys.executable} -P -m spillway.services.cli.main top "
         f"--nats-url {g.server.url} --namespace {g.namespace} --window 2 2>{errors}; sleep 60"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TMUX")}
+    # The pane's own size, not one a parent process left in COLUMNS / LINES (rich reads those).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TMUX") and k not in ("COLUMNS", "LINES")
+    }
     subprocess.run(
         ["tmux", "-L", socket, "new-session", "-d", "-x", "160", "-y", "40", command],
         check=True, timeout=10, env=env,

@@ -50,6 +50,7 @@ from spillway.services.worker.runner import ModelRunner
 from spillway.services.worker.sampling_state import load_sampling_states
 from spillway.services.worker.state_pool import StatePool
 from spillway.services.worker.threads import configure_threads
+from spillway.services.worker.warm_prefill import warm_prefill
 from spillway.services.worker.weights import MtpWeights
 from spillway.shared.config import Settings
 from spillway.shared.expert_parallel import check_expert_parallel
@@ -134,6 +135,8 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         runner.mtp = MtpDrafter(model, loaded.mtp, cache, settings.num_speculative_tokens)  # type: ignore[arg-type]
     if draft is not None:
         runner.draft = draft_drafter(settings, draft.model, runner, kv_dtype, states)
+    context = runner.max_model_len_cap or config.context_length
+    warm_prefill(runner, config.vocab_size, min(settings.max_num_batched_tokens, context - 1))
     start_decode_graphs(runner, settings, device, ops.name, group)
     return runner, source.model_id
 

@@ -135,8 +135,9 @@ def load_runner(settings: Settings) -> tuple[ModelRunner, str]:
         runner.mtp = MtpDrafter(model, loaded.mtp, cache, settings.num_speculative_tokens)  # type: ignore[arg-type]
     if draft is not None:
         runner.draft = draft_drafter(settings, draft.model, runner, kv_dtype, states)
-    context = runner.max_model_len_cap or config.context_length
-    warm_prefill(runner, config.vocab_size, min(settings.max_num_batched_tokens, context - 1))
+    if device.type == "cpu":  # the one-time work it absorbs is the CPU backend's
+        context = runner.max_model_len_cap or config.context_length
+        warm_prefill(runner, config.vocab_size, min(settings.max_num_batched_tokens, context - 1))
     start_decode_graphs(runner, settings, device, ops.name, group)
     return runner, source.model_id
 

@@ -42,15 +42,14 @@ def warm_prefill_plan(tokens: int, vocab_size: int, block_size: int) -> StepPlan
 
 
 def warm_prefill(runner: ModelRunner, vocab_size: int, max_tokens: int) -> bool:
-    """Runs (a prompt of `max_tokens` at most: the step's token budget, one less than the
-    context) the dummy request and forgets it (its KV blocks are written over by the
-    first sequences that get them). Only a plain model on the CPU, alone: no recurrent
-    state, drafter or expert-parallel group takes part. Returns whether it ran."""
+    """Runs the dummy request (a prompt of PROMPT_TOKENS, `max_tokens` at most) and forgets
+    it: its KV blocks are written over by the first sequences that get them. Only a plain
+    model alone takes it: no recurrent state, drafter or expert-parallel group. Returns
+    whether it ran. (The caller runs it on the CPU only.)"""
     group = getattr(runner.model, "experts", None)
     tokens = min(PROMPT_TOKENS, max_tokens)
     if (
         tokens < 1
-        or runner.kv_cache.k[0].device.type != "cpu"
         or runner.state_pool is not None
         or runner.draft is not None
         or runner.mtp is not None

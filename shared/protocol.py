@@ -284,6 +284,10 @@ class SchedulerLease(Message):
     spill_status: str = ""
     spill_reason: str = ""
     preemption_mode: str = ""
+    # The spills its sequences hold (shared/spill_keys.spill_name), so that the spill store
+    # forgets one whose drop never came (lost in a NATS restart); None: not listed (too
+    # many to list).
+    spills: list[str] | None = None
 
 
 # --- tick reports (sched.<id>.tick) ----------------------------------------------------

@@ -606,6 +606,9 @@ class SchedulerCore:
     def sequence(self, request_id: str) -> Sequence | None:
         return self.places.get(request_id)
 
+    def held_spills(self) -> Iterator[tuple[str, int]]:
+        return self.places.spills()
+
     def check_integrity(self) -> None:
         """Raises AssertionError when the bookkeeping is inconsistent: every live
         sequence in exactly one place, only running and finishing sequences hold blocks,

@@ -17,6 +17,10 @@ from spillway.services.scheduler.stats import CoreStats
 from spillway.services.scheduler.step_timing import StepTimings
 from spillway.shared.clock import Clock
 from spillway.shared.protocol import SchedulerLease, SchedulerStats, SpillStats
+from spillway.shared.spill_keys import spill_name
+
+# A lease lists its spills up to this many (beyond, the store relies on the drops alone).
+MAX_LISTED_SPILLS = 4096
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,11 @@ def pooled(lanes: Iterable[Lane], ended: CoreStats) -> Pooled:
     )
 
 
+def held_spills(lanes: Iterable[Lane]) -> list[str] | None:
+    names = [spill_name(r, s) for lane in lanes for r, s in lane.held_spills()]
+    return names if len(names) <= MAX_LISTED_SPILLS else None
+
+
 @dataclass(eq=False)
 class FleetStats:
     clock: Clock
@@ -88,6 +97,7 @@ class FleetStats:
             spill_status=spill_status(mode, self.spill_store, failing),
             spill_reason=spill_reason(mode, self.spill_store, failing),
             preemption_mode=mode,
+            spills=held_spills(lanes),
         )
 
     def stats(self, lanes: list[Lane], num_workers: int) -> SchedulerStats:

@@ -228,6 +228,9 @@ class Lane:
     def take_spill_drops(self) -> list[SpillRef]:
         return self.core.take_spill_drops()
 
+    def held_spills(self) -> Iterator[tuple[str, int]]:
+        return self.core.held_spills()
+
     def spill_store_reported(self, ok: bool, free_bytes: int) -> None:
         self.core.spill_store_reported(ok, free_bytes)
 

@@ -73,6 +73,15 @@ class Places:
     def num_live(self) -> int:
         return sum(1 for _ in self.live())
 
+    def spills(self) -> Iterator[tuple[str, int]]:
+        """(request id, spill id) of every spill a sequence here still holds (swapped, or
+        running while its swap-in is read)."""
+        return (
+            (seq.request_id, seq.spilled.spill_id)
+            for seq in self.requests.values()
+            if seq.spilled is not None
+        )
+
     def queued(self) -> list[Sequence]:
         """Sequences that wait for blocks: waiting, preempted, swapped."""
         return [*self.waiting, *self.preempted, *self.swapped]

@@ -9,7 +9,10 @@ under new ids and recompute, so nothing will ever read or drop its spills, while
 worker that wrote them may live on, serving another scheduler.
 
 A drop may overtake its record (they come from different processes): the name is
-remembered for a while, and a late record is then deleted at once.
+remembered for a while, and a late record is then deleted at once. A drop may also be lost
+(published while the bus restarts): a scheduler's lease lists the spills it holds, and a
+spill of that scheduler process not listed, recorded more than a grace period earlier, is
+forgotten as its drop would have done.
 """
 
 from __future__ import annotations
@@ -136,6 +139,25 @@ class SpillLedger:
             return True
         heard = self.scheduler_seen.get(entry.scheduler_id)
         return bool(heard and entry.boot_id and heard[0] and heard[0] != entry.boot_id)
+
+    def disowned(
+        self, scheduler_id: str, boot_id: str, held: set[str], now: float, grace_s: float
+    ) -> list[SpillEntry]:
+        """Spills the scheduler process ordered and no longer holds, recorded at least
+        `grace_s` before `now` (a lease built before a record arrived may not list it):
+        their drop never came. Forgets them."""
+        gone = [
+            e
+            for e in self.entries.values()
+            if e.scheduler_id == scheduler_id
+            and e.boot_id == boot_id
+            and e.name not in held
+            and now - e.recorded_at >= grace_s
+        ]
+        for entry in gone:
+            del self.entries[entry.name]
+        self.dropped_total += len(gone)
+        return gone
 
     def sequences(self) -> dict[str, int]:
         return {name: e.num_bytes for name, e in self.entries.items()}

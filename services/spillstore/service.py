@@ -9,7 +9,8 @@ tier; never sits in a step's data path (workers read and write the values direct
     worker.heartbeat     (listened to) which workers live: the spills of one silent for
                          the orphan timeout are deleted
     sched.heartbeat      (listened to) which schedulers live: the spills ordered by one
-                         silent for the orphan timeout, or restarted, are deleted
+                         silent for the orphan timeout, or restarted, are deleted, and
+                         those its lease no longer lists (a drop lost on the way)
 
 A sweep every second expires orphans and trims the prefix tier to its capacity (oldest
 blocks first). The ledger is mirrored in a Redis hash, so a restarted store knows what it
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError)
 SWEEP_INTERVAL_S = 1.0
 PROBE_TTL_S = 10
+# A spill recorded this recently is kept even when a lease does not list it (the lease may
+# have been built before the spill was ordered and arrived after its record).
+MIN_RECORD_GRACE_S = 2.0
 
 
 class SpillStore:
@@ -144,6 +148,26 @@ class SpillStore:
                     type(e).__name__,
                 )
         return freed
+
+    async def reconcile(self, lease: SchedulerLease) -> int:
+        """Deletes the lease's scheduler's spills it no longer lists; how many."""
+        if lease.spills is None or not lease.scheduler_id or not lease.boot_id:
+            return 0
+        grace = max(2 * lease.interval_s, MIN_RECORD_GRACE_S)
+        gone = self.ledger.disowned(
+            lease.scheduler_id, lease.boot_id, set(lease.spills), self.clock(), grace
+        )
+        for entry in gone:
+            await self._delete_values(entry.seq_id, entry.spill_id, entry.num_keys)
+            await self.redis.hdel(self.keys.index(), entry.name)
+        if gone:
+            log.warning(
+                "forgot %d spill(s) scheduler %s no longer holds (their drop was lost): %s",
+                len(gone),
+                lease.scheduler_id,
+                ", ".join(e.name for e in gone[:5]),
+            )
+        return len(gone)
 
     async def expire_orphans(self) -> int:
         expired = self.ledger.orphans(self.clock())
@@ -346,6 +370,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
     async def on_lease(lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
         store.ledger.scheduler_alive(lease.scheduler_id, lease.boot_id, store.clock())
+        try:
+            await store.reconcile(lease)
+        except REDIS_ERRORS as e:  # the ledger forgot them: their keys expire with the TTL
+            log.warning("could not delete disowned spills: %s", error_text(e))
 
     subs = [
         await bus.serve(subjects.SPILL_STATS, StatsRequest, on_stats),

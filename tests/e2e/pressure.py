@@ -126,6 +126,26 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def settled_metrics(
+    url: str, prefix: str, quiet_s: float = 0.5, within_s: float = 30
+) -> dict[str, float]:
+    """/metrics once the samples whose names start with `prefix` stopped moving for
+    `quiet_s`: a reply can reach the client before the step that produced it is counted
+    (the worker's report and the scheduler's stats are separate messages), so a count read
+    right after a request may still grow."""
+    last = metrics(url)
+    deadline = time.monotonic() + within_s
+    while True:
+        time.sleep(quiet_s)
+        now = metrics(url)
+        same = {k: v for k, v in now.items() if k.startswith(prefix)} == {
+            k: v for k, v in last.items() if k.startswith(prefix)
+        }
+        if same or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=10).json()
 

@@ -19,6 +19,7 @@ from tests.e2e.pressure import (
     generate_all,
     health,
     metrics,
+    settled_metrics,
     stream_generate,
     with_workers,
 )
@@ -63,20 +64,21 @@ def test_a_shared_prefix_goes_where_it_is_cached_and_the_rest_spreads(two_worker
     url = two_workers.url
     steps = "spillway_worker_steps_total"
     hits = "spillway_worker_prefix_cache_hits_total"
-    before = metrics(url)
+    worker = "spillway_worker_"
+    before = settled_metrics(url, worker)
     generate_all(url, [[300 + 5 * i + j for j in range(20)] for i in range(8)], 40)
-    spread = grew(per_worker(before, steps), per_worker(metrics(url), steps))
+    spread = grew(per_worker(before, steps), per_worker(settled_metrics(url, worker), steps))
     assert len(spread) == 2 and all(n > 0 for n in spread.values()), spread
 
     shared = [(13 * j) % 700 + 100 for j in range(6 * BLOCK + 8)]
-    before = metrics(url)
+    before = settled_metrics(url, worker)
     generate(url, [*shared, 1], 8)
-    ran = grew(per_worker(before, steps), per_worker(metrics(url), steps))
+    ran = grew(per_worker(before, steps), per_worker(settled_metrics(url, worker), steps))
     holder = max(ran, key=lambda w: ran[w])
     assert sorted(ran.values())[0] == 0, ran  # one worker served it alone
-    before = metrics(url)
+    before = settled_metrics(url, worker)
     generate_all(url, [[*shared, 2 + i, 3] for i in range(4)], 8)
-    gained = grew(per_worker(before, hits), per_worker(metrics(url), hits))
+    gained = grew(per_worker(before, hits), per_worker(settled_metrics(url, worker), hits))
     assert gained[holder] >= 4 * 6 * BLOCK, gained
     assert all(n == 0 for w, n in gained.items() if w != holder), gained
 

@@ -246,3 +246,29 @@ async def test_a_redis_that_refuses_writes_is_reported_unwritable_and_why(nats_u
     finally:
         await admin.aclose()
         redis.stop()
+
+
+async def test_a_spill_whose_drop_was_lost_goes_once_its_scheduler_stops_listing_it(
+    nats_url, redis_url
+):
+    """The scheduler's lease lists the spills it holds: one of that scheduler process no
+    longer listed (its drop lost while NATS restarted) is deleted, the listed one stays."""
+    async with _running_store(nats_url, redis_url, "sp9") as (bus, store, keys):
+        for seq in ("held", "lost"):
+            await _spill(store, keys, seq, 1, 1)
+            await bus.publish(SPILL_RECORDED, SpillRecord(
+                seq_id=seq, spill_id=1, worker_id="w", num_bytes=1000, num_keys=1,
+                scheduler_id="s", boot_id="b"))  # fmt: skip
+        await _until(bus, lambda s: s.num_sequences == 2)
+        unlisted = SchedulerLease(scheduler_id="s", interval_s=0.2, boot_id="b")  # spills=None
+        listed = unlisted.model_copy(update={"spills": ["held:1"]})
+        await bus.publish(SCHED_HEARTBEAT, unlisted)
+        await asyncio.sleep(2.5)  # past the grace a fresh record gets
+        await bus.publish(SCHED_HEARTBEAT, unlisted)  # not listed: nothing is forgotten
+        assert (await _stats(bus)).num_sequences == 2
+        await bus.publish(SCHED_HEARTBEAT, listed)
+        stats = await _until(bus, lambda s: s.num_sequences == 1)
+        assert stats.sequences == {"held:1": 1000} and stats.dropped_total == 1
+        assert not await store.exists(keys.block_group("lost", 1, 0))
+        assert await store.exists(keys.block_group("held", 1, 0))
+        assert "lost:1" not in {k.decode() for k in await store.hkeys(keys.index())}

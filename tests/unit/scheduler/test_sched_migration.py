@@ -143,3 +143,18 @@ def test_placement_spreads_a_burst_over_equal_workers():
         )
         submit(cores[chosen], f"q{i}", prompt=prompt, max_tokens=2)
     assert (a.num_waiting, b.num_waiting) == (4, 4)
+
+
+def test_the_spills_a_core_holds_are_its_swapped_sequences_until_they_resume():
+    """What the lease lists for the spill store (a spill not listed is let go there)."""
+    a, b, worker_b, outcomes = _under_pressure()
+    swapped = {
+        (s.request_id, s.spilled.spill_id)
+        for s in (a.sequence(r) for r in outcomes)
+        if s is not None and s.status is SequenceStatus.SWAPPED and s.spilled is not None
+    }
+    assert swapped and set(a.held_spills()) == swapped
+    b.adopt(a.evacuate(), kv_layout="")
+    assert set(b.held_spills()) == swapped and not set(a.held_spills())
+    run_to_completion(b, worker_b, outcomes)
+    assert not set(b.held_spills())

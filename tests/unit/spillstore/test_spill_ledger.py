@@ -83,3 +83,19 @@ def test_a_scheduler_first_heard_in_a_record_gets_the_full_timeout():
     assert ledger.orphans(now=13) == []  # 9 s since the record: not yet
     ledger.worker_alive("w1", now=15)
     assert [e.seq_id for e in ledger.orphans(now=15)] == ["a"]
+
+
+def test_a_spill_its_scheduler_no_longer_lists_is_forgotten_after_the_grace():
+    """A drop lost on the way (a NATS restart) would leave the spill for ever: the lease
+    lists what the scheduler holds, and a spill of that process not listed goes."""
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=30)
+    ledger.record(_owned("held", "s", "b1"), now=0)
+    ledger.record(_owned("lost", "s", "b1"), now=0)
+    ledger.record(_owned("late", "s", "b1"), now=9)  # recorded after the lease was built
+    ledger.record(_owned("other", "t", "b2"), now=0)  # another scheduler's
+    ledger.record(_owned("old boot", "s", "b0"), now=0)  # left to the boot-id expiry
+    gone = ledger.disowned("s", "b1", {"held:1"}, now=10, grace_s=2)
+    assert [e.name for e in gone] == ["lost:1"]
+    assert sorted(ledger.sequences()) == ["held:1", "late:1", "old boot:1", "other:1"]
+    assert ledger.dropped_total == 1
+    assert [e.name for e in ledger.disowned("s", "b1", {"held:1"}, now=11, grace_s=2)] == ["late:1"]

@@ -33,7 +33,7 @@ run: install
 	$(BIN)/spillway up
 
 test: install
-	$(BIN)/pytest -q -ra tests
+	BIN=$(BIN) tests/run_suite.sh
 
 # The import graph is read from the package as `pip install .` lays it out (the checkout's
 # folders are `spillway.*` only through pyproject's package-dir).

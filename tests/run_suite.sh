@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole suite in two pytest processes side by side (`make test`, what CI runs).
+#
+# tests/e2e/ launches whole systems whose waits (heartbeats, leases, a model's load, a
+# client's stream) leave much of two cores idle; everything else is computation in the
+# test process. The rest runs beside the end-to-end folder at a lower priority (nice), so
+# that it fills the idle time without starving the launched services' timers. Each
+# process starts its own NATS and Redis on free ports; nothing else is shared.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+rest_log=$(mktemp)
+trap 'rm -f "$rest_log"' EXIT
+
+nice -n 10 "$BIN/pytest" -q -ra -p no:cacheprovider --ignore=tests/e2e tests "$@" \
+    >"$rest_log" 2>&1 &
+rest=$!
+echo "== tests/e2e (beside it, the rest of the suite at nice 10; its report follows) =="
+"$BIN/pytest" -q -ra tests/e2e "$@"
+e2e_code=$?
+wait "$rest"
+rest_code=$?
+echo "== the rest of the suite =="
+cat "$rest_log"
+echo "== tests/e2e exited $e2e_code, the rest $rest_code =="
+# pytest's 5 (nothing collected) is a failure here too: both halves always hold tests.
+[ "$e2e_code" -eq 0 ] && [ "$rest_code" -eq 0 ]

@@ -156,6 +156,10 @@ class DecodeLayers:
         pointer = ctypes.POINTER
         fn.argtypes = [pointer(_Kernels), pointer(_Layer), _I64, pointer(_Step)]
         self._run = fn
+        self._stolen = library.decode_layers_stolen
+        self._stolen.restype = ctypes.c_long
+        self._stall_once = library.decode_layers_stall_once
+        self._stall_once.argtypes = [ctypes.c_int, ctypes.c_int]
         addresses = {**matvec.addresses(), **ops.addresses(), **native.addresses()}
         # One table per cache dtype: the same kernels but the KV store and attention.
         suffix = {torch.float32: "", torch.bfloat16: "_bf16"}
@@ -242,6 +246,17 @@ class DecodeLayers:
             error, what = _FAILURES.get(-code // 100, (RuntimeError, "a kernel"))
             raise error(f"native decode layers: {what} ({code})")
         return out, residual
+
+    def stolen(self) -> int:
+        """Chunks of projections (in this process, so far) that a thread computed and
+        committed for another one that had taken them and not finished in time."""
+        return int(self._stolen())
+
+    def stall_once(self, phase: int, microseconds: int) -> None:
+        """A fault for tests: the next thread to take a chunk of the step's phase `phase`
+        (eight a layer; the second is the first layer's qkv projection) sleeps this long
+        before it commits it, once."""
+        self._stall_once(phase, microseconds)
 
     @staticmethod
     def _fits(

@@ -144,23 +144,37 @@ static int project(const Kernels *f, const Projection *p, const float *x, int64_
     return 0;
 }
 
-static inline int64_t min_rows(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* --- The whole step in one parallel region --------------------------------------------
  *
  * Per call, every projection big enough to split opens its own OpenMP region, and under
  * the worker's passive wait policy (threads sleep between regions, so that a shared
  * machine keeps its cores) each region wakes the sleeping threads again: some 120 wake-ups
- * a SmolLM2-135M step. With `Step.threads` > 1 the step opens one region instead; every
- * thread takes its share of each projection's output rows (the same kernels on a slice of
- * the weight, so every output is computed as the per-call path computes it, to the bit),
- * thread 0 alone runs the small pieces in between (norms, rotary, the KV store, attention,
- * the gate), and the threads meet at `step_barrier`s, which spin for a while (the pieces
- * in between take microseconds) before they sleep, so that a thread waiting on one taken
- * off its core by another process gives that core back instead of spinning on. */
+ * a SmolLM2-135M step. With `Step.threads` > 1 the step opens one region instead, and runs
+ * as a list of phases, eight a layer: the small pieces (norms, rotary with the KV store
+ * and attention, the gate), each run by whichever thread comes to it first, and the four
+ * projections, each cut into chunks of output rows (whole units of 16, 8 or 4, the
+ * kernels' groups, so every output is computed as the per-call path computes it, to the
+ * bit) that the threads take one by one.
+ *
+ * The machine is shared: the services and the client wake on every token, and a thread
+ * taken off its core by one of them must not hold the step. With fixed shares and a
+ * barrier, the others waited for its share until the kernel scheduler gave its core back
+ * (a step of 6 ms took 11-18). Here a thread that runs out of chunks while one taken by
+ * another is still unfinished after `STEAL_NS` computes that chunk itself, into its own
+ * scratch; whichever copy finishes first is committed (a compare-and-swap on the chunk's
+ * state) and the other is thrown away. So a descheduled thread costs the step its chunk's
+ * work once more, not its absence. Only a thread descheduled inside a small piece, or in
+ * the copy of a committed chunk (a few hundred bytes), still holds the others; they spin
+ * for a while and then sleep on the phase's futex word.
+ *
+ * A thread that falls behind finds the phases it missed done and walks through them; what
+ * it computes for a chunk that was taken from it reads buffers of this call, which stay
+ * alive until every thread has left the region, and is never written out. */
 #include <limits.h>
 #include <linux/futex.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -173,19 +187,31 @@ static inline int64_t min_rows(int64_t a, int64_t b) { return a < b ? a : b; }
 #define spin_pause() ((void)0)
 #endif
 
-/* How long a thread at a barrier spins before it sleeps: longer than the serial pieces
- * between two projections of a decode step (tens of microseconds), short against the
- * timeslice of a process that took the waited-for thread's core. */
+/* How long a thread waiting for a small piece spins before it sleeps: longer than those
+ * pieces take (tens of microseconds), short against the timeslice of a process that took
+ * the core of the thread running it. */
 #define SPIN_NS 200000
+/* How long a chunk may stay unfinished, once nothing is left to take, before a waiting
+ * thread computes it too: at least this, and four times the slowest chunk the thread
+ * computed of the same projection (a few microseconds at one row); short against a
+ * timeslice. */
+#define STEAL_NS 30000
+/* Chunks a projection is cut into per thread: enough that the threads finish a projection
+ * together, few enough that each call into a kernel still has rows to stream. */
+#define CHUNKS_PER_THREAD 2
+#define MOST_CHUNKS 32 /* of one weight (a segment's), whatever the threads */
+#define MAX_SEGMENTS 8  /* q, k and v are three */
+#define MAX_CHUNKS (MOST_CHUNKS * MAX_SEGMENTS)
+#define PHASES_PER_LAYER 8
+
+enum { FREE, TAKEN, COMMITTING, DONE };
 
 typedef struct {
-    _Atomic int arrived;
-    _Atomic int phase; /* the futex word: bumped by the last thread to arrive */
+    _Atomic int next; /* chunks handed out (a small piece: 1 once a thread took it) */
+    _Atomic int done; /* chunks whose outputs are in place (a small piece: 1 when run) */
     _Atomic int sleepers;
-    _Atomic int failed; /* a kernel's failure code, set by any thread between barriers */
-    _Atomic int verdict; /* `failed` as the last thread to arrive found it */
-    int threads;
-} StepBarrier;
+    _Atomic unsigned char state[MAX_CHUNKS];
+} Phase;
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -193,127 +219,210 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* Waits until every thread arrived; returns the step's failure code as it stood then.
- * Every thread leaves with the same code (`verdict` changes only at the next barrier's
- * release, after every thread arrived there): a thread deciding on `failed` itself could
- * see a failure of the next phase, leave the loop, and strand the others at a barrier. */
-static int step_barrier(StepBarrier *b) {
-    const int phase = atomic_load(&b->phase);
-    if (atomic_fetch_add(&b->arrived, 1) == b->threads - 1) {
-        atomic_store(&b->verdict, atomic_load(&b->failed));
-        atomic_store(&b->arrived, 0);
-        atomic_store(&b->phase, phase + 1);
-        if (atomic_load(&b->sleepers) > 0)
-            syscall(SYS_futex, &b->phase, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-        return atomic_load(&b->verdict);
+/* A projection's (or one of its segments') n output rows in `chunks` whole units. */
+static int64_t unit_of(int64_t n) { return n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : n; }
+
+static int chunks_of(int64_t n, int64_t threads) {
+    int64_t most = CHUNKS_PER_THREAD * threads;
+    most = most < MOST_CHUNKS ? most : MOST_CHUNKS;
+    const int64_t units = n / unit_of(n);
+    return (int)(units < most ? units : most);
+}
+
+typedef struct {
+    const Segment *g; /* NULL: the projection's own weight */
+    int64_t n0, n1, col;
+} Piece;
+
+static int total_chunks(const Projection *p, int64_t threads) {
+    if (!p->num_segments) return chunks_of(p->n, threads);
+    int total = 0;
+    for (int64_t i = 0; i < p->num_segments; i++) total += chunks_of(p->segments[i].n, threads);
+    return total;
+}
+
+static Piece chunk_piece(const Projection *p, int c, int64_t threads) {
+    const Segment *g = NULL;
+    int64_t n = p->n, col = 0;
+    int k = 0;
+    if (!p->num_segments) {
+        k = chunks_of(n, threads);
+    } else {
+        for (int64_t i = 0; i < p->num_segments; i++) {
+            g = p->segments + i;
+            n = g->n;
+            k = chunks_of(n, threads);
+            if (c < k) break;
+            c -= k;
+            col += n;
+        }
     }
+    const int64_t unit = unit_of(n), units = n / unit;
+    Piece piece = {g, unit * (c * units / k), unit * ((c + 1) * units / k), col};
+    return piece;
+}
+
+/* Output rows [n0, n1) of one weight (a segment's, or the projection's own) into
+ * out [rows, n1 - n0]. The kernels run on the slice of the weight (and of its scales and
+ * bias) as on a whole one, on this thread alone. */
+static int project_piece(const Kernels *f, const Projection *p, Piece c, const float *x,
+                         int64_t rows, float *out) {
+    const Segment *g = c.g;
+    const int64_t n0 = c.n0, n = c.n1 - c.n0, k = p->k, alone = INT64_MAX;
+    const float *bias = p->bias ? p->bias + c.col + n0 : NULL;
+    if (g)
+        return (p->integer ? f->linear_blocks_q8 : f->linear_blocks)(
+            x, rows, k, g->blocks + n0 * g->row_bytes, (int)g->block_type, n, bias, out, alone);
+    if (p->q)
+        return f->linear_q8(x, rows, k, p->q + n0 * k, p->scales + n0, p->wsum + n0 * (k / 64),
+                            n, bias, out, alone);
+    if (p->blocks && p->integer)
+        return f->linear_blocks_q8(x, rows, k, p->blocks + n0 * p->row_bytes,
+                                   (int)p->block_type, n, bias, out, alone);
+    if (p->blocks)
+        return f->linear_blocks(x, rows, k, p->blocks + n0 * p->row_bytes, (int)p->block_type,
+                                n, bias, out, alone);
+    f->linear_f32(x, rows, k, p->w + n0 * k, n, bias, out, alone);
+    return 0;
+}
+
+/* Chunks committed by a thread that did not take them (read by tests and benchmarks), and
+ * a fault to inject: the next thread to take a chunk of phase `stall_phase` (counted from
+ * the step's first) sleeps `stall_us` before it commits it, once. */
+static _Atomic long stolen_chunks;
+static _Atomic int stall_phase = -1, stall_us;
+
+long decode_layers_stolen(void) { return atomic_load(&stolen_chunks); }
+
+void decode_layers_stall_once(int phase, int us) {
+    atomic_store(&stall_us, us);
+    atomic_store(&stall_phase, phase);
+}
+
+static void maybe_stall(int phase) {
+    int expected = phase;
+    if (atomic_load(&stall_phase) == phase &&
+        atomic_compare_exchange_strong(&stall_phase, &expected, -1)) {
+        const struct timespec t = {0, (long)atomic_load(&stall_us) * 1000};
+        nanosleep(&t, NULL);
+    }
+}
+
+/* Computes chunk c into scratch and, unless another thread's copy was committed first
+ * (its state no longer `seen`), writes it into y [rows, p->n] and counts it done. `mine`:
+ * this thread took the chunk (else it computes one another thread took). */
+static void run_chunk(const Kernels *f, const Projection *p, Phase *ph, int c, int seen,
+                      int mine, const float *x, int64_t rows, float *y, float *scratch,
+                      int64_t threads, _Atomic int *failed, int phase) {
+    const Piece piece = chunk_piece(p, c, threads);
+    const int code = project_piece(f, p, piece, x, rows, scratch);
+    if (mine) maybe_stall(phase);
+    unsigned char expected = (unsigned char)seen;
+    if (!atomic_compare_exchange_strong(&ph->state[c], &expected, COMMITTING)) return;
+    if (!mine) atomic_fetch_add(&stolen_chunks, 1);
+    if (code != 0) atomic_store(failed, -100 + code);
+    const int64_t n = piece.n1 - piece.n0;
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(y + r * p->n + piece.col + piece.n0, scratch + r * n, (size_t)n * sizeof(float));
+    atomic_store(&ph->state[c], DONE);
+    atomic_fetch_add(&ph->done, 1);
+}
+
+/* This thread's part of a projection: chunks while any are left to take, then, until
+ * every chunk is done, the chunks another thread took and has not finished. */
+static void share_phase(const Kernels *f, const Projection *p, Phase *ph, const float *x,
+                        int64_t rows, float *y, float *scratch, int64_t threads,
+                        _Atomic int *failed, int phase) {
+    const int chunks = total_chunks(p, threads);
+    uint64_t patience = STEAL_NS; /* several times this thread's slowest chunk, at least */
+    for (int c; (c = atomic_fetch_add(&ph->next, 1)) < chunks;) {
+        unsigned char expected = FREE;
+        if (atomic_compare_exchange_strong(&ph->state[c], &expected, TAKEN)) {
+            const uint64_t start = now_ns();
+            run_chunk(f, p, ph, c, TAKEN, 1, x, rows, y, scratch, threads, failed, phase);
+            const uint64_t took = 4 * (now_ns() - start);
+            patience = took > patience ? took : patience;
+        }
+    }
+    uint64_t since = 0;
+    for (unsigned spins = 1; atomic_load(&ph->done) < chunks; spins++) {
+        if (spins % 64) {
+            spin_pause();
+            continue;
+        }
+        const uint64_t now = now_ns();
+        if (!since) since = now;
+        if (now - since < patience) continue;
+        int stole = 0;
+        for (int c = 0; c < chunks; c++) {
+            const int seen = atomic_load(&ph->state[c]);
+            if (seen == FREE || seen == TAKEN) {
+                run_chunk(f, p, ph, c, seen, 0, x, rows, y, scratch, threads, failed, phase);
+                stole = 1;
+            }
+        }
+        if (!stole) sched_yield(); /* a committing copy: its thread needs a core */
+        since = now_ns();
+    }
+}
+
+/* A small piece: the first thread to come runs it, the others wait for it. True for the
+ * thread that runs it. */
+static int take_piece(Phase *ph) { return atomic_fetch_add(&ph->next, 1) == 0; }
+
+static void piece_done(Phase *ph) {
+    atomic_store(&ph->done, 1);
+    if (atomic_load(&ph->sleepers) > 0)
+        syscall(SYS_futex, &ph->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static void await_piece(Phase *ph) {
     const uint64_t deadline = now_ns() + SPIN_NS;
-    for (unsigned spins = 1; atomic_load(&b->phase) == phase; spins++) {
+    for (unsigned spins = 1; !atomic_load(&ph->done); spins++) {
         if (spins % 256 == 0 && now_ns() > deadline) {
-            /* A sleeper counted before the phase is read again: the last thread either sees
-             * it and wakes it, or bumped the phase first, and the wait returns at once. */
-            atomic_fetch_add(&b->sleepers, 1);
-            while (atomic_load(&b->phase) == phase)
-                syscall(SYS_futex, &b->phase, FUTEX_WAIT_PRIVATE, phase, NULL, NULL, 0);
-            atomic_fetch_sub(&b->sleepers, 1);
-            return atomic_load(&b->verdict);
+            /* A sleeper counted before `done` is read again: the runner either sees it and
+             * wakes it, or set `done` first, and the wait returns at once. */
+            atomic_fetch_add(&ph->sleepers, 1);
+            while (!atomic_load(&ph->done))
+                syscall(SYS_futex, &ph->done, FUTEX_WAIT_PRIVATE, 0, NULL, NULL, 0);
+            atomic_fetch_sub(&ph->sleepers, 1);
+            return;
         }
         spin_pause();
     }
-    return atomic_load(&b->verdict);
-}
-
-/* This thread's share [*n0, *n1) of n output rows, in whole units of 16 or 8 (the
- * interleaved blocks' groups: a weight is interleaved only where n is a multiple of its
- * group), else 4 (the block and int8 kernels' unit); an n of none goes whole to thread 0. */
-static void share(int64_t n, int tid, int threads, int64_t *n0, int64_t *n1) {
-    const int64_t unit = n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : n;
-    const int64_t units = n / unit, per = (units + threads - 1) / threads;
-    *n0 = min_rows(n, (int64_t)tid * per * unit);
-    *n1 = min_rows(n, *n0 + per * unit);
-}
-
-/* Output rows [n0, n1) of one weight (a segment's, or the projection's own) into columns
- * col + n0.. of y [rows, width]: straight in at one row, through scratch at more. The
- * kernels run on the slice of the weight (and of its scales and bias) as on a whole one,
- * on this thread alone. */
-static int project_rows(const Kernels *f, const Projection *p, const Segment *g,
-                        const float *x, int64_t rows, int64_t n0, int64_t n1, float *y,
-                        int64_t width, int64_t col, float *scratch) {
-    const int64_t n = n1 - n0, k = p->k, alone = INT64_MAX;
-    if (n <= 0) return 0;
-    float *out = rows > 1 ? scratch : y + col + n0;
-    const float *bias = p->bias ? p->bias + col + n0 : NULL;
-    int code = 0;
-    if (g)
-        code = (p->integer ? f->linear_blocks_q8 : f->linear_blocks)(
-            x, rows, k, g->blocks + n0 * g->row_bytes, (int)g->block_type, n, bias, out, alone);
-    else if (p->q)
-        code = f->linear_q8(x, rows, k, p->q + n0 * k, p->scales + n0, p->wsum + n0 * (k / 64),
-                            n, bias, out, alone);
-    else if (p->blocks && p->integer)
-        code = f->linear_blocks_q8(x, rows, k, p->blocks + n0 * p->row_bytes,
-                                   (int)p->block_type, n, bias, out, alone);
-    else if (p->blocks)
-        code = f->linear_blocks(x, rows, k, p->blocks + n0 * p->row_bytes, (int)p->block_type,
-                                n, bias, out, alone);
-    else
-        f->linear_f32(x, rows, k, p->w + n0 * k, n, bias, out, alone);
-    if (rows > 1 && code == 0)
-        for (int64_t r = 0; r < rows; r++)
-            memcpy(y + r * width + col + n0, scratch + r * n, (size_t)n * sizeof(float));
-    return code;
-}
-
-/* This thread's share of a projection (of each of its segments). */
-static int project_share(const Kernels *f, const Projection *p, const float *x, int64_t rows,
-                         float *y, int tid, int threads, float *scratch) {
-    int64_t n0, n1;
-    if (!p->num_segments) {
-        share(p->n, tid, threads, &n0, &n1);
-        return project_rows(f, p, NULL, x, rows, n0, n1, y, p->n, 0, scratch);
-    }
-    int64_t col = 0;
-    for (int64_t i = 0; i < p->num_segments; i++) {
-        const Segment *g = p->segments + i;
-        share(g->n, tid, threads, &n0, &n1);
-        const int code = project_rows(f, p, g, x, rows, n0, n1, y, p->n, col, scratch);
-        if (code != 0) return code;
-        col += g->n;
-    }
-    return 0;
 }
 
 static int decode_layers_together(const Kernels *f, const Layer *layers, int64_t num_layers,
                                   const Step *s, int widest) {
-    const int64_t r = s->rows, d = s->head_dim;
+    const int64_t r = s->rows, d = s->head_dim, threads = s->threads;
     const int64_t q_width = s->q_heads * d, kv_width = s->kv_heads * d;
     const int64_t qkv_width = q_width + 2 * kv_width;
-    StepBarrier barrier = {0, 0, 0, 0, 0, 0};
-#pragma omp parallel num_threads((int)s->threads)
+    Phase *phases = calloc((size_t)(num_layers * PHASES_PER_LAYER), sizeof(Phase));
+    if (!phases) return -100 + 1;
+    _Atomic int failed = 0;
+#pragma omp parallel num_threads((int)threads)
     {
-        const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
-#pragma omp single
-        barrier.threads = threads; /* the single's own barrier publishes it */
-        float *scratch = r > 1 ? malloc((size_t)(r * widest) * sizeof(float)) : NULL;
-        if (r > 1 && !scratch) atomic_store(&barrier.failed, -100 + 1);
-        int failed = step_barrier(&barrier);
-/* Each thread's share of a projection, then all wait for the whole of it. */
-#define SHARE(proj, in, out)                                                              \
-    do {                                                                                  \
-        const int c_ = project_share(f, &layer->proj, in, r, out, tid, threads, scratch); \
-        if (c_ != 0) atomic_store(&barrier.failed, -100 + c_);                            \
-        failed = step_barrier(&barrier);                                                  \
+        float *scratch = malloc((size_t)(r * widest) * sizeof(float));
+        if (!scratch) atomic_store(&failed, -100 + 1);
+        Phase *ph = phases;
+/* The first thread to come runs the piece, the others wait for it. */
+#define ALONE(body)                  \
+    do {                             \
+        if (take_piece(ph)) {        \
+            body;                    \
+            piece_done(ph);          \
+        } else {                     \
+            await_piece(ph);         \
+        }                            \
+        ph++;                        \
     } while (0)
-/* Thread 0 alone, then all wait. */
-#define ALONE(body)                                                                       \
-    do {                                                                                  \
-        if (tid == 0) {                                                                   \
-            body;                                                                         \
-        }                                                                                 \
-        failed = step_barrier(&barrier);                                                  \
+#define SHARE(proj, in, out)                                                           \
+    do {                                                                               \
+        share_phase(f, &layer->proj, ph, in, r, out, scratch, threads, &failed,      \
+                    (int)(ph - phases));                                               \
+        ph++;                                                                          \
     } while (0)
-        for (int64_t l = 0; l < num_layers && !failed; l++) {
+        for (int64_t l = 0; l < num_layers && scratch && !atomic_load(&failed); l++) {
             const Layer *layer = layers + l;
             ALONE({
                 if (l == 0) {
@@ -326,32 +435,32 @@ static int decode_layers_together(const Kernels *f, const Layer *layers, int64_t
                 }
             });
             SHARE(qkv, s->h, s->qkv);
-            if (failed) break;
+            if (atomic_load(&failed)) break;
             ALONE({
                 int c = f->rotary(s->qkv, r, qkv_width, s->q_heads + s->kv_heads, d,
                                   s->positions, s->cos_table, s->sin_table, s->max_pos);
                 if (c != 0) {
-                    atomic_store(&barrier.failed, -200 + c);
+                    atomic_store(&failed, -200 + c);
                 } else if ((c = f->store_kv(s->qkv + q_width, qkv_width,
                                             s->qkv + q_width + kv_width, qkv_width,
                                             layer->k_cache, layer->v_cache, s->slots, r,
                                             kv_width, s->num_slots)) != 0) {
-                    atomic_store(&barrier.failed, -300 + c);
+                    atomic_store(&failed, -300 + c);
                 } else if ((c = f->attention(s->qkv, qkv_width, d, layer->k_cache,
                                              layer->v_cache, s->block_tables, s->bt_stride,
                                              s->context_lens, s->query_start, s->attn, r,
                                              s->q_heads, s->kv_heads, d, s->block_size,
                                              s->scale)) != 0) {
-                    atomic_store(&barrier.failed, -400 + c);
+                    atomic_store(&failed, -400 + c);
                 }
             });
-            if (failed) break;
+            if (atomic_load(&failed)) break;
             SHARE(o, s->attn, s->x);
-            if (failed) break;
+            if (atomic_load(&failed)) break;
             ALONE(f->add_rms_norm(s->x, s->residual, layer->ffn_norm, s->eps, s->h, r,
                                   s->hidden));
             SHARE(gate_up, s->h, s->gate_up);
-            if (failed) break;
+            if (atomic_load(&failed)) break;
             ALONE(f->silu_mul(s->gate_up, s->act, r, s->inter));
             SHARE(down, s->act, s->x);
         }
@@ -359,7 +468,8 @@ static int decode_layers_together(const Kernels *f, const Layer *layers, int64_t
 #undef SHARE
         free(scratch);
     }
-    return atomic_load(&barrier.failed);
+    free(phases);
+    return atomic_load(&failed);
 }
 
 /* Returns 0; else the failing kernel's code plus a tag of its kind: -100 + c for a
@@ -368,12 +478,17 @@ static int decode_layers_together(const Kernels *f, const Layer *layers, int64_t
 int decode_layers(const Kernels *f, const Layer *layers, int64_t num_layers, const Step *s) {
     if (s->threads > 1) {
         int64_t widest = 0; /* the most output rows one projection has */
+        int segments = 0;   /* the most segments one projection has */
         for (int64_t l = 0; l < num_layers; l++) {
             const Layer *y = layers + l;
-            const int64_t n[4] = {y->qkv.n, y->o.n, y->gate_up.n, y->down.n};
-            for (int i = 0; i < 4; i++) widest = n[i] > widest ? n[i] : widest;
+            const Projection *p[4] = {&y->qkv, &y->o, &y->gate_up, &y->down};
+            for (int i = 0; i < 4; i++) {
+                widest = p[i]->n > widest ? p[i]->n : widest;
+                segments = p[i]->num_segments > segments ? (int)p[i]->num_segments : segments;
+            }
         }
-        return decode_layers_together(f, layers, num_layers, s, (int)widest);
+        if (segments <= MAX_SEGMENTS)
+            return decode_layers_together(f, layers, num_layers, s, (int)widest);
     }
     const int64_t r = s->rows, d = s->head_dim;
     const int64_t q_width = s->q_heads * d, kv_width = s->kv_heads * d;

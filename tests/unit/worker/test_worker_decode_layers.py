@@ -437,3 +437,24 @@ def _interleaved() -> bool:
     """Whether `--quantize int8` reads Q4_1 and Q8_0 blocks interleaved (16 rows a group with
     AVX-512 VNNI, 8 with AVX2 or AVX-VNNI)."""
     return bool(matvec.load().features & (matvec.HAS_BLOCKS_X16 | matvec.HAS_BLOCKS_X8))
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_thread_held_inside_a_chunk_has_it_computed_by_another_to_the_bit(
+    weights, quantize, two_threads
+):
+    """A thread taken off its core while it computes a chunk (here: put to sleep, as the
+    services waking on every token do to it) does not hold the step: the other computes
+    the chunk too and commits the first copy done; the late one is thrown away."""
+    loop = _runner(weights, quantize, at_once=False)
+    once = _runner(weights, quantize, at_once=True, together=True)
+    layers = once.model.ops._decode_layers
+    want_tokens, want_logits = _steps(loop, 1)
+    before = layers.stolen()
+    for phase in (1, 3, 5, 7, 8 + 3):  # every projection of layer 0, layer 1's o
+        once.forget_all()
+        layers.stall_once(phase, 50_000)
+        got_tokens, got_logits = _steps(once, 1)  # a fresh prompt and 5 decode steps
+        assert got_tokens == want_tokens, phase
+        assert torch.equal(got_logits, want_logits), phase
+    assert layers.stolen() - before >= 5

@@ -5,10 +5,11 @@ step in one region whose threads wait for each other spinning (`decode_layers.c`
 On a quiet machine the one region is much faster: measured on a 2-core EPYC (AVX-512 VNNI),
 a SmolLM2-135M `--quantize int8` step at one row took 6.4 ms against 10.4 (per projection,
 the second thread woke for the lm_head alone: waking it for every projection cost more than
-it saved). But a spinning thread waits for every other one at each of some 240 meeting
-points a step, and where another process has taken a thread's core (the services and the
-client share the machine) the step waits for the scheduler to give it back: the same step
-then took 30-150 ms against 10-28. So the choice is made by measuring, per row count: both
+it saved). On a shared machine a thread of the region is taken off its core now and then;
+with fixed shares the others waited for it (the same step then took 30-150 ms against
+10-28), and since the region's threads take each projection's rows in chunks and compute a
+chunk another has not finished (`decode_layers.c`) it loses much less, but what is fastest
+still depends on the machine. So the choice is made by measuring, per row count: both
 ways are timed at the start, the faster is kept, and the other is tried again now and then
 (after `probe_every` steps, twice as long after each try that lost, up to `longest`), so
 that a machine that becomes busy, or quiet again, changes the choice while a try of the

@@ -13,11 +13,12 @@ from bench.soak import KV_BLOCKS, run
 
 pytestmark = pytest.mark.slow
 
-# The suite's budget allows two and a half minutes for the whole of it: the system's start
-# and the references before, the drain and the idle check after. 90 s of traffic still fit
-# every fault once (about 13 s apart, each held at most half of that) with a fault-free
-# stretch after the last.
-MINUTES = 1.5
+# The suite's budget allows two minutes for the whole of it: the system's start and the
+# references before, the drain and the idle check after. 60 s of traffic still fit every
+# fault once (about 9 s apart, each held at most half of that) with a fault-free stretch
+# after the last. (A drop lost in the NATS restart once left a spill in the store's ledger
+# past the idle check of so short a soak; the scheduler's lease now lists what it holds.)
+MINUTES = 1.0
 
 
 def test_a_short_soak_with_every_fault_keeps_every_invariant() -> None:

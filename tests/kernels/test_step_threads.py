@@ -54,3 +54,22 @@ def test_tries_that_lose_come_ever_less_often():
     gaps = [b - a for a, b in itertools.pairwise(tries)]
     assert gaps[:3] == [22, 42, 42]  # 20 then 40 steps between tries (each 2 steps long)
     assert sum(taken) == 2 + 2 * len(tries)  # the start's timing and the tries, nothing else
+
+
+def test_two_ways_within_the_margin_keep_the_first_choice():
+    """A shared machine's noise: both ways about as fast, each step a few percent either
+    side. The first choice stands (no swap every few steps), and a way faster by more than
+    the margin still takes over."""
+    choice = StepThreads(probe_every=1000, probe_steps=3, margin=0.05)
+    _run(choice, 6, {True: 100, False: 102})
+    assert choice.chosen(1) is True
+    swaps = 0
+    for i in range(60):
+        before = choice.chosen(1)
+        jitter = 3 if i % 2 else -3  # the chosen way's steps: 97 or 103 against 102
+        way = choice.together(1)
+        choice.record(1, way, {True: 100 + jitter, False: 102}[way])
+        swaps += choice.chosen(1) != before
+    assert swaps == 0 and choice.chosen(1) is True
+    _run(choice, 8, {True: 120, False: 102})  # the chosen way became 15% slower
+    assert choice.chosen(1) is False

@@ -24,10 +24,10 @@ from tests.e2e.pressure import (
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 160
+NEW_TOKENS = 128
 KV_BLOCKS = "40"
-# Each mode runs this many of the prompts: about 11 blocks each at the end, twice what
-# the 40 blocks hold (the Redis outage below runs all of them, to outlast the outage).
+# Each mode runs this many of the prompts: about 9 blocks each at the end, nearly twice
+# what the 40 blocks hold (the Redis outage below runs all of them, to outlast the outage).
 MODE_REQUESTS = 8
 SUBJECTS = [
     "a lighthouse keeper", "a robot chef", "two rival bakers", "a lost kitten",

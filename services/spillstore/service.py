@@ -157,9 +157,7 @@ class SpillStore:
         gone = self.ledger.disowned(
             lease.scheduler_id, lease.boot_id, set(lease.spills), self.clock(), grace
         )
-        for entry in gone:
-            await self._delete_values(entry.seq_id, entry.spill_id, entry.num_keys)
-            await self.redis.hdel(self.keys.index(), entry.name)
+        await self._delete_entries(gone)
         if gone:
             log.warning(
                 "forgot %d spill(s) scheduler %s no longer holds (their drop was lost): %s",
@@ -171,9 +169,7 @@ class SpillStore:
 
     async def expire_orphans(self) -> int:
         expired = self.ledger.orphans(self.clock())
-        for entry in expired:
-            await self._delete_values(entry.seq_id, entry.spill_id, entry.num_keys)
-            await self.redis.hdel(self.keys.index(), entry.name)
+        await self._delete_entries(expired)
         if expired:
             workers = sorted({e.worker_id for e in expired})
             schedulers = sorted({e.scheduler_id for e in expired if e.scheduler_id})
@@ -185,6 +181,12 @@ class SpillStore:
                 ", ".join(schedulers) or "-",
             )
         return len(expired)
+
+    async def _delete_entries(self, entries: list[SpillEntry]) -> None:
+        """The values and index entries of spills the ledger has forgotten."""
+        for entry in entries:
+            await self._delete_values(entry.seq_id, entry.spill_id, entry.num_keys)
+            await self.redis.hdel(self.keys.index(), entry.name)
 
     async def _delete_values(self, seq_id: str, spill_id: int, num_keys: int | None) -> None:
         if num_keys is not None:

@@ -54,6 +54,8 @@ class DecodeOps:
             torch.bfloat16: bind(library.store_kv_bf16, ctypes.c_int, store_args),
         }
         self._silu_mul = bind(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
+        self._to_unit = bind(library.rows_to_unit, None, [_PTR, _PTR, _PTR, _I64, _I64])
+        self._times = bind(library.rows_times, None, [_PTR, _PTR, _I64, _I64])
 
     def addresses(self) -> dict[str, int | None]:
         """The operations' entry points, for native callers (`decode_layers`)."""
@@ -142,6 +144,23 @@ class DecodeOps:
         out = torch.empty(tokens, width // 2, dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2)
         return out
+
+    def rows_to_unit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, W] -> (x / s, s): s [T, 1] each row's largest magnitude (at least 1e-30),
+        torch's `x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)`; the same values."""
+        x = x.contiguous()
+        tokens, width = x.shape
+        out = torch.empty_like(x)
+        scale = torch.empty(tokens, 1, dtype=x.dtype)
+        self._to_unit(x.data_ptr(), out.data_ptr(), scale.data_ptr(), tokens, width)
+        return out, scale
+
+    def rows_times(self, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """y [T, W] *= scale [T, 1], in place (y contiguous)."""
+        tokens, width = y.shape
+        assert y.is_contiguous() and scale.is_contiguous() and scale.numel() == tokens
+        self._times(y.data_ptr(), scale.data_ptr(), tokens, width)
+        return y
 
 
 def load(cache_dir: str | Path = native.DEFAULT_CACHE_DIR) -> DecodeOps | None:

@@ -223,7 +223,9 @@ class CpuOps(KernelOps, CpuAbilities):
         # outputs: benchmarks compare the two).
         matmul = matmul_q8.load_faster(native_dir, amx=amx) if int8 and native == "auto" else None
         self._linear = (
-            Int8Linear(matvec=few_rows, matmul=matmul) if int8 else PackedLinear(matvec=few_rows)
+            Int8Linear(matvec=few_rows, matmul=matmul, rows=self.decode_ops)
+            if int8
+            else PackedLinear(matvec=few_rows)
         )
         # A MoE layer's experts: float32 ones in one native call per layer
         # (`experts_native`), else sorted by expert, few-row products through the native

@@ -139,3 +139,20 @@ def test_the_int8_mode_takes_the_native_path_at_any_row_count(tmp_path, monkeypa
     assert torch_path == []
     gate_up = torch.randn(rows, 2 * 96, generator=g)
     assert torch.equal(int8_ops.silu_mul(gate_up), int8_ops.decode_ops.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300: split over threads
+def test_row_scaling_equals_the_torch_path_bit_for_bit(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * torch.rand(rows, 1, generator=g) * 50
+    x[0] = 0.0  # an all-zero row: its scale is the floor, its values stay zero
+    want_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    unit, scale = ops.rows_to_unit(x)
+    assert torch.equal(scale, want_scale) and torch.equal(unit, x / want_scale)
+    y = torch.randn(rows, 1536, generator=g)
+    assert torch.equal(ops.rows_times(y.clone(), scale), y * want_scale)
+    x[-1, 7] = float("nan")  # a NaN row stays NaN, as torch's amax makes it
+    unit, scale = ops.rows_to_unit(x)
+    assert torch.isnan(scale[-1]).all() and torch.isnan(unit[-1]).all()
+    if rows > 1:
+        assert torch.equal(unit[1:-1], x[1:-1] / want_scale[1:-1])

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+from spillway.kernels.cpu import decode_ops
 from spillway.kernels.cpu import linear as linear_module
 from spillway.kernels.cpu.linear import (
     CPU_TRANSPOSED_BELOW,
@@ -19,6 +20,7 @@ from spillway.kernels.cpu.linear import (
     linear,
     onednn_packing_available,
 )
+from tests.kernels.native_paths import built
 
 
 @pytest.mark.parametrize("rows", [1, 3, CPU_TRANSPOSED_BELOW - 1, CPU_TRANSPOSED_BELOW + 5])
@@ -241,3 +243,15 @@ def test_int8_linear_scales_each_row_so_one_rows_outlier_costs_the_others_nothin
     torch.testing.assert_close(beside_loud, quiet_rows)  # the other rows never see it
     zeros = int8(torch.zeros(2, 64), w)
     assert torch.equal(zeros, torch.zeros(2, 64))  # an all-zero row divides by nothing
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 linear")
+@pytest.mark.parametrize("rows", [9, 200])
+def test_int8_linear_scales_rows_natively_to_the_same_bits(tmp_path, rows):
+    ops = built(decode_ops.load(tmp_path))
+    w, b = _weights(11, out_features=96, in_features=128)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3)) * 20
+    x[1] = 0.0
+    for bias in (None, b):
+        native, plain = Int8Linear(rows=ops)(x, w, bias), Int8Linear()(x, w, bias)
+        assert torch.equal(native, plain)

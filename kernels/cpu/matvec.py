@@ -75,6 +75,8 @@ from spillway.kernels.cpu.native import address_of, bind, ptr
 SOURCE = Path(__file__).with_name("csrc") / "matvec.c"
 HAS_F32, HAS_Q8, HAS_BLOCKS, HAS_BLOCKS_Q8, HAS_DEQUANT = 1, 2, 4, 8, 16
 HAS_BLOCKS_X16, HAS_BLOCKS_X8 = 32, 64
+# Many rows against blocks, dequantized a panel at a time (`linear_blocks_rows`).
+HAS_BLOCKS_ROWS = 128
 # matvec_int8_dot()'s codes: the instruction `linear_blocks_q8` sums its products with.
 INT8_DOT_CODES = {1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
 # Every block format `dequantize_rows` and `linear_dequant_f32` read (DQ_* in matvec.c),
@@ -318,6 +320,9 @@ class MatvecKernels:
             library.dequantize_rows, ctypes.c_int, [_PTR, ctypes.c_int, _I64, _I64, _PTR, _I64]
         )
         self._linear_dequant = bind(library.linear_dequant_f32, ctypes.c_int, blocks_args)
+        self._blocks_rows = bind(
+            library.linear_blocks_rows, ctypes.c_int, [*blocks_args[:-1], _I64]
+        )
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
 
     def tune(
@@ -456,6 +461,29 @@ class MatvecKernels:
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"cannot dequantize {weight.kind} rows of width {k} ({code})")
+
+    def linear_blocks_rows(
+        self,
+        x: torch.Tensor,
+        weight: BlockWeight,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """x [M, K] (float32, contiguous) against a weight in blocks of any format (+ b)
+        into `out` [M, N], whose rows may be a wider tensor's (unit column stride): each
+        panel of 16 rows of W dequantized where the product reads it (blocks_gemm.h)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        assert x.dtype == torch.float32 and x.is_contiguous() and k == weight.in_features
+        assert out.shape == (m, n) and out.dtype == torch.float32 and out.stride(1) == 1
+        assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
+        assert weight.data.is_contiguous()
+        code = self._blocks_rows(
+            x.data_ptr(), m, k, weight.data.data_ptr(), BLOCK_CODES[weight.kind], n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"cannot multiply {weight.kind} rows of width {k} ({code})")
 
     def linear_blocks(
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None

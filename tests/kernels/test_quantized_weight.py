@@ -16,6 +16,7 @@ from spillway.kernels.cpu.matvec import (
     BLOCK_CODES,
     BLOCK_SHAPES,
     BLOCK_TYPES,
+    HAS_BLOCKS_ROWS,
     HAS_F32,
     MAX_ROWS,
     BlockWeight,
@@ -176,6 +177,44 @@ def test_tiles_equal_one_product_on_the_whole_weight(matvec, native):
     assert_float32_close(tiled(x, weight, bias), x, dense, bias)
     whole = TiledProduct(matvec if native else None)
     assert_float32_close(whole(x, weight, None), x, dense)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_panels_are_float32_products_on_every_format_and_each_row_its_own(matvec, kind):
+    if not matvec.features & HAS_BLOCKS_ROWS:
+        pytest.skip("the panel kernel is built with AVX2 and FMA only")
+    rng = np.random.default_rng(BLOCK_CODES[kind] + 100)
+    n, k = 135, 512  # n: a panel of 7 rows at the end
+    data = random_blocks(rng, n, k, kind)
+    dense, blocks = reference(data, kind), block_weight(data, kind, k)
+    g = torch.Generator().manual_seed(BLOCK_CODES[kind])
+    x = torch.randn(65, k, generator=g)  # 10 register tiles of 6 rows and 5 rows left
+    bias = torch.randn(n, generator=g)
+    wide = torch.full((65, n + 9), 7.0)  # the output is a view into wider rows
+    matvec.linear_blocks_rows(x, blocks, bias, wide[:, 4 : 4 + n])
+    assert_float32_close(wide[:, 4 : 4 + n], x, dense, bias)
+    assert (wide[:, :4] == 7.0).all() and (wide[:, 4 + n :] == 7.0).all()
+    for rows in (1, 6, 7):  # each row's sum is the same whatever rows come with it
+        alone = torch.empty(rows, n)
+        matvec.linear_blocks_rows(x[:rows].contiguous(), blocks, bias, alone)
+        assert torch.equal(alone, wide[:rows, 4 : 4 + n])
+
+
+def test_tiled_product_takes_panels_where_asked_and_tiles_else(matvec):
+    if not matvec.features & HAS_BLOCKS_ROWS:
+        pytest.skip("the panel kernel is built with AVX2 and FMA only")
+    weight, dense = _mixed(np.random.default_rng(5), 256)
+    x, bias = torch.randn(20, 256), torch.randn(dense.shape[0])
+    panels = TiledProduct(matvec, panels=True)(x, weight, bias)
+    tiles = TiledProduct(matvec, panels=False)(x, weight, bias)
+    assert not torch.equal(panels, tiles)  # two summation orders: two paths really ran
+    assert_float32_close(panels, x, dense, bias)
+    assert_float32_close(tiles, x, dense, bias)
+    for start, part in weight.segments():  # each segment by its own kernel call
+        rows = part.data.shape[0]
+        one = torch.empty(20, rows)
+        matvec.linear_blocks_rows(x, part, bias[start : start + rows].contiguous(), one)
+        assert torch.equal(panels[:, start : start + rows], one)
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -39,7 +39,7 @@
 #define CHUNK 64
 
 enum { HAS_F32 = 1, HAS_Q8 = 2, HAS_BLOCKS = 4, HAS_BLOCKS_Q8 = 8, HAS_DEQUANT = 16,
-       HAS_BLOCKS_X16 = 32, HAS_BLOCKS_X8 = 64 };
+       HAS_BLOCKS_X16 = 32, HAS_BLOCKS_X8 = 64, HAS_BLOCKS_ROWS = 128 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_VNNI 1
@@ -60,6 +60,9 @@ int matvec_features(void) {
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     f |= HAS_BLOCKS | HAS_BLOCKS_Q8;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    f |= HAS_BLOCKS_ROWS; /* linear_blocks_rows (blocks_gemm.h) */
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VL__) && defined(__F16C__) && defined(__FMA__)
@@ -1643,3 +1646,5 @@ int linear_dequant_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, i
     }
     return failed ? -1 : 0;
 }
+
+#include "blocks_gemm.h"

@@ -1,0 +1,156 @@
+/* Many rows against a weight kept in the model file's blocks (included by matvec.c, whose
+ * dequantizer it uses): y [M, N] (row stride ldy) = x [M, K] W^T (+ b), with no float32
+ * copy of W bigger than one panel.
+ *
+ * The tiled product (quantized_weight.TiledProduct) dequantized 4 MiB of W at a time into
+ * memory and gave it to BLAS, which copied it once more into its own packed layout before
+ * multiplying: on a 2-core EPYC (Zen 3) those two passes were a fifth of an exact-mode
+ * P1 step (BLAS's packing 14% of the worker's samples, the dequantization 7%). Here each
+ * thread dequantizes NR = 16 rows of W into a buffer, transposes them 8 x 8 at a time
+ * into the panel the register tile reads ([K][16], in L2: 36 KiB at K = 576), and runs
+ * every row of x against it while it is hot: a register tile of MR = 6 rows x 16 outputs
+ * (12 accumulators, two panel loads and six broadcasts per k).
+ *
+ * Each output is one float32 sum over k in order, fused multiply-adds, whatever M or the
+ * thread count (the blocks' values are gguf-py's to the bit, as dequantize_rows makes
+ * them): a float32 product like BLAS's, summed in another order. Threads (OpenMP) split
+ * the panels. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define GEMM_NR 16
+#define GEMM_MR 6
+
+/* 8 x 8 floats: src rows (stride ld) -> dst rows (stride ldd), transposed. */
+static inline void transpose8(const float *src, int64_t ld, float *dst, int64_t ldd) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) {
+        const int a = 4 * h;
+        s[a] = _mm256_shuffle_ps(t[a], t[a + 2], 0x44);
+        s[a + 1] = _mm256_shuffle_ps(t[a], t[a + 2], 0xEE);
+        s[a + 2] = _mm256_shuffle_ps(t[a + 1], t[a + 3], 0x44);
+        s[a + 3] = _mm256_shuffle_ps(t[a + 1], t[a + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+
+/* rows [16][k] (row-major) -> panel [k][16]. */
+static void panel_of(const float *rows, int64_t k, float *panel) {
+    int64_t kk = 0;
+    for (; kk + 8 <= k; kk += 8) {
+        transpose8(rows + kk, k, panel + kk * GEMM_NR, GEMM_NR);
+        transpose8(rows + 8 * k + kk, k, panel + kk * GEMM_NR + 8, GEMM_NR);
+    }
+    for (; kk < k; kk++)
+        for (int j = 0; j < GEMM_NR; j++) panel[kk * GEMM_NR + j] = rows[j * k + kk];
+}
+
+/* acc[r] = x[r, :] . panel for mr (a literal at each call) rows of x. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *restrict x, int64_t k,
+                                                            const int mr,
+                                                            const float *restrict panel,
+                                                            __m256 acc[GEMM_MR][2]) {
+    /* Local sums, copied out once: summed into `acc` itself, GCC stored all twelve to the
+     * stack on every k (store-bound at a third of the FMA rate). */
+    __m256 c[GEMM_MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        const __m256 b0 = _mm256_load_ps(panel + kk * GEMM_NR);
+        const __m256 b1 = _mm256_load_ps(panel + kk * GEMM_NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * k + kk);
+            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = c[r][0];
+        acc[r][1] = c[r][1];
+    }
+}
+
+/* The tile's sums (+ bias) into y's rows; only the first `cols` outputs where the panel
+ * runs past N. */
+static inline void store_gemm(__m256 acc[GEMM_MR][2], int mr, const float *bias, int cols,
+                              float *y, int64_t ldy) {
+    for (int r = 0; r < mr; r++) {
+        __m256 lo = acc[r][0], hi = acc[r][1];
+        if (bias && cols == GEMM_NR) {
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+        }
+        float *out = y + r * ldy;
+        if (cols == GEMM_NR) {
+            _mm256_storeu_ps(out, lo);
+            _mm256_storeu_ps(out + 8, hi);
+        } else {
+            float tmp[GEMM_NR];
+            _mm256_storeu_ps(tmp, lo);
+            _mm256_storeu_ps(tmp + 8, hi);
+            for (int j = 0; j < cols; j++) out[j] = bias ? tmp[j] + bias[j] : tmp[j];
+        }
+    }
+}
+
+/* Returns 0, -1 when a buffer cannot be had, -2 when k is not a multiple of the block's
+ * values, -3 for an unknown code. */
+int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                       int64_t n, const float *bias, float *y, int64_t ldy) {
+    int64_t values, bytes;
+    if (!dq_block(type, &values, &bytes)) return -3;
+    if (k % values != 0) return -2;
+    const int64_t row_bytes = k / values * bytes;
+    const size_t panel_bytes = ((size_t)(GEMM_NR * k) * sizeof(float) + 63) / 64 * 64;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *rows = aligned_alloc(64, panel_bytes);
+        float *panel = aligned_alloc(64, panel_bytes);
+        failed |= rows == NULL || panel == NULL;
+#pragma omp for schedule(static)
+        for (int64_t j0 = 0; j0 < n; j0 += GEMM_NR) {
+            if (rows == NULL || panel == NULL) continue;
+            const int cols = (int)min64(GEMM_NR, n - j0);
+            dq_rows(w + j0 * row_bytes, type, values, bytes, cols, k, rows);
+            if (cols < GEMM_NR)
+                memset(rows + cols * k, 0, (size_t)((GEMM_NR - cols) * k) * sizeof(float));
+            panel_of(rows, k, panel);
+            const float *b = bias ? bias + j0 : NULL;
+            __m256 acc[GEMM_MR][2];
+            int64_t i = 0;
+            for (; i + GEMM_MR <= m; i += GEMM_MR) {
+                gemm_tile(x + i * k, k, GEMM_MR, panel, acc);
+                store_gemm(acc, GEMM_MR, b, cols, y + i * ldy + j0, ldy);
+            }
+            const int left = (int)(m - i);
+            switch (left) { /* literal row counts: each its own unrolled loop */
+            case 5: gemm_tile(x + i * k, k, 5, panel, acc); break;
+            case 4: gemm_tile(x + i * k, k, 4, panel, acc); break;
+            case 3: gemm_tile(x + i * k, k, 3, panel, acc); break;
+            case 2: gemm_tile(x + i * k, k, 2, panel, acc); break;
+            case 1: gemm_tile(x + i * k, k, 1, panel, acc); break;
+            default: break;
+            }
+            if (left > 0) store_gemm(acc, left, b, cols, y + i * ldy + j0, ldy);
+        }
+        free(rows);
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+#else
+int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
+                       int64_t n, const float *bias, float *y, int64_t ldy) {
+    (void)x, (void)m, (void)k, (void)w, (void)type, (void)n, (void)bias, (void)y, (void)ldy;
+    return -4; /* not built with AVX2 and FMA: matvec_features() says so */
+}
+#endif

@@ -417,17 +417,24 @@ def system_figures(m: dict[str, float]) -> dict[str, float]:
     return {name: sum(m.get(k, 0.0) for k in keys) for name, keys in FIGURES.items()}
 
 
-def settle(rig: Rig) -> tuple[dict[str, float], int]:
-    """The idle gauges and the spill keys left, once both are zero (or at the timeout)."""
+def settle(rig: Rig) -> tuple[dict[str, float], list[str]]:
+    """The idle gauges and the spill keys left (the index's fields named with it), once
+    both are zero (or at the timeout)."""
     keys = SpillKeys(NS)
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         try:
             m = metrics(rig.system.url)
             gauges = {g: m.get(g, 0.0) for g in IDLE_GAUGES}
-            spill = sum(1 for _ in rig.redis_client().scan_iter(keys.pattern()))
+            client = rig.redis_client()
+            spill = sorted(k.decode() if isinstance(k, bytes) else k
+                           for k in client.scan_iter(keys.pattern()))  # fmt: skip
+            if keys.index() in spill:
+                fields = sorted(f.decode() if isinstance(f, bytes) else f
+                                for f in client.hkeys(keys.index()))  # fmt: skip
+                spill[spill.index(keys.index())] = f"{keys.index()} ({', '.join(fields)})"
         except (httpx.HTTPError, redis.RedisError) as e:
-            gauges, spill = {f"unreadable: {e}": 1.0}, 0
+            gauges, spill = {f"unreadable: {e}": 1.0}, []
         if (not any(gauges.values()) and not spill) or time.monotonic() > deadline:
             return gauges, spill
         time.sleep(0.5)

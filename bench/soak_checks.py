@@ -164,11 +164,11 @@ def tokens_whole(outcomes: list[Outcome], injected: list[Injected], end_s: float
     return _verdict("no token lost or repeated", bad, detail)
 
 
-def idle(gauges: dict[str, float], spill_keys: int) -> Verdict:
+def idle(gauges: dict[str, float], spill_keys: list[str]) -> Verdict:
     """At idle: nothing running, waiting or swapped, no KV block in use, no spill held."""
     bad = [f"{k} = {v:g}" for k, v in gauges.items() if v]
     if spill_keys:
-        bad.append(f"{spill_keys} spill keys in Redis")
+        bad.append(f"{len(spill_keys)} spill keys in Redis: {', '.join(spill_keys[:5])}")
     return _verdict("KV blocks and spill keys back to zero at idle", bad, "all zero")
 
 

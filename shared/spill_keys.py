@@ -34,6 +34,18 @@ class SpillKeys:
         """Every value of one spill (to delete one whose record never came)."""
         return self.ns.redis_key(f"{SPILL_PREFIX}seq:{seq_id}:{spill_id}:*")
 
+    def values_pattern(self) -> str:
+        """Every spill's values (not the index)."""
+        return self.ns.redis_key(f"{SPILL_PREFIX}seq:*")
+
+    def spill_of(self, key: str) -> str | None:
+        """The spill (`spill_name`) a value key belongs to; None for any other key."""
+        head = self.ns.redis_key(f"{SPILL_PREFIX}seq:")
+        if not key.startswith(head):
+            return None
+        parts = key[len(head) :].rsplit(":", 2)  # seq_id, spill_id, group or "state"
+        return f"{parts[0]}:{parts[1]}" if len(parts) == 3 and parts[1].isdigit() else None
+
     def index(self) -> str:
         return self.ns.redis_key(f"{SPILL_PREFIX}index")
 

@@ -13,6 +13,11 @@ remembered for a while, and a late record is then deleted at once. A drop may al
 (published while the bus restarts): a scheduler's lease lists the spills it holds, and a
 spill of that scheduler process not listed, recorded more than a grace period earlier, is
 forgotten as its drop would have done.
+
+Values may also be left with no entry at all: written after their drop was handled, or
+whose record and drop were both lost, or whose entry was forgotten while Redis could not
+delete them. `unowned` names those no entry and no live lease accounts for, once they are
+old enough that no record of theirs is still on its way.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class SpillLedger:
         # scheduler id -> (its boot id as last heard, when)
         self.scheduler_seen: dict[str, tuple[str, float]] = {}
         self._dropped: OrderedDict[str, None] = OrderedDict()
+        # scheduler id -> the spills its last lease listed (None: it listed none, too many)
+        self.listed: dict[str, frozenset[str] | None] = {}
         self.spilled_total = 0
         self.dropped_total = 0
         self.expired_total = 0
@@ -68,8 +75,27 @@ class SpillLedger:
     def worker_alive(self, worker_id: str, now: float) -> None:
         self.worker_seen[worker_id] = now
 
-    def scheduler_alive(self, scheduler_id: str, boot_id: str, now: float) -> None:
+    def scheduler_alive(
+        self,
+        scheduler_id: str,
+        boot_id: str,
+        now: float,
+        spills: list[str] | None = None,
+    ) -> None:
+        """A lease heard; `spills` the ones it lists (None where it lists none)."""
         self.scheduler_seen[scheduler_id] = (boot_id, now)
+        self.listed[scheduler_id] = None if spills is None else frozenset(spills)
+
+    def unowned(self, ages: dict[str, float], grace_s: float) -> list[str]:
+        """Of the spills found in Redis (name -> seconds since written), those no entry
+        holds and no live scheduler's lease lists, written at least `grace_s` ago (a record
+        may still be on its way). None at all while a live lease lists nothing (it may
+        hold any of them)."""
+        live = [self.listed.get(s) for s in self.scheduler_seen]
+        if any(spills is None for spills in live):
+            return []
+        held = set(self.entries).union(*live)
+        return sorted(n for n, age in ages.items() if n not in held and age >= grace_s)
 
     def record(self, rec: SpillRecord, now: float) -> SpillEntry | None:
         """The entry to keep; None when the spill was dropped already (delete it)."""
@@ -129,6 +155,7 @@ class SpillLedger:
             del self.worker_seen[worker_id]
         for scheduler_id in gone:
             del self.scheduler_seen[scheduler_id]
+            self.listed.pop(scheduler_id, None)
         self.expired_total += len(expired)
         return expired
 

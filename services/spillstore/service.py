@@ -12,6 +12,12 @@ tier; never sits in a step's data path (workers read and write the values direct
                          silent for the orphan timeout, or restarted, are deleted, and
                          those its lease no longer lists (a drop lost on the way)
 
+Every few seconds the sweep also deletes spill values that no entry and no live lease
+accounts for, once they are old enough that no record of theirs is on its way
+(`SpillLedger.unowned`): values written after their drop, or whose record and drop were
+both lost, or whose entry was forgotten while Redis could not delete them. Without it they
+stayed until their TTL (an hour by default).
+
 A sweep every second expires orphans and trims the prefix tier to its capacity (oldest
 blocks first). The ledger is mirrored in a Redis hash, so a restarted store knows what it
 holds.
@@ -58,6 +64,10 @@ PROBE_TTL_S = 10
 # A spill recorded this recently is kept even when a lease does not list it (the lease may
 # have been built before the spill was ordered and arrived after its record).
 MIN_RECORD_GRACE_S = 2.0
+# Values no entry or lease accounts for are looked for this often (a SCAN of the spill
+# keys), and deleted once written this long ago (no record of theirs can be on its way).
+UNOWNED_EVERY_S = 5.0
+UNOWNED_GRACE_S = 10.0
 
 
 class SpillStore:
@@ -69,10 +79,13 @@ class SpillStore:
         orphan_timeout_s: float = 30.0,
         prefix_capacity_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        ttl_s: int = 3600,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.clock = clock
+        self.ttl_s = ttl_s  # what workers write spill values with (a value's age from it)
+        self._unowned_at = clock()
         self.ledger = SpillLedger(capacity_bytes, orphan_timeout_s)
         self.prefix_capacity_blocks = prefix_capacity_blocks
         self.prefix_blocks = 0
@@ -182,6 +195,32 @@ class SpillStore:
             )
         return len(expired)
 
+    async def delete_unowned(self) -> int:
+        """Deletes spill values no entry and no live lease accounts for, written at least
+        UNOWNED_GRACE_S ago (`SpillLedger.unowned`); how many spills."""
+        found: dict[str, list[bytes | str]] = {}
+        async for key in self.redis.scan_iter(match=self.keys.values_pattern(), count=500):
+            name = self.keys.spill_of(key.decode() if isinstance(key, bytes) else key)
+            if name is not None and name not in self.ledger.entries:
+                found.setdefault(name, []).append(key)
+        if not found:
+            return 0
+        ages = {}
+        for name, keys in found.items():
+            ttl = await self.redis.ttl(keys[0])  # -1: no expiry (not a worker's write)
+            ages[name] = float(self.ttl_s - ttl) if ttl >= 0 else float("inf")
+        names = self.ledger.unowned(ages, UNOWNED_GRACE_S)
+        for name in names:
+            await self.redis.delete(*found[name])
+        if names:
+            log.warning(
+                "deleted the values of %d spill(s) nothing holds (their record or drop was "
+                "lost, or they were written after their drop): %s",
+                len(names),
+                ", ".join(names[:5]),
+            )
+        return len(names)
+
     async def _delete_entries(self, entries: list[SpillEntry]) -> None:
         """The values and index entries of spills the ledger has forgotten."""
         for entry in entries:
@@ -284,6 +323,9 @@ class SpillStore:
     async def sweep(self) -> None:
         await self.expire_orphans()
         await self.trim_prefix_tier()
+        if self.clock() - self._unowned_at >= UNOWNED_EVERY_S:
+            self._unowned_at = self.clock()
+            await self.delete_unowned()
 
 
 async def connect_redis(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
@@ -323,6 +365,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         settings.spill_capacity_bytes,
         settings.spill_orphan_timeout_s,
         settings.prefix_tier_blocks,
+        ttl_s=settings.spill_ttl_s,
     )
     await store.load()
 
@@ -371,7 +414,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         store.ledger.worker_alive(beat.info.worker_id, store.clock())
 
     async def on_lease(lease: SchedulerLease, ctx: Context, raw: Msg) -> None:
-        store.ledger.scheduler_alive(lease.scheduler_id, lease.boot_id, store.clock())
+        store.ledger.scheduler_alive(lease.scheduler_id, lease.boot_id, store.clock(), lease.spills)
         try:
             await store.reconcile(lease)
         except REDIS_ERRORS as e:  # the ledger forgot them: their keys expire with the TTL

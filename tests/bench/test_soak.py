@@ -233,10 +233,12 @@ def test_nats_clients_across_a_nats_restart_are_left_out_of_the_token_checks() -
 
 
 def test_idle_wants_every_gauge_and_spill_key_at_zero() -> None:
-    assert idle({"spillway_requests_running": 0.0}, 0).ok
-    v = idle({"spillway_kv_cache_usage_ratio": 0.25}, 3)
-    assert not v.ok and v.examples == ["spillway_kv_cache_usage_ratio = 0.25",
-                                       "3 spill keys in Redis"]  # fmt: skip
+    assert idle({"spillway_requests_running": 0.0}, []).ok
+    v = idle({"spillway_kv_cache_usage_ratio": 0.25}, ["s:a:1:0", "s:a:1:1", "s:index (b:2)"])
+    assert not v.ok and v.examples == [
+        "spillway_kv_cache_usage_ratio = 0.25",
+        "3 spill keys in Redis: s:a:1:0, s:a:1:1, s:index (b:2)",
+    ]
 
 
 def test_metrics_match_the_clients_count_with_room_only_for_unheard_tokens() -> None:
@@ -312,6 +314,6 @@ def test_the_tables_show_kinds_faults_rss_and_verdicts() -> None:
     rss = rss_table([RssSample(t, "worker", 7, 100 * 2**20) for t in range(10)], columns=3)
     assert rss.splitlines()[0].split() == ["process", "pid", "0s", "4s", "9s"]
     assert rss.splitlines()[2].split() == ["worker", "7", "100", "100", "100"]
-    full = report([ok], [], [], [idle({}, 0)], {"swap-ins": 12.0})
+    full = report([ok], [], [], [idle({}, [])], {"swap-ins": 12.0})
     assert "[ok] KV blocks and spill keys back to zero at idle" in full
     assert "swap-ins     12" in full

@@ -9,7 +9,7 @@ import contextlib
 import redis.asyncio as aioredis
 
 from spillway.services.cli.servers import start_redis
-from spillway.services.spillstore.service import serve
+from spillway.services.spillstore.service import SpillStore, serve
 from spillway.shared.bus import Bus
 from spillway.shared.config import load_settings
 from spillway.shared.protocol import (
@@ -272,3 +272,34 @@ async def test_a_spill_whose_drop_was_lost_goes_once_its_scheduler_stops_listing
         assert not await store.exists(keys.block_group("lost", 1, 0))
         assert await store.exists(keys.block_group("held", 1, 0))
         assert "lost:1" not in {k.decode() for k in await store.hkeys(keys.index())}
+
+
+async def test_values_nothing_holds_are_deleted_once_old_and_held_ones_stay(redis_url):
+    """Values with no entry and no lease listing them (written after their drop, or their
+    record and drop both lost) go once no record of theirs can be on its way; values an
+    entry or a live lease holds, or written moments ago, stay."""
+    redis = aioredis.from_url(redis_url)
+    keys = SpillKeys("sp10")
+    store = SpillStore(redis, keys, capacity_bytes=1 << 20, ttl_s=3600)
+    try:
+        old = 3600 - 60  # written a minute ago, by the TTL left
+        for seq, ttl in (("stray", old), ("young", 3600), ("listed", old), ("entry", old)):
+            for g in range(2):
+                await redis.set(keys.block_group(seq, 1, g), b"v", ex=ttl)
+        await redis.set(keys.state("stray", 1), b"s", ex=old)
+        await redis.set(keys.prefix_block("h"), b"p")  # another kind of key: never touched
+        store.ledger.record(SpillRecord(seq_id="entry", spill_id=1, worker_id="w",
+                                        num_bytes=2, num_keys=2), now=store.clock())  # fmt: skip
+        store.ledger.scheduler_alive("s", "b", store.clock(), spills=["listed:1"])
+        assert await store.delete_unowned() == 1
+        left = {k.decode() async for k in redis.scan_iter(match="sp10:*")}
+        assert left == {
+            keys.block_group(seq, 1, g) for seq in ("young", "listed", "entry") for g in range(2)
+        } | {keys.prefix_block("h")}
+        store.ledger.scheduler_alive("s", "b", store.clock(), spills=None)  # lists nothing
+        await redis.set(keys.block_group("stray", 2, 0), b"v", ex=old)
+        assert await store.delete_unowned() == 0
+        assert await redis.exists(keys.block_group("stray", 2, 0))
+    finally:
+        await redis.delete(*[k async for k in redis.scan_iter(match="sp10:*")])
+        await redis.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from spillway.services.spillstore.ledger import SpillLedger
 from spillway.shared.protocol import SpillRecord
+from spillway.shared.spill_keys import SpillKeys
 
 
 def _rec(seq: str, spill_id: int = 1, worker: str = "w1", num_bytes: int = 100) -> SpillRecord:
@@ -99,3 +100,36 @@ def test_a_spill_its_scheduler_no_longer_lists_is_forgotten_after_the_grace():
     assert sorted(ledger.sequences()) == ["held:1", "late:1", "old boot:1", "other:1"]
     assert ledger.dropped_total == 1
     assert [e.name for e in ledger.disowned("s", "b1", {"held:1"}, now=11, grace_s=2)] == ["late:1"]
+
+
+def test_unowned_values_are_those_no_entry_or_live_lease_holds_once_old_enough():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=10)
+    ledger.record(_rec("entry"), now=0)
+    ledger.scheduler_alive("s", "b", now=0, spills=["listed:1"])
+    ages = {"entry:1": 60.0, "listed:1": 60.0, "stray:1": 60.0, "young:1": 3.0}
+    assert ledger.unowned(ages, grace_s=10) == ["stray:1"]
+    ledger.scheduler_alive("t", "b", now=1, spills=None)  # a lease that lists nothing
+    assert ledger.unowned(ages, grace_s=10) == []  # it may hold any of them
+    ledger.scheduler_alive("t", "b", now=2, spills=[])
+    ledger.worker_alive("w1", now=20)
+    ledger.scheduler_alive("t", "b", now=20, spills=[])
+    ledger.orphans(now=20)  # "s" silent past the timeout: its list protects nothing now
+    assert ledger.unowned(ages, grace_s=10) == ["listed:1", "stray:1"]
+
+
+def test_a_scheduler_known_only_from_a_record_holds_back_the_unowned_sweep():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=10)
+    rec = _rec("a").model_copy(update={"scheduler_id": "s", "boot_id": "b"})
+    ledger.record(rec, now=0)  # "s" heard of, its lease not yet: it may hold anything
+    assert ledger.unowned({"stray:1": 60.0}, grace_s=10) == []
+    ledger.scheduler_alive("s", "b", now=1, spills=["a:1"])
+    assert ledger.unowned({"stray:1": 60.0}, grace_s=10) == ["stray:1"]
+
+
+def test_a_value_key_names_its_spill_and_other_keys_none():
+    keys = SpillKeys("ns")
+    assert keys.spill_of(keys.block_group("req-1", 3, 7)) == "req-1:3"
+    assert keys.spill_of(keys.state("req-1", 3)) == "req-1:3"
+    assert keys.spill_of(keys.index()) is None
+    assert keys.spill_of(keys.prefix_block("h")) is None
+    assert keys.spill_of(SpillKeys("other").block_group("req-1", 3, 7)) is None

@@ -431,14 +431,14 @@ class Int8Linear(PackedLinear):
         enabled: bool | None = None,
         matvec: MatvecKernels | None = None,
         matmul: MatmulQ8Kernels | None = None,
-        rows: DecodeOps | None = None,
+        row_scaling: DecodeOps | None = None,
     ) -> None:
         super().__init__(int8_available() if enabled is None else enabled, matvec)
         self.matmul = matmul
         # The per-row scaling around fbgemm's product in one native pass each way (torch's
         # four operator calls, each waking the OpenMP threads, took a quarter of a 128-token
         # int8 prefill on a 2-core EPYC); the same values.
-        self.rows = rows
+        self.row_scaling = row_scaling
         self._q8 = WeightCache(quantize_q8)
         self._rows = WeightCache(_pack_rows)
         # id(weight) -> its blocks' integer form (one object per weight: callers key on it)
@@ -503,10 +503,10 @@ class Int8Linear(PackedLinear):
             return torch.ops.quantized.linear_prepack(q, None)
 
     def _apply(self, x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.rows is not None and x.dtype == torch.float32:
-            unit, row_scale = self.rows.rows_to_unit(x)  # [M, K], [M, 1]
+        if self.row_scaling is not None and x.dtype == torch.float32:
+            unit, row_scale = self.row_scaling.rows_to_unit(x)  # [M, K], [M, 1]
             y = torch.ops.quantized.linear_dynamic(unit, packed, True)
-            self.rows.rows_times(y, row_scale)
+            self.row_scaling.rows_times(y, row_scale)
         else:
             row_scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
             y = torch.ops.quantized.linear_dynamic((x / row_scale).contiguous(), packed, True)

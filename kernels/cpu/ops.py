@@ -223,7 +223,7 @@ class CpuOps(KernelOps, CpuAbilities):
         # outputs: benchmarks compare the two).
         matmul = matmul_q8.load_faster(native_dir, amx=amx) if int8 and native == "auto" else None
         self._linear = (
-            Int8Linear(matvec=few_rows, matmul=matmul, rows=self.decode_ops)
+            Int8Linear(matvec=few_rows, matmul=matmul, row_scaling=self.decode_ops)
             if int8
             else PackedLinear(matvec=few_rows)
         )

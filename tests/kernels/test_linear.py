@@ -253,5 +253,5 @@ def test_int8_linear_scales_rows_natively_to_the_same_bits(tmp_path, rows):
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3)) * 20
     x[1] = 0.0
     for bias in (None, b):
-        native, plain = Int8Linear(rows=ops)(x, w, bias), Int8Linear()(x, w, bias)
+        native, plain = Int8Linear(row_scaling=ops)(x, w, bias), Int8Linear()(x, w, bias)
         assert torch.equal(native, plain)

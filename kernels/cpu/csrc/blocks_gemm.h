@@ -105,10 +105,9 @@ static inline void store_gemm(__m256 acc[GEMM_MR][2], int mr, const float *bias,
  * values, -3 for an unknown code. */
 int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                        int64_t n, const float *bias, float *y, int64_t ldy) {
-    int64_t values, bytes;
-    if (!dq_block(type, &values, &bytes)) return -3;
-    if (k % values != 0) return -2;
-    const int64_t row_bytes = k / values * bytes;
+    int64_t values, bytes, row_bytes;
+    const int layout = dq_layout(type, k, &values, &bytes, &row_bytes);
+    if (layout != 0) return layout;
     const size_t panel_bytes = ((size_t)(GEMM_NR * k) * sizeof(float) + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)

@@ -1444,6 +1444,15 @@ static int dq_block(int type, int64_t *values, int64_t *bytes) {
     return 1;
 }
 
+/* The blocks of rows k wide: 0 with *values, *bytes (per block) and *row_bytes set; -3 for
+ * an unknown code, -2 when k is not a multiple of the block's values. */
+static int dq_layout(int type, int64_t k, int64_t *values, int64_t *bytes, int64_t *row_bytes) {
+    if (!dq_block(type, values, bytes)) return -3;
+    if (k % *values != 0) return -2;
+    *row_bytes = k / *values * *bytes;
+    return 0;
+}
+
 /* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (gguf-py's get_scale_min). */
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -1596,10 +1605,9 @@ static void dq_rows(const uint8_t *w, int type, int64_t values, int64_t bytes, i
 /* Returns 0, -2 when k is not a multiple of the block's values, -3 for an unknown code. */
 int dequantize_rows(const uint8_t *w, int type, int64_t rows, int64_t k, float *out,
                     int64_t parallel_min_bytes) {
-    int64_t values, bytes;
-    if (!dq_block(type, &values, &bytes)) return -3;
-    if (k % values != 0) return -2;
-    const int64_t row_bytes = k / values * bytes;
+    int64_t values, bytes, row_bytes;
+    const int layout = dq_layout(type, k, &values, &bytes, &row_bytes);
+    if (layout != 0) return layout;
     const int parallel = rows * k * (int64_t)sizeof(float) >= parallel_min_bytes;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t r0 = 0; r0 < rows; r0 += CHUNK)
@@ -1615,10 +1623,9 @@ int dequantize_rows(const uint8_t *w, int type, int64_t rows, int64_t k, float *
  * dequantize_rows. */
 int linear_dequant_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                        int64_t n, const float *bias, float *y, int64_t parallel_min_bytes) {
-    int64_t values, bytes;
-    if (!dq_block(type, &values, &bytes)) return -3;
-    if (k % values != 0) return -2;
-    const int64_t row_bytes = k / values * bytes;
+    int64_t values, bytes, row_bytes;
+    const int layout = dq_layout(type, k, &values, &bytes, &row_bytes);
+    if (layout != 0) return layout;
     const int parallel = n * k * (int64_t)sizeof(float) >= parallel_min_bytes;
     int failed = 0;
 #pragma omp parallel if (parallel) reduction(| : failed)

@@ -3,6 +3,8 @@ top-level conftest; with CUDA the same tests run the compiled kernels."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,3 +22,16 @@ def native(tmp_path_factory) -> native_module.NativeKernels:
     kernels = native_module.load(tmp_path_factory.mktemp("native"))
     assert kernels is not None, "the native kernels did not build (is a C compiler installed?)"
     return kernels
+
+
+@pytest.fixture(autouse=True)
+def parallel_loops():
+    """Every kernel test runs with two math threads at least, whatever the process was
+    started with: the kernels' parallel loops (each thread's share of rows, panels, heads)
+    are under test as much as their serial ones. `make test` starts this half of the suite
+    at one thread (OMP_NUM_THREADS=1, beside the end-to-end systems: see
+    tests/run_suite.sh), where nothing else would take them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)

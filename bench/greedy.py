@@ -116,7 +116,30 @@ def parser(doc: str | None, sizes: Sizes, default: str) -> argparse.ArgumentPars
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, help="math threads (default: every core)")
+    p.add_argument(
+        "--vllm", metavar="PYTHON",
+        help="a Python with vLLM's CPU build: its offline generate of the same batch, float32",
+    )  # fmt: skip
     return p
+
+
+def vllm_line(python: str, reference, prompts: list[list[int]], new: int, ours: list | None):
+    """vLLM's generate of the batch (all rows at once) on the reference's saved folder, in
+    its own process: the printed line and its tokens/s (None where it failed)."""
+    from spillway.services.cli.bench.peers import run_vllm_peer
+    from spillway.services.cli.bench.workload import BenchRequest
+
+    requests = [BenchRequest(i, tuple(p), new, 0.0) for i, p in enumerate(prompts)]
+    result = run_vllm_peer(python, reference.name_or_path, requests, len(prompts))
+    if result.error is not None:
+        return f"  vLLM                  failed: {result.error}", None
+    rate = len(prompts) * new / result.duration_s
+    same = sum(a == b for a, b in zip(ours or [], result.output_ids, strict=False))
+    return (
+        f"  vLLM generate         {rate:8.1f} tok/s   greedy sequences equal to ours:"
+        f" {same}/{len(prompts)}   ({result.note})",
+        rate,
+    )
 
 
 def setup(args: argparse.Namespace, sizes: Sizes, **settings):

@@ -3,7 +3,7 @@ same weights, in the same run.
 
     python -m bench.moe [--family qwen3_moe|mixtral|deepseek_v3] [--size tiny|mid]
                         [--batch 16] [--prompt 128] [--new 64] [--rounds 3]
-                        [--threads N]
+                        [--threads N] [--vllm PYTHON]
 
 `--size tiny` (the default): hidden 256, 4 layers, 16 experts top-2. `--size mid`: hidden
 512, 8 layers, 32 experts top-4 (expert intermediate 256), the size at which a decode
@@ -13,15 +13,26 @@ Saves a random model of the family (transformers writes the folder), then per ro
 B greedy sequences of P prompt tokens and N new tokens each, through the runner (one
 prefill step for all rows, then one decode step per token) and through
 `model.generate` on a [B, P] batch. Prints generated tok/s of each (median over rounds,
-alternating A B), their ratio, and whether the greedy tokens agree. Float32 on the CPU;
-the machines are shared and noisy: read the ratio within one run.
+alternating A B), their ratio, and whether the greedy tokens agree. `--vllm PYTHON`: vLLM's
+offline generate of the same batch on the same folder in float32 (all rows handed over at
+once), run once in that Python (its CPU build, in a venv of its own) after the rounds.
+Float32 on the CPU; the machines are shared and noisy: read the ratios within one run.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from bench.greedy import Sizes, headline, hf_generate, parser, runner_generate, setup, timed
+from bench.greedy import (
+    Sizes,
+    headline,
+    hf_generate,
+    parser,
+    runner_generate,
+    setup,
+    timed,
+    vllm_line,
+)
 
 TINY = dict(
     vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -78,6 +89,11 @@ def main() -> None:
     print(f"  transformers generate {theirs:8.1f} tok/s")
     print(f"  ratio                 {ours / theirs:8.2f}x")
     print(f"  greedy sequences equal: {same}/{args.batch}")
+    if args.vllm:
+        line, rate = vllm_line(args.vllm, reference, prompts, args.new, ours_out)
+        print(line)
+        if rate:
+            print(f"  ratio to vLLM          {ours / rate:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,19 @@ def test_the_runner_and_transformers_agree(bench, family, monkeypatch, capsys) -
         assert "per-sequence fallback 0" in out and "batched (contiguous slots) 0," not in out
 
 
+def test_a_python_without_vllm_is_a_failed_peer_line_not_a_crash(monkeypatch, capsys) -> None:
+    """`--vllm PYTHON` where that Python has no vLLM: the runner's and transformers' lines
+    stand, and vLLM's says why it has no figure."""
+    argv = ["bench.moe", "--batch", "2", "--prompt", "4", "--new", "2", "--rounds", "1",
+            "--vllm", sys.executable]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    moe.main()
+    out = capsys.readouterr().out
+    assert "greedy sequences equal: 2/2" in out
+    assert "vLLM                  failed: exit code 1" in out and "vllm" in out.lower()
+    assert "ratio to vLLM" not in out
+
+
 @pytest.mark.parametrize(
     ("bench", "family"),
     [(moe, f) for f in sorted(moe.MID_FAMILY)] + [(hybrid, f) for f in sorted(hybrid.MID_FAMILY)],

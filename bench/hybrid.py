@@ -3,7 +3,7 @@ transformers' batched `generate` on the same weights, in the same run.
 
     python -m bench.hybrid [--family granitemoehybrid|qwen3_next] [--size tiny|mid]
                            [--batch 16] [--prompt 128] [--new 64] [--rounds 3]
-                           [--threads N]
+                           [--threads N] [--vllm PYTHON]
 
 `--size tiny` (the default): hidden 256, 4 layers (one attention), 8 experts top-2.
 `--size mid`: hidden 512, 8 layers, three recurrent to one attention (attention at layers
@@ -18,6 +18,7 @@ both sides: the runner's decode steps, and transformers' N-token generate minus 
 1-token generate (its prefill). The runner also runs with its rows in slots 0, 2, 4, ...
 (never one run: the per-sequence fallback) to show what the fallback costs. Prints tok/s
 (median over rounds, alternating), the ratios, and whether the greedy tokens agree.
+`--vllm PYTHON`: vLLM's offline generate of the same batch (end to end), as in `bench.moe`.
 Float32 on the CPU; the machines are shared and noisy: read the ratios within one run.
 """
 
@@ -25,7 +26,16 @@ from __future__ import annotations
 
 import statistics
 
-from bench.greedy import Sizes, headline, hf_generate, parser, runner_generate, setup, timed
+from bench.greedy import (
+    Sizes,
+    headline,
+    hf_generate,
+    parser,
+    runner_generate,
+    setup,
+    timed,
+    vllm_line,
+)
 from spillway.kernels.cpu import ssm as cpu_ssm
 
 TINY = dict(
@@ -111,6 +121,11 @@ def main() -> None:
     print(f"  decode in slots 0, 2, 4, ... (the fallback) {scattered:8.1f} tok/s"
           f"   {scattered / ours_dec:5.2f}x of the batched path")  # fmt: skip
     print(f"  greedy sequences equal: {same}/{args.batch}")
+    if args.vllm:
+        line, rate = vllm_line(args.vllm, reference, prompts, args.new, ours_out)
+        print(line)
+        if rate:
+            print(f"  end to end, ratio to vLLM {ours / rate:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ def test_the_peer_script_submits_each_group_at_once_greedy_and_answers_in_order(
     tmp_path, fake_vllm, batch, groups
 ):
     """All requests in one `LLM.generate` for P1, one at a time at concurrency 1; every one
-    greedy, exactly its max tokens (ignore_eos), in float32; the answer's ids in request
-    order, read past the engine's own lines on stdout."""
+    greedy, exactly its max tokens (ignore_eos), in float32, with no tokenizer; the
+    answer's ids in request order, read past the engine's own lines on stdout."""
     folder = _model_folder(tmp_path)
     result = run_vllm_peer(sys.executable, str(folder), REQUESTS, batch, env=dict(os.environ))
     assert result.error is None, result.error
@@ -118,6 +118,8 @@ def test_the_peer_script_submits_each_group_at_once_greedy_and_answers_in_order(
 
     init, warm_up, *runs = _calls(fake_vllm)
     assert init["init"]["model"] == str(folder) and init["init"]["dtype"] == "float32"
+    # Token ids in and out: no tokenizer loaded (the benchmarks' random models have none).
+    assert init["init"]["skip_tokenizer_init"] is True
     assert init["init"]["max_model_len"] == 8  # the longest prompt and its new tokens
     assert init["init"]["max_num_seqs"] == len(groups[0])
     # The largest group's keys and values (2 layers, 2 KV heads of 64, float32), each

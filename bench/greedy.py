@@ -123,23 +123,30 @@ def parser(doc: str | None, sizes: Sizes, default: str) -> argparse.ArgumentPars
     return p
 
 
-def vllm_line(python: str, reference, prompts: list[list[int]], new: int, ours: list | None):
+def vllm_lines(
+    python: str,
+    reference,
+    prompts: list[list[int]],
+    new: int,
+    ours: list | None,
+    ours_rate: float,
+    ratio_label: str,
+) -> str:
     """vLLM's generate of the batch (all rows at once) on the reference's saved folder, in
-    its own process: the printed line and its tokens/s (None where it failed)."""
+    its own process: its printed line, and where it ran, the ratio of `ours_rate` to it."""
     from spillway.services.cli.bench.peers import run_vllm_peer
     from spillway.services.cli.bench.workload import BenchRequest
 
     requests = [BenchRequest(i, tuple(p), new, 0.0) for i, p in enumerate(prompts)]
     result = run_vllm_peer(python, reference.name_or_path, requests, len(prompts))
     if result.error is not None:
-        return f"  vLLM                  failed: {result.error}", None
+        return f"  vLLM                  failed: {result.error}"
     rate = len(prompts) * new / result.duration_s
     same = sum(a == b for a, b in zip(ours or [], result.output_ids, strict=False))
     return (
         f"  vLLM generate         {rate:8.1f} tok/s   greedy sequences equal to ours:"
-        f" {same}/{len(prompts)}   ({result.note})",
-        rate,
-    )
+        f" {same}/{len(prompts)}   ({result.note})\n  {ratio_label} {ours_rate / rate:8.2f}x"
+    )  # fmt: skip
 
 
 def setup(args: argparse.Namespace, sizes: Sizes, **settings):

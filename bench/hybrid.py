@@ -34,7 +34,7 @@ from bench.greedy import (
     runner_generate,
     setup,
     timed,
-    vllm_line,
+    vllm_lines,
 )
 from spillway.kernels.cpu import ssm as cpu_ssm
 
@@ -122,10 +122,11 @@ def main() -> None:
           f"   {scattered / ours_dec:5.2f}x of the batched path")  # fmt: skip
     print(f"  greedy sequences equal: {same}/{args.batch}")
     if args.vllm:
-        line, rate = vllm_line(args.vllm, reference, prompts, args.new, ours_out)
-        print(line)
-        if rate:
-            print(f"  end to end, ratio to vLLM {ours / rate:5.2f}x")
+        print(
+            vllm_lines(
+                args.vllm, reference, prompts, args.new, ours_out, ours, "end to end, ratio to vLLM"
+            )
+        )
 
 
 if __name__ == "__main__":

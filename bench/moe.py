@@ -31,7 +31,7 @@ from bench.greedy import (
     runner_generate,
     setup,
     timed,
-    vllm_line,
+    vllm_lines,
 )
 
 TINY = dict(
@@ -90,10 +90,11 @@ def main() -> None:
     print(f"  ratio                 {ours / theirs:8.2f}x")
     print(f"  greedy sequences equal: {same}/{args.batch}")
     if args.vllm:
-        line, rate = vllm_line(args.vllm, reference, prompts, args.new, ours_out)
-        print(line)
-        if rate:
-            print(f"  ratio to vLLM          {ours / rate:8.2f}x")
+        print(
+            vllm_lines(
+                args.vllm, reference, prompts, args.new, ours_out, ours, "ratio to vLLM         "
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, set_span_in_context
 
+from spillway.services.worker.arrival_order import ArrivalOrder
 from spillway.services.worker.ep_group import KEEPALIVE, close_group, follow, leave
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.info import worker_info
@@ -153,6 +154,7 @@ class WorkerService:
         self.ownership = Ownership(info.worker_id, clock, scheduler_timeout_s)
         self.heartbeat = Beacon(bus, subjects.WORKER_HEARTBEAT, self._beat, heartbeat_interval_s)
         self._registering: asyncio.Task[None] | None = None
+        self._plan_order = ArrivalOrder()
         self._heard_lease = asyncio.Event()
         self.clock = clock
         self.drain_timeout_s = drain_timeout_s
@@ -319,29 +321,20 @@ class WorkerService:
         if _changes_nothing(plan):
             return StepResult(step_id=plan.step_id)
         sender = sender_of(raw)
-        registering = self._registering
-        if not self.ownership.may_command(sender) and registering and not registering.done():
-            # The scheduler that took our registration may send its first plan before its
-            # reply has reached us.
-            await asyncio.wait({registering}, timeout=REGISTER_TIMEOUT_S)
-        if not self.ownership.may_command(sender):
-            log.warning(
-                "refused step %d from %r: this worker belongs to scheduler %r",
-                plan.step_id,
-                sender,
-                self.ownership.owner,
-            )
-            error = ErrorInfo(
-                status=403,
-                message=f"worker {self.info.worker_id} takes plans from its own scheduler "
-                f"({self.ownership.owner!r}) only",
-                type="permission_error",
-                code="not_my_scheduler",
-            )
-            return StepResult(step_id=plan.step_id, error=error)
-        self._last_step_at = self.clock.now()
-        loop = asyncio.get_running_loop()
-        result, forward_ns, kv_io = await loop.run_in_executor(self.executor, self._execute, plan)
+        # Plans reach the step thread in the order they came, even when one of them waits
+        # for the registration below and the next finds the new owner already recorded.
+        async with self._plan_order.turn():
+            registering = self._registering
+            if not self.ownership.may_command(sender) and registering and not registering.done():
+                # The scheduler that took our registration may send its first plan before
+                # its reply has reached us.
+                await asyncio.wait({registering}, timeout=REGISTER_TIMEOUT_S)
+            if not self.ownership.may_command(sender):
+                return self._refuse(plan, sender)
+            self._last_step_at = self.clock.now()
+            loop = asyncio.get_running_loop()
+            running = loop.run_in_executor(self.executor, self._execute, plan)
+        result, forward_ns, kv_io = await running
         if result.error is not None:
             log.warning("step %d: %s", plan.step_id, result.error.message)
         spill_spans: dict[str, Span] = {}
@@ -349,6 +342,22 @@ class WorkerService:
             spill_spans = self.spans.step(plan, ctx, result, forward_ns, kv_io)
         await self._record_spills(result, spill_spans)
         return result
+
+    def _refuse(self, plan: StepPlan, sender: str) -> StepResult:
+        log.warning(
+            "refused step %d from %r: this worker belongs to scheduler %r",
+            plan.step_id,
+            sender,
+            self.ownership.owner,
+        )
+        error = ErrorInfo(
+            status=403,
+            message=f"worker {self.info.worker_id} takes plans from its own scheduler "
+            f"({self.ownership.owner!r}) only",
+            type="permission_error",
+            code="not_my_scheduler",
+        )
+        return StepResult(step_id=plan.step_id, error=error)
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, tuple[int, int], list[KVIo]]:
         """Runs the step on the step thread and takes its timings there: with overlapping

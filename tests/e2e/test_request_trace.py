@@ -134,17 +134,21 @@ def test_a_spilled_request_has_one_trace_through_every_service(traced):
     # The spill: its mode, then its bytes on the scheduler, the worker and the store.
     preempt = [s for s in spans if s.name == "scheduler.preempt"]
     assert {s.attributes["spillway.preemption.mode"] for s in preempt} == {"spill"}
-    spill = next(s for s in spans if s.name == "scheduler.spill")
-    assert by_id[spill.parent_span_id].name == "scheduler.preempt"
-    spill_bytes = spill.attributes["spillway.kv.bytes"]
-    assert spill_bytes > 0 and spill.attributes["spillway.kv.ok"]
-    (worker_spill,) = [s for s in spans if s.parent_span_id == spill.span_id]
-    assert worker_spill.name == "worker.kv.spill"
-    assert worker_spill.attributes["spillway.kv.bytes"] == spill_bytes
-    assert worker_spill.attributes["spillway.kv.seconds"] > 0
-    (record,) = [s for s in spans if s.parent_span_id == worker_spill.span_id]
-    assert (record.service, record.name) == ("spillway-spillstore", "spillstore.record")
-    assert record.attributes["spillway.kv.bytes"] == spill_bytes
+    # On a slow machine the pressure may last long enough to spill the victim twice: each
+    # spill is followed on its own, and the drops must free what the spills wrote, once.
+    spills = [s for s in spans if s.name == "scheduler.spill"]
+    assert spills
+    for spill in spills:
+        assert by_id[spill.parent_span_id].name == "scheduler.preempt"
+        spill_bytes = spill.attributes["spillway.kv.bytes"]
+        assert spill_bytes > 0 and spill.attributes["spillway.kv.ok"]
+        (worker_spill,) = [s for s in spans if s.parent_span_id == spill.span_id]
+        assert worker_spill.name == "worker.kv.spill"
+        assert worker_spill.attributes["spillway.kv.bytes"] == spill_bytes
+        assert worker_spill.attributes["spillway.kv.seconds"] > 0
+        (record,) = [s for s in spans if s.parent_span_id == worker_spill.span_id]
+        assert (record.service, record.name) == ("spillway-spillstore", "spillstore.record")
+        assert record.attributes["spillway.kv.bytes"] == spill_bytes
 
     # The swap-in: read back on the worker (bytes, time), the spill dropped in the store.
     restore = [s for s in spans if s.name == "scheduler.restore"][-1]
@@ -154,7 +158,9 @@ def test_a_spilled_request_has_one_trace_through_every_service(traced):
     assert worker_restore.attributes["spillway.kv.bytes"] == restore.attributes["spillway.kv.bytes"]
     assert worker_restore.attributes["spillway.kv.seconds"] > 0
     drops = [s for s in spans if s.name == "spillstore.drop"]
-    assert sum(s.attributes["spillway.kv.bytes"] for s in drops) == spill_bytes
+    assert len(drops) == len(spills)
+    spilled_bytes = sum(s.attributes["spillway.kv.bytes"] for s in spills)
+    assert sum(s.attributes["spillway.kv.bytes"] for s in drops) == spilled_bytes
     swapped_in = [s for s in spans if s.attributes.get("spillway.event") == "swapped_in"]
     assert swapped_in and {s.name for s in swapped_in} == {"scheduler.swap_in"}
 

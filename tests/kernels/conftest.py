@@ -27,8 +27,10 @@ def native(tmp_path_factory) -> native_module.NativeKernels:
 @pytest.fixture(autouse=True)
 def parallel_loops():
     """Every kernel test runs with two math threads at least, whatever the process was
-    started with (OMP_NUM_THREADS=1, say): the kernels' parallel loops (each thread's share
-    of rows, panels, heads) are under test as much as their serial ones."""
+    started with: the kernels' parallel loops (each thread's share of rows, panels, heads)
+    are under test as much as their serial ones. `make test` starts this half of the suite
+    at one thread (OMP_NUM_THREADS=1, beside the end-to-end systems: see
+    tests/run_suite.sh), where nothing else would take them."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(2, os.cpu_count() or 1))
     yield

@@ -1,5 +1,5 @@
 """The kernel tests take the kernels' parallel loops even where the suite's process was
-started at one math thread."""
+started at one math thread (tests/run_suite.sh starts the rest of the suite so)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
 # client's stream) leave much of two cores idle; everything else is computation in the
 # test process. The rest runs beside the end-to-end folder at a lower priority (nice), so
 # that it fills the idle time without starving the launched services' timers. Each
-# process starts its own NATS and Redis on free ports; nothing else is shared.
+# process starts its own NATS and Redis on free ports; nothing else is shared. Each half
+# lists its slowest tests (--durations), so that a CI log says where the time went.
 #
 # The rest runs at one math thread, its idle OpenMP threads asleep (PASSIVE): a second
 # thread of a niced process waits at every barrier for whichever thread the services have
@@ -20,10 +21,11 @@ rest_log=$(mktemp)
 trap 'rm -f "$rest_log"' EXIT
 
 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE nice -n 10 \
-    "$BIN/pytest" -q -ra -p no:cacheprovider --ignore=tests/e2e tests "$@" >"$rest_log" 2>&1 &
+    "$BIN/pytest" -q -ra -p no:cacheprovider --durations=15 --ignore=tests/e2e tests "$@" \
+    >"$rest_log" 2>&1 &
 rest=$!
 echo "== tests/e2e (beside it, the rest of the suite at nice 10; its report follows) =="
-"$BIN/pytest" -q -ra tests/e2e "$@"
+"$BIN/pytest" -q -ra --durations=15 tests/e2e "$@"
 e2e_code=$?
 wait "$rest"
 rest_code=$?

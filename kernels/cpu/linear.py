@@ -36,6 +36,7 @@ faster than oneDNN and fbgemm do at that size.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -61,7 +62,13 @@ from spillway.kernels.cpu.matvec import (
     Q8Weight,
     quantize_q8,
 )
-from spillway.kernels.cpu.quantized_weight import QuantizedWeight, TiledProduct, Weight
+from spillway.kernels.cpu.quantized_weight import (
+    BLOCK_FORMS,
+    QuantizedWeight,
+    TiledProduct,
+    Weight,
+    panels_built,
+)
 
 # The model file's blocks of a float32 weight's values: one type's, or row segments of
 # several where the parts of a fused weight differ.
@@ -214,8 +221,11 @@ class PackedLinear:
             return None
         return part
 
-    def form(self, weight: torch.Tensor) -> str:
-        """The form this weight's many-row products take (ONEDNN or TRANSPOSED)."""
+    def form(self, weight: Weight) -> str:
+        """The form this weight's many-row products take: ONEDNN or TRANSPOSED, or for a
+        weight kept in blocks PANELS or TILES."""
+        if isinstance(weight, QuantizedWeight):
+            return self._tiled.form(weight)
         return self._forms.get(tuple(weight.shape), ONEDNN)
 
     def tune_forms(
@@ -227,29 +237,38 @@ class PackedLinear:
         budget_s: float = TUNE_BUDGET_S,
         cache_dir: str | Path | None = None,
     ) -> dict[tuple[int, ...], str]:
-        """Times `rows`-row products in each form (`FORMS`) over the weights of each shape
-        in turn (as a step streams them, layer after layer; TUNE_WEIGHTS at most), `rounds`
+        """Times `rows`-row products in each form over the weights of each shape in turn
+        (as a step streams them, layer after layer; TUNE_WEIGHTS at most), `rounds`
         interleaved times, and keeps the faster form (the least time of its rounds) for
-        that shape: every weight of the shape gets its copy in that form now (not in the
-        first request), the other form's are dropped. The largest shapes go first, and no
-        shape is timed once `budget_s` have passed (those keep ONEDNN). With `cache_dir`
-        each shape's choice is kept there per CPU, torch build, thread count and workload
-        (`kernels.cpu.tuning_cache`), and later starts take it without timing. Returns shape ->
-        form for the shapes timed or taken from the cache."""
-        if not (self.enabled and self.tunes_forms):
+        that shape. A float32 weight's forms are `FORMS`: every weight of the shape gets its
+        copy in the chosen one now (not in the first request), the other form's are dropped.
+        A weight kept in the model file's blocks has `BLOCK_FORMS` (the native panel kernel
+        or tiles for BLAS; nothing to copy) where the panel kernel is built. The largest
+        shapes go first, and no shape is timed once `budget_s` have passed (those keep their
+        default). With `cache_dir` each shape's choice is kept there per CPU, torch build,
+        thread count and workload (`kernels.cpu.tuning_cache`), and later starts take it
+        without timing. Returns shape -> form for the shapes timed or taken from the cache."""
+        if not self.tunes_forms:
             return {}
-        groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        groups: dict[tuple[bool, tuple[int, ...]], list[Any]] = {}
         for w in weights:
-            if not isinstance(w, torch.Tensor):  # kept in blocks: one form only
-                continue
-            if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
-                groups.setdefault(tuple(w.shape), []).append(w)
+            if isinstance(w, QuantizedWeight):
+                if panels_built(self.matvec):
+                    groups.setdefault((True, tuple(w.shape)), []).append(w)
+            elif (
+                self.enabled
+                and w.dim() == 2
+                and w.dtype == torch.float32
+                and w.device.type == "cpu"
+            ):
+                groups.setdefault((False, tuple(w.shape)), []).append(w)
         chosen: dict[tuple[int, ...], str] = {}
         g = torch.Generator().manual_seed(0)
         began: float | None = None  # read when the first shape is timed
-        by_size = sorted(groups.items(), key=lambda kv: -kv[1][0].numel() * len(kv[1]))
+        by_size = sorted(groups.items(), key=lambda kv: -math.prod(kv[0][1]) * len(kv[1]))
         with torch.inference_mode():
-            for shape, group in by_size:
+            for (blocks, shape), group in by_size:
+                forms = BLOCK_FORMS if blocks else FORMS
                 path = None
                 if cache_dir is not None:
                     key = (
@@ -257,34 +276,47 @@ class PackedLinear:
                         os.environ.get("OMP_WAIT_POLICY", ""), shape, rows,
                         min(len(group), TUNE_WEIGHTS),
                     )  # fmt: skip
-                    path = tuning_cache.decision_path(cache_dir, "many-row-form", key)
-                    kept = tuning_cache.load_decision(path, range(len(FORMS)))
+                    if blocks:  # what the products read: each segment's format
+                        key += tuple(p.kind for w in group[:TUNE_WEIGHTS] for p in w.parts)
+                    name = "blocks-many-row-form" if blocks else "many-row-form"
+                    path = tuning_cache.decision_path(cache_dir, name, key)
+                    kept = tuning_cache.load_decision(path, range(len(forms)))
                     if kept is not None:
-                        chosen[shape] = self._keep_form(shape, group, FORMS[kept])
+                        chosen[shape] = self._keep_form(shape, group, forms[kept], blocks)
                         continue
                 began = clock() if began is None else began
                 if clock() - began > budget_s:
                     continue
                 x = torch.randn(rows, shape[1], generator=g)
-                times: dict[str, list[float]] = {form: [] for form in FORMS}
+                times: dict[str, list[float]] = {form: [] for form in forms}
                 for round_ in range(rounds + 1):  # the first makes each form's copies
-                    for form in FORMS:
-                        self._forms[shape] = form
+                    for form in forms:
+                        self._try_form(shape, form, blocks)
                         start = clock()
                         for w in group[:TUNE_WEIGHTS]:
                             self(x, w)
                         if round_:
                             times[form].append(clock() - start)
-                faster = min(FORMS, key=lambda f: min(times[f]))
-                chosen[shape] = self._keep_form(shape, group, faster)
+                faster = min(forms, key=lambda f: min(times[f]))
+                chosen[shape] = self._keep_form(shape, group, faster, blocks)
                 if path is not None:
-                    tuning_cache.store_decision(path, FORMS.index(faster))
+                    tuning_cache.store_decision(path, forms.index(faster))
         return chosen
 
-    def _keep_form(self, shape: tuple[int, ...], group: Sequence[torch.Tensor], form: str) -> str:
-        """Makes `form` the many-row form of `shape`: each weight's copy in it made now, the
-        other form's dropped."""
-        self._forms[shape] = form
+    def _try_form(self, shape: tuple[int, ...], form: str, blocks: bool) -> None:
+        if blocks:
+            self._tiled.choose(shape, form)
+        else:
+            self._forms[shape] = form
+
+    def _keep_form(
+        self, shape: tuple[int, ...], group: Sequence[Any], form: str, blocks: bool = False
+    ) -> str:
+        """Makes `form` the many-row form of `shape`: for float32 weights each weight's copy
+        in it made now, the other form's dropped."""
+        self._try_form(shape, form, blocks)
+        if blocks:
+            return form
         kept, unused = (
             (self._transposed, self._packed)
             if form == TRANSPOSED

@@ -119,7 +119,8 @@ class CpuAbilities(Protocol):
     def tune_many_rows(self, projections: Sequence[Weight]) -> dict[tuple[int, ...], str]:
         """Picks each projection shape's many-row form by timing, or as a start before on
         this machine did (`PackedLinear.tune_forms`: oneDNN's packing or MKL on the
-        transposed weight); returns shape -> form."""
+        transposed weight; for weights kept in blocks the panel kernel or tiles for BLAS);
+        returns shape -> form."""
         ...
 
 
@@ -308,8 +309,9 @@ class CpuOps(KernelOps, CpuAbilities):
     def tune_many_rows(self, projections: Sequence[Weight]) -> dict[tuple[int, ...], str]:
         return self._linear.tune_forms(projections, cache_dir=self._tuning_dir)
 
-    def many_row_form(self, weight: torch.Tensor) -> str:
-        """The form this weight's many-row products take (`linear.FORMS`)."""
+    def many_row_form(self, weight: Weight) -> str:
+        """The form this weight's many-row products take (`linear.FORMS`, or for a weight
+        kept in blocks `quantized_weight.BLOCK_FORMS`)."""
         return self._linear.form(weight)
 
     def store_kv(

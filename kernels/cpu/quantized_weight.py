@@ -44,6 +44,10 @@ from spillway.kernels.cpu.matvec import (
 # Float32 bytes of one tile of a many-row product: small against the weights (the memory
 # bound is 1.3x the file), large enough that BLAS runs at its speed on each tile.
 TILE_BYTES = 4 << 20
+# The many-row forms of a weight kept in blocks (`TiledProduct`; timed at start-up by
+# `PackedLinear.tune_forms`): the native panel kernel, or tiles dequantized for BLAS.
+PANELS, TILES = "panels", "tiles"
+BLOCK_FORMS = (PANELS, TILES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,17 +234,20 @@ def embedding(
     return out.view(*ids.shape, table.shape[1])
 
 
+def panels_built(matvec: MatvecKernels | None) -> bool:
+    """Whether the panel kernel (`linear_blocks_rows`, AVX2 and FMA) is built here."""
+    return matvec is not None and bool(matvec.features & HAS_BLOCKS_ROWS)
+
+
 def panels_by_default(matvec: MatvecKernels | None) -> bool:
-    """Whether many-row products against blocks go through `linear_blocks_rows` here: where
-    it is built (AVX2 and FMA) and the CPU has no AVX-512, where it was measured (a 2-core
-    EPYC, Zen 3: 140-156 GFLOP/s on SmolLM2's projections at 64-128 rows and two threads,
-    against 56-87 for the tiles and BLAS). With AVX-512, BLAS's wider loops may win: the
-    tiles stay until that is measured."""
-    return (
-        matvec is not None
-        and bool(matvec.features & HAS_BLOCKS_ROWS)
-        and "avx512f" not in cpu_flags()
-    )
+    """Whether many-row products against blocks go through `linear_blocks_rows` here before
+    (or without) the start-up timing of both forms: where it is built and the CPU has no
+    AVX-512, where it was measured first (a 2-core EPYC, Zen 3: 140-156 GFLOP/s on SmolLM2's
+    projections at 64-128 rows and two threads, against 56-87 for the tiles and BLAS). With
+    AVX-512 the ranking depends on the CPU (a Zen 4 EPYC's 512-bit FMAs are two 256-bit
+    halves, and there the panels won at every shape and row count; a CPU with two 512-bit
+    FMA units may favour BLAS's wider loops): `PackedLinear.tune_forms` times both."""
+    return panels_built(matvec) and "avx512f" not in cpu_flags()
 
 
 class TiledProduct:
@@ -260,13 +267,26 @@ class TiledProduct:
         self.matvec = matvec
         self.tile_bytes = tile_bytes
         self.panels = panels_by_default(matvec) if panels is None else panels
+        # weight shape -> its form where timed (`choose`); the others take `panels`'s
+        self._forms: dict[tuple[int, ...], str] = {}
         self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def form(self, weight: QuantizedWeight) -> str:
+        """The form this weight's products take (PANELS or TILES)."""
+        default = PANELS if self.panels and self.matvec is not None else TILES
+        return self._forms.get(tuple(weight.shape), default)
+
+    def choose(self, shape: tuple[int, ...], form: str) -> None:
+        """Products of weights of this shape take `form` from now on."""
+        if form not in BLOCK_FORMS or (form == PANELS and self.matvec is None):
+            raise ValueError(f"no many-row form {form!r} here")
+        self._forms[shape] = form
 
     def __call__(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         (n, k), m = weight.shape, x.shape[0]
-        if self.panels and self.matvec is not None and x.dtype == torch.float32:
+        if self.matvec is not None and x.dtype == torch.float32 and self.form(weight) == PANELS:
             return self._panels(self.matvec, x.contiguous(), weight, bias)
         # Tiles of whole 64-row chunks (the dequantizer's), at least one chunk.
         tile_rows = max(64, self.tile_bytes // (4 * k) // 64 * 64)

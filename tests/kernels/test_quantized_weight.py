@@ -22,6 +22,9 @@ from spillway.kernels.cpu.matvec import (
     BlockWeight,
 )
 from spillway.kernels.cpu.quantized_weight import (
+    BLOCK_FORMS,
+    PANELS,
+    TILES,
     QuantizedWeight,
     TiledProduct,
     dequantize,
@@ -215,6 +218,56 @@ def test_tiled_product_takes_panels_where_asked_and_tiles_else(matvec):
         one = torch.empty(20, rows)
         matvec.linear_blocks_rows(x, part, bias[start : start + rows].contiguous(), one)
         assert torch.equal(panels[:, start : start + rows], one)
+
+
+class BlockFormClock:
+    """A clock under which the products of `slow` take ten times as long: each reading
+    moves it on by what the form of `weight`'s shape being timed costs."""
+
+    def __init__(self, packed: PackedLinear, weight: QuantizedWeight, slow: str) -> None:
+        self.packed, self.weight, self.slow, self.now = packed, weight, slow, 0.0
+        self.seen: list[str] = []
+
+    def __call__(self) -> float:
+        form = self.packed.form(self.weight)
+        self.seen.append(form)
+        self.now += 10.0 if form == self.slow else 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("slow", BLOCK_FORMS)
+def test_tune_forms_times_both_forms_of_a_weight_in_blocks_and_keeps_the_faster(
+    matvec, slow, tmp_path
+):
+    if not matvec.features & HAS_BLOCKS_ROWS:
+        pytest.skip("the panel kernel is built with AVX2 and FMA only")
+    rng = np.random.default_rng(17)
+    layers = [_mixed(rng, 256)[0] for _ in range(3)]  # one shape, three layers
+    packed = PackedLinear(matvec=matvec)
+    clock = BlockFormClock(packed, layers[0], slow)
+    chosen = packed.tune_forms(
+        layers, rows=20, rounds=2, clock=clock, budget_s=1e9, cache_dir=tmp_path
+    )
+    fast = TILES if slow == PANELS else PANELS
+    assert chosen == {(232, 256): fast} and packed.form(layers[2]) == fast
+    assert set(clock.seen) == set(BLOCK_FORMS)  # each one timed
+    x, bias = torch.randn(20, 256), None
+    dense = dequantize(layers[1])
+    assert_float32_close(packed(x, layers[1]), x, dense, bias)
+    # A later start takes the stored choice without timing.
+    again = PackedLinear(matvec=matvec)
+    never = BlockFormClock(again, layers[0], slow)
+    assert again.tune_forms(layers, rows=20, clock=never, cache_dir=tmp_path) == chosen
+    assert never.seen == [] and again.form(layers[0]) == fast
+
+
+def test_a_weight_in_blocks_has_one_form_where_the_panels_are_not_built():
+    weight, _ = _mixed(np.random.default_rng(3), 256)
+    packed = PackedLinear(matvec=None)
+    assert packed.tune_forms([weight], rows=8, budget_s=1e9) == {}
+    assert packed.form(weight) == TILES
+    with pytest.raises(ValueError, match="no many-row form"):
+        TiledProduct(None).choose((232, 256), PANELS)
 
 
 @pytest.mark.parametrize("native", [True, False])

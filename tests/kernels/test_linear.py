@@ -20,6 +20,7 @@ from spillway.kernels.cpu.linear import (
     linear,
     onednn_packing_available,
 )
+from tests.kernels.form_clock import FormClock
 from tests.kernels.native_paths import built
 
 
@@ -81,21 +82,6 @@ def test_packed_linear_forgets_a_freed_weight():
     del w
     gc.collect()
     assert len(packed) == 0
-
-
-class FormClock:
-    """A clock under which the products of `slow` take ten times as long: each reading
-    moves it on by what the form being timed costs."""
-
-    def __init__(self, packed: PackedLinear, weight: torch.Tensor, slow: str) -> None:
-        self.packed, self.weight, self.slow, self.now = packed, weight, slow, 0.0
-        self.seen: list[str] = []
-
-    def __call__(self) -> float:
-        form = self.packed.form(self.weight)
-        self.seen.append(form)
-        self.now += 10.0 if form == self.slow else 1.0
-        return self.now
 
 
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")

@@ -30,6 +30,7 @@ from spillway.kernels.cpu.quantized_weight import (
     dequantize,
     embedding,
 )
+from tests.kernels.form_clock import FormClock
 from tests.kernels.gguf_blocks import block_weight, random_blocks, reference
 from tests.kernels.native_paths import built, matvec_built
 
@@ -220,21 +221,6 @@ def test_tiled_product_takes_panels_where_asked_and_tiles_else(matvec):
         assert torch.equal(panels[:, start : start + rows], one)
 
 
-class BlockFormClock:
-    """A clock under which the products of `slow` take ten times as long: each reading
-    moves it on by what the form of `weight`'s shape being timed costs."""
-
-    def __init__(self, packed: PackedLinear, weight: QuantizedWeight, slow: str) -> None:
-        self.packed, self.weight, self.slow, self.now = packed, weight, slow, 0.0
-        self.seen: list[str] = []
-
-    def __call__(self) -> float:
-        form = self.packed.form(self.weight)
-        self.seen.append(form)
-        self.now += 10.0 if form == self.slow else 1.0
-        return self.now
-
-
 @pytest.mark.parametrize("slow", BLOCK_FORMS)
 def test_tune_forms_times_both_forms_of_a_weight_in_blocks_and_keeps_the_faster(
     matvec, slow, tmp_path
@@ -244,7 +230,7 @@ def test_tune_forms_times_both_forms_of_a_weight_in_blocks_and_keeps_the_faster(
     rng = np.random.default_rng(17)
     layers = [_mixed(rng, 256)[0] for _ in range(3)]  # one shape, three layers
     packed = PackedLinear(matvec=matvec)
-    clock = BlockFormClock(packed, layers[0], slow)
+    clock = FormClock(packed, layers[0], slow)
     chosen = packed.tune_forms(
         layers, rows=20, rounds=2, clock=clock, budget_s=1e9, cache_dir=tmp_path
     )
@@ -256,7 +242,7 @@ def test_tune_forms_times_both_forms_of_a_weight_in_blocks_and_keeps_the_faster(
     assert_float32_close(packed(x, layers[1]), x, dense, bias)
     # A later start takes the stored choice without timing.
     again = PackedLinear(matvec=matvec)
-    never = BlockFormClock(again, layers[0], slow)
+    never = FormClock(again, layers[0], slow)
     assert again.tune_forms(layers, rows=20, clock=never, cache_dir=tmp_path) == chosen
     assert never.seen == [] and again.form(layers[0]) == fast
 

@@ -267,20 +267,27 @@ class TiledProduct:
         self.matvec = matvec
         self.tile_bytes = tile_bytes
         self.panels = panels_by_default(matvec) if panels is None else panels
-        # weight shape -> its form where timed (`choose`); the others take `panels`'s
+        # weight shape -> its form where timed (`choose`); the others take `_default`
         self._forms: dict[tuple[int, ...], str] = {}
+        self._default = self._untimed_default()
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def form(self, weight: QuantizedWeight) -> str:
-        """The form this weight's products take (PANELS or TILES)."""
-        default = PANELS if self.panels and self.matvec is not None else TILES
-        return self._forms.get(tuple(weight.shape), default)
+        """The form this weight's products take (PANELS or TILES): its shape's where timed;
+        else the one every timed shape chose (a MoE layer's experts, untimed, follow the
+        projections' verdict on this machine); else the default."""
+        return self._forms.get(tuple(weight.shape), self._default)
 
     def choose(self, shape: tuple[int, ...], form: str) -> None:
         """Products of weights of this shape take `form` from now on."""
         if form not in BLOCK_FORMS or (form == PANELS and self.matvec is None):
             raise ValueError(f"no many-row form {form!r} here")
         self._forms[shape] = form
+        timed = set(self._forms.values())
+        self._default = timed.pop() if len(timed) == 1 else self._untimed_default()
+
+    def _untimed_default(self) -> str:
+        return PANELS if self.panels and self.matvec is not None else TILES
 
     def __call__(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None

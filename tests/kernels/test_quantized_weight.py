@@ -245,6 +245,9 @@ def test_tune_forms_times_both_forms_of_a_weight_in_blocks_and_keeps_the_faster(
     never = FormClock(again, layers[0], slow)
     assert again.tune_forms(layers, rows=20, clock=never, cache_dir=tmp_path) == chosen
     assert never.seen == [] and again.form(layers[0]) == fast
+    # A shape never timed (a MoE layer's experts) follows what every timed shape chose.
+    untimed, _ = _mixed(rng, 512)
+    assert again.form(untimed) == fast
 
 
 def test_a_weight_in_blocks_has_one_form_where_the_panels_are_not_built():

@@ -11,9 +11,12 @@ from spillway.kernels.moe import fused_experts_ref
 from spillway.kernels.ops import TritonOps
 from tests.kernels.paged_cases import nan_like, rel_error
 
-# relative error ||out - ref|| / ||ref||: float32 differs by summation order only; the 16-bit
-# dtypes also by where the gate and up products are rounded
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# relative error ||out - exact|| / ||exact|| against the reference in float64 on the same
+# inputs: float32 errs by summation order only; the 16-bit dtypes also by where the gate and
+# up products and the output are rounded (bfloat16 keeps 8 bits: over 360 fresh draws of
+# every case the kernel erred by at most 1.5e-2, the bfloat16 reference by 1e-2; measured
+# against the bfloat16 reference instead, the two roundings together reached 2.03e-2)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 DTYPES = list(TOLERANCE)
 E, H, I = 4, 32, 16
 BLOCKS = {"block_m": 16, "block_n": 16, "block_k": 16}  # H and I span two tiles
@@ -36,7 +39,7 @@ def _random_ids(t: int, k: int, experts: int = E) -> torch.Tensor:
 
 
 def _check(x, w_gate_up, w_down, ids, weights, **blocks) -> None:
-    ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights)
+    ref = fused_experts_ref(x.double(), w_gate_up.double(), w_down.double(), ids, weights.double())
     out = fused_experts(x, w_gate_up, w_down, ids, weights, out=nan_like(x), **blocks)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert torch.isfinite(out).all()

@@ -43,6 +43,7 @@ from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.ownership import Ownership
 from spillway.services.worker.runner import KVIo, ModelRunner
 from spillway.services.worker.step_spans import StepSpans
+from spillway.services.worker.threads import flush_denormals
 from spillway.shared import subjects
 from spillway.shared.beacon import Beacon
 from spillway.shared.bus import Bus, BusError, sender_of
@@ -90,6 +91,8 @@ async def serve(
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{worker_id}")
     try:
         loop = asyncio.get_running_loop()
+        # First on the step thread, before any math thread exists: they inherit the mode.
+        await loop.run_in_executor(executor, flush_denormals)
         runner, model_id = await loop.run_in_executor(executor, load_runner, settings)
         group = runner.experts if settings.expert_parallel > 1 else None
         if group is not None and group.rank != 0:

@@ -138,3 +138,45 @@ def test_the_dispatch_keeps_the_torch_form_for_other_dtypes(scans) -> None:
     h0 = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
     got = chunk_scan(4, x, dt, a, b, c, d, h0, scans=scans)
     assert got.y.dtype == torch.float64 and got.h_in is not None
+
+
+TINY = 1e-39  # a float32 denormal (the smallest normal is 1.2e-38)
+
+
+def _mode_kept() -> bool:
+    """Whether this thread still keeps denormals (its float mode as the test left it)."""
+    return torch.tensor([TINY]).mul(1.0).item() != 0.0
+
+
+def test_the_kernels_flush_denormals_and_leave_the_callers_mode(scans) -> None:
+    """Inside the kernels a denormal reads as zero (flush_denormals.h: on Intel cores each
+    operation on one took a microcode assist, and a strong decay makes many); the torch
+    forms on this thread keep it, and so does the thread after the kernels return."""
+    assert _mode_kept()
+    layout = _layout((6,), 4)
+    valid = layout.valid.view(1, -1, 4)
+    heads, p, n = 2, 4, 8
+    x = layout.gather(torch.full((6, heads, p), TINY))
+    dt = layout.gather(torch.full((6, heads), 0.5))
+    zeros = layout.gather(torch.zeros(6, 1, n))  # B = C = 0: y = D x alone
+    a, d = -torch.ones(heads), torch.ones(heads)
+    h0 = torch.zeros(1, heads, p, n)
+    assert (ssd_scan(4, x, dt, a, zeros, zeros, d, h0).y[valid] == TINY).all()
+    assert (chunk_scan(4, x, dt, a, zeros, zeros, d, h0, scans=scans).y[valid] == 0).all()
+    assert _mode_kept()
+
+    hv, dk, dv = 2, 4, 4
+    q = k = layout.gather(torch.full((6, 1, dk), 0.5))
+    v = layout.gather(torch.full((6, hv, dv), TINY))
+    g, beta = layout.gather(torch.full((6, hv), -0.1)), layout.gather(torch.ones(6, hv))
+    s0 = torch.zeros(1, hv, dk, dv)
+    assert (delta_scan(q, k, v, g, beta, s0, 1.0, False).o[valid] != 0).all()
+    assert (chunk_delta_scan(q, k, v, g, beta, s0, 1.0, False, scans=scans).o[valid] == 0).all()
+    assert _mode_kept()
+
+    xbc = torch.full((6, 3), TINY)
+    weight, states = torch.ones(3, 4), torch.zeros(1, 3, 3)
+    want, _ = conv_rows(layout, xbc, states, weight, None)
+    got, _ = conv_rows(layout, xbc, states, weight, None, scans)
+    assert (want[valid] != 0).all() and (got[valid] == 0).all()
+    assert _mode_kept()

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "fast_exp.h"
+#include "flush_denormals.h"
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -119,65 +120,71 @@ int ssd_chunk_scan_f32(const float *x, const float *dt, const float *cum, const 
                        int64_t q, int64_t heads, int64_t p, int64_t groups, int64_t n) {
     const int64_t per = heads / groups;
     int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const int64_t g = h / per;
-            /* st [N, P]: the state transposed, so every product runs along P */
-            float *st = malloc(sizeof(float) * (n * p + q * q + q * n + n * q + q * p + q));
-            if (!st) {
+#pragma omp parallel
+    {
+        /* per thread: see flush_denormals.h */
+        const fp_mode mode = flush_denormals();
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t h = 0; h < heads; h++) {
+                const int64_t g = h / per;
+                /* st [N, P]: the state transposed, so every product runs along P */
+                float *st = malloc(sizeof(float) * (n * p + q * q + q * n + n * q + q * p + q));
+                if (!st) {
 #pragma omp atomic write
-                failed = 1;
-                continue;
+                    failed = 1;
+                    continue;
+                }
+                float *w = st + n * p;       /* [Q, Q] decay-weighted C.B dt */
+                float *ce = w + q * q;       /* [Q, N] e^{cum_t} C_t */
+                float *bt = ce + q * n;      /* [N, Q] B_s e^{cum_end - cum_s} dt_s */
+                float *acc = bt + n * q;     /* [Q, P] the chunk's outputs */
+                float *cm = acc + q * p;     /* [Q] cum of this head */
+                transpose(h0 + (r * heads + h) * p * n, n, p, n, st, p);
+                for (int64_t k = 0; k < chunks; k++) {
+                    const int64_t tok0 = (r * chunks + k) * q; /* the chunk's first token */
+                    for (int64_t t = 0; t < q; t++) cm[t] = cum[(tok0 + t) * heads + h];
+                    if (h_in) {
+                        float *dst = h_in + ((r * chunks + k) * heads + h) * p * n;
+                        transpose(st, p, n, p, dst, n);
+                    }
+                    const float *cbk = cb + ((r * chunks + k) * groups + g) * q * q;
+                    for (int64_t t = 0; t < q; t++) {
+                        for (int64_t s = 0; s <= t; s++)
+                            w[t * q + s] = exp_nonpositive(cm[t] - cm[s]) * cbk[t * q + s] *
+                                           dt[(tok0 + s) * heads + h];
+                        for (int64_t s = t + 1; s < q; s++) w[t * q + s] = 0.0f;
+                        const float e = exp_nonpositive(cm[t]);
+                        const float *ct = c + ((tok0 + t) * groups + g) * n;
+                        for (int64_t i = 0; i < n; i++) ce[t * n + i] = e * ct[i];
+                    }
+                    const float *xk = x + (tok0 * heads + h) * p;
+                    const int64_t ldx = heads * p;
+                    memset(acc, 0, sizeof(float) * q * p);
+                    gemm_acc(q, p, q, w, q, xk, ldx, acc, p, 1);  /* within the chunk */
+                    gemm_acc(q, p, n, ce, n, st, p, acc, p, 0);   /* from the entering state */
+                    const float dh = d[h];
+                    for (int64_t t = 0; t < q; t++) {
+                        float *yt = y + ((tok0 + t) * heads + h) * p;
+                        const float *xt = xk + t * ldx;
+                        for (int64_t i = 0; i < p; i++) yt[i] = acc[t * p + i] + dh * xt[i];
+                    }
+                    /* the state at the chunk's end: decayed, plus what each token adds */
+                    const float last = cm[q - 1];
+                    for (int64_t s = 0; s < q; s++) {
+                        const float f = exp_nonpositive(last - cm[s]) * dt[(tok0 + s) * heads + h];
+                        const float *bs = b + ((tok0 + s) * groups + g) * n;
+                        for (int64_t i = 0; i < n; i++) bt[i * q + s] = f * bs[i];
+                    }
+                    const float decay = exp_nonpositive(last);
+                    for (int64_t i = 0; i < n * p; i++) st[i] *= decay;
+                    gemm_acc(n, p, q, bt, q, xk, ldx, st, p, 0);
+                }
+                transpose(st, p, n, p, h_end + (r * heads + h) * p * n, n);
+                free(st);
             }
-            float *w = st + n * p;       /* [Q, Q] decay-weighted C.B dt */
-            float *ce = w + q * q;       /* [Q, N] e^{cum_t} C_t */
-            float *bt = ce + q * n;      /* [N, Q] B_s e^{cum_end - cum_s} dt_s */
-            float *acc = bt + n * q;     /* [Q, P] the chunk's outputs */
-            float *cm = acc + q * p;     /* [Q] cum of this head */
-            transpose(h0 + (r * heads + h) * p * n, n, p, n, st, p);
-            for (int64_t k = 0; k < chunks; k++) {
-                const int64_t tok0 = (r * chunks + k) * q; /* the chunk's first token */
-                for (int64_t t = 0; t < q; t++) cm[t] = cum[(tok0 + t) * heads + h];
-                if (h_in) {
-                    float *dst = h_in + ((r * chunks + k) * heads + h) * p * n;
-                    transpose(st, p, n, p, dst, n);
-                }
-                const float *cbk = cb + ((r * chunks + k) * groups + g) * q * q;
-                for (int64_t t = 0; t < q; t++) {
-                    for (int64_t s = 0; s <= t; s++)
-                        w[t * q + s] = exp_nonpositive(cm[t] - cm[s]) * cbk[t * q + s] *
-                                       dt[(tok0 + s) * heads + h];
-                    for (int64_t s = t + 1; s < q; s++) w[t * q + s] = 0.0f;
-                    const float e = exp_nonpositive(cm[t]);
-                    const float *ct = c + ((tok0 + t) * groups + g) * n;
-                    for (int64_t i = 0; i < n; i++) ce[t * n + i] = e * ct[i];
-                }
-                const float *xk = x + (tok0 * heads + h) * p;
-                const int64_t ldx = heads * p;
-                memset(acc, 0, sizeof(float) * q * p);
-                gemm_acc(q, p, q, w, q, xk, ldx, acc, p, 1);  /* within the chunk */
-                gemm_acc(q, p, n, ce, n, st, p, acc, p, 0);   /* from the entering state */
-                const float dh = d[h];
-                for (int64_t t = 0; t < q; t++) {
-                    float *yt = y + ((tok0 + t) * heads + h) * p;
-                    const float *xt = xk + t * ldx;
-                    for (int64_t i = 0; i < p; i++) yt[i] = acc[t * p + i] + dh * xt[i];
-                }
-                /* the state at the chunk's end: decayed, plus what each token adds */
-                const float last = cm[q - 1];
-                for (int64_t s = 0; s < q; s++) {
-                    const float f = exp_nonpositive(last - cm[s]) * dt[(tok0 + s) * heads + h];
-                    const float *bs = b + ((tok0 + s) * groups + g) * n;
-                    for (int64_t i = 0; i < n; i++) bt[i * q + s] = f * bs[i];
-                }
-                const float decay = exp_nonpositive(last);
-                for (int64_t i = 0; i < n * p; i++) st[i] *= decay;
-                gemm_acc(n, p, q, bt, q, xk, ldx, st, p, 0);
-            }
-            transpose(st, p, n, p, h_end + (r * heads + h) * p * n, n);
-            free(st);
         }
+        restore_fp_mode(mode);
     }
     return failed ? -1 : 0;
 }
@@ -194,88 +201,94 @@ int delta_chunk_scan_f32(const float *qn, const float *kn, const float *v, const
                          int64_t dv) {
     const int64_t per = hv / hk;
     int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t h = 0; h < hv; h++) {
-            const int64_t g = h / per;
-            float *s = malloc(sizeof(float) * (dk * dv + 2 * q * q + 2 * q * dk + dk * q +
-                                               2 * q * dv + 2 * q));
-            if (!s) {
+#pragma omp parallel
+    {
+        /* per thread: see flush_denormals.h */
+        const fp_mode mode = flush_denormals();
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t h = 0; h < hv; h++) {
+                const int64_t g = h / per;
+                float *s = malloc(sizeof(float) * (dk * dv + 2 * q * q + 2 * q * dk + dk * q +
+                                                   2 * q * dv + 2 * q));
+                if (!s) {
 #pragma omp atomic write
-                failed = 1;
-                continue;
+                    failed = 1;
+                    continue;
+                }
+                float *a = s + dk * dv;   /* [Q, Q] beta_t e^{G_t - G_s} k_t.k_s, s < t */
+                float *wq = a + q * q;    /* [Q, Q] e^{G_t - G_s} q_t.k_s, s <= t */
+                float *ke = wq + q * q;   /* [Q, Dk] e^{G_t} k_t */
+                float *qe = ke + q * dk;  /* [Q, Dk] e^{G_t} q_t */
+                float *kt = qe + q * dk;  /* [Dk, Q] k_s e^{G_end - G_s} */
+                float *uk = kt + dk * q;  /* [Q, Dv] the chunk's new values */
+                float *ok = uk + q * dv;  /* [Q, Dv] the chunk's outputs */
+                float *cm = ok + q * dv;  /* [Q] */
+                float *bt = cm + q;       /* [Q] */
+                memcpy(s, h0 + (r * hv + h) * dk * dv, sizeof(float) * dk * dv);
+                const int64_t ldk = hk * dk, ldv = hv * dv;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const int64_t tok0 = (r * chunks + c) * q;
+                    for (int64_t t = 0; t < q; t++) {
+                        cm[t] = cum[(tok0 + t) * hv + h];
+                        bt[t] = beta[(tok0 + t) * hv + h];
+                    }
+                    if (h_in)
+                        memcpy(h_in + ((r * chunks + c) * hv + h) * dk * dv, s,
+                               sizeof(float) * dk * dv);
+                    const float *kkc = kk + ((r * chunks + c) * hk + g) * q * q;
+                    const float *qkc = qk + ((r * chunks + c) * hk + g) * q * q;
+                    const float *kc = kn + tok0 * ldk + g * dk;
+                    const float *qc = qn + tok0 * ldk + g * dk;
+                    const float *vc = v + tok0 * ldv + h * dv;
+                    for (int64_t t = 0; t < q; t++) {
+                        for (int64_t j = 0; j < q; j++) {
+                            const float e = j <= t ? exp_nonpositive(cm[t] - cm[j]) : 0.0f;
+                            a[t * q + j] = j < t ? bt[t] * e * kkc[t * q + j] : 0.0f;
+                            wq[t * q + j] = e * qkc[t * q + j];
+                        }
+                        const float e = exp_nonpositive(cm[t]);
+                        for (int64_t i = 0; i < dk; i++) {
+                            ke[t * dk + i] = e * kc[t * ldk + i];
+                            qe[t * dk + i] = e * qc[t * ldk + i];
+                        }
+                    }
+                    /* u_t = beta_t (v_t - e^{G_t} S^T k_t) - sum_{s<t} A[t, s] u_s */
+                    memset(uk, 0, sizeof(float) * q * dv);
+                    gemm_acc(q, dv, dk, ke, dk, s, dv, uk, dv, 0);
+                    for (int64_t t = 0; t < q; t++) {
+                        float *ut = uk + t * dv;
+                        const float *vt = vc + t * ldv;
+                        for (int64_t j = 0; j < dv; j++) ut[j] = bt[t] * (vt[j] - ut[j]);
+                        for (int64_t j = 0; j < t; j++) {
+                            const float f = a[t * q + j];
+                            const float *uj = uk + j * dv;
+                            for (int64_t i = 0; i < dv; i++) ut[i] -= f * uj[i];
+                        }
+                    }
+                    /* o_t = e^{G_t} S^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t.k_s) u_s */
+                    memset(ok, 0, sizeof(float) * q * dv);
+                    gemm_acc(q, dv, dk, qe, dk, s, dv, ok, dv, 0);
+                    gemm_acc(q, dv, q, wq, q, uk, dv, ok, dv, 1);
+                    for (int64_t t = 0; t < q; t++) {
+                        memcpy(o + (tok0 + t) * ldv + h * dv, ok + t * dv, sizeof(float) * dv);
+                        memcpy(u + (tok0 + t) * ldv + h * dv, uk + t * dv, sizeof(float) * dv);
+                    }
+                    /* S <- e^{G_end} S + sum_s e^{G_end - G_s} k_s u_s^T */
+                    const float last = cm[q - 1];
+                    for (int64_t t = 0; t < q; t++) {
+                        const float f = exp_nonpositive(last - cm[t]);
+                        for (int64_t i = 0; i < dk; i++) kt[i * q + t] = f * kc[t * ldk + i];
+                    }
+                    const float decay = exp_nonpositive(last);
+                    for (int64_t i = 0; i < dk * dv; i++) s[i] *= decay;
+                    gemm_acc(dk, dv, q, kt, q, uk, dv, s, dv, 0);
+                }
+                memcpy(h_end + (r * hv + h) * dk * dv, s, sizeof(float) * dk * dv);
+                free(s);
             }
-            float *a = s + dk * dv;   /* [Q, Q] beta_t e^{G_t - G_s} k_t.k_s, s < t */
-            float *wq = a + q * q;    /* [Q, Q] e^{G_t - G_s} q_t.k_s, s <= t */
-            float *ke = wq + q * q;   /* [Q, Dk] e^{G_t} k_t */
-            float *qe = ke + q * dk;  /* [Q, Dk] e^{G_t} q_t */
-            float *kt = qe + q * dk;  /* [Dk, Q] k_s e^{G_end - G_s} */
-            float *uk = kt + dk * q;  /* [Q, Dv] the chunk's new values */
-            float *ok = uk + q * dv;  /* [Q, Dv] the chunk's outputs */
-            float *cm = ok + q * dv;  /* [Q] */
-            float *bt = cm + q;       /* [Q] */
-            memcpy(s, h0 + (r * hv + h) * dk * dv, sizeof(float) * dk * dv);
-            const int64_t ldk = hk * dk, ldv = hv * dv;
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t tok0 = (r * chunks + c) * q;
-                for (int64_t t = 0; t < q; t++) {
-                    cm[t] = cum[(tok0 + t) * hv + h];
-                    bt[t] = beta[(tok0 + t) * hv + h];
-                }
-                if (h_in)
-                    memcpy(h_in + ((r * chunks + c) * hv + h) * dk * dv, s,
-                           sizeof(float) * dk * dv);
-                const float *kkc = kk + ((r * chunks + c) * hk + g) * q * q;
-                const float *qkc = qk + ((r * chunks + c) * hk + g) * q * q;
-                const float *kc = kn + tok0 * ldk + g * dk;
-                const float *qc = qn + tok0 * ldk + g * dk;
-                const float *vc = v + tok0 * ldv + h * dv;
-                for (int64_t t = 0; t < q; t++) {
-                    for (int64_t j = 0; j < q; j++) {
-                        const float e = j <= t ? exp_nonpositive(cm[t] - cm[j]) : 0.0f;
-                        a[t * q + j] = j < t ? bt[t] * e * kkc[t * q + j] : 0.0f;
-                        wq[t * q + j] = e * qkc[t * q + j];
-                    }
-                    const float e = exp_nonpositive(cm[t]);
-                    for (int64_t i = 0; i < dk; i++) {
-                        ke[t * dk + i] = e * kc[t * ldk + i];
-                        qe[t * dk + i] = e * qc[t * ldk + i];
-                    }
-                }
-                /* u_t = beta_t (v_t - e^{G_t} S^T k_t) - sum_{s<t} A[t, s] u_s */
-                memset(uk, 0, sizeof(float) * q * dv);
-                gemm_acc(q, dv, dk, ke, dk, s, dv, uk, dv, 0);
-                for (int64_t t = 0; t < q; t++) {
-                    float *ut = uk + t * dv;
-                    const float *vt = vc + t * ldv;
-                    for (int64_t j = 0; j < dv; j++) ut[j] = bt[t] * (vt[j] - ut[j]);
-                    for (int64_t j = 0; j < t; j++) {
-                        const float f = a[t * q + j];
-                        const float *uj = uk + j * dv;
-                        for (int64_t i = 0; i < dv; i++) ut[i] -= f * uj[i];
-                    }
-                }
-                /* o_t = e^{G_t} S^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t.k_s) u_s */
-                memset(ok, 0, sizeof(float) * q * dv);
-                gemm_acc(q, dv, dk, qe, dk, s, dv, ok, dv, 0);
-                gemm_acc(q, dv, q, wq, q, uk, dv, ok, dv, 1);
-                for (int64_t t = 0; t < q; t++) {
-                    memcpy(o + (tok0 + t) * ldv + h * dv, ok + t * dv, sizeof(float) * dv);
-                    memcpy(u + (tok0 + t) * ldv + h * dv, uk + t * dv, sizeof(float) * dv);
-                }
-                /* S <- e^{G_end} S + sum_s e^{G_end - G_s} k_s u_s^T */
-                const float last = cm[q - 1];
-                for (int64_t t = 0; t < q; t++) {
-                    const float f = exp_nonpositive(last - cm[t]);
-                    for (int64_t i = 0; i < dk; i++) kt[i * q + t] = f * kc[t * ldk + i];
-                }
-                const float decay = exp_nonpositive(last);
-                for (int64_t i = 0; i < dk * dv; i++) s[i] *= decay;
-                gemm_acc(dk, dv, q, kt, q, uk, dv, s, dv, 0);
-            }
-            memcpy(h_end + (r * hv + h) * dk * dv, s, sizeof(float) * dk * dv);
-            free(s);
         }
+        restore_fp_mode(mode);
     }
     return failed ? -1 : 0;
 }
@@ -289,38 +302,44 @@ void causal_conv_silu_f32(const float *x, int64_t ldx_r, int64_t ldx_t, const fl
                           int64_t len, int64_t channels, int64_t width) {
     const int64_t block = 32; /* tokens per task */
     const int64_t blocks = (len + block - 1) / block;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t bl = 0; bl < blocks; bl++) {
-            const float *xr = x + r * ldx_r;
-            const float *sr = state + r * channels * (width - 1);
-            const int64_t l1 = (bl + 1) * block < len ? (bl + 1) * block : len;
-            for (int64_t l = bl * block; l < l1; l++) {
-                float *ot = out + (r * len + l) * channels;
-                if (bias)
-                    memcpy(ot, bias, sizeof(float) * channels);
-                else
-                    memset(ot, 0, sizeof(float) * channels);
-                for (int64_t j = 0; j < width; j++) {
-                    const int64_t at = l - (width - 1) + j;
-                    const float *wj = wt + j * channels;
-                    if (at < 0) { /* from the conv state: strided, the row's first tokens */
-                        const int64_t col = at + width - 1;
-                        for (int64_t ch = 0; ch < channels; ch++)
-                            ot[ch] += wj[ch] * sr[ch * (width - 1) + col];
-                        continue;
+#pragma omp parallel
+    {
+        /* per thread: see flush_denormals.h */
+        const fp_mode mode = flush_denormals();
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t bl = 0; bl < blocks; bl++) {
+                const float *xr = x + r * ldx_r;
+                const float *sr = state + r * channels * (width - 1);
+                const int64_t l1 = (bl + 1) * block < len ? (bl + 1) * block : len;
+                for (int64_t l = bl * block; l < l1; l++) {
+                    float *ot = out + (r * len + l) * channels;
+                    if (bias)
+                        memcpy(ot, bias, sizeof(float) * channels);
+                    else
+                        memset(ot, 0, sizeof(float) * channels);
+                    for (int64_t j = 0; j < width; j++) {
+                        const int64_t at = l - (width - 1) + j;
+                        const float *wj = wt + j * channels;
+                        if (at < 0) { /* from the conv state: strided, the row's first tokens */
+                            const int64_t col = at + width - 1;
+                            for (int64_t ch = 0; ch < channels; ch++)
+                                ot[ch] += wj[ch] * sr[ch * (width - 1) + col];
+                            continue;
+                        }
+                        const float *in = xr + at * ldx_t;
+#pragma omp simd
+                        for (int64_t ch = 0; ch < channels; ch++) ot[ch] += wj[ch] * in[ch];
                     }
-                    const float *in = xr + at * ldx_t;
 #pragma omp simd
-                    for (int64_t ch = 0; ch < channels; ch++) ot[ch] += wj[ch] * in[ch];
-                }
-#pragma omp simd
-                for (int64_t ch = 0; ch < channels; ch++) {
-                    const float v = ot[ch];
-                    const float e = exp_nonpositive(-fabsf(v));
-                    ot[ch] = v * (v >= 0.0f ? 1.0f : e) / (1.0f + e);
+                    for (int64_t ch = 0; ch < channels; ch++) {
+                        const float v = ot[ch];
+                        const float e = exp_nonpositive(-fabsf(v));
+                        ot[ch] = v * (v >= 0.0f ? 1.0f : e) / (1.0f + e);
+                    }
                 }
             }
         }
+        restore_fp_mode(mode);
     }
 }

@@ -33,7 +33,7 @@ from spillway.services.cli.bench.peers import (
     PeerResult,
     agreement,
     run_llama_cpp_peer,
-    run_transformers,
+    run_transformers_peer,
     run_vllm_peer,
 )
 from spillway.services.cli.bench.progress import ProgressBar
@@ -67,10 +67,11 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.launch and args.url:
         print("spillway bench: give --url or --launch, not both", file=sys.stderr)
         return 2
-    # The in-process peers' OpenMP threads wait as the worker's do (before torch loads), so
-    # that a busy machine costs both sides alike. A peer in its own process (llama.cpp,
-    # vLLM) runs with the environment as it was: our wait policy is not its setting
-    # (passive waits cost llama.cpp's per-operation barriers two thirds of its speed).
+    # This process's OpenMP threads (the bound's measurement) wait as the worker's do
+    # (before torch loads). Every peer runs in its own process with the environment as it
+    # was: our wait policy is not its setting (passive waits cost llama.cpp's per-operation
+    # barriers two thirds of its speed, and transformers' batched decode of a mid-size
+    # hybrid about half).
     peer_env = dict(os.environ)
     apply_openmp_environment(load_settings())
     try:
@@ -217,7 +218,7 @@ def compare(
     batch = args.peer_batch or args.concurrency
     peers: list[PeerResult] = []
     print("peer: transformers ...", flush=True)
-    peers.append(run_transformers(source, requests, batch))
+    peers.append(run_transformers_peer(source, requests, batch, peer_env))
     llama_python = args.llama_cpp_python or _this_python_if("llama_cpp")
     if llama_python:
         gguf = args.llama_cpp_model or (str(source.path) if source.kind == "gguf" else None)

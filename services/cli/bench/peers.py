@@ -1,7 +1,8 @@
 """The same workload through the engines users would run instead, in the same run.
 
 - transformers: static batched `generate` (greedy, every request of a batch generating
-  its batch's longest output), on the very weights the server loads, in this process.
+  its batch's longest output), on the very weights the server loads, by this Python in a
+  process of its own (`transformers_peer.py`: its OpenMP threads wait as a user's would).
 - llama.cpp (`llama-cpp-python`) and vLLM (its CPU build): optional, each in its own
   Python environment (never a dependency of spillway); the peer's script beside this
   module runs there as a subprocess, reads the workload as JSON on stdin and answers JSON
@@ -17,6 +18,7 @@ import contextlib
 import io
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,10 @@ PEER_SCRIPTS = {
     "llama.cpp": Path(__file__).with_name("llama_cpp_peer.py"),
     "vLLM": Path(__file__).with_name("vllm_peer.py"),
 }
+# Peers run as modules of the installed package (they import spillway), by this Python;
+# -P keeps the working directory off sys.path (a checkout's kernels/ would shadow Hugging
+# Face's `kernels`, which transformers imports).
+PEER_MODULES = {"transformers": "spillway.services.cli.bench.transformers_peer"}
 
 
 @dataclass
@@ -107,6 +113,23 @@ def run_transformers(
     return result
 
 
+def run_transformers_peer(
+    source: ModelSource,
+    requests: Sequence[BenchRequest],
+    batch_size: int | None = None,
+    env: dict[str, str] | None = None,
+) -> PeerResult:
+    """`run_transformers` (float32) by this Python in a process of its own, under `env` (the
+    environment the bench started in: transformers_peer.py says why)."""
+    if source.kind not in ("gguf", "hf"):
+        return run_transformers(source, requests, batch_size)  # its refusal, no process
+    result = run_subprocess_peer(
+        "transformers", sys.executable, str(source.path), requests, batch_size, env=env
+    )
+    result.name = "transformers generate (float32)"
+    return result
+
+
 def run_subprocess_peer(
     name: str,
     python: str,
@@ -131,7 +154,9 @@ def run_subprocess_peer(
     result = PeerResult(name=name)
     try:
         done = subprocess.run(
-            [python, str(PEER_SCRIPTS[name])],
+            [python, "-P", "-m", PEER_MODULES[name]]
+            if name in PEER_MODULES
+            else [python, str(PEER_SCRIPTS[name])],
             input=json.dumps(spec),
             capture_output=True,
             text=True,

@@ -192,13 +192,14 @@ def test_panels_are_float32_products_on_every_format_and_each_row_its_own(matvec
     data = random_blocks(rng, n, k, kind)
     dense, blocks = reference(data, kind), block_weight(data, kind, k)
     g = torch.Generator().manual_seed(BLOCK_CODES[kind])
-    x = torch.randn(65, k, generator=g)  # 10 register tiles of 6 rows and 5 rows left
+    # register tiles of 6 rows (AVX2: 10 and 5 rows left) or 12 (AVX-512: 5 and 5 left)
+    x = torch.randn(65, k, generator=g)
     bias = torch.randn(n, generator=g)
     wide = torch.full((65, n + 9), 7.0)  # the output is a view into wider rows
     matvec.linear_blocks_rows(x, blocks, bias, wide[:, 4 : 4 + n])
     assert_float32_close(wide[:, 4 : 4 + n], x, dense, bias)
     assert (wide[:, :4] == 7.0).all() and (wide[:, 4 + n :] == 7.0).all()
-    for rows in (1, 6, 7):  # each row's sum is the same whatever rows come with it
+    for rows in (1, 6, 7, 11, 12, 13):  # each row's sum is the same whatever rows come with it
         alone = torch.empty(rows, n)
         matvec.linear_blocks_rows(x[:rows].contiguous(), blocks, bias, alone)
         assert torch.equal(alone, wide[:rows, 4 : 4 + n])

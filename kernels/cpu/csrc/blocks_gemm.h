@@ -9,7 +9,11 @@
  * thread dequantizes NR = 16 rows of W into a buffer, transposes them 8 x 8 at a time
  * into the panel the register tile reads ([K][16], in L2: 36 KiB at K = 576), and runs
  * every row of x against it while it is hot: a register tile of MR = 6 rows x 16 outputs
- * (12 accumulators, two panel loads and six broadcasts per k).
+ * (12 accumulators, two panel loads and six broadcasts per k). Built with AVX-512, the tile
+ * is MR = 12 rows x 16 outputs, one 512-bit accumulator a row (one panel load and twelve
+ * broadcasts per k): a core with two 512-bit FMA units (a Sapphire Rapids Xeon) runs
+ * twice the AVX2 tile's multiply-adds a cycle, where oneDNN's float32 kernels had
+ * prefilled 1.26x faster than this file's AVX2 tile. The sums are the same either way.
  *
  * Each output is one float32 sum over k in order, fused multiply-adds, whatever M or the
  * thread count (the blocks' values are gguf-py's to the bit, as dequantize_rows makes
@@ -17,7 +21,11 @@
  * the panels. */
 #if defined(__AVX2__) && defined(__FMA__)
 #define GEMM_NR 16
+#if defined(__AVX512F__)
+#define GEMM_MR 12
+#else
 #define GEMM_MR 6
+#endif
 
 /* 8 x 8 floats: src rows (stride ld) -> dst rows (stride ldd), transposed. */
 static inline void transpose8(const float *src, int64_t ld, float *dst, int64_t ldd) {
@@ -51,11 +59,47 @@ static void panel_of(const float *rows, int64_t k, float *panel) {
         for (int j = 0; j < GEMM_NR; j++) panel[kk * GEMM_NR + j] = rows[j * k + kk];
 }
 
+#if defined(__AVX512F__)
+typedef __m512 GemmAcc[GEMM_MR];
+
+/* acc[r] = x[r, :] . panel for mr (a literal at each call) rows of x: each output one
+ * chain of fused multiply-adds over k in order, as in the AVX2 tile below. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *restrict x, int64_t k,
+                                                            const int mr,
+                                                            const float *restrict panel,
+                                                            GemmAcc acc) {
+    __m512 c[GEMM_MR]; /* local sums, copied out once (see the AVX2 tile) */
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) c[r] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        const __m512 b = _mm512_load_ps(panel + kk * GEMM_NR);
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; r++)
+            c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + kk]), b, c[r]);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) acc[r] = c[r];
+}
+
+/* The tile's sums (+ bias) into y's rows; only the first `cols` outputs where the panel
+ * runs past N. */
+static inline void store_gemm(GemmAcc acc, int mr, const float *bias, int cols, float *y,
+                              int64_t ldy) {
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    for (int r = 0; r < mr; r++) {
+        __m512 v = acc[r];
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+        _mm512_mask_storeu_ps(y + r * ldy, mask, v);
+    }
+}
+#else
+typedef __m256 GemmAcc[GEMM_MR][2];
+
 /* acc[r] = x[r, :] . panel for mr (a literal at each call) rows of x. */
 static inline __attribute__((always_inline)) void gemm_tile(const float *restrict x, int64_t k,
                                                             const int mr,
                                                             const float *restrict panel,
-                                                            __m256 acc[GEMM_MR][2]) {
+                                                            GemmAcc acc) {
     /* Local sums, copied out once: summed into `acc` itself, GCC stored all twelve to the
      * stack on every k (store-bound at a third of the FMA rate). */
     __m256 c[GEMM_MR][2];
@@ -80,7 +124,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *restric
 
 /* The tile's sums (+ bias) into y's rows; only the first `cols` outputs where the panel
  * runs past N. */
-static inline void store_gemm(__m256 acc[GEMM_MR][2], int mr, const float *bias, int cols,
+static inline void store_gemm(GemmAcc acc, int mr, const float *bias, int cols,
                               float *y, int64_t ldy) {
     for (int r = 0; r < mr; r++) {
         __m256 lo = acc[r][0], hi = acc[r][1];
@@ -100,6 +144,8 @@ static inline void store_gemm(__m256 acc[GEMM_MR][2], int mr, const float *bias,
         }
     }
 }
+
+#endif
 
 /* Returns 0, -1 when a buffer cannot be had, -2 when k is not a multiple of the block's
  * values, -3 for an unknown code. */
@@ -124,7 +170,7 @@ int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, i
                 memset(rows + cols * k, 0, (size_t)((GEMM_NR - cols) * k) * sizeof(float));
             panel_of(rows, k, panel);
             const float *b = bias ? bias + j0 : NULL;
-            __m256 acc[GEMM_MR][2];
+            GemmAcc acc;
             int64_t i = 0;
             for (; i + GEMM_MR <= m; i += GEMM_MR) {
                 gemm_tile(x + i * k, k, GEMM_MR, panel, acc);
@@ -132,6 +178,14 @@ int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, i
             }
             const int left = (int)(m - i);
             switch (left) { /* literal row counts: each its own unrolled loop */
+#if GEMM_MR > 6
+            case 11: gemm_tile(x + i * k, k, 11, panel, acc); break;
+            case 10: gemm_tile(x + i * k, k, 10, panel, acc); break;
+            case 9: gemm_tile(x + i * k, k, 9, panel, acc); break;
+            case 8: gemm_tile(x + i * k, k, 8, panel, acc); break;
+            case 7: gemm_tile(x + i * k, k, 7, panel, acc); break;
+            case 6: gemm_tile(x + i * k, k, 6, panel, acc); break;
+#endif
             case 5: gemm_tile(x + i * k, k, 5, panel, acc); break;
             case 4: gemm_tile(x + i * k, k, 4, panel, acc); break;
             case 3: gemm_tile(x + i * k, k, 3, panel, acc); break;

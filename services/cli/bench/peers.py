@@ -57,6 +57,10 @@ def batches(requests: Sequence[BenchRequest], size: int | None) -> list[list[Ben
     return [list(requests[i : i + size]) for i in range(0, len(requests), size)]
 
 
+def transformers_name(dtype: str) -> str:
+    return f"transformers generate ({dtype})"
+
+
 def run_transformers(
     source: ModelSource,
     requests: Sequence[BenchRequest],
@@ -71,7 +75,7 @@ def run_transformers(
 
     if threads:
         torch.set_num_threads(threads)
-    result = PeerResult(name=f"transformers generate ({dtype})")
+    result = PeerResult(name=transformers_name(dtype))
     if source.kind not in ("gguf", "hf"):
         result.error = "transformers cannot load a synthetic model"
         return result
@@ -126,7 +130,7 @@ def run_transformers_peer(
     result = run_subprocess_peer(
         "transformers", sys.executable, str(source.path), requests, batch_size, env=env
     )
-    result.name = "transformers generate (float32)"
+    result.name = transformers_name("float32")
     return result
 
 
@@ -141,7 +145,7 @@ def run_subprocess_peer(
     env: dict[str, str] | None = None,
     extra: dict[str, object] | None = None,
 ) -> PeerResult:
-    """Runs the peer script of `name` under another environment's `python` (`env`: its
+    """Runs the peer script (or module: PEER_MODULES) of `name` under `python` (`env`: its
     process environment; None: this process's; `extra`: more fields of the spec)."""
     spec = {
         "model": model_path,

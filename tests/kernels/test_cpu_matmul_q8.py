@@ -155,6 +155,25 @@ def test_every_dot_product_gives_the_same_outputs(builds):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize("n", [576, 3072])  # 9 strips of 64 outputs (an odd count), 48
+def test_strips_handed_to_threads_as_they_come_free_give_one_threads_outputs(builds, n):
+    """Every strip of 64 outputs is a sum of its own: whichever thread takes it, and in
+    whatever order, the outputs are one thread's to the bit."""
+    kernels = next(iter(builds.values()))
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 576, generator=g)
+    packed = matmul_q8.pack(quantize_q8(torch.randn(n, 576, generator=g) * 0.05))
+    kernels.parallel_min_work = 0  # always the threads
+    shared = kernels.linear(x, packed, None)
+    kernels.parallel_min_work = 1 << 62  # always the calling thread alone
+    try:
+        alone = kernels.linear(x, packed, None)
+    finally:
+        kernels.parallel_min_work = matmul_q8.PARALLEL_MIN_WORK
+    assert torch.equal(shared, alone), f"seed {seed}"
+
+
 def test_pack_lays_out_sixteen_outputs_four_values_at_a_time():
     q8 = quantize_q8(torch.randn(32, 128))
     packed = matmul_q8.pack(q8)

@@ -250,7 +250,13 @@ int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const 
     float *sx;
     if (quantize_rows(x, m, k, &xq, &sx) != 0) return -1;
     const int parallel = m * n * k >= parallel_min_work;
-#pragma omp parallel for schedule(static) if (parallel)
+    /* Strips of 64 outputs handed out as threads come free: a few strips a projection
+     * (9 for a 576-wide one) split statically left one thread a strip longer, and one
+     * preempted by another process (a served system's gateway, scheduler and client share
+     * the cores) kept its whole half. Measured on a 2-core Zen 5 EPYC, the 120 projections
+     * of a 64-row SmolLM2-135M decode step: 1.07x quiet and 1.085x beside a neighbour busy
+     * 2 ms in every 10. */
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int64_t g0 = 0; g0 < groups; g0 += GROUPS)
         rows_vnni(xq, sx, 0, m, w, neg, scales, n, bias, y, g0, (int)min64(GROUPS, groups - g0), k);
     free(xq);

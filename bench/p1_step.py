@@ -15,7 +15,8 @@ measures it (`machine.matmul_gflops`), in this process, with the same clock and 
 (steadier on a shared machine); `--kv-cache-dtypes float32,bfloat16`
 runs the steps once per KV cache dtype in this process (the same weights and rows) and
 ends with the ratios of the step and of its attention; `--no-amx` keeps the int8 mode's
-many-row products on VNNI instead of AMX's tiles (a before/after on a CPU that has them).
+many-row products on VNNI instead of AMX's tiles (a before/after on a CPU that has them);
+`--no-pool` opens an OpenMP region per many-row call instead of the shared helper threads.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
     threads = configure_threads(torch.device("cpu"), args.threads)
     config = load_model_config(resolve_model(args.model))
     weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
-    ops = CpuOps(quantize=args.quantize, amx=not args.no_amx)
+    ops = CpuOps(quantize=args.quantize, amx=not args.no_amx, pool=not args.no_pool)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
     timings = instrument(ops, model, CLOCKS[args.clock])
@@ -236,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-amx", action="store_true", help="int8: keep many-row products off AMX's tiles"
+    )
+    parser.add_argument(
+        "--no-pool",
+        action="store_true",
+        help="many-row products and attention in an OpenMP region per call, not the pool",
     )
     run(parser.parse_args(argv))
     return 0

@@ -88,7 +88,14 @@ class MatmulQ8Kernels:
         self.amx = bool(library.matmul_q8_amx()) and library.matmul_q8_amx_init() == 0
         fn = library.linear_q8_rows_amx if self.amx else library.linear_q8_rows
         self._rows = native.bind(fn, ctypes.c_int, Q8_ARGS)
+        self._use_pool = native.bind(library.matmul_q8_use_pool, None, [ctypes.c_void_p])
         self.parallel_min_work = PARALLEL_MIN_WORK
+
+    def use_pool(self, run_address: int | None) -> None:
+        """The VNNI path's products on the process's shared helper threads
+        (`pool.Pool.run_address`), or on OpenMP's (None). Set for the library, which every
+        instance of this build shares; the outputs are the same either way."""
+        self._use_pool(run_address)
 
     @property
     def path(self) -> str | None:

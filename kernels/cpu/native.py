@@ -167,6 +167,13 @@ class NativeKernels:
             torch.float32: bind(library.paged_attention_f32, ctypes.c_int, _ATTENTION_ARGS),
             torch.bfloat16: bind(library.paged_attention_bf16, ctypes.c_int, _ATTENTION_ARGS),
         }
+        self._use_pool = bind(library.paged_attention_use_pool, None, [_PTR])
+
+    def use_pool(self, run_address: int | None) -> None:
+        """Many-row calls on the process's shared helper threads (`pool.Pool.run_address`),
+        or on OpenMP's (None). Set for the library, which every instance of this build
+        shares; the outputs are the same either way."""
+        self._use_pool(run_address)
 
     def addresses(self) -> dict[str, int | None]:
         """The kernels' entry points, for native callers (`decode_layers`)."""

@@ -32,12 +32,14 @@ from spillway.kernels.cpu import (
     noise,
     ssm,
 )
+from spillway.kernels.cpu import pool as pool_module
 from spillway.kernels.cpu.argmax import NativeArgmax
 from spillway.kernels.cpu.chunk_scan import ChunkScans
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors, max_rows
 from spillway.kernels.cpu.decode_layers import load as load_decode_layers
 from spillway.kernels.cpu.experts import CpuExperts
 from spillway.kernels.cpu.linear import Int8Linear, PackedLinear
+from spillway.kernels.cpu.matmul_q8 import MatmulQ8Kernels
 from spillway.kernels.cpu.matvec import BlockWeight
 from spillway.kernels.cpu.native import CACHE_DTYPES, DEFAULT_CACHE_DIR, NativeKernels
 from spillway.kernels.cpu.native import load as load_native
@@ -202,6 +204,7 @@ class CpuOps(KernelOps, CpuAbilities):
         native_dir: str | Path = DEFAULT_CACHE_DIR,
         quantize: str = "none",
         amx: bool = True,
+        pool: bool = True,
     ) -> None:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantize!r}: use {' or '.join(QUANTIZATIONS)}")
@@ -223,6 +226,16 @@ class CpuOps(KernelOps, CpuAbilities):
         # AMX's tiles from 16 rows where this CPU has them, unless `amx` is False (the same
         # outputs: benchmarks compare the two).
         matmul = matmul_q8.load_faster(native_dir, amx=amx) if int8 and native == "auto" else None
+        # Many-row int8 products and attention on helper threads the process's kernels
+        # share, not an OpenMP region per call: the caller waits for no thread to wake
+        # (`pool`). Started here, on the thread that builds the ops (the worker's step
+        # thread), whose float mode they take. The outputs are the same either way. The
+        # libraries keep one choice for the process: the last ops built set it.
+        shared = [k for k in (matmul, self.native) if k is not None] if native == "auto" else []
+        self.pool = start_pool(native_dir, shared) if pool else None
+        if self.pool is None:
+            for kernels in shared:
+                kernels.use_pool(None)
         self._linear = (
             Int8Linear(matvec=few_rows, matmul=matmul, row_scaling=self.decode_ops)
             if int8
@@ -621,3 +634,17 @@ def causal_rows_attention(
         )  # fmt: skip
         target[s:e] = o[0].transpose(0, 1)
     return target
+
+
+def start_pool(
+    native_dir: str | Path, kernels: Sequence[MatmulQ8Kernels | NativeKernels]
+) -> pool_module.Pool | None:
+    """The shared helper threads, one fewer than torch's math threads, handed to `kernels`;
+    None with one math thread or where the pool cannot be built."""
+    helpers = torch.get_num_threads() - 1
+    found = pool_module.load(native_dir) if helpers > 0 and kernels else None
+    if found is None or found.start(helpers) == 0:
+        return None
+    for k in kernels:
+        k.use_pool(found.run_address)
+    return found

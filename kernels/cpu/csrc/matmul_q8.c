@@ -24,11 +24,20 @@
  * product under `parallel_min_work` multiply-adds runs on the calling thread alone.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <immintrin.h>
+
+#include "pool.h"
+
+/* The process's shared helper threads (`pool.c`), where the caller hands them in: a call
+ * then wakes no OpenMP region (pool.c says why). NULL: OpenMP's threads. */
+static pool_run_fn shared_pool;
+
+void matmul_q8_use_pool(pool_run_fn run) { shared_pool = run; }
 
 #define QB 64   /* activation block: 16 groups of 4 k */
 #define COLS 16 /* outputs per packed group */
@@ -240,6 +249,25 @@ static void rows_vnni(const uint8_t *xq, const float *sx, int64_t i_from, int64_
     }
 }
 
+typedef struct {
+    const uint8_t *xq;
+    const float *sx;
+    int64_t m, k, n, groups;
+    const int8_t *w;
+    const int32_t *neg;
+    const float *scales, *bias;
+    float *y;
+} Strips;
+
+/* Strip `item` (outputs 64 item .. 64 item + 63) of every row. */
+static void strip_item(void *ctx, int64_t item, int worker) {
+    (void)worker;
+    const Strips *s = ctx;
+    const int64_t g0 = item * GROUPS;
+    rows_vnni(s->xq, s->sx, 0, s->m, s->w, s->neg, s->scales, s->n, s->bias, s->y, g0,
+              (int)min64(GROUPS, s->groups - g0), s->k);
+}
+
 /* Returns 0, -1 when out of memory, -2 when K is not a multiple of 64, N of 16 or M < 1. */
 int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const int32_t *neg,
                    const float *scales, int64_t n, const float *bias, float *y,
@@ -250,6 +278,13 @@ int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const 
     float *sx;
     if (quantize_rows(x, m, k, &xq, &sx) != 0) return -1;
     const int parallel = m * n * k >= parallel_min_work;
+    const Strips strips = {xq, sx, m, k, n, groups, w, neg, scales, bias, y};
+    if (parallel && shared_pool && !omp_in_parallel() && shared_pool(strip_item, (void *)&strips,
+                                               (groups + GROUPS - 1) / GROUPS) == 0) {
+        free(xq);
+        free(sx);
+        return 0;
+    }
     /* Strips of 64 outputs handed out as threads come free: a few strips a projection
      * (9 for a 576-wide one) split statically left one thread a strip longer, and one
      * preempted by another process (a served system's gateway, scheduler and client share

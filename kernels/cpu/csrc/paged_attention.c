@@ -21,11 +21,20 @@
  * `const void *` base.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fast_exp.h"
+#include "pool.h"
+
+/* The process's shared helper threads, where the caller hands them in (`pool.c`: a call
+ * then opens no OpenMP region); NULL: OpenMP's threads. */
+static pool_run_fn shared_pool;
+
+void paged_attention_use_pool(pool_run_fn run) { shared_pool = run; }
 
 #define SERIAL_BELOW (1 << 18)
 
@@ -403,6 +412,57 @@ static inline __attribute__((always_inline)) void attend(
 #undef ATTEND
 }
 
+/* One call's arguments, and what follows from them. */
+typedef struct {
+    const float *q;
+    int64_t q_token_stride, q_head_stride;
+    const void *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int32_t *context_lens;
+    const int64_t *query_start;
+    float *out;
+    int64_t q_heads, kv_heads, head_dim, block_size, group, token_stride, block_stride, room;
+    float scale;
+    /* The pool's path: each worker's scores (allocated by the worker on its first item),
+     * and whether one could not be had. */
+    float *scratch[MOST_WORKERS];
+    _Atomic int failed;
+} Call;
+
+/* Every query of row r with KV head h's query group; scores holds c->room floats. */
+static inline __attribute__((always_inline)) void row_head(const Call *c, int64_t r, int64_t h,
+                                                           float *scores, int kv) {
+    const int64_t first = c->query_start[r], last = c->query_start[r + 1];
+    const int64_t ctx = c->context_lens[r];
+    const int32_t *table = c->block_tables + r * c->table_stride;
+    const int64_t head_at = h * c->head_dim, head = h * c->group;
+    for (int64_t i = first; i < last; i++) {
+        const int64_t visible = ctx - (last - i) + 1;
+        const float *q_group = c->q + i * c->q_token_stride + head * c->q_head_stride;
+        float *out_group = c->out + (i * c->q_heads + head) * c->head_dim;
+        attend(q_group, c->q_head_stride, c->group, c->k_cache, c->v_cache, head_at, table,
+               visible, c->block_size, c->token_stride, c->block_stride, c->head_dim, c->scale,
+               scores, out_group, kv);
+    }
+}
+
+/* A pool item: (row, KV head) = (item / kv_heads, item % kv_heads). */
+static inline __attribute__((always_inline)) void pool_item(void *ctx, int64_t item, int worker,
+                                                            int kv) {
+    Call *c = ctx;
+    if (c->scratch[worker] == NULL) {
+        c->scratch[worker] = malloc((size_t)c->room * sizeof(float));
+        if (c->scratch[worker] == NULL) {
+            atomic_store(&c->failed, 1);
+            return;
+        }
+    }
+    row_head(c, item / c->kv_heads, item % c->kv_heads, c->scratch[worker], kv);
+}
+static void pool_item_f32(void *ctx, int64_t item, int worker) { pool_item(ctx, item, worker, 0); }
+static void pool_item_bf16(void *ctx, int64_t item, int worker) { pool_item(ctx, item, worker, 1); }
+
 /* Every query of every row: rows' queries packed back to back (query_start [R + 1]);
  * a row of one query is a decode row. Returns 0, or -1 when a buffer could not be had. */
 static inline __attribute__((always_inline)) int paged_attention(
@@ -411,58 +471,53 @@ static inline __attribute__((always_inline)) int paged_attention(
     const int32_t *context_lens, const int64_t *query_start, float *out, int64_t rows,
     int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
     int kv) {
-    const int64_t group = q_heads / kv_heads;
-    const int64_t token_stride = kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
     int64_t longest = 0, pairs = 0;
     for (int64_t r = 0; r < rows; r++) {
         if (context_lens[r] > longest) longest = context_lens[r];
         pairs += (query_start[r + 1] - query_start[r]) * context_lens[r];
     }
+    Call c = {
+        .q = q, .q_token_stride = q_token_stride, .q_head_stride = q_head_stride,
+        .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
+        .table_stride = table_stride, .context_lens = context_lens,
+        .query_start = query_start, .out = out, .q_heads = q_heads, .kv_heads = kv_heads,
+        .head_dim = head_dim, .block_size = block_size, .group = q_heads / kv_heads,
+        .token_stride = kv_heads * head_dim, .block_stride = block_size * kv_heads * head_dim,
+        .room = (longest > 0 ? longest : 1) * (q_heads / kv_heads), .scale = scale,
+    };
+    atomic_init(&c.failed, 0);
     /* Keys and values read (floats, counted again for each query): a step under
      * SERIAL_BELOW runs on this thread alone. A batch-1 decode step at context 200 reads
      * 77k, some 20 us of work, and waking a sleeping OpenMP thread (the worker's passive
      * wait policy) cost more than that on a 2-core VM; with it alone, the attention of a
      * SmolLM2-135M step at context 200 went from about 110 to 30 us per layer. */
     const int64_t work = pairs * kv_heads * head_dim * 2;
-    int failed = 0;
+    /* Not from within an OpenMP region (decode_layers.c's, whose other threads wait
+     * there): the region's threads stay the only ones. */
+    if (work >= SERIAL_BELOW && shared_pool && !omp_in_parallel() &&
+        shared_pool(kv ? pool_item_bf16 : pool_item_f32, &c, rows * kv_heads) == 0) {
+        for (int w = 0; w < MOST_WORKERS; w++) free(c.scratch[w]);
+        return atomic_load(&c.failed) ? -1 : 0;
+    }
 #pragma omp parallel if (work >= SERIAL_BELOW)
     {
-        const int64_t room = (longest > 0 ? longest : 1) * group;
-        float *scores = (float *)malloc((size_t)room * sizeof(float));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = (float *)malloc((size_t)c.room * sizeof(float));
+        if (scores == NULL) atomic_store(&c.failed, 1);
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t h = 0; h < kv_heads; h++) {
                 if (scores == NULL) continue;
-                const int64_t first = query_start[r], last = query_start[r + 1];
-                const int64_t ctx = context_lens[r];
-                const int32_t *table = block_tables + r * table_stride;
-                const int64_t head_at = h * head_dim;
-                for (int64_t i = first; i < last; i++) {
-                    const int64_t visible = ctx - (last - i) + 1;
-                    const int64_t head = h * group;
-                    const float *q_group = q + i * q_token_stride + head * q_head_stride;
-                    float *out_group = out + (i * q_heads + head) * head_dim;
-                    /* The kind is a value of the parallel region (outlined once for both
-                     * kinds), so each kind takes its own copy of the loops from here. */
-                    if (kv)
-                        attend(q_group, q_head_stride, group, k_cache, v_cache, head_at, table,
-                               visible, block_size, token_stride, block_stride, head_dim, scale,
-                               scores, out_group, 1);
-                    else
-                        attend(q_group, q_head_stride, group, k_cache, v_cache, head_at, table,
-                               visible, block_size, token_stride, block_stride, head_dim, scale,
-                               scores, out_group, 0);
-                }
+                /* The kind is a value of the parallel region (outlined once for both
+                 * kinds), so each kind takes its own copy of the loops from here. */
+                if (kv)
+                    row_head(&c, r, h, scores, 1);
+                else
+                    row_head(&c, r, h, scores, 0);
             }
         }
         free(scores);
     }
-    return failed ? -1 : 0;
+    return atomic_load(&c.failed) ? -1 : 0;
 }
 
 /* The two cache kinds, each its own copy of the loops (the kind folded in at compile time).

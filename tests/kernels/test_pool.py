@@ -1,0 +1,134 @@
+"""The helper threads the native kernels share (`kernels/cpu/csrc/pool.c`): every item of a
+call runs once, on the caller or a helper; the kernels that take the pool give the same
+outputs to the bit as on OpenMP's threads; `CpuOps` starts it with one helper fewer than
+torch's math threads."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+import torch
+
+from spillway.kernels.cpu import matmul_q8
+from spillway.kernels.cpu import native as native_module
+from spillway.kernels.cpu import pool as pool_module
+from spillway.kernels.cpu.matvec import quantize_q8
+from spillway.kernels.cpu.ops import CpuOps
+from tests.kernels.paged_cases import make_paged_batch, nan_like
+
+ITEM = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+RUN = ctypes.CFUNCTYPE(ctypes.c_int, ITEM, ctypes.c_void_p, ctypes.c_int64)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory) -> pool_module.Pool:
+    found = pool_module.load(tmp_path_factory.mktemp("pool"))
+    assert found is not None, "the pool did not build (is a C compiler installed?)"
+    assert found.start(1) >= 1
+    return found
+
+
+def test_every_item_runs_once_on_the_caller_or_a_helper(pool):
+    """Calls of many items, one after another (each reusing the claim word): every item
+    once, and the helper takes some of them (each item sleeps, releasing the GIL that the
+    callback holds, so the caller cannot take them all)."""
+    run = RUN(pool.run_address)
+    seen: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+    call = 0
+
+    def item(ctx, i, worker):
+        time.sleep(0.0002)
+        with lock:
+            seen.append((call, i, worker))
+
+    fn = ITEM(item)
+    for call in range(20):
+        assert run(fn, None, 50) == 0
+        done = sorted(i for c, i, _ in seen if c == call)
+        assert done == list(range(50)), f"call {call}: items {done}"
+    workers = {w for _, _, w in seen}
+    assert workers <= {0, *range(1, pool.helpers + 1)}
+    assert 0 in workers and len(workers) > 1, f"only workers {workers} ran items"
+
+
+def test_a_call_of_no_items_or_one_runs_on_the_caller(pool):
+    run = RUN(pool.run_address)
+    seen: list[int] = []
+    fn = ITEM(lambda ctx, i, worker: seen.append(worker))
+    assert run(fn, None, 0) == 0 and seen == []
+    assert run(fn, None, 1) == 0 and seen == [0]
+
+
+@pytest.mark.parametrize("n", [576, 3072])
+def test_the_int8_product_gives_the_same_outputs_on_the_pool(pool, tmp_path, n):
+    kernels = matmul_q8.load(tmp_path)
+    if kernels is None or kernels.amx:
+        pytest.skip("no native int8 product here, or it runs on AMX's tiles (no pool)")
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 576, generator=g)
+    packed = matmul_q8.pack(quantize_q8(torch.randn(n, 576, generator=g) * 0.05))
+    kernels.parallel_min_work = 0
+    try:
+        kernels.use_pool(None)
+        openmp = kernels.linear(x, packed, None)
+        kernels.use_pool(pool.run_address)
+        pooled = kernels.linear(x, packed, None)
+    finally:
+        kernels.use_pool(None)
+    assert torch.equal(openmp, pooled), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "q_lens, context_lens",
+    [
+        ([1] * 24, [150 + 7 * r for r in range(24)]),  # a decode step
+        ([40, 1, 64, 1], [40, 300, 100, 90]),  # prompts, decode rows, an extend
+    ],
+)
+def test_attention_gives_the_same_outputs_on_the_pool(pool, tmp_path, dtype, q_lens, context_lens):
+    """Enough keys read that the call is shared (native SERIAL_BELOW); every (row, KV head)
+    is an item of its own, each worker with its own scores."""
+    library = native_module.build(native_module.SOURCE, native_module.attention_flags(), tmp_path)
+    assert library is not None
+    kernels = native_module.NativeKernels(library)
+    batch = make_paged_batch(
+        q_lens, context_lens, q_heads=9, kv_heads=3, head_dim=64, block_size=16, seed=5
+    )
+    k_cache, v_cache = batch.k_cache.to(dtype), batch.v_cache.to(dtype)
+
+    def attend() -> torch.Tensor:
+        out = nan_like(batch.q)
+        kernels.paged_attention(
+            batch.q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+            batch.query_start.long(), 0.125, out,
+        )  # fmt: skip
+        return out
+
+    try:
+        kernels.use_pool(None)
+        openmp = attend()
+        kernels.use_pool(pool.run_address)
+        pooled = attend()
+    finally:
+        kernels.use_pool(None)
+    assert not openmp.isnan().any()
+    assert torch.equal(openmp, pooled)
+
+
+def test_cpu_ops_starts_the_pool_with_one_helper_fewer_than_torch_threads():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert CpuOps(quantize="int8").pool is None  # nothing to share with one thread
+        torch.set_num_threads(2)
+        ops = CpuOps(quantize="int8")
+        assert ops.pool is not None and ops.pool.helpers >= 1
+        assert CpuOps(quantize="int8", pool=False).pool is None
+    finally:
+        torch.set_num_threads(threads)

@@ -323,7 +323,14 @@ class MatvecKernels:
         self._blocks_rows = bind(
             library.linear_blocks_rows, ctypes.c_int, [*blocks_args[:-1], _I64]
         )
+        self._use_pool = bind(library.matvec_use_pool, None, [_PTR])
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
+
+    def use_pool(self, run_address: int | None) -> None:
+        """The panel kernel's many-row products on the process's shared helper threads
+        (`pool.Pool.run_address`), or on OpenMP's (None). Set for the library, which every
+        instance of this build shares; the outputs are the same either way."""
+        self._use_pool(run_address)
 
     def tune(
         self, run: Callable[[], object], rounds: int = 5, workload: Sequence[object] = ()

@@ -231,7 +231,7 @@ class CpuOps(KernelOps, CpuAbilities):
         # (`pool`). Started here, on the thread that builds the ops (the worker's step
         # thread), whose float mode they take. The outputs are the same either way. The
         # libraries keep one choice for the process: the last ops built set it.
-        shared = [k for k in (matmul, self.native) if k is not None] if native == "auto" else []
+        shared = [k for k in (matmul, few_rows, self.native) if k is not None]
         self.pool = start_pool(native_dir, shared) if pool else None
         if self.pool is None:
             for kernels in shared:
@@ -636,9 +636,10 @@ def causal_rows_attention(
     return target
 
 
-def start_pool(
-    native_dir: str | Path, kernels: Sequence[MatmulQ8Kernels | NativeKernels]
-) -> pool_module.Pool | None:
+PoolTaker = MatmulQ8Kernels | matvec.MatvecKernels | NativeKernels
+
+
+def start_pool(native_dir: str | Path, kernels: Sequence[PoolTaker]) -> pool_module.Pool | None:
     """The shared helper threads, one fewer than torch's math threads, handed to `kernels`;
     None with one math thread or where the pool cannot be built."""
     helpers = torch.get_num_threads() - 1

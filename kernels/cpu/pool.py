@@ -6,8 +6,9 @@ waits for it to check in, even when it finds no work left: about 90 us a region 
 VM, and a 64-row decode step of SmolLM2-135M opens some 150. The pool's calling thread
 starts on the items at once and returns when they are done, whether or not a helper came;
 a helper spins 200 us after its last item (the step's next call finds it awake) and then
-sleeps. Kernels take it where handed in (`matmul_q8`'s many-row int8 product); their
-outputs are the same either way, each item being a sum of its own.
+sleeps. Kernels take it where handed in (`matmul_q8`'s many-row int8 product, `matvec`'s panel
+kernel, the paged attention in `native`); their outputs are the same either way, each item
+being a sum of its own.
 """
 
 from __future__ import annotations

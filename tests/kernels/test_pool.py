@@ -9,14 +9,16 @@ import ctypes
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from spillway.kernels.cpu import matmul_q8
+from spillway.kernels.cpu import matmul_q8, matvec
 from spillway.kernels.cpu import native as native_module
 from spillway.kernels.cpu import pool as pool_module
 from spillway.kernels.cpu.matvec import quantize_q8
 from spillway.kernels.cpu.ops import CpuOps
+from tests.kernels.gguf_blocks import block_weight, random_blocks
 from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 ITEM = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
@@ -81,6 +83,30 @@ def test_the_int8_product_gives_the_same_outputs_on_the_pool(pool, tmp_path, n):
     finally:
         kernels.use_pool(None)
     assert torch.equal(openmp, pooled), f"seed {seed}"
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+@pytest.mark.parametrize("rows", [64, 200])
+def test_the_panel_kernel_gives_the_same_outputs_on_the_pool(pool, tmp_path, kind, rows):
+    """The exact mode's many-row products against blocks: 36 panels of 16 outputs, each
+    worker dequantizing into its own buffers."""
+    kernels = matvec.load(tmp_path)
+    if kernels is None or not kernels.features & matvec.HAS_BLOCKS_ROWS:
+        pytest.skip("the panel kernel is not built here (no AVX2 and FMA)")
+    seed = int(torch.seed() % 2**32)
+    weight = block_weight(random_blocks(np.random.default_rng(seed), 576, 256, kind), kind, 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed))
+    outs = []
+    try:
+        for run in (None, pool.run_address):
+            kernels.use_pool(run)
+            out = torch.full((rows, 576), float("nan"))
+            kernels.linear_blocks_rows(x, weight, None, out)
+            outs.append(out)
+    finally:
+        kernels.use_pool(None)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1]), f"seed {seed}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -147,19 +147,95 @@ static inline void store_gemm(GemmAcc acc, int mr, const float *bias, int cols,
 
 #endif
 
+/* One call's arguments (`linear_blocks_rows`), and the pool's per-worker buffers. */
+typedef struct {
+    const float *x;
+    int64_t m, k, n, values, bytes, row_bytes, ldy;
+    const uint8_t *w;
+    int type;
+    const float *bias;
+    float *y;
+    size_t panel_bytes;
+    float *scratch[MOST_WORKERS][2]; /* a worker's dequantized rows and panel */
+    _Atomic int failed;
+} PanelCall;
+
+/* Outputs j0 .. j0 + 15 of every row: the panel dequantized, then the row tiles. */
+static void panel_outputs(const PanelCall *c, int64_t j0, float *rows, float *panel) {
+    const int64_t m = c->m, k = c->k, ldy = c->ldy;
+    const float *x = c->x;
+    const int cols = (int)min64(GEMM_NR, c->n - j0);
+    dq_rows(c->w + j0 * c->row_bytes, c->type, c->values, c->bytes, cols, k, rows);
+    if (cols < GEMM_NR) memset(rows + cols * k, 0, (size_t)((GEMM_NR - cols) * k) * sizeof(float));
+    panel_of(rows, k, panel);
+    const float *b = c->bias ? c->bias + j0 : NULL;
+    float *y = c->y;
+    GemmAcc acc;
+    int64_t i = 0;
+    for (; i + GEMM_MR <= m; i += GEMM_MR) {
+        gemm_tile(x + i * k, k, GEMM_MR, panel, acc);
+        store_gemm(acc, GEMM_MR, b, cols, y + i * ldy + j0, ldy);
+    }
+    const int left = (int)(m - i);
+    switch (left) { /* literal row counts: each its own unrolled loop */
+#if GEMM_MR > 6
+    case 11: gemm_tile(x + i * k, k, 11, panel, acc); break;
+    case 10: gemm_tile(x + i * k, k, 10, panel, acc); break;
+    case 9: gemm_tile(x + i * k, k, 9, panel, acc); break;
+    case 8: gemm_tile(x + i * k, k, 8, panel, acc); break;
+    case 7: gemm_tile(x + i * k, k, 7, panel, acc); break;
+    case 6: gemm_tile(x + i * k, k, 6, panel, acc); break;
+#endif
+    case 5: gemm_tile(x + i * k, k, 5, panel, acc); break;
+    case 4: gemm_tile(x + i * k, k, 4, panel, acc); break;
+    case 3: gemm_tile(x + i * k, k, 3, panel, acc); break;
+    case 2: gemm_tile(x + i * k, k, 2, panel, acc); break;
+    case 1: gemm_tile(x + i * k, k, 1, panel, acc); break;
+    default: break;
+    }
+    if (left > 0) store_gemm(acc, left, b, cols, y + i * ldy + j0, ldy);
+}
+
+/* A pool item: panel `item` (outputs 16 item ..), on the worker's own buffers. */
+static void panel_item(void *ctx, int64_t item, int worker) {
+    PanelCall *c = ctx;
+    float **mine = c->scratch[worker];
+    if (mine[0] == NULL) {
+        mine[0] = aligned_alloc(64, c->panel_bytes);
+        mine[1] = aligned_alloc(64, c->panel_bytes);
+    }
+    if (mine[0] == NULL || mine[1] == NULL) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    panel_outputs(c, item * GEMM_NR, mine[0], mine[1]);
+}
+
 /* Returns 0, -1 when a buffer cannot be had, -2 when k is not a multiple of the block's
  * values, -3 for an unknown code. */
 int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, int type,
                        int64_t n, const float *bias, float *y, int64_t ldy) {
-    int64_t values, bytes, row_bytes;
-    const int layout = dq_layout(type, k, &values, &bytes, &row_bytes);
+    PanelCall c = {.x = x, .m = m, .k = k, .n = n, .w = w, .type = type, .bias = bias,
+                   .y = y, .ldy = ldy};
+    const int layout = dq_layout(type, k, &c.values, &c.bytes, &c.row_bytes);
     if (layout != 0) return layout;
-    const size_t panel_bytes = ((size_t)(GEMM_NR * k) * sizeof(float) + 63) / 64 * 64;
+    c.panel_bytes = ((size_t)(GEMM_NR * k) * sizeof(float) + 63) / 64 * 64;
+    atomic_init(&c.failed, 0);
+    /* On the shared helper threads where handed in, not from inside an OpenMP region
+     * (decode_layers.c's threads stay the only ones there). */
+    if (shared_pool && !omp_in_parallel() &&
+        shared_pool(panel_item, &c, (n + GEMM_NR - 1) / GEMM_NR) == 0) {
+        for (int i = 0; i < MOST_WORKERS; i++) {
+            free(c.scratch[i][0]);
+            free(c.scratch[i][1]);
+        }
+        return atomic_load(&c.failed) ? -1 : 0;
+    }
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *rows = aligned_alloc(64, panel_bytes);
-        float *panel = aligned_alloc(64, panel_bytes);
+        float *rows = aligned_alloc(64, c.panel_bytes);
+        float *panel = aligned_alloc(64, c.panel_bytes);
         failed |= rows == NULL || panel == NULL;
         /* Panels handed out as threads come free (as matmul_q8.c's strips): a thread that
          * another process preempts holds up only its current panel. Interleaved on a
@@ -168,36 +244,7 @@ int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, i
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j0 = 0; j0 < n; j0 += GEMM_NR) {
             if (rows == NULL || panel == NULL) continue;
-            const int cols = (int)min64(GEMM_NR, n - j0);
-            dq_rows(w + j0 * row_bytes, type, values, bytes, cols, k, rows);
-            if (cols < GEMM_NR)
-                memset(rows + cols * k, 0, (size_t)((GEMM_NR - cols) * k) * sizeof(float));
-            panel_of(rows, k, panel);
-            const float *b = bias ? bias + j0 : NULL;
-            GemmAcc acc;
-            int64_t i = 0;
-            for (; i + GEMM_MR <= m; i += GEMM_MR) {
-                gemm_tile(x + i * k, k, GEMM_MR, panel, acc);
-                store_gemm(acc, GEMM_MR, b, cols, y + i * ldy + j0, ldy);
-            }
-            const int left = (int)(m - i);
-            switch (left) { /* literal row counts: each its own unrolled loop */
-#if GEMM_MR > 6
-            case 11: gemm_tile(x + i * k, k, 11, panel, acc); break;
-            case 10: gemm_tile(x + i * k, k, 10, panel, acc); break;
-            case 9: gemm_tile(x + i * k, k, 9, panel, acc); break;
-            case 8: gemm_tile(x + i * k, k, 8, panel, acc); break;
-            case 7: gemm_tile(x + i * k, k, 7, panel, acc); break;
-            case 6: gemm_tile(x + i * k, k, 6, panel, acc); break;
-#endif
-            case 5: gemm_tile(x + i * k, k, 5, panel, acc); break;
-            case 4: gemm_tile(x + i * k, k, 4, panel, acc); break;
-            case 3: gemm_tile(x + i * k, k, 3, panel, acc); break;
-            case 2: gemm_tile(x + i * k, k, 2, panel, acc); break;
-            case 1: gemm_tile(x + i * k, k, 1, panel, acc); break;
-            default: break;
-            }
-            if (left > 0) store_gemm(acc, left, b, cols, y + i * ldy + j0, ldy);
+            panel_outputs(&c, j0, rows, panel);
         }
         free(rows);
         free(panel);

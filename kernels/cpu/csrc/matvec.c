@@ -27,11 +27,21 @@
  * Built only where the CPU has the instructions; `matvec_features` says what is fast.
  */
 #include <math.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <immintrin.h>
+
+#include "pool.h"
+
+/* The process's shared helper threads, where the caller hands them in (`pool.c`): the
+ * panel kernel's many-row products then open no OpenMP region. NULL: OpenMP's threads. */
+static pool_run_fn shared_pool;
+
+void matvec_use_pool(pool_run_fn run) { shared_pool = run; }
 
 #define QB 64
 /* Output rows per OpenMP chunk: a multiple of 4 (the inner blocking), large enough that

@@ -83,6 +83,9 @@ static void *helper(void *arg) {
                 atomic_fetch_sub(&sleepers, 1);
                 break;
             }
+            /* A polite spin: a thread waiting for this core (the step's next operation may
+             * be torch's, on OpenMP's threads) gets it at once. */
+            if (spins % 64 == 0) sched_yield();
             spin_pause();
         }
         seen = atomic_load(&generation);

@@ -14,14 +14,12 @@ being a sum of its own.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 from spillway.kernels.cpu import native
 from spillway.kernels.cpu.native import address_of, bind
 
 SOURCE = Path(__file__).with_name("csrc") / "pool.c"
-log = logging.getLogger(__name__)
 
 
 class Pool:

@@ -221,10 +221,7 @@ int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, i
     if (layout != 0) return layout;
     c.panel_bytes = ((size_t)(GEMM_NR * k) * sizeof(float) + 63) / 64 * 64;
     atomic_init(&c.failed, 0);
-    /* On the shared helper threads where handed in, not from inside an OpenMP region
-     * (decode_layers.c's threads stay the only ones there). */
-    if (shared_pool && !omp_in_parallel() &&
-        shared_pool(panel_item, &c, (n + GEMM_NR - 1) / GEMM_NR) == 0) {
+    if (pool_took(shared_pool, panel_item, &c, (n + GEMM_NR - 1) / GEMM_NR)) {
         for (int i = 0; i < MOST_WORKERS; i++) {
             free(c.scratch[i][0]);
             free(c.scratch[i][1]);

@@ -24,7 +24,6 @@
  * product under `parallel_min_work` multiply-adds runs on the calling thread alone.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -279,8 +278,8 @@ int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const 
     if (quantize_rows(x, m, k, &xq, &sx) != 0) return -1;
     const int parallel = m * n * k >= parallel_min_work;
     const Strips strips = {xq, sx, m, k, n, groups, w, neg, scales, bias, y};
-    if (parallel && shared_pool && !omp_in_parallel() && shared_pool(strip_item, (void *)&strips,
-                                               (groups + GROUPS - 1) / GROUPS) == 0) {
+    const int64_t items = (groups + GROUPS - 1) / GROUPS;
+    if (parallel && pool_took(shared_pool, strip_item, (void *)&strips, items)) {
         free(xq);
         free(sx);
         return 0;

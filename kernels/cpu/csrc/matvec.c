@@ -27,7 +27,6 @@
  * Built only where the CPU has the instructions; `matvec_features` says what is fast.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -21,7 +21,6 @@
  * `const void *` base.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -492,10 +491,8 @@ static inline __attribute__((always_inline)) int paged_attention(
      * wait policy) cost more than that on a 2-core VM; with it alone, the attention of a
      * SmolLM2-135M step at context 200 went from about 110 to 30 us per layer. */
     const int64_t work = pairs * kv_heads * head_dim * 2;
-    /* Not from within an OpenMP region (decode_layers.c's, whose other threads wait
-     * there): the region's threads stay the only ones. */
-    if (work >= SERIAL_BELOW && shared_pool && !omp_in_parallel() &&
-        shared_pool(kv ? pool_item_bf16 : pool_item_f32, &c, rows * kv_heads) == 0) {
+    if (work >= SERIAL_BELOW &&
+        pool_took(shared_pool, kv ? pool_item_bf16 : pool_item_f32, &c, rows * kv_heads)) {
         for (int w = 0; w < MOST_WORKERS; w++) free(c.scratch[w]);
         return atomic_load(&c.failed) ? -1 : 0;
     }

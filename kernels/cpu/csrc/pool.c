@@ -13,7 +13,8 @@
  *
  * One call runs at a time (a second caller, another thread, runs its items alone). Items
  * are claimed through one 64-bit word, the call's generation in the high half and the next
- * item in the low, so a helper that read another call's fields claims nothing with them.
+ * item in the low, so a helper that read another call's fields claims nothing with them
+ * (unless it slept through 2^32 calls, days of serving, between reading and claiming).
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -31,7 +32,6 @@
 #define MOST_HELPERS (MOST_WORKERS - 1)
 
 #define SPIN_NS 200000
-
 
 static _Atomic(pool_item_fn) job_fn;
 static _Atomic(void *) job_ctx;

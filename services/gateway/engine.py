@@ -334,6 +334,9 @@ class GatewayEngine:
         self._id_prefix = f"{gateway_id}-{uuid.uuid4().hex[:6]}"
         self._counter = itertools.count(1)
         self._routes: dict[str, RequestRun] = {}
+        # Deltas that came before their submit's reply, with their senders: only the
+        # scheduler that replies is owed them (until then anyone could have sent them).
+        self._early: dict[str, list[tuple[str, RequestDelta, float]]] = {}
         self._runs: set[RequestRun] = set()
         self._by_alias: dict[str, set[RequestRun]] = {}
         self._sub: Subscription | None = None
@@ -373,7 +376,9 @@ class GatewayEngine:
             if run is None:
                 continue
             expected = run.scheduler_of(delta.request_id)
-            # "" until the submit reply is in (the first delta may come before it).
+            if expected == "":  # the submit's reply is not in yet: held until it is
+                self._early.setdefault(delta.request_id, []).append((sender, delta, received_at))
+                continue
             if expected and sender != expected:
                 log.warning(
                     "dropped a delta for %s from %r: scheduler %r runs it",
@@ -481,6 +486,9 @@ class GatewayEngine:
                 raise _unavailable(e.info) from e
             if reply.ok:
                 run.scheduler_ids[index] = reply.scheduler_id
+                for sender, delta, received_at in self._early.pop(request.request_id, []):
+                    if sender == reply.scheduler_id:
+                        run.queue.put_nowait((delta, received_at))
                 run.failovers[index].accepted(reply.scheduler_id)
                 self.schedulers.note(reply.scheduler_id, request.prompt_token_ids)
                 return
@@ -499,6 +507,7 @@ class GatewayEngine:
     def release(self, request_id: str) -> None:
         """No more deltas wanted for this sequence."""
         self._routes.pop(request_id, None)
+        self._early.pop(request_id, None)
 
     def forget(self, run: RequestRun) -> None:
         for rid in run.request_ids:

@@ -56,6 +56,13 @@ class DecodeOps:
         self._silu_mul = bind(library.silu_mul, None, [_PTR, _PTR, _I64, _I64])
         self._to_unit = bind(library.rows_to_unit, None, [_PTR, _PTR, _PTR, _I64, _I64])
         self._times = bind(library.rows_times, None, [_PTR, _PTR, _I64, _I64])
+        self._use_pool = bind(library.decode_ops_use_pool, None, [_PTR])
+
+    def use_pool(self, run_address: int | None) -> None:
+        """The norm, rotary and gate of many rows on the process's shared helper threads
+        (`pool.Pool.run_address`), or on OpenMP's (None). Set for the library, which every
+        instance of this build shares; the outputs are the same either way."""
+        self._use_pool(run_address)
 
     def addresses(self) -> dict[str, int | None]:
         """The operations' entry points, for native callers (`decode_layers`)."""

@@ -226,12 +226,13 @@ class CpuOps(KernelOps, CpuAbilities):
         # AMX's tiles from 16 rows where this CPU has them, unless `amx` is False (the same
         # outputs: benchmarks compare the two).
         matmul = matmul_q8.load_faster(native_dir, amx=amx) if int8 and native == "auto" else None
-        # Many-row int8 products and attention on helper threads the process's kernels
-        # share, not an OpenMP region per call: the caller waits for no thread to wake
-        # (`pool`). Started here, on the thread that builds the ops (the worker's step
-        # thread), whose float mode they take. The outputs are the same either way. The
-        # libraries keep one choice for the process: the last ops built set it.
-        shared = [k for k in (matmul, few_rows, self.native) if k is not None]
+        # Many-row int8 products, attention and the elementwise work of many rows on helper
+        # threads the process's kernels share, not an OpenMP region per call: the caller
+        # waits for no thread to wake (`pool`). Started here, on the thread that builds the
+        # ops (the worker's step thread), whose float mode they take. The outputs are the
+        # same either way. The libraries keep one choice for the process: the last ops built
+        # set it.
+        shared = [k for k in (matmul, few_rows, self.native, self.decode_ops) if k is not None]
         self.pool = start_pool(native_dir, shared) if pool else None
         if self.pool is None:
             for kernels in shared:
@@ -636,7 +637,7 @@ def causal_rows_attention(
     return target
 
 
-PoolTaker = MatmulQ8Kernels | matvec.MatvecKernels | NativeKernels
+PoolTaker = MatmulQ8Kernels | matvec.MatvecKernels | NativeKernels | decode_ops.DecodeOps
 
 
 def start_pool(native_dir: str | Path, kernels: Sequence[PoolTaker]) -> pool_module.Pool | None:

@@ -1,7 +1,7 @@
 """The helper threads the native kernels share (`kernels/cpu/csrc/pool.c`): every item of a
 call runs once, on the caller or a helper; the kernels that take the pool give the same
-outputs to the bit as on OpenMP's threads; `CpuOps` starts it with one helper fewer than
-torch's math threads."""
+outputs to the bit as on OpenMP's threads (or the calling thread alone); `CpuOps` starts it
+with one helper fewer than torch's math threads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from spillway.kernels.cpu import matmul_q8, matvec
+from spillway.kernels.cpu import decode_ops, matmul_q8, matvec
 from spillway.kernels.cpu import native as native_module
 from spillway.kernels.cpu import pool as pool_module
 from spillway.kernels.cpu.matvec import quantize_q8
@@ -145,6 +145,42 @@ def test_attention_gives_the_same_outputs_on_the_pool(pool, tmp_path, dtype, q_l
         kernels.use_pool(None)
     assert not openmp.isnan().any()
     assert torch.equal(openmp, pooled)
+
+
+@pytest.mark.parametrize("rows", [64, 512])  # a decode step (one thread without the pool), a chunk
+def test_the_norm_rotary_and_gate_give_the_same_outputs_on_the_pool(pool, tmp_path, rows):
+    """Their rows cut into items (POOL_PARTS): every row written, each as one thread or
+    OpenMP's threads write it."""
+    ops = decode_ops.load(tmp_path)
+    assert ops is not None
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    hidden, heads, dim, inter = 576, 12, 64, 1536
+    x, residual = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    weight = torch.randn(hidden, generator=g)
+    heads_in = torch.randn(rows, heads, dim, generator=g)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    angles = torch.rand(4096, dim // 2, generator=g) * 6.28
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+
+    def run() -> list[torch.Tensor]:
+        res = residual.clone()
+        normed = ops.add_rms_norm(x, res, weight, 1e-5, out=torch.full_like(res, float("nan")))
+        rotated = heads_in.clone()
+        ops.rotary(rotated, positions, angles.cos(), angles.sin())
+        return [res, normed, rotated, ops.silu_mul(gate_up)]
+
+    try:
+        ops.use_pool(None)
+        alone = run()
+        ops.use_pool(pool.run_address)
+        pooled = run()
+    finally:
+        ops.use_pool(None)
+    for want, got in zip(alone, pooled, strict=True):
+        assert not got.isnan().any(), f"seed {seed}"
+        assert torch.equal(want, got), f"seed {seed}"
+    assert not torch.equal(alone[2], heads_in)  # the rotation did turn the heads
 
 
 def test_cpu_ops_starts_the_pool_with_one_helper_fewer_than_torch_threads():

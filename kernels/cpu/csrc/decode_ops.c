@@ -18,39 +18,121 @@
  *                 x / s, y * s, in one pass each instead of four operator calls)
  *
  * Rows are contiguous unless a row stride is given. A decode step of a few rows runs on
- * this thread alone (too little work to share); prefill chunks and wide decode batches,
- * PARALLEL_MIN values or more, split their rows over the OpenMP threads.
+ * this thread alone (too little work to share). Where the caller handed in the process's
+ * helper threads (`pool.c`), the norm, rotary and gate of POOL_MIN values or more split
+ * their rows into items there: a 64-row decode step's, which are too small for an OpenMP
+ * region's wake-up, take the helper still spinning from the product before them. Without
+ * the pool, PARALLEL_MIN values or more split their rows over the OpenMP threads. Each row
+ * is computed the same way wherever it runs.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "fast_exp.h"
+#include "pool.h"
 
 /* Below this many values an operation stays on the calling thread: waking a sleeping
  * OpenMP thread (the worker's passive wait policy) costs tens of microseconds. */
 #define PARALLEL_MIN (1 << 17)
+/* The same on the pool, whose caller starts on the items at once and waits only for those
+ * a helper took: a few microseconds of work are enough. */
+#define POOL_MIN (1 << 13)
+/* Items a pooled operation's rows are cut into (fewer where it has fewer rows): enough that
+ * a helper coming late still finds some. */
+#define POOL_PARTS 8
+
+/* The process's shared helper threads, where the caller hands them in; NULL: OpenMP's. */
+static pool_run_fn shared_pool;
+
+void decode_ops_use_pool(pool_run_fn run) { shared_pool = run; }
+
+/* Rows [r0, r1) of one operation's call (`ctx`). */
+typedef void (*rows_fn)(const void *ctx, int64_t r0, int64_t r1);
+
+typedef struct {
+    rows_fn fn;
+    const void *ctx;
+    int64_t rows, parts;
+} Split;
+
+static void split_item(void *ctx, int64_t item, int worker) {
+    (void)worker;
+    const Split *s = ctx;
+    s->fn(s->ctx, item * s->rows / s->parts, (item + 1) * s->rows / s->parts);
+}
+
+/* Whether the rows ran on the pool (handed in, not inside an OpenMP region, `values` at
+ * least POOL_MIN); otherwise the caller runs them. */
+static int pooled(rows_fn fn, const void *ctx, int64_t rows, int64_t values) {
+    if (rows < 2 || values < POOL_MIN) return 0;
+    const Split s = {fn, ctx, rows, rows < POOL_PARTS ? rows : POOL_PARTS};
+    return pool_took(shared_pool, split_item, (void *)&s, s.parts);
+}
 /* The row scaling is one read and one write a value: a thread streams 128 x 1,536 values in
  * about 30 us, less than a wake-up (measured on a 2-core EPYC, passive wait). */
 #define SCALE_PARALLEL_MIN (1 << 20)
 
-void add_rms_norm(const float *x, float *residual, const float *w, float eps, float *out,
-                  int64_t rows, int64_t h) {
-#pragma omp parallel for if (rows * h >= PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        float *res = residual + r * h;
-        if (x) {
-            const float *xr = x + r * h;
+typedef struct {
+    const float *x;
+    float *residual;
+    const float *w;
+    float eps;
+    float *out;
+    int64_t h;
+} Norm;
+
+static void norm_rows(const void *ctx, int64_t r0, int64_t r1) {
+    const Norm *a = ctx;
+    const int64_t h = a->h;
+    for (int64_t r = r0; r < r1; r++) {
+        float *res = a->residual + r * h;
+        if (a->x) {
+            const float *xr = a->x + r * h;
 #pragma omp simd
             for (int64_t i = 0; i < h; i++) res[i] += xr[i];
         }
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < h; i++) s += res[i] * res[i];
-        const float inv = 1.0f / sqrtf(s / (float)h + eps);
-        float *o = out + r * h;
+        const float inv = 1.0f / sqrtf(s / (float)h + a->eps);
+        float *o = a->out + r * h;
 #pragma omp simd
-        for (int64_t i = 0; i < h; i++) o[i] = (res[i] * inv) * w[i];
+        for (int64_t i = 0; i < h; i++) o[i] = (res[i] * inv) * a->w[i];
+    }
+}
+
+void add_rms_norm(const float *x, float *residual, const float *w, float eps, float *out,
+                  int64_t rows, int64_t h) {
+    const Norm a = {x, residual, w, eps, out, h};
+    if (pooled(norm_rows, &a, rows, rows * h)) return;
+#pragma omp parallel for if (rows * h >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) norm_rows(&a, r, r + 1);
+}
+
+typedef struct {
+    float *heads;
+    int64_t stride, nheads, d;
+    const int64_t *positions;
+    const float *cos_table, *sin_table;
+} Rotary;
+
+static void rotary_rows(const void *ctx, int64_t t0, int64_t t1) {
+    const Rotary *a = ctx;
+    const int64_t half = a->d / 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *c = a->cos_table + a->positions[t] * half;
+        const float *s = a->sin_table + a->positions[t] * half;
+        for (int64_t hd = 0; hd < a->nheads; hd++) {
+            float *x1 = a->heads + t * a->stride + hd * a->d, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float p = x1[i], q = x2[i];
+                const float q_s = q * s[i], p_s = p * s[i];
+                x1[i] = p * c[i] - q_s;
+                x2[i] = q * c[i] + p_s;
+            }
+        }
     }
 }
 
@@ -59,23 +141,12 @@ void add_rms_norm(const float *x, float *residual, const float *w, float eps, fl
 int rotary(float *heads, int64_t tokens, int64_t stride, int64_t nheads, int64_t d,
            const int64_t *positions, const float *cos_table, const float *sin_table,
            int64_t max_pos) {
-    const int64_t half = d / 2;
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_pos) return -1;
+    const Rotary a = {heads, stride, nheads, d, positions, cos_table, sin_table};
+    if (pooled(rotary_rows, &a, tokens, tokens * nheads * d)) return 0;
 #pragma omp parallel for if (tokens * nheads * d >= PARALLEL_MIN)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
-        for (int64_t hd = 0; hd < nheads; hd++) {
-            float *x1 = heads + t * stride + hd * d, *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                const float b_s = b * s[i], a_s = a * s[i];
-                x1[i] = a * c[i] - b_s;
-                x2[i] = b * c[i] + a_s;
-            }
-        }
-    }
+    for (int64_t t = 0; t < tokens; t++) rotary_rows(&a, t, t + 1);
     return 0;
 }
 
@@ -133,13 +204,18 @@ int store_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_st
                       num_slots, 1);
 }
 
-/* gate_up [T, 2I] -> out [T, I]. silu(g) = g / (1 + e^-g), with e^-|g| only (no overflow):
- * for g < 0, g e^g / (1 + e^g). */
-void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
-#pragma omp parallel for if (tokens * inter >= PARALLEL_MIN)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *g = gate_up + t * 2 * inter, *u = g + inter;
-        float *o = out + t * inter;
+typedef struct {
+    const float *gate_up;
+    float *out;
+    int64_t inter;
+} Gate;
+
+static void gate_rows(const void *ctx, int64_t t0, int64_t t1) {
+    const Gate *a = ctx;
+    const int64_t inter = a->inter;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *g = a->gate_up + t * 2 * inter, *u = g + inter;
+        float *o = a->out + t * inter;
 #pragma omp simd
         for (int64_t i = 0; i < inter; i++) {
             /* One division, its numerator chosen: a choice between two divisions is
@@ -150,6 +226,15 @@ void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
             o[i] = g[i] * sig * u[i];
         }
     }
+}
+
+/* gate_up [T, 2I] -> out [T, I]. silu(g) = g / (1 + e^-g), with e^-|g| only (no overflow):
+ * for g < 0, g e^g / (1 + e^g). */
+void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
+    const Gate a = {gate_up, out, inter};
+    if (pooled(gate_rows, &a, tokens, tokens * inter)) return;
+#pragma omp parallel for if (tokens * inter >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) gate_rows(&a, t, t + 1);
 }
 
 /* scale[t] = max(max |x[t, :]|, 1e-30); out[t, :] = x[t, :] / scale[t]. A NaN in a row makes

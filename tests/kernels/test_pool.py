@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from tests.kernels.paged_cases import make_paged_batch, nan_like
 
 ITEM = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
 RUN = ctypes.CFUNCTYPE(ctypes.c_int, ITEM, ctypes.c_void_p, ctypes.c_int64)
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,17 @@ def pool(tmp_path_factory) -> pool_module.Pool:
     assert found is not None, "the pool did not build (is a C compiler installed?)"
     assert found.start(1) >= 1
     return found
+
+
+def off_and_on(kernels, pool: pool_module.Pool, run: Callable[[], T]) -> tuple[T, T]:
+    """run() with `kernels` on OpenMP's threads, then on the pool (left off after)."""
+    try:
+        kernels.use_pool(None)
+        openmp = run()
+        kernels.use_pool(pool.run_address)
+        return openmp, run()
+    finally:
+        kernels.use_pool(None)
 
 
 def test_every_item_runs_once_on_the_caller_or_a_helper(pool):
@@ -75,13 +89,7 @@ def test_the_int8_product_gives_the_same_outputs_on_the_pool(pool, tmp_path, n):
     x = torch.randn(64, 576, generator=g)
     packed = matmul_q8.pack(quantize_q8(torch.randn(n, 576, generator=g) * 0.05))
     kernels.parallel_min_work = 0
-    try:
-        kernels.use_pool(None)
-        openmp = kernels.linear(x, packed, None)
-        kernels.use_pool(pool.run_address)
-        pooled = kernels.linear(x, packed, None)
-    finally:
-        kernels.use_pool(None)
+    openmp, pooled = off_and_on(kernels, pool, lambda: kernels.linear(x, packed, None))
     assert torch.equal(openmp, pooled), f"seed {seed}"
 
 
@@ -136,13 +144,7 @@ def test_attention_gives_the_same_outputs_on_the_pool(pool, tmp_path, dtype, q_l
         )  # fmt: skip
         return out
 
-    try:
-        kernels.use_pool(None)
-        openmp = attend()
-        kernels.use_pool(pool.run_address)
-        pooled = attend()
-    finally:
-        kernels.use_pool(None)
+    openmp, pooled = off_and_on(kernels, pool, attend)
     assert not openmp.isnan().any()
     assert torch.equal(openmp, pooled)
 
@@ -170,13 +172,7 @@ def test_the_norm_rotary_and_gate_give_the_same_outputs_on_the_pool(pool, tmp_pa
         ops.rotary(rotated, positions, angles.cos(), angles.sin())
         return [res, normed, rotated, ops.silu_mul(gate_up)]
 
-    try:
-        ops.use_pool(None)
-        alone = run()
-        ops.use_pool(pool.run_address)
-        pooled = run()
-    finally:
-        ops.use_pool(None)
+    alone, pooled = off_and_on(ops, pool, run)
     for want, got in zip(alone, pooled, strict=True):
         assert not got.isnan().any(), f"seed {seed}"
         assert torch.equal(want, got), f"seed {seed}"

@@ -178,16 +178,22 @@ CLIENT_SIDE_ERRORS = ("client_timeout", "client_error")  # the soak's own, not a
 def metrics_match(outcomes: list[Outcome], finished: dict[str, float], generated: float) -> Verdict:
     """The gateway's counters against the clients'. Each choice is counted once: a
     finished one by its reason; a request ended by an error reply once as `error` (or not
-    at all, when it was refused before it ran); one whose client
-    left or gave up could have ended either way (`abort`, or its own reason when it
-    finished before the gateway noticed), so it may fall under any reason but the total
-    is exact. Generated tokens: at least what the usages told, and beyond it at most
-    what the requests whose count no client heard could have made."""
+    at all, when it was refused before it ran); one whose client left after its first
+    chunks could have ended either way (`abort`, or its own reason when it finished before
+    the gateway noticed), so it may fall under any reason but the total is exact. One the
+    soak's own client gave up on (a timeout, a client error) may also never have reached a
+    gateway (a NATS-API request published while NATS restarted is lost, as core NATS
+    loses it): counted under any reason, or not at all. Generated tokens: at least what
+    the usages told, and beyond it at most what the requests whose count no client heard
+    could have made."""
     exact: Counter[str] = Counter()
-    loose = errors = told = unheard = 0
+    loose = maybe = errors = told = unheard = 0
     for o in outcomes:
-        if o.disconnected or (o.error is not None and o.error.get("code") in CLIENT_SIDE_ERRORS):
+        if o.disconnected:
             loose += o.choices
+            unheard += o.max_tokens * o.choices
+        elif o.error is not None and o.error.get("code") in CLIENT_SIDE_ERRORS:
+            maybe += o.choices
             unheard += o.max_tokens * o.choices
         elif o.error is not None:
             # An error reply ends a request once as `error`, whatever its n; refused
@@ -201,14 +207,15 @@ def metrics_match(outcomes: list[Outcome], finished: dict[str, float], generated
     bad: list[str] = []
     for reason in sorted(set(exact) | {r for r, v in finished.items() if v} | {"error"}):
         got = round(finished.get(reason, 0.0))
-        room = loose + (errors if reason == "error" else 0)
+        room = loose + maybe + (errors if reason == "error" else 0)
         if not exact[reason] <= got <= exact[reason] + room:
             extra = f" (+ up to {room} left, given up or refused)" if room else ""
             bad.append(f"finish_reason={reason}: metrics {got}, clients {exact[reason]}{extra}")
     total = round(sum(finished.values()))
     least = sum(exact.values()) + loose
-    if not least <= total <= least + errors:
+    if not least <= total <= least + maybe + errors:
         shown = f"{least}" + (f" (+ up to {errors} errors)" if errors else "")
+        shown += f" (+ up to {maybe} given up by the client)" if maybe else ""
         bad.append(f"choices finished: metrics {total}, clients {shown}")
     if not told <= generated <= told + unheard:
         bad.append(f"generation tokens: metrics {generated:g}, clients {told} "

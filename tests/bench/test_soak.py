@@ -264,6 +264,22 @@ def test_metrics_match_the_clients_count_with_room_only_for_unheard_tokens() -> 
     ]
 
 
+def test_a_request_the_client_gave_up_on_may_never_have_been_counted() -> None:
+    """A NATS-API request published while NATS restarted never reaches a gateway: its
+    client times out, and no counter has it. One whose client left after chunks has."""
+    finished = _done(max_tokens=48)
+    finished.usage_completion = 48
+    lost = Outcome("nats_stream", 2.0, error={"code": "client_timeout"}, max_tokens=48)
+    left = Outcome("disconnect", 3.0, disconnected=True, max_tokens=48)
+    for reasons in ({"length": 1.0, "abort": 1.0}, {"length": 2.0, "abort": 1.0}):
+        assert metrics_match([finished, lost, left], reasons, 48.0).ok
+    v = metrics_match([finished, lost, left], {"length": 1.0}, 48.0)  # the left one uncounted
+    assert not v.ok
+    assert v.examples == [
+        "choices finished: metrics 1, clients 2 (+ up to 1 given up by the client)"
+    ]
+
+
 def test_rss_growth_is_measured_past_the_warm_up_of_each_process() -> None:
     mib = 2**20
     samples = [RssSample(t, "worker", 1, (100 + t // 10) * mib) for t in range(0, 100, 5)]

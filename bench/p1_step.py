@@ -16,7 +16,8 @@ measures it (`machine.matmul_gflops`), in this process, with the same clock and 
 runs the steps once per KV cache dtype in this process (the same weights and rows) and
 ends with the ratios of the step and of its attention; `--no-amx` keeps the int8 mode's
 many-row products on VNNI instead of AMX's tiles (a before/after on a CPU that has them);
-`--no-pool` opens an OpenMP region per many-row call instead of the shared helper threads.
+`--no-pool` opens an OpenMP region per many-row call (and per elementwise operation of many
+rows) instead of the shared helper threads.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-pool",
         action="store_true",
-        help="many-row products and attention in an OpenMP region per call, not the pool",
+        help="many-row products, attention and elementwise work in OpenMP regions, not the pool",
     )
     run(parser.parse_args(argv))
     return 0

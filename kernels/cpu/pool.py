@@ -7,8 +7,8 @@ VM, and a 64-row decode step of SmolLM2-135M opens some 150. The pool's calling 
 starts on the items at once and returns when they are done, whether or not a helper came;
 a helper spins 200 us after its last item (the step's next call finds it awake) and then
 sleeps. Kernels take it where handed in (`matmul_q8`'s many-row int8 product, `matvec`'s panel
-kernel, the paged attention in `native`); their outputs are the same either way, each item
-being a sum of its own.
+kernel, the paged attention in `native`, the norm, rotary and gate of many rows in
+`decode_ops`); their outputs are the same either way, each item computed on its own.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 P1 (64 requests of 128 prompt tokens and 128 new ones) runs two kinds of step on the CPU:
 prefill steps of `--prefill-rows` rows of 128 tokens (the scheduler's token budget) and
 all-decode steps of 64 rows. This runs one of each through `ModelRunner.execute` on the
-default model's shapes (random weights: the arithmetic is the same) and times every kernel
-call by wrapping the backend's operations, so the table says what each piece costs per
+default model's shapes (random float32 weights: the arithmetic is the same; `--file-weights`
+takes the file's own, in the exact mode its blocks, as the worker serves them) and times
+every kernel call by wrapping the backend's operations, so the table says what each piece costs per
 step, summed over the layers, and what is left outside them (host batch building, Python).
 
 Each figure is the median of `--repeats` steps; the load average is printed with them.
@@ -23,6 +24,7 @@ rows) instead of the shared helper threads.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -34,6 +36,7 @@ import torch
 from spillway.kernels.cpu.ops import QUANTIZATIONS, CpuOps
 from spillway.services.cli.bench.machine import matmul_gflops
 from spillway.services.worker.kv_cache import KVCache, blocks_needed
+from spillway.services.worker.loader import load_model
 from spillway.services.worker.models.llama import LlamaModel
 from spillway.services.worker.models.registry import load_model_config
 from spillway.services.worker.runner import ModelRunner
@@ -104,8 +107,14 @@ ATTENTION = ("paged_attention", "paged_decode_attention", "store_kv")
 
 def run(args: argparse.Namespace) -> None:
     threads = configure_threads(torch.device("cpu"), args.threads)
-    config = load_model_config(resolve_model(args.model))
-    weights = synthetic_weights(config, torch.device("cpu"), torch.float32)
+    source, cpu = resolve_model(args.model), torch.device("cpu")
+    if args.file_weights:  # as the worker loads them: the exact mode keeps the blocks
+        config, weights = load_model(
+            source, cpu, torch.float32, keep_quantized=args.quantize != "int8"
+        )
+    else:
+        config = load_model_config(source)
+        weights = synthetic_weights(config, cpu, torch.float32)
     ops = CpuOps(quantize=args.quantize, amx=not args.no_amx, pool=not args.no_pool)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
@@ -137,11 +146,11 @@ def piece_flops(model: LlamaModel, tokens: int, sampled: int, pairs: int) -> dic
     pairs of attention per layer."""
     c, layer = model.config, model.weights.layers[0]
     flops = {
-        f"linear {n}": 2.0 * tokens * getattr(layer, n).numel() * c.num_layers
+        f"linear {n}": 2.0 * tokens * math.prod(getattr(layer, n).shape) * c.num_layers
         for n in ("qkv", "o", "gate_up", "down")
         if getattr(layer, n) is not None
     }
-    flops["linear lm_head"] = 2.0 * sampled * model.weights.lm_head.numel()
+    flops["linear lm_head"] = 2.0 * sampled * math.prod(model.weights.lm_head.shape)
     attention = 4.0 * pairs * c.num_heads * c.head_dim * c.num_layers  # QK^T and PV
     flops["paged_attention"] = flops["paged_decode_attention"] = attention
     return flops
@@ -232,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-at", type=int, default=64, help="new tokens so far")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none")
+    parser.add_argument(
+        "--file-weights", action="store_true",
+        help="the model file's weights as the worker loads them (the exact mode: the file's "
+        "blocks), not random float32 ones",
+    )  # fmt: skip
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument(
         "--kv-cache-dtypes", default="float32", help="comma-separated: float32, bfloat16"

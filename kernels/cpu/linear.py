@@ -276,8 +276,9 @@ class PackedLinear:
                         os.environ.get("OMP_WAIT_POLICY", ""), shape, rows,
                         min(len(group), TUNE_WEIGHTS),
                     )  # fmt: skip
-                    if blocks:  # what the products read: each segment's format
+                    if blocks:  # what the products read (each segment's format), and with what
                         key += tuple(p.kind for w in group[:TUNE_WEIGHTS] for p in w.parts)
+                        key += (self.matvec.build_key if self.matvec is not None else "",)
                     name = "blocks-many-row-form" if blocks else "many-row-form"
                     path = tuning_cache.decision_path(cache_dir, name, key)
                     kept = tuning_cache.load_decision(path, range(len(forms)))

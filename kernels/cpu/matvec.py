@@ -478,7 +478,8 @@ class MatvecKernels:
     ) -> None:
         """x [M, K] (float32, contiguous) against a weight in blocks of any format (+ b)
         into `out` [M, N], whose rows may be a wider tensor's (unit column stride): each
-        panel of 16 rows of W dequantized where the product reads it (blocks_gemm.h)."""
+        panel of rows of W (16, or 24 with AVX-512) dequantized where the product reads it
+        (blocks_gemm.h)."""
         m, k = x.shape
         n = weight.shape[0]
         assert x.dtype == torch.float32 and x.is_contiguous() and k == weight.in_features

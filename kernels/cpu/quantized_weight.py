@@ -254,7 +254,7 @@ class TiledProduct:
     """x W^T (+ b) for many rows of x against a quantized weight: each tile of rows of W
     dequantized into one reused scratch buffer, then F.linear on it (the float32
     weight's own product, tile by tile); or, with `panels` (default: `panels_by_default`),
-    the native kernel that dequantizes 16 rows at a time where its register tiles read
+    the native kernel that dequantizes a panel of rows at a time where its register tiles read
     them (`MatvecKernels.linear_blocks_rows`), which leaves BLAS's copy and the tile's
     round trip through memory out."""
 

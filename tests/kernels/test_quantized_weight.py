@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from spillway.kernels.cpu import matvec as matvec_module
+from spillway.kernels.cpu.info import cpu_flags
 from spillway.kernels.cpu.linear import PackedLinear
 from spillway.kernels.cpu.matvec import (
     BLOCK_CODES,
@@ -32,7 +33,7 @@ from spillway.kernels.cpu.quantized_weight import (
 )
 from tests.kernels.form_clock import FormClock
 from tests.kernels.gguf_blocks import block_weight, random_blocks, reference
-from tests.kernels.native_paths import built, matvec_built
+from tests.kernels.native_paths import avx2_matvec, built, matvec_built
 
 KINDS = sorted(BLOCK_CODES)
 
@@ -188,21 +189,45 @@ def test_panels_are_float32_products_on_every_format_and_each_row_its_own(matvec
     if not matvec.features & HAS_BLOCKS_ROWS:
         pytest.skip("the panel kernel is built with AVX2 and FMA only")
     rng = np.random.default_rng(BLOCK_CODES[kind] + 100)
-    n, k = 135, 512  # n: a panel of 7 rows at the end
+    # n: panels of 16 (AVX2) or 24 (AVX-512) outputs and a part one at the end; k: where
+    # the blocks allow, AVX-512's blocks of 128 values of k and a part one (96)
+    values = GGML_QUANT_SIZES[GGMLQuantizationType[kind.upper()]][0]
+    n, k = 135, 480 if 480 % values == 0 else 512
     data = random_blocks(rng, n, k, kind)
     dense, blocks = reference(data, kind), block_weight(data, kind, k)
     g = torch.Generator().manual_seed(BLOCK_CODES[kind])
-    # register tiles of 6 rows (AVX2: 10 and 5 rows left) or 12 (AVX-512: 5 and 5 left)
-    x = torch.randn(65, k, generator=g)
+    # AVX2: register tiles of 6 rows (10 and 5 left); AVX-512: groups of 64 rows (the last
+    # of 41 rows: three vectors of 16, the last part zeros)
+    x = torch.randn(105, k, generator=g)
     bias = torch.randn(n, generator=g)
-    wide = torch.full((65, n + 9), 7.0)  # the output is a view into wider rows
+    wide = torch.full((105, n + 9), 7.0)  # the output is a view into wider rows
     matvec.linear_blocks_rows(x, blocks, bias, wide[:, 4 : 4 + n])
     assert_float32_close(wide[:, 4 : 4 + n], x, dense, bias)
     assert (wide[:, :4] == 7.0).all() and (wide[:, 4 + n :] == 7.0).all()
-    for rows in (1, 6, 7, 11, 12, 13):  # each row's sum is the same whatever rows come with it
+    # each row's sum is the same whatever rows come with it (1-4 vectors of 16 rows)
+    for rows in (1, 6, 7, 11, 12, 13, 17, 33, 64, 65):
         alone = torch.empty(rows, n)
         matvec.linear_blocks_rows(x[:rows].contiguous(), blocks, bias, alone)
         assert torch.equal(alone, wide[:rows, 4 : 4 + n])
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+def test_the_avx2_and_avx512_panels_give_the_same_sums(matvec, kind, tmp_path):
+    # Two register tiles, one sum: each output a chain of fused multiply-adds over k in
+    # order (AVX-512's carried across its blocks of k through memory unchanged).
+    if not matvec.features & HAS_BLOCKS_ROWS or "avx512f" not in cpu_flags():
+        pytest.skip("the AVX-512 panel kernel is built on a CPU with AVX-512 only")
+    avx2 = avx2_matvec(tmp_path)
+    rng = np.random.default_rng(7)
+    n, k = 77, 768
+    blocks = block_weight(random_blocks(rng, n, k, kind), kind, k)
+    g = torch.Generator().manual_seed(7)
+    for rows in (3, 64, 150):
+        x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+        wide, narrow = torch.empty(rows, n), torch.empty(rows, n)
+        matvec.linear_blocks_rows(x, blocks, bias, wide)
+        avx2.linear_blocks_rows(x, blocks, bias, narrow)
+        assert torch.equal(wide, narrow)
 
 
 def test_tiled_product_takes_panels_where_asked_and_tiles_else(matvec, monkeypatch):

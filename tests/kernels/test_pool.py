@@ -127,7 +127,8 @@ def test_the_panel_kernel_gives_the_same_outputs_on_the_pool(pool, tmp_path, kin
 )
 def test_attention_gives_the_same_outputs_on_the_pool(pool, tmp_path, dtype, q_lens, context_lens):
     """Enough keys read that the call is shared (native SERIAL_BELOW); every (row, KV head)
-    is an item of its own, each worker with its own scores."""
+    is an item of its own (a row with all its heads in a step of 16 rows or more: the
+    decode step here), each worker with its own scores."""
     library = native_module.build(native_module.SOURCE, native_module.attention_flags(), tmp_path)
     assert library is not None
     kernels = native_module.NativeKernels(library)

@@ -124,9 +124,10 @@ def run(args: argparse.Namespace) -> None:
           f"int8 many-row path {ops.int8_rows_path}")  # fmt: skip
     w, first = model.weights, model.weights.layers[0]
     forms = {n: getattr(first, n) for n in ("qkv", "o", "gate_up", "down")} | {"lm_head": w.lm_head}
-    print("many-row forms (timed at start-up): " + ", ".join(
-        f"{n} {ops.many_row_form(t)}" for n, t in forms.items() if t is not None
-    ))  # fmt: skip
+    for rows in sorted({args.decode_rows, args.prefill_rows * args.prompt}):
+        print(f"forms of {rows}-row products (timed at start-up): " + ", ".join(
+            f"{n} {ops.many_row_form(t, rows)}" for n, t in forms.items() if t is not None
+        ))  # fmt: skip
     bound = matmul_gflops(clock=CLOCKS[args.clock])
     print(f"float32 matrix-product bound: {bound:.0f} GFLOP/s ({args.clock} clock)")
     figures = {}

@@ -36,6 +36,7 @@ faster than oneDNN and fbgemm do at that size.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -64,11 +65,14 @@ from spillway.kernels.cpu.matvec import (
 )
 from spillway.kernels.cpu.quantized_weight import (
     BLOCK_FORMS,
+    MANY_ROWS,
     QuantizedWeight,
     TiledProduct,
     Weight,
     panels_built,
 )
+
+log = logging.getLogger(__name__)
 
 # The model file's blocks of a float32 weight's values: one type's, or row segments of
 # several where the parts of a fused weight differ.
@@ -87,9 +91,34 @@ TUNE_ROWS = 64
 # in a step (fewer may stay in a large last-level cache, where the forms rank otherwise),
 # few enough to keep the start-up of a model of many layers short.
 TUNE_WEIGHTS = 16
+# Rows of the prefill chunk's products `tune_forms` also times for weights in blocks, and
+# how many weights of a shape: at that size a product's arithmetic, not its weights'
+# bytes, decides (quantized_weight.MANY_ROWS).
+TUNE_CHUNK_ROWS = 512
+TUNE_CHUNK_WEIGHTS = 2
 # Start-up seconds `tune_forms` may spend: on a busy machine a two-thread product waits for
 # its second core and takes ten times as long (the shapes left untimed keep oneDNN).
 TUNE_BUDGET_S = 2.0
+
+
+class _Tuning:
+    """One `tune_forms` pass's settings and budget (its clock starts at the first timing)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        budget_s: float,
+        rounds: int,
+        cache_dir: str | Path | None,
+    ) -> None:
+        self.clock, self.budget_s, self.rounds, self.cache_dir = clock, budget_s, rounds, cache_dir
+        self.generator = torch.Generator().manual_seed(0)
+        self.began: float | None = None
+
+    def may_time(self) -> bool:
+        """Whether a shape may still be timed: the budget not yet spent."""
+        self.began = self.clock() if self.began is None else self.began
+        return self.clock() - self.began <= self.budget_s
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,11 +250,11 @@ class PackedLinear:
             return None
         return part
 
-    def form(self, weight: Weight) -> str:
-        """The form this weight's many-row products take: ONEDNN or TRANSPOSED, or for a
-        weight kept in blocks PANELS or TILES."""
+    def form(self, weight: Weight, rows: int = TUNE_ROWS) -> str:
+        """The form this weight's many-row products (of `rows` rows) take: ONEDNN or
+        TRANSPOSED, or for a weight kept in blocks PANELS or TILES."""
         if isinstance(weight, QuantizedWeight):
-            return self._tiled.form(weight)
+            return self._tiled.form(weight, rows)
         return self._forms.get(tuple(weight.shape), ONEDNN)
 
     def tune_forms(
@@ -236,6 +265,7 @@ class PackedLinear:
         clock: Callable[[], float] = time.perf_counter,
         budget_s: float = TUNE_BUDGET_S,
         cache_dir: str | Path | None = None,
+        chunk_rows: int = TUNE_CHUNK_ROWS,
     ) -> dict[tuple[int, ...], str]:
         """Times `rows`-row products in each form over the weights of each shape in turn
         (as a step streams them, layer after layer; TUNE_WEIGHTS at most), `rounds`
@@ -243,11 +273,14 @@ class PackedLinear:
         that shape. A float32 weight's forms are `FORMS`: every weight of the shape gets its
         copy in the chosen one now (not in the first request), the other form's are dropped.
         A weight kept in the model file's blocks has `BLOCK_FORMS` (the native panel kernel
-        or tiles for BLAS; nothing to copy) where the panel kernel is built. The largest
-        shapes go first, and no shape is timed once `budget_s` have passed (those keep their
-        default). With `cache_dir` each shape's choice is kept there per CPU, torch build,
-        thread count and workload (`kernels.cpu.tuning_cache`), and later starts take it
-        without timing. Returns shape -> form for the shapes timed or taken from the cache."""
+        or tiles for BLAS; nothing to copy) where the panel kernel is built, chosen apart
+        for products of `rows` and of a prefill chunk's `chunk_rows` (`MANY_ROWS` and more:
+        the ranking can differ, and nothing is copied). The largest shapes go first, and no
+        shape is timed once `budget_s` have passed (those keep their default). With
+        `cache_dir` each choice is kept there per CPU, torch build, thread count and
+        workload (`kernels.cpu.tuning_cache`), and later starts take it without timing.
+        Returns shape -> form (of `rows`-row products) for the shapes timed or taken from
+        the cache."""
         if not self.tunes_forms:
             return {}
         groups: dict[tuple[bool, tuple[int, ...]], list[Any]] = {}
@@ -263,59 +296,84 @@ class PackedLinear:
             ):
                 groups.setdefault((False, tuple(w.shape)), []).append(w)
         chosen: dict[tuple[int, ...], str] = {}
-        g = torch.Generator().manual_seed(0)
-        began: float | None = None  # read when the first shape is timed
+        tuning = _Tuning(clock, budget_s, rounds, cache_dir)
         by_size = sorted(groups.items(), key=lambda kv: -math.prod(kv[0][1]) * len(kv[1]))
         with torch.inference_mode():
             for (blocks, shape), group in by_size:
-                forms = BLOCK_FORMS if blocks else FORMS
-                path = None
-                if cache_dir is not None:
-                    key = (
-                        cpu_model(), torch.__version__, torch.get_num_threads(),
-                        os.environ.get("OMP_WAIT_POLICY", ""), shape, rows,
-                        min(len(group), TUNE_WEIGHTS),
-                    )  # fmt: skip
-                    if blocks:  # what the products read (each segment's format), and with what
-                        key += tuple(p.kind for w in group[:TUNE_WEIGHTS] for p in w.parts)
-                        key += (self.matvec.build_key if self.matvec is not None else "",)
-                    name = "blocks-many-row-form" if blocks else "many-row-form"
-                    path = tuning_cache.decision_path(cache_dir, name, key)
-                    kept = tuning_cache.load_decision(path, range(len(forms)))
-                    if kept is not None:
-                        chosen[shape] = self._keep_form(shape, group, forms[kept], blocks)
-                        continue
-                began = clock() if began is None else began
-                if clock() - began > budget_s:
-                    continue
-                x = torch.randn(rows, shape[1], generator=g)
-                times: dict[str, list[float]] = {form: [] for form in forms}
-                for round_ in range(rounds + 1):  # the first makes each form's copies
-                    for form in forms:
-                        self._try_form(shape, form, blocks)
-                        start = clock()
-                        for w in group[:TUNE_WEIGHTS]:
-                            self(x, w)
-                        if round_:
-                            times[form].append(clock() - start)
-                faster = min(forms, key=lambda f: min(times[f]))
-                chosen[shape] = self._keep_form(shape, group, faster, blocks)
-                if path is not None:
-                    tuning_cache.store_decision(path, forms.index(faster))
+                form = self._tune_shape(tuning, shape, group, blocks, rows, TUNE_WEIGHTS)
+                if form is not None:
+                    chosen[shape] = form
+            for (blocks, shape), group in by_size:
+                if blocks and chunk_rows >= MANY_ROWS:
+                    many = self._tune_shape(
+                        tuning, shape, group, blocks, chunk_rows, TUNE_CHUNK_WEIGHTS
+                    )
+                    if many is not None:
+                        log.info("%s products of %d rows: %s", shape, chunk_rows, many)
         return chosen
 
-    def _try_form(self, shape: tuple[int, ...], form: str, blocks: bool) -> None:
+    def _tune_shape(
+        self,
+        tuning: _Tuning,
+        shape: tuple[int, ...],
+        group: Sequence[Any],
+        blocks: bool,
+        rows: int,
+        most: int,
+    ) -> str | None:
+        """The faster form of `rows`-row products over `most` of the shape's weights (from
+        the cache where it holds the choice), made the shape's; None where the budget was
+        spent before it was timed."""
+        forms = BLOCK_FORMS if blocks else FORMS
+        path = None
+        if tuning.cache_dir is not None:
+            key = (
+                cpu_model(), torch.__version__, torch.get_num_threads(),
+                os.environ.get("OMP_WAIT_POLICY", ""), shape, rows, min(len(group), most),
+            )  # fmt: skip
+            if blocks:  # what the products read (each segment's format), and with what
+                key += tuple(p.kind for w in group[:most] for p in w.parts)
+                key += (self.matvec.build_key if self.matvec is not None else "",)
+            name = "blocks-many-row-form" if blocks else "many-row-form"
+            path = tuning_cache.decision_path(tuning.cache_dir, name, key)
+            kept = tuning_cache.load_decision(path, range(len(forms)))
+            if kept is not None:
+                return self._keep_form(shape, group, forms[kept], blocks, rows)
+        if not tuning.may_time():
+            return None
+        x = torch.randn(rows, shape[1], generator=tuning.generator)
+        times: dict[str, list[float]] = {form: [] for form in forms}
+        for round_ in range(tuning.rounds + 1):  # the first makes each form's copies
+            for form in forms:
+                self._try_form(shape, form, blocks, rows)
+                start = tuning.clock()
+                for w in group[:most]:
+                    self(x, w)
+                if round_:
+                    times[form].append(tuning.clock() - start)
+        faster = min(forms, key=lambda f: min(times[f]))
+        if path is not None:
+            tuning_cache.store_decision(path, forms.index(faster))
+        return self._keep_form(shape, group, faster, blocks, rows)
+
+    def _try_form(self, shape: tuple[int, ...], form: str, blocks: bool, rows: int) -> None:
         if blocks:
-            self._tiled.choose(shape, form)
+            self._tiled.choose(shape, form, rows)
         else:
             self._forms[shape] = form
 
     def _keep_form(
-        self, shape: tuple[int, ...], group: Sequence[Any], form: str, blocks: bool = False
+        self,
+        shape: tuple[int, ...],
+        group: Sequence[Any],
+        form: str,
+        blocks: bool = False,
+        rows: int = TUNE_ROWS,
     ) -> str:
-        """Makes `form` the many-row form of `shape`: for float32 weights each weight's copy
-        in it made now, the other form's dropped."""
-        self._try_form(shape, form, blocks)
+        """Makes `form` the many-row form of `shape` (for weights in blocks, of products of
+        `rows`' band): for float32 weights each weight's copy in it made now, the other
+        form's dropped."""
+        self._try_form(shape, form, blocks, rows)
         if blocks:
             return form
         kept, unused = (

@@ -38,7 +38,7 @@ from spillway.kernels.cpu.chunk_scan import ChunkScans
 from spillway.kernels.cpu.decode_layers import Geometry, LayerTensors, max_rows
 from spillway.kernels.cpu.decode_layers import load as load_decode_layers
 from spillway.kernels.cpu.experts import CpuExperts
-from spillway.kernels.cpu.linear import Int8Linear, PackedLinear
+from spillway.kernels.cpu.linear import TUNE_ROWS, Int8Linear, PackedLinear
 from spillway.kernels.cpu.matmul_q8 import MatmulQ8Kernels
 from spillway.kernels.cpu.matvec import BlockWeight
 from spillway.kernels.cpu.native import CACHE_DTYPES, DEFAULT_CACHE_DIR, NativeKernels
@@ -323,10 +323,10 @@ class CpuOps(KernelOps, CpuAbilities):
     def tune_many_rows(self, projections: Sequence[Weight]) -> dict[tuple[int, ...], str]:
         return self._linear.tune_forms(projections, cache_dir=self._tuning_dir)
 
-    def many_row_form(self, weight: Weight) -> str:
+    def many_row_form(self, weight: Weight, rows: int = TUNE_ROWS) -> str:
         """The form this weight's many-row products take (`linear.FORMS`, or for a weight
         kept in blocks `quantized_weight.BLOCK_FORMS`)."""
-        return self._linear.form(weight)
+        return self._linear.form(weight, rows)
 
     def store_kv(
         self,

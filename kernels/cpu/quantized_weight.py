@@ -48,6 +48,11 @@ TILE_BYTES = 4 << 20
 # `PackedLinear.tune_forms`): the native panel kernel, or tiles dequantized for BLAS.
 PANELS, TILES = "panels", "tiles"
 BLOCK_FORMS = (PANELS, TILES)
+# Rows from which a product against blocks is of a prefill chunk's kind, its form chosen
+# apart from a decode step's: on a 2-core Xeon (AVX-512, 2026-12-07) the panels ran a
+# 64-row step's products 1.2x faster than the tiles, and the tiles (BLAS, its cache blocking)
+# 512 rows' about as much faster.
+MANY_ROWS = 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -267,24 +272,29 @@ class TiledProduct:
         self.matvec = matvec
         self.tile_bytes = tile_bytes
         self.panels = panels_by_default(matvec) if panels is None else panels
-        # weight shape -> its form where timed (`choose`); the others take `_default`
-        self._forms: dict[tuple[int, ...], str] = {}
-        self._default = self._untimed_default()
+        # (weight shape, from MANY_ROWS rows) -> its form where timed (`choose`); the others
+        # take the band's `_default`
+        self._forms: dict[tuple[tuple[int, ...], bool], str] = {}
+        self._default = {False: self._untimed_default(), True: self._untimed_default()}
         self._scratch = torch.empty(0, dtype=torch.float32)
 
-    def form(self, weight: QuantizedWeight) -> str:
-        """The form this weight's products take (PANELS or TILES): its shape's where timed;
-        else the one every timed shape chose (a MoE layer's experts, untimed, follow the
+    def form(self, weight: QuantizedWeight, rows: int = 1) -> str:
+        """The form this weight's products of `rows` rows take (PANELS or TILES): its
+        shape's where timed for that band of rows (under MANY_ROWS, or from it); else the
+        one every timed shape of the band chose (a MoE layer's experts, untimed, follow the
         projections' verdict on this machine); else the default."""
-        return self._forms.get(tuple(weight.shape), self._default)
+        many = rows >= MANY_ROWS
+        return self._forms.get((tuple(weight.shape), many), self._default[many])
 
-    def choose(self, shape: tuple[int, ...], form: str) -> None:
-        """Products of weights of this shape take `form` from now on."""
+    def choose(self, shape: tuple[int, ...], form: str, rows: int = 1) -> None:
+        """Products of weights of this shape and of rows in the band of `rows` take `form`
+        from now on."""
         if form not in BLOCK_FORMS or (form == PANELS and self.matvec is None):
             raise ValueError(f"no many-row form {form!r} here")
-        self._forms[shape] = form
-        timed = set(self._forms.values())
-        self._default = timed.pop() if len(timed) == 1 else self._untimed_default()
+        many = rows >= MANY_ROWS
+        self._forms[(shape, many)] = form
+        timed = {f for (_, band), f in self._forms.items() if band == many}
+        self._default[many] = timed.pop() if len(timed) == 1 else self._untimed_default()
 
     def _untimed_default(self) -> str:
         return PANELS if self.panels and self.matvec is not None else TILES
@@ -293,7 +303,7 @@ class TiledProduct:
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         (n, k), m = weight.shape, x.shape[0]
-        if self.matvec is not None and x.dtype == torch.float32 and self.form(weight) == PANELS:
+        if self.matvec is not None and x.dtype == torch.float32 and self.form(weight, m) == PANELS:
             return self._panels(self.matvec, x.contiguous(), weight, bias)
         # Tiles of whole 64-row chunks (the dequantizer's), at least one chunk.
         tile_rows = max(64, self.tile_bytes // (4 * k) // 64 * 64)

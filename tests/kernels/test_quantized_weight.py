@@ -24,6 +24,7 @@ from spillway.kernels.cpu.matvec import (
 )
 from spillway.kernels.cpu.quantized_weight import (
     BLOCK_FORMS,
+    MANY_ROWS,
     PANELS,
     TILES,
     QuantizedWeight,
@@ -284,6 +285,41 @@ def test_tune_forms_times_both_forms_of_a_weight_in_blocks_and_keeps_the_faster(
     # A shape never timed (a MoE layer's experts) follows what every timed shape chose.
     untimed, _ = _mixed(rng, 512)
     assert again.form(untimed) == fast
+
+
+def test_a_decode_step_and_a_prefill_chunk_each_take_their_faster_form(
+    matvec, monkeypatch, tmp_path
+):
+    if not matvec.features & HAS_BLOCKS_ROWS:
+        pytest.skip("the panel kernel is built with AVX2 and FMA only")
+    rng = np.random.default_rng(23)
+    layers = [_mixed(rng, 256)[0] for _ in range(2)]
+    now, used = [0.0], []
+    real = TiledProduct.__call__
+
+    def timed(self, x, weight, bias):  # the panels ten times faster at a few rows, slower at many
+        form, many = self.form(weight, x.shape[0]), x.shape[0] >= MANY_ROWS
+        used.append((x.shape[0], form))
+        now[0] += 10.0 if (form == PANELS) == many else 1.0
+        return real(self, x, weight, bias)
+
+    monkeypatch.setattr(TiledProduct, "__call__", timed)
+    packed = PackedLinear(matvec=matvec)
+    chosen = packed.tune_forms(
+        layers, rows=20, clock=lambda: now[0], budget_s=1e9, cache_dir=tmp_path, chunk_rows=300
+    )
+    assert chosen == {(232, 256): PANELS}
+    assert {f for rows, f in used if rows == 300} == set(BLOCK_FORMS)  # both timed at 300
+    assert packed.form(layers[1], 20) == PANELS and packed.form(layers[1], 300) == TILES
+    used.clear()
+    x = torch.randn(MANY_ROWS, 256)
+    assert_float32_close(packed(x, layers[0]), x, dequantize(layers[0]))
+    assert used == [(MANY_ROWS, TILES)]
+    # A later start takes both choices from the cache without timing.
+    used.clear()
+    again = PackedLinear(matvec=matvec)
+    assert again.tune_forms(layers, rows=20, cache_dir=tmp_path, chunk_rows=300) == chosen
+    assert used == [] and again.form(layers[0], 300) == TILES
 
 
 def test_a_weight_in_blocks_has_one_form_where_the_panels_are_not_built():

@@ -80,13 +80,16 @@ def test_a_call_of_no_items_or_one_runs_on_the_caller(pool):
 
 
 @pytest.mark.parametrize("n", [576, 3072])
-def test_the_int8_product_gives_the_same_outputs_on_the_pool(pool, tmp_path, n):
+@pytest.mark.parametrize("rows", [64, 75])  # with AMX: 11 rows past the tiles go to VNNI
+def test_the_int8_product_gives_the_same_outputs_on_the_pool(pool, tmp_path, n, rows):
+    """Strips of 64 outputs (VNNI), or with AMX pairs of 16-output groups over the tiled
+    rows and strips over the rest, each worker loading its own tile configuration."""
     kernels = matmul_q8.load(tmp_path)
-    if kernels is None or kernels.amx:
-        pytest.skip("no native int8 product here, or it runs on AMX's tiles (no pool)")
+    if kernels is None:
+        pytest.skip("no native int8 product here")
     seed = torch.seed()
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(64, 576, generator=g)
+    x = torch.randn(rows, 576, generator=g)
     packed = matmul_q8.pack(quantize_q8(torch.randn(n, 576, generator=g) * 0.05))
     kernels.parallel_min_work = 0
     openmp, pooled = off_and_on(kernels, pool, lambda: kernels.linear(x, packed, None))
@@ -96,8 +99,8 @@ def test_the_int8_product_gives_the_same_outputs_on_the_pool(pool, tmp_path, n):
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
 @pytest.mark.parametrize("rows", [64, 200])
 def test_the_panel_kernel_gives_the_same_outputs_on_the_pool(pool, tmp_path, kind, rows):
-    """The exact mode's many-row products against blocks: 36 panels of 16 outputs, each
-    worker dequantizing into its own buffers."""
+    """The exact mode's many-row products against blocks: panels of 16 outputs (24 with
+    AVX-512), each worker dequantizing into its own buffers."""
     kernels = matvec.load(tmp_path)
     if kernels is None or not kernels.features & matvec.HAS_BLOCKS_ROWS:
         pytest.skip("the panel kernel is not built here (no AVX2 and FMA)")

@@ -206,6 +206,7 @@ def test_panels_are_float32_products_on_every_format_and_each_row_its_own(matvec
     assert_float32_close(wide[:, 4 : 4 + n], x, dense, bias)
     assert (wide[:, :4] == 7.0).all() and (wide[:, 4 + n :] == 7.0).all()
     # each row's sum is the same whatever rows come with it (1-4 vectors of 16 rows)
+    matvec.linear_blocks_rows(x[:0].contiguous(), blocks, bias, torch.empty(0, n))  # no rows
     for rows in (1, 6, 7, 11, 12, 13, 17, 33, 64, 65):
         alone = torch.empty(rows, n)
         matvec.linear_blocks_rows(x[:rows].contiguous(), blocks, bias, alone)

@@ -69,9 +69,7 @@ typedef struct {
 #define GEMM_NP 24 /* outputs (rows of W) per panel */
 #define GEMM_CW 32 /* values of k per chunk of the panel */
 #define GEMM_RG 64 /* rows of x per group: four vectors of 16 */
-#ifndef GEMM_AHEAD
 #define GEMM_AHEAD 2 /* panels whose blocks are prefetched while one is computed */
-#endif
 #ifndef GEMM_KC
 #define GEMM_KC 128 /* values of k per block of the tiles (a multiple of GEMM_CW) */
 #endif
@@ -176,13 +174,8 @@ static void panel_outputs(const PanelCall *c, int64_t j0, float *wb, float *out)
     const int64_t next = min64(j0 + GEMM_NP, c->n);
     const int64_t after = min64(j0 + (1 + GEMM_AHEAD) * GEMM_NP, c->n);
     const char *from = (const char *)(c->w + next * c->row_bytes);
-    const int64_t pf_end = (after - next) * c->row_bytes;
-    int64_t pf_at = 0;
-#ifdef PF_BURST
-    for (; pf_at < pf_end; pf_at += 64) _mm_prefetch(from + pf_at, _MM_HINT_T1);
-#endif
-    const int64_t slots = (m + GEMM_RG - 1) / GEMM_RG * ((k + GEMM_KC - 1) / GEMM_KC);
-    const int64_t per = (pf_end / 64 + slots) / slots;
+    for (int64_t at = 0; at < (after - next) * c->row_bytes; at += 64)
+        _mm_prefetch(from + at, _MM_HINT_T1);
     for (int64_t g0 = 0; g0 < m; g0 += GEMM_RG) {
         const int64_t rows = min64(GEMM_RG, m - g0);
         const int mv = (int)((rows + 15) / 16);
@@ -191,8 +184,6 @@ static void panel_outputs(const PanelCall *c, int64_t j0, float *wb, float *out)
         /* k in blocks whose x (GEMM_KC x 64 floats) stays in L1 for all the panel's tiles */
         for (int64_t k0 = 0; k0 < k; k0 += GEMM_KC) {
             const int64_t k1 = min64(k0 + GEMM_KC, k);
-            for (int64_t i = 0; i < per && pf_at < pf_end; i++, pf_at += 64)
-                _mm_prefetch(from + pf_at, _MM_HINT_T1);
             switch (mv) {
             case 4:
                 for (int j = 0; j < GEMM_NP; j += 6) gemm_tile(xt, k0, k1, 4, 6, wb, j, out + j * ld);
@@ -368,7 +359,7 @@ int linear_blocks_rows(const float *x, int64_t m, int64_t k, const uint8_t *w, i
     PanelCall c = {.x = x, .m = m, .k = k, .n = n, .w = w, .type = type, .bias = bias,
                    .y = y, .ldy = ldy};
     const int layout = dq_layout(type, k, &c.values, &c.bytes, &c.row_bytes);
-    if (layout != 0) return layout;
+    if (layout != 0 || m <= 0 || n <= 0) return layout; /* no rows or outputs: nothing to do */
     c.panel_bytes = round64(panel_floats(k));
     c.sums_bytes = round64(sums_floats(k));
 #if GEMM_PACKS_X

@@ -49,9 +49,10 @@ TILE_BYTES = 4 << 20
 PANELS, TILES = "panels", "tiles"
 BLOCK_FORMS = (PANELS, TILES)
 # Rows from which a product against blocks is of a prefill chunk's kind, its form chosen
-# apart from a decode step's: on a 2-core Xeon (AVX-512, 2026-12-07) the panels ran a
-# 64-row step's products 1.2x faster than the tiles, and the tiles (BLAS, its cache blocking)
-# 512 rows' about as much faster.
+# apart from a decode step's: on a 2-core Sapphire Rapids Xeon (2026-12-07, the 12 x 16
+# AVX-512 tile of the time) the panels ran SmolLM2's 64-row products 1.2-1.5x faster than
+# the tiles, and the tiles (BLAS, its cache blocking) its 512-row ones 1.1-1.3x faster;
+# with the later tile, on another such machine, the timing still split the shapes at 512.
 MANY_ROWS = 256
 
 

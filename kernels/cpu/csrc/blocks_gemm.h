@@ -70,9 +70,7 @@ typedef struct {
 #define GEMM_CW 32 /* values of k per chunk of the panel */
 #define GEMM_RG 64 /* rows of x per group: four vectors of 16 */
 #define GEMM_AHEAD 2 /* panels whose blocks are prefetched while one is computed */
-#ifndef GEMM_KC
 #define GEMM_KC 128 /* values of k per block of the tiles (a multiple of GEMM_CW) */
-#endif
 
 /* Rows g0 .. g0 + rows - 1 of x [., k], values k0 .. k1 - 1, into their group's block of
  * xt: each group's [k][ld] block at xt + g0 k (g0 a multiple of 64; ld its rows rounded up

@@ -448,9 +448,7 @@ static inline __attribute__((always_inline)) void row_head(const Call *c, int64_
     }
 }
 
-#ifndef WHOLE_ROWS_FROM
 #define WHOLE_ROWS_FROM 16
-#endif
 /* A pool item: (row, KV head) = (item / kv_heads, item % kv_heads), or from
  * WHOLE_ROWS_FROM rows on, row `item` with all its KV heads. A cache block holds each
  * token's heads side by side, so a (row, KV head) item reads every third run of a head's

@@ -17,6 +17,14 @@ returns None and the caller loops in Python.
 Where every projection reads the file's blocks as float32 it takes up to
 `matvec.MAX_BLOCK_ROWS` rows (a speculative verify's positions): each row's results
 are then those of a one-row step to the bit, as every kernel here computes a row alone.
+
+A decode step of more rows than any few-row kernel takes goes through the same loop when
+every projection's many-row call would go to `matmul_q8`'s int8 product (the int8 mode
+where that kernel is built): each projection in its packed form, the kernels called one
+after another with the arguments the per-call path gives them, so again the same results
+to the bit. On a 2-core Zen 4 EPYC a 64-row int8 step of a model of SmolLM2-135M's layers
+but 64 wide (the kernels' own work next to nothing) took 5.7-6.5 ms call by call; the loop
+takes Python's part of that away.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Protocol
 import torch
 
 from spillway.kernels.cpu.decode_ops import DecodeOps
+from spillway.kernels.cpu.matmul_q8 import MatmulQ8Kernels, PackedQ8
 from spillway.kernels.cpu.matvec import (
     BLOCK_TYPES,
     INTEGER_CODES,
@@ -58,6 +67,8 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_layers.c"
 FewRowForm = (
     torch.Tensor | Q8Weight | BlockWeight | IntegerBlocks | IntegerSegments | QuantizedWeight
 )
+# Rows past every few-row kernel: a step of more goes through the loop in many-row forms.
+FEW_ROWS_AT_MOST = max(MAX_ROWS, MAX_BLOCK_ROWS)
 log = logging.getLogger(__name__)
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # decode_layers' return code // -100 -> what failed, raised as the per-call path raises it
@@ -72,7 +83,7 @@ _FAILURES: dict[int, tuple[type[Exception], str]] = {
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in (
         "linear_f32", "linear_q8", "linear_blocks", "linear_blocks_q8", "add_rms_norm",
-        "rotary", "store_kv", "silu_mul", "attention",
+        "rotary", "store_kv", "silu_mul", "attention", "linear_rows",
     )]  # fmt: skip
 
 
@@ -84,7 +95,7 @@ class _Projection(ctypes.Structure):
     _fields_ = [("w", _PTR), ("q", _PTR), ("scales", _PTR), ("wsum", _PTR), ("blocks", _PTR),
                 ("block_type", _I64), ("integer", _I64), ("bias", _PTR), ("n", _I64),
                 ("k", _I64), ("segments", _PTR), ("num_segments", _I64),
-                ("row_bytes", _I64)]  # fmt: skip
+                ("row_bytes", _I64), ("neg", _PTR)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -102,6 +113,7 @@ class _Step(ctypes.Structure):
         *[(n, _PTR) for n in ("positions", "slots", "query_start", "block_tables",
                               "context_lens", "cos_table", "sin_table", "x", "residual", "h",
                               "qkv", "attn", "gate_up", "act")],
+        ("rows_min_work", _I64),
     ]  # fmt: skip
 
 
@@ -124,6 +136,10 @@ class FewRowLinear(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> FewRowForm | None: ...
 
+    def many_row_form(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> PackedQ8 | None: ...
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -145,11 +161,17 @@ class _Prepared:
     keep: list[object]
     inter: int
     max_rows: int  # the fewest any projection's form takes (`max_rows`)
+    many: bool  # the many-row forms (rows past FEW_ROWS_AT_MOST), not the few-row ones
 
 
 class DecodeLayers:
     def __init__(
-        self, library: ctypes.CDLL, matvec: MatvecKernels, ops: DecodeOps, native: NativeKernels
+        self,
+        library: ctypes.CDLL,
+        matvec: MatvecKernels,
+        ops: DecodeOps,
+        native: NativeKernels,
+        matmul: MatmulQ8Kernels | None = None,
     ) -> None:
         fn = library.decode_layers
         fn.restype = ctypes.c_int
@@ -161,6 +183,7 @@ class DecodeLayers:
         self._stall_once = library.decode_layers_stall_once
         self._stall_once.argtypes = [ctypes.c_int, ctypes.c_int]
         addresses = {**matvec.addresses(), **ops.addresses(), **native.addresses()}
+        addresses["linear_rows"] = None if matmul is None else matmul.rows_address
         # One table per cache dtype: the same kernels but the KV store and attention.
         suffix = {torch.float32: "", torch.bfloat16: "_bf16"}
         self._kernels = {
@@ -171,14 +194,15 @@ class DecodeLayers:
             for dtype, end in suffix.items()
         }  # fmt: skip
         self._matvec = matvec
+        self._matmul = matmul
         # Whether a step runs in one parallel region of all threads (decode_layers.c says
         # why) rather than each projection in its own: chosen by timing (`StepThreads`)
         # unless set.
         self.together: bool | None = None
         self.step_threads = StepThreads()
         # what the kernels above belong to: their libraries stay loaded while this lives
-        self._owners = (ops, native)
-        self._prepared: _Prepared | None = None
+        self._owners = (ops, native, matmul)
+        self._prepared: dict[bool, _Prepared] = {}  # by `_Prepared.many`
 
     def run(
         self,
@@ -201,13 +225,19 @@ class DecodeLayers:
         g = geometry
         if not self._fits(x, positions, slots, k_caches[0], cos_table, sin_table):
             return None
-        prepared = self._prepare(x, layers, linear, k_caches, v_caches)
+        many = rows > FEW_ROWS_AT_MOST
+        if many and self._matmul is None:
+            return None
+        prepared = self._prepare(x, layers, linear, k_caches, v_caches, many)
         if prepared is None or rows > prepared.max_rows:
             return None
         qkv_width = (g.q_heads + 2 * g.kv_heads) * g.head_dim
         threads = torch.get_num_threads()
-        together = threads > 1 and (
-            self.step_threads.together(rows) if self.together is None else self.together
+        # Many rows: kernel by kernel, each on the helper threads as from Python.
+        together = (
+            not many
+            and threads > 1
+            and (self.step_threads.together(rows) if self.together is None else self.together)
         )
         residual = torch.empty_like(x)
         out = x.clone()
@@ -225,6 +255,8 @@ class DecodeLayers:
             lens.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), out.data_ptr(),
             residual.data_ptr(), *(b.data_ptr() for b in bufs),
         )  # fmt: skip
+        if self._matmul is not None:
+            step.rows_min_work = self._matmul.parallel_min_work
         start = time.perf_counter_ns()
         code = self._run(
             ctypes.byref(self._kernels[k_caches[0].dtype]),
@@ -232,7 +264,7 @@ class DecodeLayers:
             len(prepared.array),
             ctypes.byref(step),
         )
-        if threads > 1 and self.together is None:
+        if threads > 1 and self.together is None and not many:
             before = self.step_threads.chosen(rows)
             self.step_threads.record(rows, together, time.perf_counter_ns() - start)
             after = self.step_threads.chosen(rows)
@@ -269,7 +301,7 @@ class DecodeLayers:
     ) -> bool:
         return (
             x.dim() == 2
-            and 0 < x.shape[0] <= max(MAX_ROWS, MAX_BLOCK_ROWS)
+            and x.shape[0] > 0
             and x.dtype == cos_table.dtype == torch.float32
             and k_cache.dtype in CACHE_DTYPES
             and x.is_contiguous()
@@ -288,10 +320,12 @@ class DecodeLayers:
         linear: FewRowLinear,
         k_caches: Sequence[torch.Tensor],
         v_caches: Sequence[torch.Tensor],
+        many: bool,
     ) -> _Prepared | None:
-        """The layer array, built once per (weights, caches); None where a piece would not
-        go native call by call."""
-        p = self._prepared
+        """The layer array, built once per (weights, caches) in the few-row forms or the
+        many-row ones (`many`: x has more rows than FEW_ROWS_AT_MOST); None where a piece
+        would not go native call by call."""
+        p = self._prepared.get(many)
         same = p is not None and p.layers is layers and p.k_caches is k_caches
         if same and p.v_caches is v_caches:
             return p
@@ -300,7 +334,7 @@ class DecodeLayers:
             return None
         keep: list[object] = []
         array = (_Layer * len(layers))()
-        rows = MAX_BLOCK_ROWS
+        rows = x.shape[0] if many else MAX_BLOCK_ROWS
         inter = layers[0].down.shape[1]
         for entry, layer, k_cache, v_cache in zip(array, layers, k_caches, v_caches, strict=True):
             caches_fit = all(
@@ -321,17 +355,26 @@ class DecodeLayers:
             ):  # fmt: skip
                 # A stand-in input of this projection's width (x is the hidden width; the
                 # down projection's input is wider, and a block form checks K): one row,
-                # the forms are the same for any few.
-                probe = x.new_empty((1, weight.shape[1]))
-                form = linear.few_row_form(probe, weight, bias)
+                # the forms are the same for any few; x's rows, the same for any more than
+                # FEW_ROWS_AT_MOST.
+                probe = x.new_empty((x.shape[0] if many else 1, weight.shape[1]))
+                form: FewRowForm | PackedQ8 | None = (
+                    linear.many_row_form(probe, weight, bias)
+                    if many
+                    else linear.few_row_form(probe, weight, bias)
+                )
                 if form is None:
                     return None
-                rows = min(rows, max_rows(form))
+                if not many:
+                    rows = min(rows, max_rows(form))
                 projection, segments = _projection(form, bias)
                 setattr(entry, name, projection)
                 keep += [form, bias, segments]
-        self._prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, rows)
-        return self._prepared
+        # Many rows: any number past the few-row kernels (the forms do not change with it).
+        most = 1 << 62 if many else rows
+        prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, most, many)
+        self._prepared[many] = prepared
+        return prepared
 
 
 def max_rows(form: FewRowForm) -> int:
@@ -345,12 +388,17 @@ def max_rows(form: FewRowForm) -> int:
 
 
 def _projection(
-    form: FewRowForm, bias: torch.Tensor | None
+    form: FewRowForm | PackedQ8, bias: torch.Tensor | None
 ) -> tuple[_Projection, ctypes.Array | None]:
     """The projection's entry, and its segment array where it has one (kept alive with
     the layer array)."""
     bias_ptr = None if bias is None else bias.data_ptr()
     n, k = form.shape
+    if isinstance(form, PackedQ8):  # many rows: `linear_rows` reads q, neg and scales
+        entry = _Projection(None, form.packed.data_ptr(), form.scales.data_ptr(), None, None,
+                            0, 0, bias_ptr, n, k)  # fmt: skip
+        entry.neg = form.neg.data_ptr()
+        return entry, None
     if isinstance(form, QuantizedWeight | IntegerSegments):
         # the file's blocks read as float32 values, or (integer) each segment's integer form
         integer = isinstance(form, IntegerSegments)
@@ -384,10 +432,11 @@ def load(
     ops: DecodeOps | None,
     native: NativeKernels | None,
     cache_dir: str | Path = DEFAULT_CACHE_DIR,
+    matmul: MatmulQ8Kernels | None = None,
 ) -> DecodeLayers | None:
-    """The one-call layer loop over these kernels; None where any of them, or it, is not
-    built here."""
+    """The one-call layer loop over these kernels (and many-row int8 steps through
+    `matmul`'s product, where given); None where any of them, or it, is not built here."""
     if matvec is None or ops is None or native is None:
         return None
     library = build(SOURCE, compile_flags(), cache_dir)
-    return None if library is None else DecodeLayers(library, matvec, ops, native)
+    return None if library is None else DecodeLayers(library, matvec, ops, native, matmul)

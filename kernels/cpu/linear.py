@@ -470,6 +470,15 @@ class PackedLinear:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
 
+    def many_row_form(
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
+    ) -> PackedQ8 | None:
+        """The packed int8 weight a call with these (many) rows hands `matmul_q8`'s
+        product, for a native caller to make that call itself (`decode_layers`); None when
+        such a call goes elsewhere (here always: float32 products run through oneDNN, BLAS
+        or the panels, chosen per shape)."""
+        return None
+
     def __len__(self) -> int:
         return len(self._packed) + len(self._transposed)
 
@@ -538,17 +547,23 @@ class Int8Linear(PackedLinear):
     def __call__(
         self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):  # the float32 product of its values
-            return super().__call__(x, weight, bias)
-        if (
-            self.matmul is not None
-            and self._packable(x, weight, bias)
-            and not (self.matvec is not None and self._few_rows(x, weight, bias))
-        ):
-            packed = self._rows.get(weight)
-            if packed is not None and self.matmul.fits(x, packed, bias):
-                return self.matmul.linear(x, packed, bias)
+        packed = self.many_row_form(x, weight, bias)
+        if packed is not None:
+            assert self.matmul is not None  # many_row_form found the packed form through it
+            return self.matmul.linear(x, packed, bias)
         return super().__call__(x, weight, bias)
+
+    def many_row_form(
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
+    ) -> PackedQ8 | None:
+        if isinstance(weight, QuantizedWeight):  # the float32 product of its values
+            return None
+        if self.matmul is None or not self._packable(x, weight, bias):
+            return None
+        if self.matvec is not None and self._few_rows(x, weight, bias):
+            return None
+        packed = self._rows.get(weight)
+        return packed if packed is not None and self.matmul.fits(x, packed, bias) else None
 
     def _few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         assert self.matvec is not None

@@ -88,6 +88,8 @@ class MatmulQ8Kernels:
         self.amx = bool(library.matmul_q8_amx()) and library.matmul_q8_amx_init() == 0
         fn = library.linear_q8_rows_amx if self.amx else library.linear_q8_rows
         self._rows = native.bind(fn, ctypes.c_int, Q8_ARGS)
+        # The product's entry point, for native callers (`decode_layers` of many rows).
+        self.rows_address = native.address_of(fn)
         self._use_pool = native.bind(library.matmul_q8_use_pool, None, [ctypes.c_void_p])
         self.parallel_min_work = PARALLEL_MIN_WORK
 

@@ -216,16 +216,17 @@ class CpuOps(KernelOps, CpuAbilities):
         self._decode_query_start: torch.Tensor | None = None  # [R + 1] int64: 0, 1, ..., R
         few_rows = matvec.load(native_dir) if native == "auto" else None
         self.decode_ops = decode_ops.load(native_dir) if native == "auto" else None
-        self._decode_layers = (
-            load_decode_layers(few_rows, self.decode_ops, self.native, native_dir)
-            if native == "auto"
-            else None
-        )
         int8 = quantize == "int8"
         # Many-row int8 products: the native kernel where it beats fbgemm, else fbgemm; on
         # AMX's tiles from 16 rows where this CPU has them, unless `amx` is False (the same
         # outputs: benchmarks compare the two).
         matmul = matmul_q8.load_faster(native_dir, amx=amx) if int8 and native == "auto" else None
+        # Few-row decode steps in one native call; many-row int8 ones too, through `matmul`.
+        self._decode_layers = (
+            load_decode_layers(few_rows, self.decode_ops, self.native, native_dir, matmul)
+            if native == "auto"
+            else None
+        )
         # Many-row int8 products, attention and the elementwise work of many rows on helper
         # threads the process's kernels share, not an OpenMP region per call: the caller
         # waits for no thread to wake (`pool`). Started here, on the thread that builds the
@@ -576,8 +577,8 @@ class CpuOps(KernelOps, CpuAbilities):
         sin_cache: torch.Tensor,
         geometry: Geometry,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A few rows through `decode_layers` (the same native kernels, called from one C
-        loop); None for anything else."""
+        """A few rows, or many in the int8 mode, through `decode_layers` (the same native
+        kernels, called from one C loop); None for anything else."""
         if self._decode_layers is None or torch.is_grad_enabled():
             return None
         return self._decode_layers.run(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spillway.kernels.cpu import matvec
-from spillway.kernels.cpu.decode_layers import Geometry
+from spillway.kernels.cpu.decode_layers import FEW_ROWS_AT_MOST, Geometry
 from spillway.kernels.cpu.matvec import BlockWeight
 from spillway.kernels.cpu.ops import CpuOps
 from spillway.kernels.cpu.quantized_weight import QuantizedWeight
@@ -77,6 +77,7 @@ def _runner(
     at_once: bool,
     kv_dtype: torch.dtype = torch.float32,
     together: bool | None = True,
+    blocks: int = 24,
 ) -> ModelRunner:
     """A runner whose decode steps take the one-call loop (`at_once`; all threads in one
     region where `together`, else each projection in its own; None: chosen by timing) or
@@ -89,7 +90,7 @@ def _runner(
         ops._decode_layers = None
     return ModelRunner(
         LlamaModel(CONFIG, weights, ops),
-        KVCache(CONFIG, 24, BLOCK, kv_dtype, torch.device("cpu")),
+        KVCache(CONFIG, blocks, BLOCK, kv_dtype, torch.device("cpu")),
     )
 
 
@@ -202,7 +203,7 @@ def test_the_model_files_blocks_give_the_float32_weights_steps(block_weights, mo
     assert read  # the layer loop read the blocks
     once = _runner(block_weights, "none", at_once=True)
     once_tokens, once_logits = _steps(once, 2)
-    prepared = once.model.ops._decode_layers._prepared
+    prepared = once.model.ops._decode_layers._prepared[False]
     for layer in prepared.array:  # the one-call loop reads every projection's blocks too
         assert all(getattr(layer, p).blocks for p in ("qkv", "o", "gate_up", "down"))
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
@@ -255,7 +256,7 @@ def test_a_projection_of_several_block_formats_goes_through_the_one_call_loop(
         pytest.skip("block kernel not built (needs AVX2, FMA and F16C)")
     once = _runner(segment_weights, "none", at_once=True)
     once_tokens, once_logits = _steps_at_once(once, rows, monkeypatch)
-    for layer in once.model.ops._decode_layers._prepared.array:
+    for layer in once.model.ops._decode_layers._prepared[False].array:
         assert layer.qkv.num_segments == 2 and not layer.o.num_segments
     loop_tokens, loop_logits = _steps(_runner(segment_weights, "none", at_once=False), rows)
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
@@ -271,6 +272,50 @@ def test_more_rows_than_the_native_path_takes_loop_in_python(weights, monkeypatc
     )
     _steps(once, matvec.MAX_ROWS + 1)
     assert taken and all(r is None for r in taken)  # asked, declined, and the loop served
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [FEW_ROWS_AT_MOST + 1, 16])
+def test_many_int8_rows_go_through_the_one_call_loop_to_the_bit(
+    weights, rows, kv_dtype, two_threads, monkeypatch
+):
+    """A decode step past the few-row kernels, in the int8 mode: every projection in the
+    many-row kernel's packed form, the step through the one-call loop, the layer loop's
+    tokens, logits and caches to the bit."""
+    loop = _runner(weights, "int8", at_once=False, kv_dtype=kv_dtype, blocks=2 * rows)
+    once = _runner(weights, "int8", at_once=True, kv_dtype=kv_dtype, blocks=2 * rows)
+    if once.model.ops._linear.matmul is None:
+        pytest.skip("the many-row int8 kernel is not built here (it needs AVX-512 VNNI)")
+    taken = []
+    real = once.model.ops._decode_layers.run
+    monkeypatch.setattr(
+        once.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
+    )
+    want_tokens, want_logits = _steps(loop, rows)
+    got_tokens, got_logits = _steps(once, rows)
+    assert len(taken) >= 5 and all(r is not None for r in taken)  # every decode step
+    for layer in once.model.ops._decode_layers._prepared[True].array:
+        assert all(getattr(layer, p).neg for p in ("qkv", "o", "gate_up", "down"))
+    assert got_tokens == want_tokens
+    assert torch.equal(got_logits, want_logits)
+    for a, b in zip(
+        (*once.kv_cache.k, *once.kv_cache.v), (*loop.kv_cache.k, *loop.kv_cache.v), strict=True
+    ):
+        assert torch.equal(a, b)
+    assert got_logits.std() > 0
+
+
+def test_many_float32_rows_loop_in_python(weights, monkeypatch):
+    """The exact mode's many-row products (oneDNN, BLAS or the panels) have no native
+    form here: past the few-row kernels its steps stay in the layer loop."""
+    once = _runner(weights, "none", at_once=True, blocks=2 * (FEW_ROWS_AT_MOST + 1))
+    taken = []
+    real = once.model.ops._decode_layers.run
+    monkeypatch.setattr(
+        once.model.ops._decode_layers, "run", lambda *a: taken.append(r := real(*a)) or r
+    )
+    _steps(once, FEW_ROWS_AT_MOST + 1)
+    assert taken and all(r is None for r in taken)
 
 
 @pytest.mark.parametrize(("position", "slot", "match"), [(300, 0, "position"), (3, 10**6, "slot")])
@@ -302,7 +347,7 @@ def test_int8_reads_the_model_files_blocks_with_integer_products(block_weights, 
     assert read  # the layer loop read the blocks (and the lm_head's)
     once = _runner(block_weights, "int8", at_once=True)
     once_tokens, once_logits = _steps(once, 2)
-    prepared = once.model.ops._decode_layers._prepared
+    prepared = once.model.ops._decode_layers._prepared[False]
     for layer in prepared.array:
         assert all(getattr(layer, p).integer for p in ("qkv", "o", "gate_up", "down"))
     assert once_tokens == loop_tokens and torch.equal(once_logits, loop_logits)
@@ -391,7 +436,7 @@ def test_a_q5_1_file_s_decode_steps_go_through_the_one_call_loop(tmp_path, rows,
         pytest.skip("native kernels not built here (no compiler or no AVX2)")
     loop.model.ops._decode_layers = None
     once_tokens, once_logits = _steps_at_once(once, rows, monkeypatch)
-    for layer in once.model.ops._decode_layers._prepared.array:
+    for layer in once.model.ops._decode_layers._prepared[False].array:
         assert all(getattr(layer, p).blocks for p in ("qkv", "o", "gate_up", "down"))
     assert {p.kind for p in once.model.weights.layers[0].qkv.parts} == {"q5_1"}
     loop_tokens, loop_logits = _steps(loop, rows)
@@ -418,7 +463,7 @@ def test_int8_reads_a_q4_k_m_file_s_every_type_with_integer_products(tmp_path, r
         pytest.skip("native kernels not built here (no compiler or no AVX2)")
     loop.model.ops._decode_layers = None
     once_tokens, once_logits = _steps_at_once(once, rows, monkeypatch)
-    layers = once.model.ops._decode_layers._prepared.array
+    layers = once.model.ops._decode_layers._prepared[False].array
     for layer in layers:
         assert all(getattr(layer, p).integer for p in ("qkv", "o", "gate_up", "down"))
     assert [layer.qkv.num_segments for layer in layers] == [2, 0]  # layer 1's: all Q5_0

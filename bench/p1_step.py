@@ -18,7 +18,9 @@ runs the steps once per KV cache dtype in this process (the same weights and row
 ends with the ratios of the step and of its attention; `--no-amx` keeps the int8 mode's
 many-row products on VNNI instead of AMX's tiles (a before/after on a CPU that has them);
 `--no-pool` opens an OpenMP region per many-row call (and per elementwise operation of many
-rows) instead of the shared helper threads.
+rows) instead of the shared helper threads. An int8 decode step of many rows runs its layers
+in one native call (`kernels.cpu.decode_layers`), timed as one piece; `--per-call` sends it
+through Python layer by layer instead, each kernel call timed.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def run(args: argparse.Namespace) -> None:
     ops = CpuOps(quantize=args.quantize, amx=not args.no_amx, pool=not args.no_pool)
     model = LlamaModel(config, weights, ops)
     model.warm_up()
+    if args.per_call and ops._decode_layers is not None:
+        ops._decode_layers.many_rows = False
     timings = instrument(ops, model, CLOCKS[args.clock])
     print(f"threads {threads}, load {os.getloadavg()[0]:.2f}, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, --quantize {args.quantize}, clock {args.clock}, "
@@ -253,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-amx", action="store_true", help="int8: keep many-row products off AMX's tiles"
+    )
+    parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="an int8 decode step's layers through Python call by call, not one native call",
     )
     parser.add_argument(
         "--no-pool",

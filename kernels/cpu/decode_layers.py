@@ -195,6 +195,9 @@ class DecodeLayers:
         }  # fmt: skip
         self._matvec = matvec
         self._matmul = matmul
+        # Whether steps past the few-row kernels go through the loop (where `matmul` is
+        # given); a benchmark turns it off to time the per-call path's pieces.
+        self.many_rows = True
         # Whether a step runs in one parallel region of all threads (decode_layers.c says
         # why) rather than each projection in its own: chosen by timing (`StepThreads`)
         # unless set.
@@ -226,7 +229,7 @@ class DecodeLayers:
         if not self._fits(x, positions, slots, k_caches[0], cos_table, sin_table):
             return None
         many = rows > FEW_ROWS_AT_MOST
-        if many and self._matmul is None:
+        if many and (self._matmul is None or not self.many_rows):
             return None
         prepared = self._prepare(x, layers, linear, k_caches, v_caches, many)
         if prepared is None or rows > prepared.max_rows:

@@ -161,7 +161,6 @@ class _Prepared:
     keep: list[object]
     inter: int
     max_rows: int  # the fewest any projection's form takes (`max_rows`)
-    many: bool  # the many-row forms (rows past FEW_ROWS_AT_MOST), not the few-row ones
 
 
 class DecodeLayers:
@@ -205,7 +204,8 @@ class DecodeLayers:
         self.step_threads = StepThreads()
         # what the kernels above belong to: their libraries stay loaded while this lives
         self._owners = (ops, native, matmul)
-        self._prepared: dict[bool, _Prepared] = {}  # by `_Prepared.many`
+        # by whether its forms are the many-row ones (x past FEW_ROWS_AT_MOST rows)
+        self._prepared: dict[bool, _Prepared] = {}
 
     def run(
         self,
@@ -337,7 +337,7 @@ class DecodeLayers:
             return None
         keep: list[object] = []
         array = (_Layer * len(layers))()
-        rows = x.shape[0] if many else MAX_BLOCK_ROWS
+        rows = MAX_BLOCK_ROWS
         inter = layers[0].down.shape[1]
         for entry, layer, k_cache, v_cache in zip(array, layers, k_caches, v_caches, strict=True):
             caches_fit = all(
@@ -375,7 +375,7 @@ class DecodeLayers:
                 keep += [form, bias, segments]
         # Many rows: any number past the few-row kernels (the forms do not change with it).
         most = 1 << 62 if many else rows
-        prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, most, many)
+        prepared = _Prepared(layers, k_caches, v_caches, array, keep, inter, most)
         self._prepared[many] = prepared
         return prepared
 

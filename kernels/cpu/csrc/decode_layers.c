@@ -286,7 +286,6 @@ static int project_piece(const Kernels *f, const Projection *p, Piece c, const f
     const Segment *g = c.g;
     const int64_t n0 = c.n0, n = c.n1 - c.n0, k = p->k, alone = INT64_MAX;
     const float *bias = p->bias ? p->bias + c.col + n0 : NULL;
-    if (p->neg) return 1; /* a many-row form: never in the one-region path */
     if (g)
         return (p->integer ? f->linear_blocks_q8 : f->linear_blocks)(
             x, rows, k, g->blocks + n0 * g->row_bytes, (int)g->block_type, n, bias, out, alone);

@@ -97,6 +97,12 @@ class SpillLedger:
         held = set(self.entries).union(*live)
         return sorted(n for n, age in ages.items() if n not in held and age >= grace_s)
 
+    def stale(self, indexed: list[str]) -> list[str]:
+        """Of the names the Redis index holds, those no entry holds: the index mirrors the
+        ledger, and an entry is in the ledger before its index write is sent, so such a
+        name was forgotten and its index entry's deletion failed or was overtaken."""
+        return sorted(n for n in indexed if n not in self.entries)
+
     def record(self, rec: SpillRecord, now: float) -> SpillEntry | None:
         """The entry to keep; None when the spill was dropped already (delete it)."""
         name = spill_name(rec.seq_id, rec.spill_id)

@@ -16,7 +16,9 @@ Every few seconds the sweep also deletes spill values that no entry and no live 
 accounts for, once they are old enough that no record of theirs is on its way
 (`SpillLedger.unowned`): values written after their drop, or whose record and drop were
 both lost, or whose entry was forgotten while Redis could not delete them. Without it they
-stayed until their TTL (an hour by default).
+stayed until their TTL (an hour by default). It deletes as well the index entries of spills
+the ledger has forgotten (`SpillLedger.stale`): an HDEL lost while Redis restarted or refused
+commands left them for ever, the index having no TTL.
 
 A sweep every second expires orphans and trims the prefix tier to its capacity (oldest
 blocks first). The ledger is mirrored in a Redis hash, so a restarted store knows what it
@@ -127,6 +129,10 @@ class SpillStore:
             "boot_id": entry.boot_id,
         }
         await self.redis.hset(self.keys.index(), entry.name, json.dumps(fields))
+        if self.ledger.entries.get(entry.name) is not entry:
+            # Dropped (or expired) while the write was on its way: the drop's HDEL may have
+            # reached Redis first, on another of the pool's connections.
+            await self.redis.hdel(self.keys.index(), entry.name)
         if self.ledger.used_bytes > self.capacity_bytes:
             log.warning(
                 "spill store over capacity: %d of %d bytes",
@@ -220,6 +226,22 @@ class SpillStore:
                 ", ".join(names[:5]),
             )
         return len(names)
+
+    async def forget_stale_index(self) -> int:
+        """Deletes the index's entries of spills the ledger no longer holds (their HDEL
+        failed while Redis could not take it); how many. Without it they stayed for ever:
+        the index has no TTL."""
+        index = self.keys.index()
+        names = [n.decode() if isinstance(n, bytes) else n for n in await self.redis.hkeys(index)]
+        stale = self.ledger.stale(names)
+        if stale:
+            await self.redis.hdel(index, *stale)
+            log.warning(
+                "forgot %d index entries of spills no longer held: %s",
+                len(stale),
+                ", ".join(stale[:5]),
+            )
+        return len(stale)
 
     async def _delete_entries(self, entries: list[SpillEntry]) -> None:
         """The values and index entries of spills the ledger has forgotten."""
@@ -326,6 +348,7 @@ class SpillStore:
         if self.clock() - self._unowned_at >= UNOWNED_EVERY_S:
             self._unowned_at = self.clock()
             await self.delete_unowned()
+            await self.forget_stale_index()
 
 
 async def connect_redis(url: str, timeout_s: float = 10.0) -> aioredis.Redis:

@@ -303,3 +303,38 @@ async def test_values_nothing_holds_are_deleted_once_old_and_held_ones_stay(redi
     finally:
         await redis.delete(*[k async for k in redis.scan_iter(match="sp10:*")])
         await redis.aclose()
+
+
+async def test_index_entries_of_forgotten_spills_go_and_a_drop_overtaking_the_write_leaves_none(
+    redis_url,
+):
+    """The index mirrors the ledger: an entry whose HDEL was lost (Redis restarting) goes at
+    the next sweep, and a drop handled while its record's HSET was on its way (the HDEL on
+    another connection, first) leaves no entry behind."""
+    redis = aioredis.from_url(redis_url)
+    keys = SpillKeys("sp11")
+    store = SpillStore(redis, keys, capacity_bytes=1 << 20, ttl_s=3600)
+    try:
+        await store.record(SpillRecord(seq_id="held", spill_id=1, worker_id="w", num_bytes=2,
+                                       num_keys=1))  # fmt: skip
+        await redis.hset(keys.index(), "lost:2", "{}")  # its HDEL never reached Redis
+        assert await store.forget_stale_index() == 1
+        assert {k.decode() for k in await redis.hkeys(keys.index())} == {"held:1"}
+        assert await store.forget_stale_index() == 0
+
+        hset = redis.hset
+
+        async def dropped_on_the_way(*args, **kwargs):
+            # The drop runs to its end while the record's write waits for a connection.
+            await store.drop("raced", 1)
+            return await hset(*args, **kwargs)
+
+        redis.hset = dropped_on_the_way
+        await store.record(SpillRecord(seq_id="raced", spill_id=1, worker_id="w", num_bytes=2,
+                                       num_keys=1))  # fmt: skip
+        redis.hset = hset
+        assert {k.decode() for k in await redis.hkeys(keys.index())} == {"held:1"}
+        assert set(store.ledger.entries) == {"held:1"}
+    finally:
+        await redis.delete(*[k async for k in redis.scan_iter(match="sp11:*")])
+        await redis.aclose()

@@ -126,6 +126,15 @@ def test_a_scheduler_known_only_from_a_record_holds_back_the_unowned_sweep():
     assert ledger.unowned({"stray:1": 60.0}, grace_s=10) == ["stray:1"]
 
 
+def test_index_names_no_entry_holds_are_stale():
+    ledger = SpillLedger(capacity_bytes=1000, orphan_timeout_s=30)
+    ledger.record(_rec("kept"), now=0)
+    ledger.record(_rec("gone"), now=0)
+    ledger.drop("gone", 1)
+    assert ledger.stale(["kept:1", "gone:1", "never:3"]) == ["gone:1", "never:3"]
+    assert ledger.stale([]) == []
+
+
 def test_a_value_key_names_its_spill_and_other_keys_none():
     keys = SpillKeys("ns")
     assert keys.spill_of(keys.block_group("req-1", 3, 7)) == "req-1:3"

@@ -116,6 +116,8 @@ def parser(doc: str | None, sizes: Sizes, default: str) -> argparse.ArgumentPars
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, help="math threads (default: every core)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="float32 weights, or int8 projections and experts")  # fmt: skip
     p.add_argument(
         "--vllm", metavar="PYTHON",
         help="a Python with vLLM's CPU build: its offline generate of the same batch, float32",
@@ -160,7 +162,7 @@ def setup(args: argparse.Namespace, sizes: Sizes, **settings):
     runner, _ = load_runner(
         load_settings(
             model=str(folder), kv_blocks=blocks, device="cpu", dtype="float32",
-            threads=args.threads, **settings,
+            threads=args.threads, quantize=getattr(args, "quantize", "none"), **settings,
         )
     )  # fmt: skip
     rng = random.Random(0)
@@ -173,4 +175,5 @@ def headline(args: argparse.Namespace) -> str:
     return (
         f"{args.family} ({args.size}): batch {args.batch}, prompt {args.prompt},"
         f" {args.new} new tokens, {torch.get_num_threads()} threads, float32 CPU"
+        + (" (int8 projections and experts)" if getattr(args, "quantize", "none") == "int8" else "")
     )

@@ -27,7 +27,14 @@ import torch
 
 from spillway.kernels.cpu import native
 from spillway.kernels.cpu.info import has_amx_int8
-from spillway.kernels.cpu.matvec import INT8_DOT_CODES, Q8_ARGS, Q8_BLOCK, Q8Weight, rows_product
+from spillway.kernels.cpu.matvec import (
+    INT8_DOT_CODES,
+    Q8_ARGS,
+    Q8_BLOCK,
+    Q8Weight,
+    check_experts_args,
+    rows_product,
+)
 from spillway.kernels.cpu.matvec import compile_flags as matvec_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "matmul_q8.c"
@@ -90,6 +97,11 @@ class MatmulQ8Kernels:
         self._rows = native.bind(fn, ctypes.c_int, Q8_ARGS)
         # The product's entry point, for native callers (`decode_layers` of many rows).
         self.rows_address = native.address_of(fn)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._experts = native.bind(
+            library.linear_q8_rows_experts, ctypes.c_int,
+            [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64],
+        )  # fmt: skip
         self._use_pool = native.bind(library.matmul_q8_use_pool, None, [ctypes.c_void_p])
         self.parallel_min_work = PARALLEL_MIN_WORK
 
@@ -114,14 +126,47 @@ class MatmulQ8Kernels:
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         )
 
-    def linear(self, x: torch.Tensor, weight: PackedQ8, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: PackedQ8,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [M, K], quantized per block of 64 to int8, against an int8 weight with integer
-        products (+ b) -> [M, N] float32."""
+        products (+ b) -> [M, N] float32 (into `out`, contiguous, where given)."""
         weight_args = (weight.packed.data_ptr(), weight.neg.data_ptr(), weight.scales.data_ptr())
         return rows_product(
             self._rows, "native int8 product", x, weight_args, weight.shape[0], bias,
-            self.parallel_min_work,
+            self.parallel_min_work, out,
         )  # fmt: skip
+
+    def linear_experts(
+        self,
+        x: torch.Tensor,
+        groups: torch.Tensor,
+        stack: PackedQ8,
+        experts: int,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """`MatmulQ8Kernels.linear` for many experts' rows in one call (a MoE layer's routed
+        experts): x [R, K] float32, rows sorted by expert; groups [3, G] int64, each group's
+        first row, row count and expert; `stack` the experts' [E * N, K] weights packed as one
+        (N a multiple of 16: no group of outputs straddles two experts). Writes each group's
+        rows of out [R, N] (the others are left as they are) with the values `linear` gives
+        those rows against that expert's own packed weight, to the bit."""
+        n, k = check_experts_args(x, groups, stack.shape, experts, out)
+        assert n % GROUP == 0, "an expert's outputs not in groups of 16"
+        code = self._experts(
+            x.data_ptr(), *(groups[i].data_ptr() for i in range(3)), groups.shape[1], k,
+            stack.packed.data_ptr(), stack.neg.data_ptr(), stack.scales.data_ptr(), n,
+            out.data_ptr(), self.parallel_min_work,
+        )  # fmt: skip
+        if code == -1:
+            raise MemoryError("native int8 experts could not allocate their buffers")
+        if code:
+            raise ValueError(f"native int8 experts refused {k} x {n} ({code})")
+        return out
 
 
 def compile_flags(dot: str | None = None, amx: bool = True) -> list[str]:

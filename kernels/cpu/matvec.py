@@ -314,6 +314,10 @@ class MatvecKernels:
         blocks_args = [_PTR, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64]
         self._f32 = bind(library.linear_f32, None, [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64])
         self._q8 = bind(library.linear_q8, ctypes.c_int, Q8_ARGS)
+        self._q8_experts = bind(
+            library.linear_q8_experts, ctypes.c_int,
+            [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64],
+        )  # fmt: skip
         self._blocks = bind(library.linear_blocks_f32, ctypes.c_int, blocks_args)
         self._blocks_q8 = bind(library.linear_blocks_q8, ctypes.c_int, blocks_args)
         self._dequant = bind(
@@ -546,6 +550,27 @@ class MatvecKernels:
             self.parallel_min_bytes, out,
         )  # fmt: skip
 
+    def linear_q8_experts(
+        self, x: torch.Tensor, groups: torch.Tensor, stack: Q8Weight, experts: int,
+        out: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """`linear_q8` for many experts' rows in one call (a MoE layer's decode step): x
+        [R, K] float32, its rows sorted by expert; groups [3, G] int64, each group's first
+        row, row count and expert; `stack` the `quantize_q8` of the experts' [E * N, K]
+        weights. Writes each group's rows of out [R, N] (the others are left as they are)
+        with the values `linear_q8` gives those rows against that expert's weight."""
+        n, k = check_experts_args(x, groups, tuple(stack.shape), experts, out)
+        first, count, expert = (groups[i].data_ptr() for i in range(3))
+        code = self._q8_experts(
+            x.data_ptr(), first, count, expert, groups.shape[1], k, stack.q.data_ptr(),
+            stack.scales.data_ptr(), stack.block_sums.data_ptr(), n, out.data_ptr(),
+            self.parallel_min_bytes,
+        )  # fmt: skip
+        if code:
+            error, says = _FAILURES.get(code, (ValueError, f"refused {k} x {n} ({code})"))
+            raise error(f"native int8 experts {says}")
+        return out
+
     def linear_q8(
         self, x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -555,6 +580,26 @@ class MatvecKernels:
             self._q8, "native int8 projection", x, weight_args, weight.shape[0], bias,
             self.parallel_min_bytes,
         )  # fmt: skip
+
+
+def check_experts_args(
+    x: torch.Tensor, groups: torch.Tensor, shape: tuple[int, int], experts: int,
+    out: torch.Tensor,
+) -> tuple[int, int]:  # fmt: skip
+    """(N, K) of a call of many experts' rows (`linear_q8_experts`, `matmul_q8`'s
+    `linear_experts`) against a stack of `experts` weights of [E * N, K] `shape`, its
+    arguments checked."""
+    rows, k = x.shape
+    n = shape[0] // experts
+    assert x.dtype == torch.float32 and x.is_contiguous() and shape[1] == k
+    assert n * experts == shape[0], "the stack's rows are not E experts' N"
+    assert groups.dtype == torch.int64 and groups.is_contiguous() and groups.shape[0] == 3
+    assert out.shape == (rows, n) and out.dtype == torch.float32 and out.is_contiguous()
+    if groups.shape[1]:
+        first, count, expert = groups
+        assert int(first.min()) >= 0 and int((first + count).max()) <= rows, "rows outside x"
+        assert int(expert.min()) >= 0 and int(expert.max()) < experts, "an expert outside"
+    return n, k
 
 
 def rows_product(

@@ -45,6 +45,7 @@ from spillway.kernels.cpu.native import CACHE_DTYPES, DEFAULT_CACHE_DIR, NativeK
 from spillway.kernels.cpu.native import load as load_native
 from spillway.kernels.cpu.noise import NativeUniforms
 from spillway.kernels.cpu.quantized_weight import (
+    ExpertWeights,
     QuantizedWeight,
     Weight,
     embedding,
@@ -123,6 +124,12 @@ class CpuAbilities(Protocol):
         this machine did (`PackedLinear.tune_forms`: oneDNN's packing or MKL on the
         transposed weight; for weights kept in blocks the panel kernel or tiles for BLAS);
         returns shape -> form."""
+        ...
+
+    def warm_experts(self, w_gate_up: ExpertWeights, w_down: ExpertWeights, rows: int) -> int:
+        """Makes each expert's forms for a few rows and for `rows` at start-up (the int8
+        mode's int8 weights), not in the first requests; how many weights it made them for
+        (0 where the experts have none to make)."""
         ...
 
 
@@ -273,6 +280,9 @@ class CpuOps(KernelOps, CpuAbilities):
         """On the CPU against weights packed on first use (`linear`), or read in the model
         file's blocks where it keeps them (`quantized_weight`)."""
         return self._linear(x, weight, bias)
+
+    def warm_experts(self, w_gate_up: ExpertWeights, w_down: ExpertWeights, rows: int) -> int:
+        return self.fused_experts.warm(w_gate_up, w_down, rows)
 
     def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor:
         """A table kept in blocks dequantizes only those rows."""

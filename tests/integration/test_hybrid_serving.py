@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from spillway.kernels.cpu import ssm as cpu_ssm
+from spillway.kernels.cpu.linear import Int8Linear
 from spillway.services.scheduler.config import SchedulerConfig
 from spillway.services.scheduler.core import SchedulerCore
 from spillway.services.scheduler.prefix_hash import hash_hex
@@ -142,6 +143,21 @@ def test_a_bf16_kv_cache_serves_them_too(family_dir):
     got, _, runner = _serve_all(family_dir, kv_blocks=64, state_slots=8, kv_cache_dtype="bfloat16")
     assert runner.kv_cache.dtype == torch.bfloat16
     assert got == exact  # these models' greedy choices are clear enough to survive the rounding
+
+
+def test_the_int8_mode_serves_them_on_int8_experts_made_at_start_up(family_dir, want):
+    got, _, runner = _serve_all(family_dir, kv_blocks=64, state_slots=8, quantize="int8")
+    experts = runner.model.ops.fused_experts
+    linear = experts.linear
+    assert experts.int8 and isinstance(linear, Int8Linear)
+    made = experts.int8_forms()
+    assert made["packed"] + made["streamed"] + made["one by one"] >= 2 * 3  # 3 MoE layers
+    assert [len(tokens) for tokens in got] == [NEW_TOKENS] * len(PROMPTS)
+    # int8 moves these tiny random models' later choices; each prompt's first token stays
+    assert [tokens[0] for tokens in got] == [tokens[0] for tokens in want]
+    # the warm-up alone made every int8 form the serving used: serving made none
+    fresh_runner = _runner(family_dir, 64, 8, quantize="int8")  # kept: the forms die with it
+    assert fresh_runner.model.ops.fused_experts.int8_forms() == made
 
 
 def test_few_slots_queue_requests_and_recompute_under_block_pressure(family_dir, want):

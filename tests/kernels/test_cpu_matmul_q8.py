@@ -78,7 +78,7 @@ def test_amx_tiles_give_the_vnni_outputs_to_the_bit(builds, tiles, amx_weights, 
         for b in (None, bias):
             got = tiles.linear(x, packed, b)
             assert torch.equal(got, vnni.linear(x, packed, b)), f"{where}, {n} x {k}"
-        want = _quantized_rows(x) @ dense.T + bias.double()
+        want = quantized_rows(x) @ dense.T + bias.double()
         torch.testing.assert_close(
             got.double(), want, rtol=1e-5, atol=1e-4, msg=lambda m: f"{where}: {m}"
         )
@@ -103,7 +103,7 @@ def test_amx_needs_the_cpu_flags_and_is_built_only_when_asked():
     assert not set(matmul_q8.AMX_FLAGS) & set(matmul_q8.compile_flags(amx=False))
 
 
-def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel rounds it, in float64: per block of 64, scale 127 / amax in float32,
     half to even."""
     rows = x.shape[0]
@@ -136,7 +136,7 @@ def test_rows_are_the_float64_product_of_their_quantized_operands(builds, dot, r
     assert builds[dot].fits(x, packed, bias)
     got = builds[dot].linear(x, packed, bias).double()
     dense = q8.q.double() * q8.scales.double()[:, None]
-    want = _quantized_rows(x) @ dense.T + bias.double()
+    want = quantized_rows(x) @ dense.T + bias.double()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
     full = x.double() @ w.double().T + bias.double()
     assert (got - full).abs().max() < 0.05 * full.abs().max(), f"seed {seed}"
@@ -172,6 +172,32 @@ def test_strips_handed_to_threads_as_they_come_free_give_one_threads_outputs(bui
     finally:
         kernels.parallel_min_work = matmul_q8.PARALLEL_MIN_WORK
     assert torch.equal(shared, alone), f"seed {seed}"
+
+
+def test_experts_give_each_groups_rows_what_its_experts_product_gives_them(builds):
+    """One call for many experts' rows (groups of 1 to 70 rows, an expert twice, one not at
+    all), the experts packed as one stack: each group's rows are `linear`'s against its
+    expert's own packed weight to the bit; rows in no group untouched."""
+    kernels = next(iter(builds.values()))
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    experts, n, k = 4, 96, 192
+    w = torch.randn(experts, n, k, generator=g) * 0.05
+    x = torch.randn(90, k, generator=g)
+    x[3, 5] *= 50.0
+    groups = torch.tensor([[0, 1, 5, 75], [1, 4, 70, 14], [2, 0, 3, 2]], dtype=torch.int64)
+    out = torch.full((90, n), 7.0)
+    stack = matmul_q8.pack(quantize_q8(w.reshape(-1, k)))
+    kernels.linear_experts(x, groups, stack, experts, out)
+    for first, count, e in groups.t().tolist():
+        rows = x[first : first + count]
+        want = kernels.linear(rows, matmul_q8.pack(quantize_q8(w[e])), None)
+        assert torch.equal(out[first : first + count], want), f"seed {seed}, expert {e}"
+    assert torch.equal(out[89], torch.full((n,), 7.0))  # in no group
+    with pytest.raises(AssertionError, match="an expert outside"):
+        kernels.linear_experts(x, groups + torch.tensor([[0], [0], [2]]), stack, experts, out)
+    with pytest.raises(AssertionError, match="rows outside"):
+        kernels.linear_experts(x, groups + torch.tensor([[2], [0], [0]]), stack, experts, out)
 
 
 def test_pack_lays_out_sixteen_outputs_four_values_at_a_time():

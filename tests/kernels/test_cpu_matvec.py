@@ -90,6 +90,36 @@ def test_q8_is_its_quantization_exactly_and_close_to_float(matvec, rows, with_bi
     assert 1e-5 < err < 0.03  # quantized, yet close (the outlier's block rounds coarsely)
 
 
+@pytest.mark.parametrize("dot", list(INT8_DOTS))
+def test_q8_experts_give_each_groups_rows_what_linear_q8_gives_them(dot_builds, dot):
+    """One call for many experts' rows (rows sorted by expert, groups of 1-4 rows, an
+    expert twice, one not at all): each group's rows are `linear_q8`'s against its expert
+    to the bit, rows in no group untouched."""
+    if dot not in dot_builds:
+        pytest.skip(f"this CPU has no {dot}")
+    kernels = dot_builds[dot]
+    seed = torch.seed()
+    g = torch.Generator().manual_seed(seed)
+    experts, n, k = 5, 96, 192
+    w = torch.randn(experts, n, k, generator=g) * 0.05
+    x = torch.randn(11, k, generator=g)
+    x[3, 5] *= 50.0  # an outlier: its block's scale only
+    groups = torch.tensor([[0, 2, 3, 7, 9], [2, 1, 4, 2, 1], [3, 0, 4, 1, 3]], dtype=torch.int64)
+    out = torch.full((11, n), 7.0)
+    stack = quantize_q8(w.reshape(-1, k))
+    kernels.linear_q8_experts(x, groups, stack, experts, out)
+    for first, count, e in groups.t().tolist():
+        want = kernels.linear_q8(x[first : first + count], quantize_q8(w[e]), None)
+        assert torch.equal(out[first : first + count], want), f"seed {seed}, expert {e}"
+    assert torch.equal(out[10], torch.full((n,), 7.0))  # row 10 is in no group
+    empty = torch.zeros(3, 0, dtype=torch.int64)
+    assert torch.equal(kernels.linear_q8_experts(x, empty, stack, experts, out), out)
+    with pytest.raises(AssertionError, match="an expert outside"):
+        kernels.linear_q8_experts(x, groups + torch.tensor([[0], [0], [2]]), stack, experts, out)
+    with pytest.raises(AssertionError, match="rows outside"):
+        kernels.linear_q8_experts(x, groups + torch.tensor([[2], [0], [0]]), stack, experts, out)
+
+
 def test_q8_refuses_shapes_it_does_not_block(matvec):
     if not matvec.features & HAS_Q8:
         pytest.skip("int8 kernel not built (needs VNNI or AVX2)")

@@ -31,6 +31,7 @@
 #include <immintrin.h>
 
 #include "pool.h"
+#include "quantize_q8.h"
 
 /* The process's shared helper threads (`pool.c`), where the caller hands them in: a call
  * then wakes no OpenMP region (pool.c says why). NULL: OpenMP's threads. */
@@ -60,37 +61,11 @@ int matmul_q8_dot(void) { return INT8_DOT; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* One row of x [k] -> q per block of QB (stored + 128 where the dot product is VNNI's,
- * signed for AVX2's), scale amax / 127 per block (round to nearest even). */
+/* One row of x [k] -> q per block of QB (quantize_q8.h: + 128 where the dot product is
+ * VNNI's, signed for AVX2's). */
 static void quantize_row(const float *restrict x, int64_t k, uint8_t *restrict q,
                          float *restrict sx) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t b = 0; b < k / QB; b++) {
-        const float *p = x + QB * b;
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < QB / 8; i++)
-            amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), abs_mask));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float top = _mm_cvtss_f32(m4);
-        const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        sx[b] = top / 127.0f;
-        for (int h = 0; h < QB / 32; h++) {
-            __m256i i32[4];
-            for (int i = 0; i < 4; i++)
-                i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + 32 * h + 8 * i), scale));
-            /* packs interleave the 128-bit lanes: the permute puts the values back in order */
-            const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
-            const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
-            __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), order);
-#if INT8_DOT >= 2
-            i8 = _mm256_xor_si256(i8, _mm256_set1_epi8((char)0x80));
-#endif
-            _mm256_storeu_si256((__m256i *)(q + QB * b + 32 * h), i8);
-        }
-    }
+    quantize_row_q8(x, k, q, sx, INT8_DOT >= 2);
 }
 
 #ifdef WIDE
@@ -304,6 +279,63 @@ int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const 
     return 0;
 }
 
+/* linear_q8_rows for many experts' rows in one call (a MoE layer's routed experts, in the
+ * int8 mode). Group g is rows[g] rows of x from row0[g] (rows sorted by expert) against
+ * expert expert[g]'s packed weight: the experts' weights packed as one [E N, K] weight
+ * (w, neg, scales), whose groups of 16 outputs never straddle two experts (N % 16 == 0),
+ * so expert e's is linear_q8_rows's packed weight at e's offsets. Writes the groups' rows
+ * of y [R, N]. Items (group, strip of 64 outputs) go to the threads as they come free: one
+ * region for the layer's projection, not a call and a wake-up per expert. Each output is
+ * linear_q8_rows's on that expert's rows, to the bit. Returns 0, -1 out of memory, -2 K not
+ * a multiple of 64 or N of 16. */
+typedef struct {
+    const uint8_t *xq;
+    const float *sx;
+    const int64_t *row0, *rows, *expert;
+    int64_t k, n, strips;
+    const int8_t *w;
+    const int32_t *neg;
+    const float *scales;
+    float *y;
+} ExpertStrips;
+
+static void expert_strip(void *ctx, int64_t item, int worker) {
+    (void)worker;
+    const ExpertStrips *s = ctx;
+    const int64_t g = item / s->strips, g0 = (item % s->strips) * GROUPS;
+    const int64_t groups = s->n / COLS, nb = s->k / QB, e = s->expert[g], r0 = s->row0[g];
+    rows_vnni(s->xq + r0 * s->k, s->sx + r0 * nb, 0, s->rows[g], s->w + e * s->n * s->k,
+              s->neg + e * groups * nb * COLS, s->scales + e * s->n, s->n, NULL, s->y + r0 * s->n,
+              g0, (int)min64(GROUPS, groups - g0), s->k);
+}
+
+int linear_q8_rows_experts(const float *x, const int64_t *row0, const int64_t *rows,
+                           const int64_t *expert, int64_t count, int64_t k, const int8_t *w,
+                           const int32_t *neg, const float *scales, int64_t n, float *y,
+                           int64_t parallel_min_work) {
+    if (k % QB != 0 || n % COLS != 0) return -2;
+    int64_t total = 0, work = 0;
+    for (int64_t g = 0; g < count; g++) {
+        total = row0[g] + rows[g] > total ? row0[g] + rows[g] : total;
+        work += rows[g] * n * k;
+    }
+    if (total == 0) return 0;
+    uint8_t *xq;
+    float *sx;
+    if (quantize_rows(x, total, k, &xq, &sx) != 0) return -1;
+    const int64_t strips = (n / COLS + GROUPS - 1) / GROUPS;
+    const ExpertStrips s = {xq, sx, row0, rows, expert, k, n, strips, w, neg, scales, y};
+    const int64_t items = count * strips;
+    const int parallel = work >= parallel_min_work;
+    if (!(parallel && pool_took(shared_pool, expert_strip, (void *)&s, items))) {
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+        for (int64_t item = 0; item < items; item++) expert_strip((void *)&s, item, 0);
+    }
+    free(xq);
+    free(sx);
+    return 0;
+}
+
 #include "matmul_q8_amx.h"
 #else
 int matmul_q8_dot(void) { return 0; }
@@ -330,5 +362,14 @@ int linear_q8_rows(const float *x, int64_t m, int64_t k, const int8_t *w, const 
     (void)x, (void)m, (void)k, (void)w, (void)neg, (void)scales, (void)n, (void)bias, (void)y;
     (void)parallel_min_work;
     return -4; /* not built with AVX2 and FMA */
+}
+
+int linear_q8_rows_experts(const float *x, const int64_t *row0, const int64_t *rows,
+                           const int64_t *expert, int64_t count, int64_t k, const int8_t *w,
+                           const int32_t *neg, const float *scales, int64_t n, float *y,
+                           int64_t parallel_min_work) {
+    (void)x, (void)row0, (void)rows, (void)expert, (void)count, (void)k, (void)w, (void)neg;
+    (void)scales, (void)n, (void)y, (void)parallel_min_work;
+    return -4;
 }
 #endif

@@ -35,6 +35,7 @@
 #include <immintrin.h>
 
 #include "pool.h"
+#include "quantize_q8.h"
 
 /* The process's shared helper threads, where the caller hands them in (`pool.c`): the
  * panel kernel's many-row products then open no OpenMP region. NULL: OpenMP's threads. */
@@ -236,22 +237,15 @@ DEFINE_DOT(f32, float)
 DEFINE_LINEAR(f32, float, void)
 
 #if defined(Q8_VNNI) || defined(Q8_AVX2)
-/* One row of x -> q per block of QB (stored + 128 for VNNI), scale amax / 127 per block
- * (round to nearest). */
+/* One row of x -> q per block of QB (quantize_q8.h: stored + 128 for VNNI), scale
+ * amax / 127 per block (round to nearest even). */
 #ifdef Q8_VNNI
 #define X_OFFSET 128
 #else
 #define X_OFFSET 0
 #endif
 static void quantize_row(const float *x, int64_t k, uint8_t *xu, float *sx) {
-    for (int64_t b = 0; b < k / QB; b++) {
-        const float *p = x + b * QB;
-        float amax = 0.0f;
-        for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(p[i]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        sx[b] = amax / 127.0f;
-        for (int i = 0; i < QB; i++) xu[b * QB + i] = (uint8_t)((int)lrintf(p[i] * inv) + X_OFFSET);
-    }
+    quantize_row_q8(x, k, xu, sx, X_OFFSET != 0);
 }
 
 #ifdef Q8_VNNI
@@ -355,6 +349,70 @@ int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float
     free(sx);
     return 0;
 }
+
+/* linear_q8_experts: linear_q8's product for many experts' rows in one call (a MoE layer's
+ * routed experts at a decode step: a few rows each, most experts). Group g is rows[g] rows
+ * of x from row0[g] (rows sorted by expert) against expert expert[g]'s int8 weight, at
+ * w + expert[g] * n * k (a stack [E, N, K], scales [E, N], wsum [E, N, K / QB]), into the
+ * same rows of y [R, N]. Every row is quantized once; then the items (group, CHUNK outputs)
+ * go to the threads as they come free, one region for the layer's projection instead of a
+ * call and a thread wake-up per expert. Each output is linear_q8's sum in linear_q8's
+ * order: the same values. Returns 0, -1 out of memory, -2 K or N not a multiple of QB or 4. */
+typedef struct {
+    const uint8_t *xu;
+    const float *sx;
+    const int64_t *row0, *rows, *expert;
+    const int8_t *w;
+    const float *scales, *wsum;
+    int64_t k, n, chunks;
+    float *y;
+} ExpertItems;
+
+static void expert_item(void *ctx, int64_t item, int worker) {
+    (void)worker;
+    const ExpertItems *e = ctx;
+    const int64_t g = item / e->chunks, n0 = (item % e->chunks) * CHUNK;
+    const int64_t n1 = min64(n0 + CHUNK, e->n), k = e->k, nb = k / QB, n = e->n;
+    const int64_t x0 = e->expert[g];
+    const int8_t *w = e->w + x0 * n * k;
+    const float *scales = e->scales + x0 * n, *wsum = e->wsum + x0 * n * nb;
+    for (int64_t row = e->row0[g]; row < e->row0[g] + e->rows[g]; row++) {
+        float *out = e->y + row * n;
+        for (int64_t j = n0; j < n1; j += 4)
+            dot4_q8(e->xu + row * k, e->sx + row * nb, w + j * k, wsum + j * nb, k, out + j);
+        for (int64_t j = n0; j < n1; j++) out[j] = out[j] * scales[j] + 0.0f; /* linear_q8's */
+    }
+}
+
+int linear_q8_experts(const float *x, const int64_t *row0, const int64_t *rows,
+                      const int64_t *expert, int64_t groups, int64_t k, const int8_t *w,
+                      const float *scales, const float *wsum, int64_t n, float *y,
+                      int64_t parallel_min_bytes) {
+    if (k % QB != 0 || n % 4 != 0) return -2;
+    const int64_t nb = k / QB;
+    int64_t total = 0;
+    for (int64_t g = 0; g < groups; g++) total = row0[g] + rows[g] > total ? row0[g] + rows[g] : total;
+    uint8_t *xu = malloc((size_t)(total * k) + 1);
+    float *sx = malloc((size_t)(total * nb) * sizeof(float) + 1);
+    if (!xu || !sx) {
+        free(xu);
+        free(sx);
+        return -1;
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t row = row0[g]; row < row0[g] + rows[g]; row++)
+            quantize_row(x + row * k, k, xu + row * k, sx + row * nb);
+    ExpertItems e = {xu, sx, row0, rows, expert, w, scales, wsum, k, n, (n + CHUNK - 1) / CHUNK, y};
+    const int64_t items = groups * e.chunks;
+    const int parallel = groups * n * k >= parallel_min_bytes;
+    if (!(parallel && pool_took(shared_pool, expert_item, (void *)&e, items))) {
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+        for (int64_t item = 0; item < items; item++) expert_item((void *)&e, item, 0);
+    }
+    free(xu);
+    free(sx);
+    return 0;
+}
 #else
 int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scales,
               const float *wsum, int64_t n, const float *bias, float *y,
@@ -362,6 +420,15 @@ int linear_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float
     (void)x, (void)m, (void)k, (void)w, (void)scales, (void)wsum, (void)n, (void)bias, (void)y;
     (void)parallel_min_bytes;
     return -3; /* not built with VNNI or AVX2: matvec_features() says so */
+}
+
+int linear_q8_experts(const float *x, const int64_t *row0, const int64_t *rows,
+                      const int64_t *expert, int64_t groups, int64_t k, const int8_t *w,
+                      const float *scales, const float *wsum, int64_t n, float *y,
+                      int64_t parallel_min_bytes) {
+    (void)x, (void)row0, (void)rows, (void)expert, (void)groups, (void)k, (void)w, (void)scales;
+    (void)wsum, (void)n, (void)y, (void)parallel_min_bytes;
+    return -3;
 }
 #endif
 

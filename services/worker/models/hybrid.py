@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from spillway.kernels.cpu.ops import CpuAbilities
 from spillway.kernels.ops import KernelOps
 from spillway.services.worker.expert_parallel import ExpertGroup
 from spillway.services.worker.forward_batch import ForwardBatch
@@ -33,6 +34,7 @@ from spillway.services.worker.layers.gated_delta import (
 )
 from spillway.services.worker.layers.mamba2 import Mamba2Weights, mamba2_dims, mamba2_mixer
 from spillway.services.worker.layers.moe import MoEWeights, moe_forward
+from spillway.services.worker.models.llama import WARM_UP_ROWS
 from spillway.services.worker.state_pool import StateLayerSpec, StatePool
 from spillway.services.worker.tensor_files import safetensors_tensors
 from spillway.services.worker.weights import LayerWeights, MtpWeights
@@ -164,7 +166,8 @@ class HybridModel:
         return self.embed.dtype
 
     def warm_up(self) -> None:
-        """Every projection once, so one-time packing (the CPU backend's) happens at start."""
+        """Every projection at one row and at WARM_UP_ROWS, and the experts, so one-time
+        packing (the CPU backend's, the int8 mode's int8 weights) happens at start-up."""
         weights = [self.lm_head]
         for layer in self.layers:
             for part in (layer.mamba, layer.delta):
@@ -172,11 +175,18 @@ class HybridModel:
                     weights += [t for t in vars(part).values() if _is_projection(t)]
             if layer.attention is not None:
                 weights += [layer.attention.qkv, layer.attention.o]
-            shared = (layer.moe.shared_gate_up, layer.moe.shared_down)
+            shared = (layer.moe.shared_gate_up, layer.moe.shared_down, layer.moe.shared_gate)
             weights += [t for t in shared if t is not None]
         with torch.inference_mode():
             for w in weights:
-                self.ops.linear(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w)
+                for rows in (1, WARM_UP_ROWS):
+                    x = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
+                    self.ops.linear(x, w)
+            if isinstance(self.ops, CpuAbilities) and self.device.type == "cpu":
+                for layer in self.layers:  # the int8 mode's experts, as a prefill makes them
+                    moe = layer.moe
+                    if moe.w_gate_up.shape[0]:  # not a dense layer's MLP alone
+                        self.ops.warm_experts(moe.w_gate_up, moe.w_down, WARM_UP_ROWS)
 
     def num_bytes(self) -> int:
         """The weights' memory, each tensor once (a tied head is the embedding)."""

@@ -122,6 +122,9 @@ class LlamaModel:
                     self.ops.linear(x, weight)
         if self.cpu_ops is None or self.device.type != "cpu":
             return
+        for layer in w.layers:
+            if layer.moe is not None:
+                self.cpu_ops.warm_experts(layer.moe.w_gate_up, layer.moe.w_down, WARM_UP_ROWS)
         choice = self.cpu_ops.tune_few_rows(projections)
         if choice is not None:
             log.info("few-row projections: one thread below %d KiB of weights", choice >> 10)

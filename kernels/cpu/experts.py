@@ -33,12 +33,13 @@ same float32 product as a float32 expert's. No grouped_mm for them: it wants flo
 weights.
 
 In the int8 mode (`--quantize int8`, an `Int8Linear` as the projections') float32 experts
-are multiplied expert by expert through it as the dense projections are: each expert's
-weight in int8 with one scale per output row, made once, a few rows through the streaming
-int8 kernel and more through `matmul_q8`'s, the same integer products (their float sums
-in orders of their own, as for the dense projections); a 4,096-token prefill's experts run
-on the integer dot products at several times float32's rate. The native
-float32 layer kernel and grouped_mm are not used there.
+run on int8 weights as the dense projections do (one scale per output row, activations
+per block of 64): each stack packed once as one [E N, K] weight, and each projection of a
+layer one `matmul_q8` call over every expert's rows (`linear_experts`: each expert's rows
+get the values a call of their own would, however many there are). Where `matmul_q8` is
+not used, the groups of a few rows go to one streaming call (`linear_q8_experts`) and the
+others expert by expert through the projections' int8 products. The float32 layer kernel
+and grouped_mm are not used there. The stacks are made by `warm` at start-up.
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ class CpuExperts:
                 self.matvec.linear_q8_experts(
                     x, table, self._stacks.get(weights), len(weights), out
                 )
-        return [g for g in groups if g not in todo] if kernel == "streamed" else []
+        return [g for g in groups if g[2] - g[1] > MAX_ROWS] if kernel == "streamed" else []
 
     def _int8_product(self, rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         """out <- rows weight^T through the int8 projections: many rows straight into out

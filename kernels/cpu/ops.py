@@ -252,7 +252,8 @@ class CpuOps(KernelOps, CpuAbilities):
         )
         # A MoE layer's experts: float32 ones in one native call per layer
         # (`experts_native`), else sorted by expert, few-row products through the native
-        # kernels (`experts`); experts kept in blocks through the projections' own.
+        # kernels (`experts`); experts kept in blocks through the projections' own; in the
+        # int8 mode on int8 weights, one native call a projection over all the experts.
         self.fused_experts = CpuExperts(
             few_rows, self._linear, experts_native.load(native_dir) if native == "auto" else None
         )

@@ -32,6 +32,7 @@ from spillway.kernels.cpu.matvec import (
     Q8_ARGS,
     Q8_BLOCK,
     Q8Weight,
+    check_code,
     check_experts_args,
     rows_product,
 )
@@ -162,10 +163,7 @@ class MatmulQ8Kernels:
             stack.packed.data_ptr(), stack.neg.data_ptr(), stack.scales.data_ptr(), n,
             out.data_ptr(), self.parallel_min_work,
         )  # fmt: skip
-        if code == -1:
-            raise MemoryError("native int8 experts could not allocate their buffers")
-        if code:
-            raise ValueError(f"native int8 experts refused {k} x {n} ({code})")
+        check_code(code, "native int8 experts", f"{k} x {n}")
         return out
 
 

@@ -566,9 +566,7 @@ class MatvecKernels:
             stack.scales.data_ptr(), stack.block_sums.data_ptr(), n, out.data_ptr(),
             self.parallel_min_bytes,
         )  # fmt: skip
-        if code:
-            error, says = _FAILURES.get(code, (ValueError, f"refused {k} x {n} ({code})"))
-            raise error(f"native int8 experts {says}")
+        check_code(code, "native int8 experts", f"{k} x {n}")
         return out
 
     def linear_q8(
@@ -623,10 +621,16 @@ def rows_product(
     else:
         assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
     code = fn(x.data_ptr(), m, k, *weight_args, n, ptr(bias), out.data_ptr(), parallel)
-    if code:
-        error, says = _FAILURES.get(code, (ValueError, f"refused {tuple(x.shape)} x {n} ({code})"))
-        raise error(f"{what} {says}")
+    check_code(code, what, f"{tuple(x.shape)} x {n}")
     return out
+
+
+def check_code(code: int | None, what: str, shapes: str) -> None:
+    """Raises what a native product's return code other than 0 means (`_FAILURES`, else a
+    refusal of these `shapes`)."""
+    if code:
+        error, says = _FAILURES.get(code, (ValueError, f"refused {shapes} ({code})"))
+        raise error(f"{what} {says}")
 
 
 def load(
